@@ -37,8 +37,14 @@ class PrefillSlice:
 @dataclass
 class TorchMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    decode: DecodeGroup | None
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSlice]
+
+
+# Decode contexts are padded to the longest in their group; grouping by length keeps
+# the padding (copied and read for nothing) small, at the price of a few more calls.
+MAX_DECODE_GROUPS = 4
+DECODE_GROUP_SPREAD = 1.5
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -62,7 +68,8 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
                 prefills.append(PrefillSlice(rows, blocks, seq.context_len, mask))
         assert len(slot_mapping) == num_tokens
-        return TorchMetadata(torch.tensor(slot_mapping), _decode_group(decodes, block_size), prefills)
+        groups = [_decode_group(group, block_size) for group in _by_length(decodes)]
+        return TorchMetadata(torch.tensor(slot_mapping), groups, prefills)
 
     def attend(self, layer_idx, query, key, value, scale, metadata: TorchMetadata) -> torch.Tensor:
         key_pool = self.kv_cache.key_pools[layer_idx]
@@ -72,8 +79,7 @@ class TorchAttentionBackend(AttentionBackend):
 
         num_heads, num_kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[2]
         out = query.new_empty(query.shape)
-        if metadata.decode is not None:
-            group = metadata.decode
+        for group in metadata.decodes:
             batch = group.token_index.numel()
             # [B, kv_heads, group, D]: the query heads sharing a KV head become query rows.
             q = query.index_select(0, group.token_index).view(batch, num_kv_heads, -1, head_dim)
@@ -118,9 +124,21 @@ def _block_tables(sequences: Sequence[SequenceSlice], block_size: int) -> torch.
     return tables
 
 
-def _decode_group(decodes: list[SequenceSlice], block_size: int) -> DecodeGroup | None:
-    if not decodes:
-        return None
+def _by_length(decodes: list[SequenceSlice]) -> list[list[SequenceSlice]]:
+    """Group decodes by context length, longest first: a group takes sequences down to
+    1/DECODE_GROUP_SPREAD of its longest. Past MAX_DECODE_GROUPS the shortest share the
+    last group, where padding them costs least."""
+    groups: list[list[SequenceSlice]] = []
+    for seq in sorted(decodes, key=lambda s: s.context_len, reverse=True):
+        if not groups or (
+            seq.context_len * DECODE_GROUP_SPREAD < groups[-1][0].context_len and len(groups) < MAX_DECODE_GROUPS
+        ):
+            groups.append([])
+        groups[-1].append(seq)
+    return groups
+
+
+def _decode_group(decodes: list[SequenceSlice], block_size: int) -> DecodeGroup:
     tables = _block_tables(decodes, block_size)
     lengths = torch.tensor([seq.context_len for seq in decodes])
     width = tables.shape[1] * block_size

@@ -73,7 +73,8 @@ def test_preempted_request_recomputes_to_the_same_tokens(make_engine, expected):
 
 def test_text_events_concatenate_to_the_decoded_output(make_engine, smollm2):
     engine = make_engine()
-    results = run_to_completion(engine, {0: [("a", "Write a short poem about autumn.", SamplingParams(max_tokens=30))]})
+    poem = [{"role": "user", "content": "Write a short poem about autumn."}]
+    results = run_to_completion(engine, {0: [("a", poem, SamplingParams(max_tokens=30))]})
     token_ids, final, text = results["a"]
     assert final.usage.completion_tokens == len(token_ids) == 30
     assert text == smollm2.tokenizer.decode(token_ids, skip_special_tokens=True)

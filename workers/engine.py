@@ -70,7 +70,10 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = loaded.tokenizer
-        self.max_context = loaded.max_context
+        # The paged attention is full attention; it agrees with a sliding-window model
+        # only within the window, so requests are held to it.
+        window = getattr(loaded.model.config, "sliding_window", None)
+        self.max_context = min(loaded.max_context, window) if window else loaded.max_context
         self.vocab_size = loaded.model.config.vocab_size
         self.runner = ModelRunner(loaded.model, config.cache)
         self.block_size = config.cache.block_size
