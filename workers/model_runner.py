@@ -49,7 +49,7 @@ class ModelRunner:
             request = chunk.request
             end = chunk.start + chunk.num_tokens
             sequences.append(SequenceSlice(len(token_ids), chunk.num_tokens, end, request.block_ids))
-            token_ids.extend(request.token_at(p) for p in range(chunk.start, end))
+            token_ids.extend(request.token_slice(chunk.start, end))
             positions.extend(range(chunk.start, end))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)

@@ -106,9 +106,14 @@ class Request:
         """Past its prompt with exactly the last sampled token left to run."""
         return bool(self.output_token_ids) and self.num_tokens - self.num_computed == 1
 
-    def token_at(self, position: int) -> int:
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def is_finished(self) -> bool:
