@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -86,8 +87,14 @@ def test_blocks_are_allocated_as_tokens_arrive_not_for_max_tokens():
     assert len(r.block_ids) == blocks_needed(r.num_computed, BLOCK)
 
 
+def test_a_request_larger_than_the_pool_is_refused():
+    s = make(num_blocks=4)
+    with pytest.raises(ValueError, match="more KV blocks"):
+        s.add(request("huge", 10, max_tokens=7))  # 17 tokens > 4 blocks of 4
+
+
 def test_out_of_blocks_preempts_the_newest_and_it_comes_back_first():
-    s = make(num_blocks=4, max_batch_tokens=64)
+    s = make(num_blocks=8, max_batch_tokens=64)
     old, new = request("old", 7, max_tokens=20), request("new", 7, max_tokens=20)
     s.add(old)
     s.add(new)
@@ -98,7 +105,7 @@ def test_out_of_blocks_preempts_the_newest_and_it_comes_back_first():
         simulate_step(s, plan)
     assert preempted and preempted[0] == "new"
     assert len(old.output_token_ids) == len(new.output_token_ids) == 20
-    assert s.allocator.num_free == 4
+    assert s.allocator.num_free == 8
 
 
 @settings(max_examples=150, deadline=None)

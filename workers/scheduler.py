@@ -77,6 +77,10 @@ class Scheduler:
     # -- queue changes -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        most = request.num_prompt_tokens + request.params.max_tokens
+        if blocks_needed(most, self.block_size) > self.allocator.num_blocks:
+            # It could never run alone, and preempting others would not help.
+            raise ValueError(f"request {request.request_id} needs more KV blocks than the pool has")
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
