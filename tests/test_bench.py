@@ -1,0 +1,124 @@
+"""The benchmark harness: workload generator, metrics math, report, and one tiny real run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from workers.bench.main import add_arguments, run
+from workers.bench.metrics import inter_token_latencies, percentile, summarize
+from workers.bench.report import SYSTEM_KEYS, build_report, format_table, write_png
+from workers.bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
+
+SPECIAL = {0, 1, 2, 7}
+ALLOWED = allowed_token_ids(50, SPECIAL)
+
+
+def test_workload_is_seeded_in_range_and_avoids_special_tokens():
+    a = make_workload(40, (3, 9), (2, 6), ALLOWED, seed=5)
+    assert a == make_workload(40, (3, 9), (2, 6), ALLOWED, seed=5)
+    assert a != make_workload(40, (3, 9), (2, 6), ALLOWED, seed=6)
+    assert len(a.requests) == 40 and len({r.request_id for r in a.requests}) == 40
+    for r in a.requests:
+        assert 3 <= len(r.prompt_ids) <= 9
+        assert 2 <= r.output_len <= 6
+        assert all(0 <= t < 50 and t not in SPECIAL for t in r.prompt_ids)
+    # Over 40 requests both ends of each range show up (uniform, inclusive).
+    assert {3, 9} <= {len(r.prompt_ids) for r in a.requests}
+    assert {2, 6} <= {r.output_len for r in a.requests}
+    assert a.total_output_tokens == sum(r.output_len for r in a.requests)
+
+
+def test_workload_rejects_bad_ranges():
+    with pytest.raises(ValueError):
+        make_workload(3, (5, 4), (1, 2), ALLOWED)
+    with pytest.raises(ValueError):
+        make_workload(3, (1, 4), (0, 2), ALLOWED)
+
+
+def test_workload_round_trips_through_json(tmp_path):
+    workload = make_workload(5, (2, 4), (1, 3), ALLOWED, seed=1)
+    workload.save(tmp_path / "w.json")
+    assert Workload.load(tmp_path / "w.json") == workload
+
+
+def test_special_token_ids_include_added_special_tokens():
+    class Added:
+        def __init__(self, special):
+            self.special = special
+
+    class Tokenizer:
+        all_special_ids = [0, 2]
+        added_tokens_decoder = {0: Added(True), 2: Added(True), 5: Added(True), 9: Added(False)}
+
+    assert special_token_ids(Tokenizer()) == {0, 2, 5}
+
+
+def test_percentile_interpolates_linearly():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 99) == pytest.approx(3.97)  # rank 2.97 between 3 and 4
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_summarize_on_hand_made_timestamps():
+    token_times = {"a": [1.0, 1.5, 2.5], "b": [2.0, 2.2]}
+    assert inter_token_latencies(token_times["a"]) == [0.5, 1.0]
+    s = summarize(token_times, peak_rss_mb=123.0)
+    assert s["wall_s"] == 2.5
+    assert s["output_tokens_per_s"] == pytest.approx(5 / 2.5)
+    assert s["requests_per_s"] == pytest.approx(2 / 2.5)
+    assert s["ttft_p50_s"] == pytest.approx(1.5)
+    assert s["ttft_p99_s"] == pytest.approx(1.99)
+    # Gaps pooled over requests: 0.2, 0.5, 1.0.
+    assert s["itl_p50_s"] == pytest.approx(0.5)
+    assert s["itl_p99_s"] == pytest.approx(0.5 + 0.98 * 0.5)
+    assert s["peak_rss_mb"] == 123.0
+
+
+def test_report_ratios_table_and_png(tmp_path):
+    engine = summarize({"a": [1.0, 2.0]}, 10.0) | {"overhead_fraction": 0.1, "ceiling_fraction": 0.9}
+    static = summarize({"a": [2.0, 4.0]}, 20.0)
+    workload = {"requests": 1, "prompt_len": [1, 2], "output_len": [2, 2], "model": "m"}
+    report = build_report(workload, {}, {"engine": engine, "hf_static": static})
+    assert report["engine_vs_hf_static"] == pytest.approx(2.0)
+    assert report["engine_vs_hf_continuous"] is None
+    table = format_table(report)
+    assert "engine" in table and "hf_static" in table and "overhead_fraction" in table
+    write_png(report, tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_tiny_real_run_writes_json_and_png(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--requests", "3", "--prompt-len", "4", "12", "--output-len", "2", "5",
+         "--systems", "engine,hf_continuous,hf_static", "--hf-batch-tokens", "64",
+         "--json", str(tmp_path / "bench.json")]
+    )
+    report = run(args)
+
+    on_disk = json.loads((tmp_path / "bench.json").read_text())
+    assert on_disk["workload"]["requests"] == 3
+    assert set(on_disk["systems"]) == {"engine", "hf_continuous", "hf_static"}
+    for name, figures in on_disk["systems"].items():
+        for key in SYSTEM_KEYS:
+            assert figures[key] > 0, (name, key)
+        assert figures["output_tokens"] == on_disk["workload"]["total_output_tokens"]
+    engine = on_disk["systems"]["engine"]
+    assert 0 <= engine["overhead_fraction"] < 1
+    assert engine["ceiling_fraction"] > 0
+    assert on_disk["systems"]["hf_continuous"]["max_batch_tokens"] == 64
+    assert set(on_disk["systems"]["hf_continuous"]["sweep"]) == {"64"}
+    assert on_disk["engine_vs_hf_continuous"] > 0 and on_disk["engine_vs_hf_static"] > 0
+    assert report == on_disk
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "engine vs hf_static" in capsys.readouterr().out

@@ -1,0 +1,257 @@
+"""`inflight bench`: the engine and its peers on one seeded workload, in one run.
+
+The parent process only orchestrates: each system runs in its own child process
+(`python -m workers.bench --child JOB --out RESULT`) that loads the model itself, so
+peak RSS is per system and one system's allocations cannot slow another. Order:
+
+1. `prepare`: loads the model (warming the converted-weights cache, so no measured
+   child pays a GGUF conversion) and draws the workload from its tokenizer.
+2. `engine`, then `ceiling` (bare forwards over the engine's recorded step schedule).
+3. `hf_continuous`, once per `--hf-batch-tokens` value; the best by output tok/s is reported.
+4. `hf_static`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from service.config import DTYPES
+
+SYSTEMS = ("engine", "hf_continuous", "hf_static")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PNG = Path("bench-results/bench.png")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[20, 400], metavar=("MIN", "MAX"),
+                        help="prompt length range in tokens (inclusive)")
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 192], metavar=("MIN", "MAX"),
+                        help="output length range in tokens (inclusive); EOS is ignored")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
+    parser.add_argument("--model", default="", help='HF folder/hub id or .gguf; "" is the bundled SmolLM2')
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--hf-batch-tokens", default="512,1024,2048",
+                        help="max_batch_tokens values swept for hf_continuous (comma-separated)")
+    parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf_static")
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument("--png", type=Path, default=None,
+                        help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark as `args` asks; prints a table, writes JSON/PNG, returns the report."""
+    from workers.bench.metrics import summarize
+    from workers.bench.report import build_report, format_table, write_json, write_png
+    from workers.bench.workload import Workload
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        raise SystemExit(f"--systems must be a subset of {','.join(SYSTEMS)}, got {args.systems!r}")
+    sweep = [int(v) for v in args.hf_batch_tokens.split(",") if v.strip()]
+    if "hf_continuous" in systems and (not sweep or min(sweep) < 1):
+        raise SystemExit(f"--hf-batch-tokens needs positive integers, got {args.hf_batch_tokens!r}")
+    for name in ("prompt_len", "output_len"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
+    if args.requests < 1 or args.static_batch < 1:
+        raise SystemExit("--requests and --static-batch must be >= 1")
+
+    # Other processes on the host skew every figure; the load average says whether there were any.
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
+        children = _Children(Path(tmp), args.model, args.dtype)
+        prepared = children.run("prepare", requests=args.requests, prompt_len=args.prompt_len,
+                                output_len=args.output_len, seed=args.seed)
+        workload = Workload.load(children.workload_path)
+        results: dict[str, dict] = {}
+        if "engine" in systems:
+            results["engine"] = _engine_figures(children)
+        if "hf_continuous" in systems:
+            results["hf_continuous"] = _continuous_figures(children, sweep)
+        if "hf_static" in systems:
+            out = children.run("hf_static", batch_size=args.static_batch)
+            keep = ("batch_size", "wasted_output_tokens", "padding_prompt_tokens", "attn_implementation",
+                    "load_rss_mb", "load_average_1m")
+            results["hf_static"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
+
+    description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype}
+    environment = {
+        "python": platform.python_version(),
+        "torch": prepared["torch"],
+        "transformers": prepared["transformers"],
+        "torch_threads": prepared["torch_threads"],
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "one_process_per_system": True,
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # at start, at end
+    }
+    report = build_report(description, environment, results)
+    if args.json is not None:
+        write_json(report, args.json)
+    png = args.png or (args.json.with_suffix(".png") if args.json is not None else DEFAULT_PNG)
+    write_png(report, png)
+    report_paths = ", ".join(str(p) for p in (args.json, png) if p is not None)
+    print(format_table(report))
+    print(f"wrote {report_paths}")
+    return report
+
+
+def _engine_figures(children: _Children) -> dict:
+    """The engine's run, then the ceiling replay of its step schedule."""
+    from workers.bench.metrics import summarize
+
+    engine = children.run("engine")
+    steps = engine["steps"]
+    ceiling = children.run("ceiling", step_tokens=[s["num_tokens"] for s in steps])
+    figures = summarize(engine["token_times"], engine["peak_rss_mb"])
+    return figures | {
+        "overhead_fraction": engine["overhead_fraction"],
+        # Bare eager forwards over the same schedule / the engine's wall time (see run_ceiling).
+        "ceiling_fraction": ceiling["forward_s"] / figures["wall_s"],
+        "ceiling_forward_s": ceiling["forward_s"],
+        "forward_s": engine["forward_s"],
+        "step_s": engine["step_s"],
+        "num_steps": len(steps),
+        "mean_tokens_per_step": sum(s["num_tokens"] for s in steps) / max(1, len(steps)),
+        "load_rss_mb": engine["load_rss_mb"],
+        "load_average_1m": engine["load_average_1m"],
+        "scheduler": engine["scheduler"],
+        "kv_memory_bytes": engine["kv_memory_bytes"],
+    }
+
+
+def _continuous_figures(children: _Children, sweep: list[int]) -> dict:
+    """One child per max_batch_tokens value; the best by output tok/s, with the whole sweep."""
+    from workers.bench.metrics import summarize
+
+    runs = {}
+    for max_batch_tokens in sweep:
+        out = children.run("hf_continuous", max_batch_tokens=max_batch_tokens)
+        runs[max_batch_tokens] = (summarize(out["token_times"], out["peak_rss_mb"]), out)
+    best = max(runs, key=lambda k: runs[k][0]["output_tokens_per_s"])
+    figures, out = runs[best]
+    return figures | {
+        "max_batch_tokens": best,
+        "num_blocks": out["num_blocks"],
+        "tokens_per_block": out["tokens_per_block"],
+        "attn_implementation": out["attn_implementation"],
+        "load_rss_mb": out["load_rss_mb"],
+        "load_average_1m": out["load_average_1m"],
+        "timing": "per-token timestamps taken by transformers' generation thread (record_timestamps=True)",
+        "sweep": {str(k): v[0] for k, v in runs.items()},
+    }
+
+
+class _Children:
+    """Runs one system per child process and reads back its JSON result."""
+
+    def __init__(self, tmp: Path, model: str, dtype: str) -> None:
+        self.tmp = tmp
+        self.model = model
+        self.dtype = dtype
+        self.workload_path = tmp / "workload.json"
+        self.count = 0
+
+    def run(self, system: str, **params) -> dict:
+        self.count += 1
+        stem = self.tmp / f"{self.count:02d}-{system}"
+        job = {"system": system, "model": self.model, "dtype": self.dtype,
+               "workload": str(self.workload_path), "params": params}
+        Path(f"{stem}.job.json").write_text(json.dumps(job))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        label = system + "".join(f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)))
+        print(f"bench: {label} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        with open(f"{stem}.log", "w") as log:
+            code = subprocess.call(
+                [sys.executable, "-m", "workers.bench", "--child", f"{stem}.job.json", "--out", f"{stem}.out.json"],
+                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
+        if code != 0:
+            tail = Path(f"{stem}.log").read_text()[-4000:]
+            raise RuntimeError(f"bench child {system!r} exited with {code}:\n{tail}")
+        print(f"bench: {label} done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+        return json.loads(Path(f"{stem}.out.json").read_text())
+
+
+def run_child(job_path: Path, out_path: Path) -> None:
+    """Inside a child: load the model, run one system, write its result."""
+    import torch
+    import transformers
+
+    from service.config import EngineConfig, ModelConfig
+    from workers.bench import engine_side, peers
+    from workers.bench.metrics import peak_rss_mb
+    from workers.bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
+    from workers.model_loader import load_model
+
+    job = json.loads(Path(job_path).read_text())
+    system, params = job["system"], job["params"]
+    model_config = ModelConfig(source=job["model"], dtype=job["dtype"])
+    # The ceiling is plain transformers eager; the peers use sdpa; the engine sets its own.
+    attn = "eager" if system == "ceiling" else "sdpa"
+    loaded = load_model(model_config, attn_implementation=attn)
+    load_rss = peak_rss_mb()
+    load_average = os.getloadavg()[0]
+    model = loaded.model
+
+    if system == "prepare":
+        vocab = min(len(loaded.tokenizer), model.config.vocab_size)
+        workload = make_workload(params["requests"], tuple(params["prompt_len"]), tuple(params["output_len"]),
+                                 allowed_token_ids(vocab, special_token_ids(loaded.tokenizer)), params["seed"])
+        workload.save(Path(job["workload"]))
+        result = {"model": loaded.name, "torch": torch.__version__, "transformers": transformers.__version__}
+    else:
+        workload = Workload.load(Path(job["workload"]))
+        if system == "engine":
+            result = engine_side.run_engine(loaded, workload, EngineConfig(model=model_config))
+        elif system == "ceiling":
+            result = engine_side.run_ceiling(model, params["step_tokens"], seed=workload.seed)
+        elif system == "hf_continuous":
+            kv_bytes = EngineConfig().cache.kv_memory_bytes  # the engine's KV budget, for a like-for-like cache
+            result = peers.run_hf_continuous(model, workload, params["max_batch_tokens"], kv_bytes)
+        elif system == "hf_static":
+            pad = model.generation_config.pad_token_id
+            pad = loaded.tokenizer.pad_token_id if pad is None else pad
+            pad = loaded.tokenizer.eos_token_id if pad is None else pad
+            result = peers.run_hf_static(model, workload, params["batch_size"], pad)
+        else:
+            raise ValueError(f"unknown system {system!r}")
+    result.update(
+        peak_rss_mb=peak_rss_mb(),
+        load_rss_mb=load_rss,
+        torch_threads=torch.get_num_threads(),
+        # Host 1-min load before and after the run: above the core count, the figures are skewed.
+        load_average_1m=[round(load_average, 2), round(os.getloadavg()[0], 2)],
+    )
+    Path(out_path).write_text(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="inflight bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: run one system
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        run_child(args.child, args.out)
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Turn per-token timestamps into the benchmark's figures, the same way for every system.
+
+A system's run yields, for each request, the times (seconds after t0, when every request
+arrived) at which each of its output tokens became available to the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics.
+
+    Same definition as numpy's default ("linear"): rank (n - 1) * q / 100 in the sorted values.
+    """
+    if not values:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def inter_token_latencies(token_times: list[float]) -> list[float]:
+    """Gaps between consecutive tokens of one request."""
+    return [b - a for a, b in zip(token_times, token_times[1:])]
+
+
+def summarize(token_times: dict[str, list[float]], peak_rss_mb: float) -> dict:
+    """The per-system figures from each request's token times (seconds after t0).
+
+    Throughput counts the requested output tokens over the time from t0 to the last token;
+    ITL pools every gap between consecutive tokens of every request.
+    """
+    if not token_times or any(not times for times in token_times.values()):
+        raise ValueError("every request needs at least one token time")
+    wall = max(times[-1] for times in token_times.values())
+    ttfts = [times[0] for times in token_times.values()]
+    itls = [gap for times in token_times.values() for gap in inter_token_latencies(times)]
+    output_tokens = sum(len(times) for times in token_times.values())
+    return {
+        "output_tokens_per_s": output_tokens / wall,
+        "requests_per_s": len(token_times) / wall,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(itls, 50),
+        "itl_p99_s": percentile(itls, 99),
+        "peak_rss_mb": peak_rss_mb,
+        "wall_s": wall,
+        "output_tokens": output_tokens,
+    }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,160 @@
+"""The peers the engine is measured against, both plain transformers on the same model.
+
+- `run_hf_continuous`: transformers' own continuous batching (`init_continuous_batching`).
+- `run_hf_static`: `model.generate` on fixed batches, left-padded.
+
+Each returns `{"token_times": {request_id: [seconds after t0, one per output token]}, ...}`
+plus what the report needs to explain the figures. All requests arrive at t0, after a
+short warmup request has gone through the same path (first-call costs are not measured).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from workers.bench.workload import Workload
+
+# transformers CB takes -1 as "no EOS" (RequestState keeps only ids >= 0).
+NO_EOS = -1
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """K and V of one token over all layers."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
+
+
+def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int) -> dict:
+    """Transformers' continuous batching, fed through the manager so each request has its own length.
+
+    `generate_batch` takes one `max_new_tokens` for all requests, so requests go through
+    `manager.add_request(..., max_new_tokens=n, eos_token_id=-1, record_timestamps=True)`:
+    every request gets its own output length with EOS disabled, and the generation thread
+    stamps each token with `time.perf_counter()` the moment it is appended to the request.
+    Results are not streamed (streaming=False): a consumer thread draining per-token
+    outputs would compete with the generation thread for the GIL, and the recorded
+    timestamps already are the per-token times.
+
+    The KV cache gets the engine's byte budget (`num_blocks` derived from it); left unset,
+    transformers sizes it from 60% of host RAM and zero-fills it, which would dominate RSS.
+    """
+    cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    tokens_per_block = cb_config.page_size
+    cb_config.num_blocks = max(1, kv_memory_bytes // (kv_bytes_per_token(model.config, model.dtype) * tokens_per_block))
+    # A fresh config: greedy and no logits processors from the model's defaults.
+    generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=NO_EOS, max_new_tokens=max(r.output_len for r in workload.requests)
+    )
+    manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
+    manager.warmup()  # builds the paged cache now, as the engine does before t0
+    manager.start()
+    try:
+        warmup = workload.requests[0]
+        _cb_generate(manager, {"warmup": (warmup.prompt_ids[:8], 2)})
+        t0 = time.perf_counter()
+        outputs = _cb_generate(manager, {r.request_id: (r.prompt_ids, r.output_len) for r in workload.requests})
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+
+    token_times = {}
+    for request in workload.requests:
+        out = outputs[request.request_id]
+        if len(out.generated_tokens) != request.output_len or len(out.timestamps or []) != request.output_len:
+            raise RuntimeError(
+                f"hf_continuous: {request.request_id} produced {len(out.generated_tokens)} tokens, "
+                f"expected {request.output_len}"
+            )
+        token_times[request.request_id] = [t - t0 for t in out.timestamps]
+    return {
+        "token_times": token_times,
+        "max_batch_tokens": max_batch_tokens,
+        "num_blocks": cb_config.num_blocks,
+        "tokens_per_block": tokens_per_block,
+        "attn_implementation": model.config._attn_implementation,
+    }
+
+
+def _cb_generate(manager, requests: dict[str, tuple[list[int], int]]) -> dict:
+    """Submit requests to a running manager and wait for all of them to finish."""
+    for request_id, (prompt_ids, output_len) in requests.items():
+        manager.add_request(
+            prompt_ids, request_id=request_id, max_new_tokens=output_len, record_timestamps=True, eos_token_id=NO_EOS
+        )
+    finished = {}
+    while len(finished) < len(requests):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("hf_continuous: the generation thread stopped before all requests finished")
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"hf_continuous: request {result.request_id} failed: {result.error}")
+        if result.is_finished():
+            finished[result.request_id] = result
+    return finished
+
+
+class StepClock(LogitsProcessor):
+    """Records when each generation step's logits are ready: the step's tokens exist then."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.inference_mode()
+def run_hf_static(model, workload: Workload, batch_size: int, pad_token_id: int) -> dict:
+    """`model.generate` over batches of `batch_size` requests in arrival order, one after another.
+
+    Each batch is left-padded and generates its longest output length for every row
+    (`min_new_tokens` = `max_new_tokens`, so EOS can never end it early). A request counts
+    only its own first `output_len` tokens, at the batch's step times; the rest is waste.
+    Later batches wait for earlier ones, and that wait is part of their TTFT.
+    """
+    warmup = workload.requests[0]
+    _generate_batch(model, [warmup.prompt_ids[:8]], 2, pad_token_id)
+
+    token_times, wasted, padding = {}, 0, 0
+    t0 = time.perf_counter()
+    for start in range(0, len(workload.requests), batch_size):
+        batch = workload.requests[start : start + batch_size]
+        longest = max(r.output_len for r in batch)
+        step_times, width = _generate_batch(model, [r.prompt_ids for r in batch], longest, pad_token_id)
+        for request in batch:
+            token_times[request.request_id] = [t - t0 for t in step_times[: request.output_len]]
+            wasted += longest - request.output_len
+            padding += width - len(request.prompt_ids)
+    return {
+        "token_times": token_times,
+        "batch_size": batch_size,
+        "wasted_output_tokens": wasted,
+        "padding_prompt_tokens": padding,
+        "attn_implementation": model.config._attn_implementation,
+    }
+
+
+def _generate_batch(model, prompts: list[list[int]], new_tokens: int, pad_token_id: int) -> tuple[list[float], int]:
+    """Greedy generate of exactly `new_tokens` for left-padded prompts: (step times, padded width)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = StepClock()
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_token_id
+        ),
+        logits_processor=LogitsProcessorList([clock]),
+    )
+    if out.shape[1] - width != new_tokens or len(clock.times) != new_tokens:
+        raise RuntimeError(f"hf_static: generated {out.shape[1] - width} tokens, expected {new_tokens}")
+    return clock.times, width

@@ -1,0 +1,128 @@
+"""The benchmark's outputs: the JSON report, a comparison PNG and a text table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Keys every system carries under `systems.<name>` (the issue's contract).
+SYSTEM_KEYS = (
+    "output_tokens_per_s",
+    "requests_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "peak_rss_mb",
+)
+PEERS = ("hf_continuous", "hf_static")
+
+
+def build_report(workload: dict, environment: dict, systems: dict[str, dict]) -> dict:
+    """`systems` maps a name to its figures (SYSTEM_KEYS and extras); adds the engine's ratios."""
+    report = {"workload": workload, "environment": environment, "systems": systems}
+    engine = systems.get("engine")
+    for peer in PEERS:
+        # Throughput ratio; null when either side did not run.
+        ratio = None
+        if engine is not None and peer in systems:
+            ratio = engine["output_tokens_per_s"] / systems[peer]["output_tokens_per_s"]
+        report[f"engine_vs_{peer}"] = ratio
+    return report
+
+
+def write_json(report: dict, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def write_png(report: dict, path: Path) -> None:
+    """Three panels: output tok/s, TTFT p50/p99 and ITL p50/p99, one bar (group) per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    systems = report["systems"]
+    names = list(systems)
+    x = range(len(names))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+
+    tps = [systems[n]["output_tokens_per_s"] for n in names]
+    _labelled_bars(axes[0], list(x), tps, 0.6, "tab:blue", "{:.1f}")
+    axes[0].set_title("Output throughput (tok/s, higher is better)")
+
+    width = 0.38
+    for ax, metric, scale, unit, fmt in ((axes[1], "ttft", 1, "s", "{:.1f}"), (axes[2], "itl", 1000, "ms", "{:.0f}")):
+        for offset, q, color in ((-width / 2, "p50", "tab:green"), (width / 2, "p99", "tab:red")):
+            values = [systems[n][f"{metric}_{q}_s"] * scale for n in names]
+            _labelled_bars(ax, [i + offset for i in x], values, width, color, fmt, label=q)
+        ax.set_title(f"{metric.upper()} p50/p99 ({unit}, lower is better)")
+        ax.legend()
+    # An ITL p99 can be 100x its p50 (a long prefill step between two decodes).
+    axes[2].set_yscale("log")
+    axes[2].set_title("ITL p50/p99 (ms, log scale, lower is better)")
+
+    for ax in axes:
+        ax.set_xticks(list(x), names, rotation=15)
+    workload = report["workload"]
+    fig.suptitle(
+        f"{workload.get('model', '')}: {workload['requests']} requests, prompts {workload['prompt_len']}, "
+        f"outputs {workload['output_len']} tokens, all at t0",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _labelled_bars(ax, xs, values, width, color, fmt, label=None) -> None:
+    bars = ax.bar(xs, values, width, color=color, label=label)
+    ax.bar_label(bars, [fmt.format(v) for v in values], fontsize=7)
+
+
+def format_table(report: dict) -> str:
+    """A fixed-width table of every system's figures, then the engine's extras and ratios."""
+    columns = [
+        ("system", None, "{}"),
+        ("tok/s", "output_tokens_per_s", "{:.1f}"),
+        ("req/s", "requests_per_s", "{:.3f}"),
+        ("TTFT p50", "ttft_p50_s", "{:.2f}s"),
+        ("TTFT p99", "ttft_p99_s", "{:.2f}s"),
+        ("ITL p50", "itl_p50_s", "{:.0f}ms"),
+        ("ITL p99", "itl_p99_s", "{:.0f}ms"),
+        ("peak RSS", "peak_rss_mb", "{:.0f}MB"),
+        ("wall", "wall_s", "{:.1f}s"),
+    ]
+    rows = [[title for title, _, _ in columns]]
+    for name, figures in report["systems"].items():
+        row = []
+        for _, key, fmt in columns:
+            if key is None:
+                row.append(name)
+            else:
+                value = figures.get(key)
+                value = value * 1000 if fmt.endswith("ms") else value
+                row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    # System names left-aligned, figures right-aligned.
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+
+    engine = report["systems"].get("engine")
+    if engine is not None:
+        lines.append(f"engine overhead_fraction: {engine['overhead_fraction']:.3f}")
+        if engine.get("ceiling_fraction") is not None:
+            lines.append(f"engine ceiling_fraction:  {engine['ceiling_fraction']:.3f}")
+    continuous = report["systems"].get("hf_continuous")
+    if continuous is not None and "sweep" in continuous:
+        sweep = ", ".join(f"{k}: {v['output_tokens_per_s']:.1f}" for k, v in continuous["sweep"].items())
+        lines.append(f"hf_continuous max_batch_tokens sweep (tok/s): {sweep}; best {continuous['max_batch_tokens']}")
+    for peer in PEERS:
+        if report.get(f"engine_vs_{peer}") is not None:
+            lines.append(f"engine vs {peer}: {report[f'engine_vs_{peer}']:.2f}x output tok/s")
+    return "\n".join(lines)

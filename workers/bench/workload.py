@@ -1,0 +1,95 @@
+"""The benchmark's synthetic workload: seeded prompts of random token ids and fixed output lengths.
+
+Every system gets exactly these prompts and must produce exactly `output_len` tokens for
+each request (EOS ignored), so throughput compares the same work. All requests arrive at
+once, at t0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    request_id: str
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    seed: int
+    prompt_len: tuple[int, int]  # inclusive range
+    output_len: tuple[int, int]  # inclusive range
+    requests: list[BenchRequest]
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(len(r.prompt_ids) for r in self.requests)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(r.output_len for r in self.requests)
+
+    def describe(self) -> dict:
+        """The workload's parameters and totals, for the report (not the token ids)."""
+        return {
+            "requests": len(self.requests),
+            "prompt_len": list(self.prompt_len),
+            "output_len": list(self.output_len),
+            "seed": self.seed,
+            "arrival": "all at t0",
+            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_output_tokens": self.total_output_tokens,
+        }
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, path: Path) -> Workload:
+        raw = json.loads(Path(path).read_text())
+        return cls(
+            seed=raw["seed"],
+            prompt_len=tuple(raw["prompt_len"]),
+            output_len=tuple(raw["output_len"]),
+            requests=[BenchRequest(**r) for r in raw["requests"]],
+        )
+
+
+def allowed_token_ids(vocab_size: int, special_ids: set[int]) -> list[int]:
+    """Ids a prompt may use: the whole vocabulary but the special tokens."""
+    return [i for i in range(vocab_size) if i not in special_ids]
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Every special id: the named ones (bos/eos/pad...) and added tokens flagged special."""
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+    return ids
+
+
+def make_workload(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    allowed_ids: list[int],
+    seed: int = 0,
+) -> Workload:
+    """Draw `num_requests` requests; lengths uniform in the inclusive ranges."""
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must satisfy 1 <= min <= max, got {lo} {hi}")
+    if num_requests < 1:
+        raise ValueError(f"requests must be >= 1, got {num_requests}")
+    rng = random.Random(seed)
+    requests = []
+    for i in range(num_requests):
+        n_prompt = rng.randint(*prompt_len)
+        prompt = [rng.choice(allowed_ids) for _ in range(n_prompt)]
+        requests.append(BenchRequest(f"req-{i}", prompt, rng.randint(*output_len)))
+    return Workload(seed, tuple(prompt_len), tuple(output_len), requests)
