@@ -102,7 +102,7 @@ class Scheduler:
         plan = StepPlan()
         # 1. Decodes first; preempt from the back of the running list when blocks run out.
         for request in list(self.running):
-            if plan.num_tokens == self.config.max_batch_tokens:
+            if len(plan.chunks) == self.config.max_batch_tokens:  # so far every chunk is one token
                 break
             if request.status is RequestStatus.RUNNING and request.is_decoding:
                 if self._grow_or_preempt(request, plan):
