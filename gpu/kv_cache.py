@@ -66,7 +66,3 @@ class PagedKVCache:
                 f"({shape.bytes_per_token(dtype) * block_size} bytes)"
             )
         return cls(shape, num_blocks, block_size, dtype, device)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.key_pools) + sum(p.nbytes for p in self.value_pools)

@@ -58,10 +58,6 @@ class StepPlan:
     def num_decode_tokens(self) -> int:
         return sum(1 for c in self.chunks if c.is_decode)
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_tokens
-
     def __bool__(self) -> bool:
         return bool(self.chunks)
 
