@@ -191,3 +191,14 @@ def test_a_live_request_id_cannot_be_reused(make_engine):
     run_to_completion(engine)
     engine.add_request("same", "Once finished, the id is free", SamplingParams(max_tokens=2))
     run_to_completion(engine)
+
+
+def test_bfloat16_engine_serves_with_a_bfloat16_cache(make_engine):
+    from service.config import ModelConfig
+    from workers.model_loader import load_model
+
+    engine = make_engine(load_model(ModelConfig(dtype="bfloat16")))
+    assert engine.runner.kv_cache.key_pools[0].dtype == torch.bfloat16
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    token_ids, final, text = run_to_completion(engine, {0: [("bf16", chat, SamplingParams(max_tokens=16))]})["bf16"]
+    assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and "Paris" in text
