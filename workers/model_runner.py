@@ -2,7 +2,8 @@
 
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
-each chunk that samples, not for every prompt token.
+each chunk that samples, not for every prompt token. On CPU the model's linears are
+swapped for oneDNN ones with packed weights (`workers.packed_linear`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, Seq
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 from service.config import CacheConfig
+from workers.packed_linear import can_pack, pack_linears
 from workers.scheduler import StepPlan
 
 
@@ -29,6 +31,8 @@ class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] = TorchAttentionBackend):
         self.model = model
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if can_pack(model):
+            pack_linears(model)
         self.device = next(model.parameters()).device
         self.kv_cache = PagedKVCache.from_budget(
             KVShape.of(model.config),

@@ -1,0 +1,46 @@
+"""Packed oneDNN linears compute what `nn.Linear` computes, for any row count."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from workers.packed_linear import PackedLinear, can_pack, pack_linears
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_nn_linear(dtype, atol, bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias).to(dtype)
+    packed = PackedLinear(linear)
+    for shape in [(0, 96), (1, 96), (1, 7, 96), (3, 64, 96), (513, 96)]:
+        x = torch.randn(shape, dtype=dtype)
+        with torch.inference_mode():
+            got, want = packed(x), linear(x)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got, want, atol=atol, rtol=1e-2)
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_the_logits():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    packed = copy.deepcopy(model)
+    assert can_pack(packed)
+    # 7 per layer (q, k, v, o, gate, up, down) and the LM head.
+    assert pack_linears(packed) == 2 * 7 + 1
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    assert pack_linears(packed) == 0  # packing twice changes nothing
+    ids = torch.randint(0, 512, (1, 33))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_float16_is_left_alone():
+    assert not can_pack(nn.Linear(8, 8).half())

@@ -1,0 +1,60 @@
+"""CPU linears through oneDNN with weights packed once, at load.
+
+`torch.nn.functional.linear` on CPU goes to a BLAS sgemm that re-reads the weight in
+its plain layout at every call. oneDNN with the weight reordered once into its blocked
+layout runs the same products faster, most of all at the small row counts of decode
+steps: on the 2-core dev machine, 1.3-1.6x for the layer projections at 35 rows and
+2.3x for SmolLM2's 49k-row LM head (measured with `torch.ops.mkldnn._linear_pointwise`
+against `F.linear`). The results agree with `F.linear` to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# oneDNN packs float32 and bfloat16 everywhere; float16 needs CPU features most lack.
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# The row count oneDNN tunes the packed layout for; any row count works with it.
+_ROWS_HINT = 64
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose weight lives in oneDNN's packed layout (inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _ROWS_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_pack(model: nn.Module) -> bool:
+    parameter = next(model.parameters())
+    return (
+        parameter.device.type == "cpu"
+        and parameter.dtype in PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of `model` in place; returns how many were replaced.
+
+    A weight tied to another module (the LM head to the embeddings) stays where it is
+    for that module; the packed copy is the linear's own.
+    """
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, PackedLinear(child))
+                replaced += 1
+    return replaced
