@@ -1,9 +1,11 @@
 """The paged KV cache: per-layer K and V pools cut into fixed-size blocks.
 
-Each layer's pool is a tensor of `num_blocks * block_size` slots, one slot per token,
-shaped `[slots, kv_heads, head_dim]`. Token `i` of a request lives in slot
-`block_table[i // block_size] * block_size + i % block_size`. The pools start zeroed so
-that padded reads (masked out anyway) never meet NaNs.
+All of it is one tensor, `blocks`, shaped `[layers, 2 (K, V), num_blocks, block_size,
+kv_heads, head_dim]`, so moving a set of blocks (a swap) is one gather and one scatter
+across every layer. Each layer's K (or V) pool is a view of it with one slot per
+token, `[slots, kv_heads, head_dim]`: token `i` of a request lives in slot
+`block_table[i // block_size] * block_size + i % block_size`. The pools start zeroed
+so that padded reads (masked out anyway) never meet NaNs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class KVShape:
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         return cls(hf_config.num_hidden_layers, kv_heads, head_dim)
 
+    def blocks_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """K and V of one token across all layers."""
         element = torch.empty((), dtype=dtype).element_size()
@@ -44,10 +49,10 @@ class PagedKVCache:
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        slots = num_blocks * block_size
-        pool = (slots, shape.num_kv_heads, shape.head_dim)
-        self.key_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        self.value_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        self.blocks = torch.zeros(shape.blocks_shape(num_blocks, block_size), dtype=dtype, device=device)
+        pool = (num_blocks * block_size, shape.num_kv_heads, shape.head_dim)
+        self.key_pools = [self.blocks[layer, 0].view(pool) for layer in range(shape.num_layers)]
+        self.value_pools = [self.blocks[layer, 1].view(pool) for layer in range(shape.num_layers)]
 
     @classmethod
     def from_budget(

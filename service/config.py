@@ -43,27 +43,45 @@ class CacheConfig:
     block_size: int = 16
     # Bytes of K/V pool for all layers together; the block count is derived from it.
     kv_memory_bytes: int = 1 << 30
+    # Bytes of host memory (pinned on CUDA) that preempted requests' KV blocks are
+    # swapped to. 0 disables swapping: preempted requests are recomputed instead.
+    swap_memory_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.kv_memory_bytes < 1:
             raise ValueError("kv_memory_bytes must be >= 1")
+        if self.swap_memory_bytes < 0:
+            raise ValueError("swap_memory_bytes must be >= 0")
 
 
 @dataclass
 class SchedulerConfig:
     # Tokens (prefill + decode) one model step may process.
     max_batch_tokens: int = 512
+    # Prompt tokens one step may process, all requests together: what bounds a step's
+    # cost, and so the inter-token latency of running requests, when prompts flood in.
+    max_prefill_tokens: int = 512
+    # Decode tokens one step may process (one per decoding request).
+    max_decode_tokens: int = 256
     # Most tokens of one prompt processed in one step (chunked prefill).
     max_prefill_chunk: int = 512
     # Most requests running (holding KV blocks) at once.
     max_running_requests: int = 64
+    # Aging: a request is never overtaken in the queue by one that arrived more than
+    # this many seconds after it, whatever their priorities. Within that window each
+    # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
+    # of waiting.
+    priority_bound_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_prefill_chunk", "max_running_requests"):
+        for name in ("max_batch_tokens", "max_prefill_tokens", "max_decode_tokens", "max_prefill_chunk",
+                     "max_running_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not self.priority_bound_s >= 0:
+            raise ValueError("priority_bound_s must be >= 0")
 
 
 @dataclass
@@ -83,18 +101,29 @@ def add_engine_arguments(parser) -> None:
     group.add_argument("--threads", type=int, default=model.threads, help="torch threads, 0 = one per core")
     group.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block (default: %(default)s)")
     group.add_argument("--kv-memory-mb", type=int, default=cache.kv_memory_bytes >> 20, help="KV cache size in MiB (default: %(default)s)")
+    group.add_argument("--swap-memory-mb", type=int, default=cache.swap_memory_bytes >> 20, help="host KV pool for preempted requests in MiB, 0 = recompute instead (default: %(default)s)")
     group.add_argument("--max-batch-tokens", type=int, default=sched.max_batch_tokens, help="tokens per step (default: %(default)s)")
+    group.add_argument("--max-prefill-tokens", type=int, default=sched.max_prefill_tokens, help="prompt tokens per step (default: %(default)s)")
+    group.add_argument("--max-decode-tokens", type=int, default=sched.max_decode_tokens, help="decode tokens per step (default: %(default)s)")
     group.add_argument("--max-prefill-chunk", type=int, default=sched.max_prefill_chunk, help="prompt tokens of one request per step (default: %(default)s)")
     group.add_argument("--max-running-requests", type=int, default=sched.max_running_requests, help="requests holding KV blocks at once (default: %(default)s)")
+    group.add_argument("--priority-bound-s", type=float, default=sched.priority_bound_s, help="no request is overtaken by one arriving this much later (default: %(default)s)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(source=args.model, dtype=args.dtype, cache_dir=args.cache_dir, threads=args.threads),
-        cache=CacheConfig(block_size=args.block_size, kv_memory_bytes=args.kv_memory_mb << 20),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_memory_bytes=args.kv_memory_mb << 20,
+            swap_memory_bytes=args.swap_memory_mb << 20,
+        ),
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens,
+            max_prefill_tokens=args.max_prefill_tokens,
+            max_decode_tokens=args.max_decode_tokens,
             max_prefill_chunk=args.max_prefill_chunk,
             max_running_requests=args.max_running_requests,
+            priority_bound_s=args.priority_bound_s,
         ),
     )

@@ -1,4 +1,10 @@
-"""The scheduler, driven by a simulated runner: no model, no tensors."""
+"""The scheduler, driven by a simulated runner: no model, no tensors.
+
+The simulated runner keeps a fake KV cache: every device and host block holds the
+tags of the tokens written into it, and swaps copy those tags. So the tests see
+whether a request's context survives preemption and swapping, not only whether the
+block counts add up.
+"""
 
 from __future__ import annotations
 
@@ -11,32 +17,71 @@ from hypothesis import strategies as st
 
 from service.config import SchedulerConfig
 from workers.block_manager import BlockAllocator, blocks_needed
-from workers.request import Request, SamplingParams
+from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, RequestStatus, SamplingParams
 from workers.scheduler import Scheduler, StepPlan
 
 BLOCK = 4
 
 
-def make(num_blocks=64, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), BlockAllocator(num_blocks), BLOCK)
+def make(num_blocks=64, host_blocks=0, **config) -> Scheduler:
+    host = BlockAllocator(host_blocks) if host_blocks else None
+    return Scheduler(SchedulerConfig(**config), BlockAllocator(num_blocks), BLOCK, host)
 
 
-def request(rid: str, prompt_len: int, max_tokens: int = 4) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0.0)
+def request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,
+            deadline: float | None = None) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), arrival,
+                   priority, deadline)
 
 
-def simulate_step(scheduler: Scheduler, plan: StepPlan) -> list[Request]:
-    """What the engine does after the forward: advance, sample a fake token, retire."""
-    sampling = [c.request for c in plan.chunks if c.samples]
-    for chunk in plan.chunks:
-        chunk.request.num_computed += chunk.num_tokens
-    finished = []
-    for r in sampling:
-        r.output_token_ids.append(7)
-        if len(r.output_token_ids) >= r.params.max_tokens:
-            scheduler.finish(r)
-            finished.append(r)
-    return finished
+class FakeRunner:
+    """Runs plans against a fake KV cache of token tags, as the engine would."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.device: dict[int, dict[int, str]] = {}  # block -> {offset: "request:position"}
+        self.host: dict[int, dict[int, str]] = {}
+
+    def step(self, plan: StepPlan) -> list[Request]:
+        """Swap, check each chunk's cached context, write its tokens, sample, retire."""
+        outgoing = {d: dict(self.device.get(d, {})) for d, _ in plan.swap_out}
+        for d, h in plan.swap_out:
+            self.host[h] = outgoing[d]
+        incoming = {h: dict(self.host[h]) for h, _ in plan.swap_in}
+        for h, d in plan.swap_in:
+            self.device[d] = incoming[h]
+        for chunk in plan.chunks:
+            r = chunk.request
+            for pos in range(chunk.start):  # everything before the chunk must be cached, intact
+                got = self.device.get(r.block_ids[pos // BLOCK], {}).get(pos % BLOCK)
+                assert got == f"{r.request_id}:{pos}", f"{r.request_id} lost position {pos}: {got}"
+            for pos in range(chunk.start, chunk.start + chunk.num_tokens):
+                self.device.setdefault(r.block_ids[pos // BLOCK], {})[pos % BLOCK] = f"{r.request_id}:{pos}"
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        finished = []
+        for chunk in plan.chunks:
+            r = chunk.request
+            if chunk.samples:
+                r.output_token_ids.append(7)
+                if len(r.output_token_ids) >= r.params.max_tokens:
+                    self.scheduler.finish(r)
+                    finished.append(r)
+        return finished
+
+
+def run(s: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list[StepPlan]:
+    runner = FakeRunner(s)
+    for r in requests:
+        s.add(r)
+    plans = []
+    for _ in range(max_steps):
+        if not s.has_unfinished():
+            return plans
+        plan = s.schedule()
+        plans.append(plan)
+        runner.step(plan)
+    raise AssertionError("requests did not finish")
 
 
 def test_scheduler_never_imports_torch():
@@ -46,17 +91,47 @@ def test_scheduler_never_imports_torch():
 
 def test_long_prompt_is_chunked_while_decodes_ride_along():
     s = make(max_batch_tokens=8, max_prefill_chunk=8)
+    runner = FakeRunner(s)
     short = request("short", 3, max_tokens=10)
     s.add(short)
-    simulate_step(s, s.schedule())  # short's prompt, first token sampled
+    runner.step(s.schedule())  # short's prompt, first token sampled
     s.add(request("long", 20))
     plans = []
     for _ in range(3):
         plan = s.schedule()
         plans.append([(c.request.request_id, c.num_tokens) for c in plan.chunks])
-        simulate_step(s, plan)
+        runner.step(plan)
     # The decode goes first every step; the long prompt takes what is left of the budget.
     assert plans == [[("short", 1), ("long", 7)], [("short", 1), ("long", 7)], [("short", 1), ("long", 6)]]
+
+
+def test_prefill_sub_budget_bounds_prompt_tokens_per_step_but_not_decodes():
+    s = make(max_batch_tokens=64, max_prefill_tokens=5)
+    runner = FakeRunner(s)
+    decoders = [request(f"d{i}", 2, max_tokens=50) for i in range(3)]
+    for r in decoders:
+        s.add(r)
+    runner.step(s.schedule())  # 6 prompt tokens > 5: the third prompt is split
+    runner.step(s.schedule())
+    for i in range(4):
+        s.add(request(f"new{i}", 30))
+    for _ in range(5):  # new0's prompt takes 6 steps at 5 tokens per step
+        plan = s.schedule()
+        decodes = [c for c in plan.chunks if c.is_decode]
+        prefill = plan.num_tokens - len(decodes)
+        assert {c.request.request_id for c in decodes} == {"d0", "d1", "d2"}
+        assert prefill == 5
+        runner.step(plan)
+
+
+def test_decode_sub_budget_serves_the_best_queue_keys_first():
+    s = make(max_decode_tokens=2)
+    runner = FakeRunner(s)
+    for rid, priority in (("low", -5), ("high", 5), ("mid", 0)):
+        s.add(request(rid, 1, max_tokens=3, priority=priority))
+    runner.step(s.schedule())  # all three prompts (one token each), first tokens sampled
+    plan = s.schedule()
+    assert [c.request.request_id for c in plan.chunks] == ["high", "mid"]
 
 
 def test_prefill_chunk_caps_one_request_per_step():
@@ -73,17 +148,18 @@ def test_running_cap_holds_admission_back():
         s.add(request(f"r{i}", 2))
     plan = s.schedule()
     assert [c.request.request_id for c in plan.chunks] == ["r0", "r1"]
-    assert len(s.waiting) == 2
+    assert s.num_waiting == 2
 
 
 def test_blocks_are_allocated_as_tokens_arrive_not_for_max_tokens():
     s = make()
+    runner = FakeRunner(s)
     r = request("a", 5, max_tokens=100)
     s.add(r)
-    simulate_step(s, s.schedule())
+    runner.step(s.schedule())
     assert len(r.block_ids) == blocks_needed(5, BLOCK)  # not blocks for 105 tokens
     for _ in range(3):
-        simulate_step(s, s.schedule())
+        runner.step(s.schedule())
     assert len(r.block_ids) == blocks_needed(r.num_computed, BLOCK)
 
 
@@ -93,55 +169,247 @@ def test_a_request_larger_than_the_pool_is_refused():
         s.add(request("huge", 10, max_tokens=7))  # 17 tokens > 4 blocks of 4
 
 
-def test_out_of_blocks_preempts_the_newest_and_it_comes_back_first():
-    s = make(num_blocks=8, max_batch_tokens=64)
-    old, new = request("old", 7, max_tokens=20), request("new", 7, max_tokens=20)
+# -- priority and aging ----------------------------------------------------------------
+
+
+def test_without_contention_higher_priority_starts_first_and_equal_priority_is_fifo():
+    s = make(max_running_requests=1)
+    priorities = [0, 3, -2, 3, 10, -10, 0]
+    requests = [request(f"r{i}", 2, max_tokens=1, priority=p) for i, p in enumerate(priorities)]
+    started = []
+    for plan in run(s, requests):
+        started += [c.request.request_id for c in plan.chunks if c.start == 0]
+    assert started == ["r4", "r1", "r3", "r0", "r6", "r2", "r5"]
+
+
+def test_aging_a_request_is_never_overtaken_by_one_arriving_more_than_the_bound_later():
+    bound = 30.0
+    s = make(max_running_requests=1, priority_bound_s=bound)
+    old = request("old", 2, max_tokens=1, priority=PRIORITY_MIN, arrival=0.0)
+    within = request("within", 2, max_tokens=1, priority=PRIORITY_MAX, arrival=bound - 1)
+    later = request("later", 2, max_tokens=1, priority=PRIORITY_MAX, arrival=bound + 1)
+    s.add(later)
     s.add(old)
-    s.add(new)
-    preempted = []
-    while s.has_unfinished():
-        plan = s.schedule()
-        preempted += [r.request_id for r in plan.preempted]
-        simulate_step(s, plan)
+    s.add(within)
+    assert [r.request_id for r in s.queued()] == ["within", "old", "later"]
+
+
+def test_a_sustained_stream_of_urgent_work_cannot_starve_a_low_priority_request():
+    # One request runs at a time, one step per time unit; a new urgent request arrives
+    # every step, so urgent work alone would keep the engine busy forever.
+    bound = 20.0
+    s = make(max_running_requests=1, priority_bound_s=bound)
+    runner = FakeRunner(s)
+    low = request("low", 1, max_tokens=1, priority=PRIORITY_MIN, arrival=0.0)
+    s.add(low)
+    for step in range(200):
+        s.add(request(f"urgent{step}", 1, max_tokens=1, priority=PRIORITY_MAX, arrival=float(step)))
+        runner.step(s.schedule())
+        if low.status is RequestStatus.FINISHED:
+            break
+    # It ran once everything ahead of it arrived within `bound` of it.
+    assert low.status is RequestStatus.FINISHED and step <= bound + 1
+
+
+def test_deadlines_expire_queued_and_running_requests():
+    s = make(max_running_requests=1)
+    running = request("running", 2, max_tokens=50, deadline=5.0)
+    queued = request("queued", 2, deadline=3.0)
+    forever = request("forever", 2)
+    for r in (running, queued, forever):
+        s.add(r)
+    FakeRunner(s).step(s.schedule())
+    assert s.expired(2.9) == []
+    assert s.expired(3.0) == [queued]
+    s.finish(queued)
+    assert s.expired(10.0) == [running]
+    s.finish(running)
+    assert s.expired(100.0) == []
+    assert s.allocator.num_free == s.allocator.num_blocks
+    assert s.num_waiting == 1 and s.queued() == [forever]
+
+
+# -- preemption and swapping -------------------------------------------------------------
+
+
+def test_out_of_blocks_without_a_host_pool_recomputes_the_victim():
+    s = make(num_blocks=8, max_batch_tokens=64)
+    old, new = request("old", 7, max_tokens=20), request("new", 7, max_tokens=20, arrival=1.0)
+    plans = run(s, [old, new])
+    preempted = [r.request_id for p in plans for r in p.preempted]
+    # Both started in the same step with equal priority: the later arrival goes.
     assert preempted and preempted[0] == "new"
+    assert not any(p.swap_out or p.swap_in for p in plans)
     assert len(old.output_token_ids) == len(new.output_token_ids) == 20
     assert s.allocator.num_free == 8
 
 
-@settings(max_examples=150, deadline=None)
+def test_out_of_blocks_swaps_to_host_and_back_and_the_context_survives():
+    s = make(num_blocks=8, host_blocks=8, max_batch_tokens=64)
+    old, new = request("old", 7, max_tokens=20), request("new", 7, max_tokens=20, arrival=1.0)
+    plans = run(s, [old, new])  # FakeRunner checks every cached position at every step
+    out = sum(len(p.swap_out) for p in plans)
+    back = sum(len(p.swap_in) for p in plans)
+    assert out > 0 and out == back
+    assert all(r.num_computed > 0 for p in plans for r in p.resumed)  # resumed, not recomputed
+    assert s.allocator.num_free == 8 and s.host_allocator.num_free == 8
+
+
+def test_the_longest_running_equal_priority_request_is_the_victim():
+    s = make(num_blocks=9, host_blocks=16, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    long_runner = request("long", 4, max_tokens=30)
+    s.add(long_runner)
+    for _ in range(10):
+        runner.step(s.schedule())
+    short = request("short", 4, max_tokens=20, arrival=1.0)
+    s.add(short)
+    victims = []
+    while short.status is not RequestStatus.FINISHED:
+        plan = s.schedule()
+        victims += [r.request_id for r in plan.preempted]
+        runner.step(plan)
+    assert victims and victims[0] == "long"
+
+
+def test_lower_priority_is_preempted_before_longer_running():
+    s = make(num_blocks=9, host_blocks=16, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    vip = request("vip", 4, max_tokens=30, priority=5)
+    s.add(vip)
+    for _ in range(10):
+        runner.step(s.schedule())
+    low = request("low", 4, max_tokens=20, priority=-5, arrival=1.0)
+    s.add(low)
+    victims = []
+    while low.status is not RequestStatus.FINISHED and vip.status is not RequestStatus.FINISHED:
+        plan = s.schedule()
+        victims += [r.request_id for r in plan.preempted]
+        runner.step(plan)
+    assert victims and set(victims) == {"low"}
+
+
+def test_a_full_host_pool_falls_back_to_recompute():
+    s = make(num_blocks=8, host_blocks=1, max_batch_tokens=64)
+    old, new = request("old", 7, max_tokens=20), request("new", 7, max_tokens=20, arrival=1.0)
+    plans = run(s, [old, new])
+    assert sum(len(p.preempted) for p in plans) > 0
+    assert not any(p.swap_out for p in plans)  # a victim holds 2+ blocks: never fits 1
+    assert s.host_allocator.num_free == 1
+
+
+def test_cancelling_a_swapped_request_frees_its_host_blocks():
+    s = make(num_blocks=8, host_blocks=8, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    a, b = request("a", 7, max_tokens=20), request("b", 7, max_tokens=20, arrival=1.0)
+    s.add(a)
+    s.add(b)
+    while s.num_swapped == 0:
+        runner.step(s.schedule())
+    victim = next(r for r in (a, b) if r.status is RequestStatus.SWAPPED)
+    s.finish(victim)
+    assert s.host_allocator.num_free == 8 and s.num_swapped == 0
+    while s.has_unfinished():
+        runner.step(s.schedule())
+    assert s.allocator.num_free == 8
+
+
+# -- properties ------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
 @given(
-    prompts=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 5)), min_size=1, max_size=12),
+    prompts=st.lists(
+        st.tuples(
+            st.integers(1, 40),  # prompt length
+            st.integers(1, 12),  # max tokens
+            st.integers(0, 6),  # arrival step
+            st.integers(PRIORITY_MIN, PRIORITY_MAX),
+            st.sampled_from([None, None, None, 2, 8, 30]),  # cancel at this step
+            st.sampled_from([None, None, None, 3.0, 10.0]),  # deadline, time units after arrival
+        ),
+        min_size=1,
+        max_size=14,
+    ),
     num_blocks=st.integers(14, 40),
+    host_blocks=st.integers(0, 24),
     max_batch_tokens=st.integers(1, 48),
+    max_prefill_tokens=st.integers(1, 48),
+    max_decode_tokens=st.integers(1, 8),
     max_prefill_chunk=st.integers(1, 48),
     max_running=st.integers(1, 8),
+    bound=st.sampled_from([0.0, 2.0, 5.0, 1e9]),
 )
-def test_every_request_finishes_within_budgets_and_no_block_leaks(
-    prompts, num_blocks, max_batch_tokens, max_prefill_chunk, max_running
+def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_holds(
+    prompts, num_blocks, host_blocks, max_batch_tokens, max_prefill_tokens, max_decode_tokens,
+    max_prefill_chunk, max_running, bound,
 ):
-    s = make(num_blocks, max_batch_tokens=max_batch_tokens, max_prefill_chunk=max_prefill_chunk,
-             max_running_requests=max_running)
+    s = make(num_blocks, host_blocks, max_batch_tokens=max_batch_tokens, max_prefill_tokens=max_prefill_tokens,
+             max_decode_tokens=max_decode_tokens, max_prefill_chunk=max_prefill_chunk,
+             max_running_requests=max_running, priority_bound_s=bound)
+    runner = FakeRunner(s)
     arrivals: dict[int, list[Request]] = {}
-    for i, (prompt_len, max_tokens, arrive) in enumerate(prompts):
-        arrivals.setdefault(arrive, []).append(request(f"r{i}", prompt_len, max_tokens))
+    cancels: dict[int, list[Request]] = {}
+    for i, (prompt_len, max_tokens, arrive, priority, cancel_at, deadline_after) in enumerate(prompts):
+        deadline = None if deadline_after is None else arrive + deadline_after
+        r = request(f"r{i}", prompt_len, max_tokens, priority, float(arrive), deadline)
+        arrivals.setdefault(arrive, []).append(r)
+        if cancel_at is not None:
+            cancels.setdefault(cancel_at, []).append(r)
     everyone = [r for batch in arrivals.values() for r in batch]
+    first_start: dict[str, int] = {}
+    ended: dict[str, str] = {}
     for step in range(5_000):
+        now = float(step)
         for r in arrivals.pop(step, []):
             s.add(r)
+        for r in cancels.pop(step, []):
+            if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
+                s.finish(r)
+                ended[r.request_id] = "cancelled"
+        for r in s.expired(now):
+            s.finish(r)
+            ended[r.request_id] = "deadline"
         if not arrivals and not s.has_unfinished():
             break
         plan = s.schedule()
+        decodes = [c for c in plan.chunks if c.is_decode]
         assert plan.num_tokens <= max_batch_tokens
+        assert len(decodes) <= max_decode_tokens
+        assert plan.num_tokens - len(decodes) <= max_prefill_tokens
         assert len(s.running) <= max_running
         assert len({id(c.request) for c in plan.chunks}) == len(plan.chunks)
         for c in plan.chunks:
-            assert c.num_tokens <= max(max_prefill_chunk, 1)
+            assert c.num_tokens <= max_prefill_chunk or c.is_decode
             assert c.start == c.request.num_computed
+            assert c.request.status is RequestStatus.RUNNING
             assert len(c.request.block_ids) * BLOCK >= c.start + c.num_tokens
+            first_start.setdefault(c.request.request_id, step)
+        # Blocks: every device block is free or held by exactly one running request,
+        # every host block is free, held by one swapped request, or being read this step.
         held = [b for r in s.running for b in r.block_ids]
         assert len(held) == len(set(held)) and len(held) + s.allocator.num_free == num_blocks
-        simulate_step(s, plan)
+        assert all(not r.block_ids for r in everyone if r.status is not RequestStatus.RUNNING)
+        if host_blocks:
+            parked = [b for r in everyone if r.status is RequestStatus.SWAPPED for b in r.host_block_ids]
+            in_flight = [h for h, _ in plan.swap_in]
+            assert len(parked) + len(in_flight) + s.host_allocator.num_free == host_blocks
+            assert len(set(parked) | set(in_flight)) == len(parked) + len(in_flight)
+        for r in runner.step(plan):
+            ended[r.request_id] = "finished"
     else:
         raise AssertionError("requests did not finish")
-    assert all(len(r.output_token_ids) == r.params.max_tokens for r in everyone)
+    assert set(ended) == {r.request_id for r in everyone}
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in everyone if ended[r.request_id] == "finished")
     assert s.allocator.num_free == num_blocks
+    if host_blocks:
+        s.schedule()  # frees the host blocks the last swap-ins read
+        assert s.host_allocator.num_free == host_blocks
+    # The waiting bound: nobody started before a request that arrived more than
+    # `bound` earlier and was still queued (not cancelled or expired) at that time.
+    for a in everyone:
+        for b in everyone:
+            if b.arrival_time > a.arrival_time + bound and b.request_id in first_start:
+                if ended[a.request_id] == "finished":
+                    assert first_start[a.request_id] <= first_start[b.request_id], (a.request_id, b.request_id)
+

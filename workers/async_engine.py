@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from workers.engine import Engine, Prompt
-from workers.request import Event, FinalEvent, SamplingParams
+from workers.request import DEFAULT_PRIORITY, Event, FinalEvent, SamplingParams
 
 
 class AsyncEngine:
@@ -38,24 +38,37 @@ class AsyncEngine:
                 pass
         self._executor.shutdown(wait=True)
 
-    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = DEFAULT_PRIORITY,
+        deadline: float | None = None,
+    ) -> RequestStream:
         """Queue a request now; iterate the returned stream for its events.
 
-        Raises `InvalidRequest` only for an id that is already live; any other bad
-        input arrives as the stream's single, final error event.
+        `priority` and `deadline` are as in `Engine.add_request`. Raises
+        `InvalidRequest` only for an id that is already live; any other bad input
+        arrives as the stream's single, final error event.
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, priority, deadline)
         stream = RequestStream(self, request_id)
         self._queues[request_id] = stream.queue
         self._wakeup.set()
         return stream
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = DEFAULT_PRIORITY,
+        deadline: float | None = None,
     ) -> AsyncIterator[Event]:
         """Submit and yield the events. Leaving early (break, task cancelled) cancels the request."""
-        stream = self.submit(prompt, params, request_id)
+        stream = self.submit(prompt, params, request_id, priority, deadline)
         try:
             async for event in stream:
                 yield event

@@ -12,6 +12,7 @@ the next step drains.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -25,15 +26,18 @@ from workers.detokenizer import IncrementalDetokenizer
 from workers.model_loader import LoadedModel, encode_prompt, load_model
 from workers.model_runner import ModelRunner
 from workers.request import (
+    DEFAULT_PRIORITY,
     Event,
     FinalEvent,
     FinishReason,
     InvalidRequest,
     Request,
+    RequestStatus,
     SamplingParams,
     Timings,
     TokenEvent,
     Usage,
+    validate_priority,
 )
 from workers.sampler import Sampler, make_generator
 from workers.scheduler import Scheduler
@@ -49,7 +53,10 @@ class StepRecord:
     num_decode_tokens: int
     num_sampled: int
     num_preempted: int
+    num_blocks_swapped_out: int
+    num_blocks_swapped_in: int
     forward_s: float
+    swap_s: float
     step_s: float
 
     @property
@@ -78,7 +85,8 @@ class Engine:
         self.runner = ModelRunner(loaded.model, config.cache)
         self.block_size = config.cache.block_size
         self.allocator = BlockAllocator(self.runner.kv_cache.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size)
+        self.host_allocator = BlockAllocator(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.host_allocator)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
         self.step_records: deque[StepRecord] = deque(maxlen=1 << 16)
@@ -93,9 +101,19 @@ class Engine:
 
     # -- the API -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        priority: int = DEFAULT_PRIORITY,
+        deadline: float | None = None,
+    ) -> None:
         """Queue a request. Bad input does not raise: the request's only event is an error.
 
+        `priority` is an integer in [PRIORITY_MIN, PRIORITY_MAX], higher first.
+        `deadline` is a wall-clock time (`time.time()` seconds): a request not finished
+        by then ends with finish_reason `deadline`, keeping the tokens it produced.
         A request id that is already live raises `InvalidRequest`, since an error
         event under that id would end the other request's stream.
         """
@@ -106,11 +124,18 @@ class Engine:
             self._known_ids.add(request_id)
         try:
             prompt_ids = self._validate(prompt, params)
+            validate_priority(priority)
+            if deadline is not None and (
+                isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
+            ):
+                raise InvalidRequest(f"deadline must be a unix time in seconds, got {deadline!r}")
         except InvalidRequest as error:
             empty = Request(request_id, [], params, arrival)
             self._post(self._final(empty, FinishReason.ERROR, error=str(error)))
             return
-        request = Request(request_id, prompt_ids, params, arrival)
+        # The engine's clock is perf_counter: carry the deadline over to it.
+        local_deadline = None if deadline is None else arrival + (deadline - time.time())
+        request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
         self._post(_Live(request, detokenizer, make_generator(params.seed)))
 
@@ -124,8 +149,10 @@ class Engine:
     def step(self) -> list[Event]:
         started = time.perf_counter()
         events = self._drain_inbox()
+        for request in self.scheduler.expired(started):
+            events.append(self._retire(request, FinishReason.DEADLINE))
         plan = self.scheduler.schedule()
-        if not plan:
+        if not plan.has_work:
             return events
         num_decode = plan.num_decode_tokens
         sampling = [c.request for c in plan.chunks if c.samples]
@@ -138,8 +165,12 @@ class Engine:
             ) if sampling else []
         except Exception as error:  # a failed step fails its requests, not the engine
             message = f"model step failed: {type(error).__name__}: {error}"
-            for chunk in plan.chunks:
-                events.append(self._retire(chunk.request, FinishReason.ERROR, error=message))
+            # The requests it ran, and those whose blocks it was moving (their K/V may be lost).
+            swapping = [r for r in plan.preempted if r.status is RequestStatus.SWAPPED] + plan.resumed
+            failed = {id(r): r for r in [c.request for c in plan.chunks] + swapping}
+            for request in failed.values():
+                if request.status is not RequestStatus.FINISHED:
+                    events.append(self._retire(request, FinishReason.ERROR, error=message))
             return events
         now = time.perf_counter()
         for chunk in plan.chunks:
@@ -154,7 +185,10 @@ class Engine:
                 num_decode,
                 len(sampling),
                 len(plan.preempted),
+                len(plan.swap_out),
+                len(plan.swap_in),
                 output.forward_s,
+                output.swap_s,
                 time.perf_counter() - started,
             )
         )

@@ -1,4 +1,5 @@
-"""Runs one step's plan through the Hugging Face model over the paged KV cache.
+"""Runs one step's plan: its KV swaps, then one forward of the Hugging Face model over
+the paged KV cache.
 
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
@@ -15,6 +16,7 @@ import torch
 
 from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, SequenceSlice
 from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.offload import HostKVPool
 from gpu.torch_attention import TorchAttentionBackend
 from service.config import CacheConfig
 from workers.packed_linear import can_pack, pack_linears
@@ -23,8 +25,9 @@ from workers.scheduler import StepPlan
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: torch.Tensor  # [chunks that sample, vocab], in the order of the plan's chunks
+    logits: torch.Tensor | None  # [chunks that sample, vocab], in the order of the plan's chunks
     forward_s: float
+    swap_s: float
 
 
 class ModelRunner:
@@ -42,9 +45,20 @@ class ModelRunner:
             self.device,
         )
         self.backend = backend_class(self.kv_cache)
+        self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes)
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_pool.num_blocks if self.host_pool else 0
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        started = time.perf_counter()
+        if plan.swap_out or plan.swap_in:
+            self.host_pool.swap(plan.swap_out, plan.swap_in)
+        swap_s = time.perf_counter() - started
+        if not plan.chunks:
+            return StepOutput(None, 0.0, swap_s)
         token_ids: list[int] = []
         positions: list[int] = []
         sequences: list[SequenceSlice] = []
@@ -67,4 +81,4 @@ class ModelRunner:
             use_cache=False,
             paged_batch=PagedBatch(self.backend, metadata),
         ).logits[0]
-        return StepOutput(logits, time.perf_counter() - started)
+        return StepOutput(logits, time.perf_counter() - started, swap_s)

@@ -11,6 +11,15 @@ class InvalidRequest(ValueError):
     """Raised for bad input; the message is shown to the client of that request only."""
 
 
+# Request priority: an integer in [PRIORITY_MIN, PRIORITY_MAX]; higher runs first.
+PRIORITY_MIN, PRIORITY_MAX, DEFAULT_PRIORITY = -10, 10, 0
+
+
+def validate_priority(priority) -> None:
+    if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InvalidRequest(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
@@ -62,31 +71,40 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"
+    DEADLINE = "deadline"  # its deadline passed before it finished
     ERROR = "error"
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"  # queued, holding no KV blocks (new, or preempted to recompute)
+    RUNNING = "running"  # holding device KV blocks
+    SWAPPED = "swapped"  # preempted, its KV blocks parked in the host pool
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal"
 class Request:
     """A request as the engine tracks it: tokens, progress and KV blocks.
 
     `num_computed` counts tokens whose K/V are in the cache; the scheduler moves it
-    forward, so prefill is `num_computed < len(prompt_token_ids)`.
+    forward, so prefill is `num_computed < len(prompt_token_ids)`. Times are
+    `time.perf_counter()` seconds.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = DEFAULT_PRIORITY
+    deadline: float | None = None  # finish by then (perf_counter clock), or end with DEADLINE
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # device KV blocks, in token order
+    host_block_ids: list[int] = field(default_factory=list)  # host KV blocks while SWAPPED
     status: RequestStatus = RequestStatus.WAITING
+    # The scheduler's bookkeeping: queue order, and the step it last started running.
+    queue_key: tuple[float, int] = (0.0, 0)
+    running_since_step: int = 0
     finish_reason: FinishReason | None = None
     # Timestamps (time.perf_counter) for the final event's timings.
     scheduled_time: float | None = None

@@ -1,30 +1,55 @@
 """Iteration-level scheduler: which tokens of which requests run in the next step.
 
-Plain Python over token counts and block ids; it never touches a tensor, so it can be
-driven by a simulated runner in tests.
+Plain Python over token counts and block ids; it never touches a tensor, so a
+simulated runner can drive it in tests.
 
-Each step:
-1. every running request that is decoding gets its one token (decodes go first, so a
-   wave of new prompts cannot stall users already receiving tokens);
-2. running requests still in prefill get their next chunk;
-3. waiting requests are admitted first come, first served, while the token budget,
-   the running cap and free KV blocks allow.
+**Queue order (priority with aging).** Waiting and swapped-out requests share one
+queue ordered by a key fixed at arrival: `arrival - (priority - PRIORITY_MIN) * w`,
+with `w = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)`. Read it as "every
+priority step is a head start of w seconds": a request's effective priority grows
+with the time it waits, at the same rate for everyone, so the order never has to be
+recomputed. Consequence (the starvation bound): no request is ever overtaken by one
+that arrived more than `priority_bound_s` after it. Equal priority is first come,
+first served. The queue is strict: if its head cannot start (no blocks), nothing
+behind it starts either, so a large request cannot be starved by small ones.
 
-KV blocks are allocated as tokens are scheduled, never reserved for max_tokens up
-front. When a decode cannot get a block, the most recently admitted request is
-preempted: its blocks are freed and it goes back to the head of the queue to be
-recomputed (prompt plus the tokens it already produced). Swapping to host memory
-instead is a later step.
+**Each step.**
+1. Decodes first: every running request that is decoding gets one token, up to
+   `max_decode_tokens` (best queue key first if there are more).
+2. Prompt chunks, under the prefill sub-budget `min(max_prefill_tokens, what the
+   decodes left of max_batch_tokens)`, at most `max_prefill_chunk` per request:
+   running requests part-way through their prompt first, then the queue's head —
+   a swapped-out request is swapped back in (all its blocks at once), a waiting one
+   is admitted — while `max_running_requests` and free blocks allow.
+
+**Preemption.** KV blocks are allocated as tokens are scheduled, never reserved for
+max_tokens up front. When a decode needs a block and none is free, a running request
+is preempted and returns to the queue under its original key, keeping its place:
+- swapped out, when the host pool has room: the victim is the request with the
+  lowest priority, and among those the one that has run the most steps since it
+  last started (so long generations take turns with memory and short requests keep
+  flowing), then the latest in queue order. Its progress is kept;
+- else recomputed (prompt plus the tokens it produced, when it runs again): the
+  victim is the lowest priority, then the latest in queue order. Taking the last in
+  queue order means the first always progresses, so recomputation cannot livelock.
+A request is never swapped back in during the step that swapped it out.
+
+**Swaps** are listed in the plan as (device block, host block) pairs, to be copied
+before the step's forward: all swap-outs, then all swap-ins. Host blocks freed by a
+swap-in are reused only from the next step, once their copy has been made.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 from service.config import SchedulerConfig
 from workers.block_manager import BlockAllocator, blocks_needed
-from workers.request import Request, RequestStatus
+from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, RequestStatus
+
+QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
 
 @dataclass(frozen=True)
@@ -48,7 +73,10 @@ class ScheduledChunk:
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # swapped out or sent back to recompute
+    resumed: list[Request] = field(default_factory=list)  # swapped back in
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def num_tokens(self) -> int:
@@ -58,17 +86,33 @@ class StepPlan:
     def num_decode_tokens(self) -> int:
         return sum(1 for c in self.chunks if c.is_decode)
 
-    def __bool__(self) -> bool:
-        return bool(self.chunks)
+    @property
+    def has_work(self) -> bool:
+        """Anything for the runner to do: tokens to run or blocks to copy."""
+        return bool(self.chunks or self.swap_out or self.swap_in)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, block_size: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        block_size: int,
+        host_allocator: BlockAllocator | None = None,
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self.host_allocator = host_allocator  # None: no host pool, preemption recomputes
         self.block_size = block_size
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
+        self.running: list[Request] = []  # in the order they (re)started
+        self._queue: list[tuple[tuple[float, int], Request]] = []  # heap; finished entries dropped lazily
+        self._num_queued = 0
+        self._num_swapped = 0
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished entries dropped lazily
+        self._order = itertools.count()
+        self._host_blocks_to_free: list[int] = []  # read by this step's swap-ins
+        self._step = 0
+        self._priority_weight = config.priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
 
     # -- queue changes -------------------------------------------------------------
 
@@ -77,99 +121,212 @@ class Scheduler:
         if blocks_needed(most, self.block_size) > self.allocator.num_blocks:
             # It could never run alone, and preempting others would not help.
             raise ValueError(f"request {request.request_id} needs more KV blocks than the pool has")
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        virtual_arrival = request.arrival_time - (request.priority - PRIORITY_MIN) * self._priority_weight
+        request.queue_key = (virtual_arrival, next(self._order))  # the count breaks ties first come first
+        self._enqueue(request, RequestStatus.WAITING)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
 
     def finish(self, request: Request) -> None:
-        """Retire a request (finished, cancelled or failed) and free its blocks at once."""
+        """Retire a request (finished, cancelled, expired or failed); free all its blocks at once."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
+        elif request.status in QUEUED:
+            self._num_queued -= 1  # its heap entry is skipped when it surfaces
+            self._num_swapped -= request.status is RequestStatus.SWAPPED
         self._release(request)
+        if request.host_block_ids:
+            self.host_allocator.free(request.host_block_ids)
+            request.host_block_ids = []
         request.status = RequestStatus.FINISHED
 
+    def expired(self, now: float) -> list[Request]:
+        """Unfinished requests whose deadline is at or before `now` (the caller retires them)."""
+        due = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            request = heapq.heappop(self._deadlines)[2]
+            if request.status is not RequestStatus.FINISHED:
+                due.append(request)
+        return due
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._num_queued or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests, swapped-out ones included."""
+        return self._num_queued
+
+    @property
+    def num_swapped(self) -> int:
+        return self._num_swapped
+
+    def queued(self) -> list[Request]:
+        """Queued requests in the order they would start."""
+        return [r for _, r in sorted(self._queue, key=lambda e: e[0]) if r.status in QUEUED]
 
     # -- the step plan -------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
+        self._step += 1
+        if self._host_blocks_to_free:
+            self.host_allocator.free(self._host_blocks_to_free)
+            self._host_blocks_to_free = []
         plan = StepPlan()
-        # 1. Decodes first; preempt from the back of the running list when blocks run out.
-        for request in list(self.running):
-            if len(plan.chunks) == self.config.max_batch_tokens:  # so far every chunk is one token
-                break
-            if request.status is RequestStatus.RUNNING and request.is_decoding:
-                if self._grow_or_preempt(request, plan):
-                    plan.chunks.append(ScheduledChunk(request, request.num_computed, 1))
-        budget = self.config.max_batch_tokens - plan.num_tokens
+        while True:
+            self._plan_decodes(plan)
+            self._plan_prefills(plan)
+            if plan.chunks or not self.running:
+                return plan
+            # Every running request is stuck mid-prompt with no free block: preempt a
+            # victim so the others can go on, and plan again.
+            self._preempt_one(plan)
 
-        # 2. Running requests part-way through their prompt take their next chunk.
+    def _plan_decodes(self, plan: StepPlan) -> None:
+        """1. Decodes first; preempt victims when blocks run out."""
+        decoding = [r for r in self.running if r.is_decoding]
+        cap = self._decode_cap
+        if len(decoding) > cap:
+            decoding = sorted(decoding, key=lambda r: r.queue_key)[:cap]
+        for request in decoding:
+            if request.status is RequestStatus.RUNNING and self._grow(request, request.num_computed + 1, plan):
+                plan.chunks.append(ScheduledChunk(request, request.num_computed, 1))
+
+    def _plan_prefills(self, plan: StepPlan) -> None:
+        """2. Prompt chunks under the prefill sub-budget; swap-ins and admissions in queue order."""
+        config = self.config
+        num_decodes = len(plan.chunks)
+        budget = min(config.max_prefill_tokens, config.max_batch_tokens - num_decodes)
+
+        # Running requests part-way through their prompt take their next chunk.
         for request in self.running:
             if budget == 0:
                 break
             if not request.is_decoding:
-                n = self._chunk_that_fits(request, budget)
-                if n:
-                    plan.chunks.append(ScheduledChunk(request, request.num_computed, n))
-                    budget -= n
+                budget -= self._add_prefill_chunk(request, budget, plan)
 
-        # 3. Admit waiting requests, first come first served.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            request = self.waiting[0]
-            n = self._chunk_that_fits(request, budget)
-            if n == 0:
-                break  # out of blocks: keep FCFS order, wait for blocks to free up
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.chunks.append(ScheduledChunk(request, request.num_computed, n))
-            budget -= n
-
-        if not plan.chunks and self.running:
-            # Every running request is stuck mid-prompt with no free block: give the
-            # newest one's blocks to the others and try again.
-            self._preempt(self.running[-1], plan)
-            retry = self.schedule()
-            retry.preempted[:0] = plan.preempted
-            return retry
-        return plan
+        # The queue's head starts, while it fits.
+        while self._num_queued and len(self.running) < config.max_running_requests:
+            request = self._head()
+            if request in plan.preempted:
+                break  # never back in the step that preempted it
+            if request.status is RequestStatus.SWAPPED:
+                # Back in only with room for its next token, so it runs this step.
+                if blocks_needed(request.num_computed + 1, self.block_size) > self.allocator.num_free:
+                    break
+                if request.is_decoding:
+                    if num_decodes == self._decode_cap or plan.num_tokens == config.max_batch_tokens:
+                        break
+                    self._dequeue()
+                    self._swap_in(request, plan)
+                    self._grow(request, request.num_computed + 1, plan, may_preempt=False)
+                    plan.chunks.append(ScheduledChunk(request, request.num_computed, 1))
+                    num_decodes += 1
+                    budget = min(budget, config.max_batch_tokens - plan.num_tokens)
+                    continue
+                if budget == 0:
+                    break
+                self._dequeue()
+                self._swap_in(request, plan)
+                budget -= self._add_prefill_chunk(request, budget, plan)
+                continue
+            if budget == 0 or self._largest_chunk(request, budget) == 0:
+                break  # no budget or no blocks: keep the queue's order, wait
+            self._dequeue()
+            self._start_running(request)
+            budget -= self._add_prefill_chunk(request, budget, plan)
 
     # -- helpers -------------------------------------------------------------------
 
-    def _chunk_that_fits(self, request: Request, budget: int) -> int:
-        """Allocate blocks for the largest prefill chunk that fits; return its length."""
+    @property
+    def _decode_cap(self) -> int:
+        return min(self.config.max_decode_tokens, self.config.max_batch_tokens)
+
+    def _largest_chunk(self, request: Request, budget: int) -> int:
+        """The longest prompt chunk of `request` that the budget and the free blocks allow."""
         remaining = request.num_tokens - request.num_computed
-        n = min(remaining, budget, self.config.max_prefill_chunk)
         have = len(request.block_ids) * self.block_size - request.num_computed
-        n = min(n, have + self.allocator.num_free * self.block_size)
-        if n > 0:
+        return max(0, min(remaining, budget, self.config.max_prefill_chunk,
+                          have + self.allocator.num_free * self.block_size))
+
+    def _add_prefill_chunk(self, request: Request, budget: int, plan: StepPlan) -> int:
+        """Plan (and allocate blocks for) the largest chunk that fits; return its length."""
+        n = self._largest_chunk(request, budget)
+        if n:
             self._allocate(request, request.num_computed + n)
-        return max(n, 0)
+            plan.chunks.append(ScheduledChunk(request, request.num_computed, n))
+        return n
 
-    def _grow_or_preempt(self, request: Request, plan: StepPlan) -> bool:
-        """Make room for one more token of `request`, preempting later requests if needed.
+    def _grow(self, request: Request, num_tokens: int, plan: StepPlan, may_preempt: bool = True) -> bool:
+        """Give `request` blocks for `num_tokens` tokens, preempting victims if needed.
 
-        Returns False if `request` itself had to be preempted.
+        Returns False if it could not: `request` was itself the victim, or preempting
+        was not allowed.
         """
-        need = blocks_needed(request.num_computed + 1, self.block_size) - len(request.block_ids)
+        need = blocks_needed(num_tokens, self.block_size) - len(request.block_ids)
         while need > self.allocator.num_free:
-            victim = self.running[-1]
-            self._preempt(victim, plan)
-            if victim is request:
+            if not may_preempt:
                 return False
-        self._allocate(request, request.num_computed + 1)
+            if self._preempt_one(plan) is request:
+                return False
+        self._allocate(request, num_tokens)
         return True
 
-    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+    def _preempt_one(self, plan: StepPlan) -> Request:
+        """Preempt a running request (see the module doc for the order); return it."""
+        # Swapping keeps a victim's progress, so it may go to whoever has run longest.
+        victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
+        computed_blocks = victim.block_ids[: blocks_needed(victim.num_computed, self.block_size)]
+        host = self.host_allocator
+        if computed_blocks and host is not None and host.num_free >= len(computed_blocks):
+            victim.host_block_ids = [host.allocate() for _ in computed_blocks]
+            plan.swap_out.extend(zip(computed_blocks, victim.host_block_ids))
+            self._remove_running(victim, plan)
+            self._enqueue(victim, RequestStatus.SWAPPED)
+            return victim
+        # Recomputing throws progress away: take the last in queue order, so the first
+        # always goes on and preemption cannot go round in circles.
+        victim = max(self.running, key=lambda r: (-r.priority, r.queue_key))
+        self._remove_running(victim, plan)
+        victim.num_computed = 0  # recompute prompt + outputs when it runs again
+        self._enqueue(victim, RequestStatus.WAITING)
+        return victim
+
+    def _remove_running(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
         plan.chunks = [c for c in plan.chunks if c.request is not victim]
-        self._release(victim)
-        victim.num_computed = 0  # recompute prompt + outputs when readmitted
-        victim.status = RequestStatus.WAITING
-        self.waiting.appendleft(victim)
         plan.preempted.append(victim)
+        self._release(victim)
+
+    def _swap_in(self, request: Request, plan: StepPlan) -> None:
+        request.block_ids = [self.allocator.allocate() for _ in request.host_block_ids]
+        plan.swap_in.extend(zip(request.host_block_ids, request.block_ids))
+        self._host_blocks_to_free.extend(request.host_block_ids)
+        request.host_block_ids = []
+        plan.resumed.append(request)
+        self._start_running(request)
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        request.running_since_step = self._step
+        self.running.append(request)
+
+    def _enqueue(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        heapq.heappush(self._queue, (request.queue_key, request))
+        self._num_queued += 1
+        self._num_swapped += status is RequestStatus.SWAPPED
+
+    def _head(self) -> Request:
+        while self._queue[0][1].status not in QUEUED:
+            heapq.heappop(self._queue)  # finished while queued
+        return self._queue[0][1]
+
+    def _dequeue(self) -> None:
+        """Take the head (as `_head` left it) off the queue."""
+        request = heapq.heappop(self._queue)[1]
+        self._num_queued -= 1
+        self._num_swapped -= request.status is RequestStatus.SWAPPED
 
     def _allocate(self, request: Request, num_tokens: int) -> None:
         for _ in range(blocks_needed(num_tokens, self.block_size) - len(request.block_ids)):

@@ -1,0 +1,72 @@
+"""The host KV pool: where preempted requests' blocks wait in CPU memory.
+
+It mirrors the device cache's layout, `[layers, 2, num_blocks, block_size, kv_heads,
+head_dim]`, so a swap is one batched copy per direction per step: gather the listed
+blocks of every layer at once, copy, scatter into their new ids. On CUDA the host pool
+is pinned and the copies run on their own stream; the step's forward waits for them
+on the compute stream before it reads the swapped-in blocks. On a CPU-only machine
+both pools are host memory and the same code runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gpu.kv_cache import PagedKVCache
+
+
+class HostKVPool:
+    def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the host pool needs at least one block")
+        self.device_cache = device_cache
+        self.num_blocks = num_blocks
+        device = device_cache.blocks.device
+        self.on_cuda = device.type == "cuda"
+        shape = device_cache.shape.blocks_shape(num_blocks, device_cache.block_size)
+        # Never read before a swap-out writes it, so it need not be zeroed (or touched).
+        self.blocks = torch.empty(shape, dtype=device_cache.blocks.dtype, pin_memory=self.on_cuda)
+        self.stream = torch.cuda.Stream(device) if self.on_cuda else None
+
+    @classmethod
+    def from_budget(cls, device_cache: PagedKVCache, memory_bytes: int) -> HostKVPool | None:
+        """As many blocks as `memory_bytes` holds; None if not even one."""
+        block_bytes = device_cache.blocks[:, :, 0].numel() * device_cache.blocks.element_size()
+        num_blocks = memory_bytes // block_bytes
+        return cls(device_cache, num_blocks) if num_blocks else None
+
+    @torch.inference_mode()
+    def swap(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]]) -> None:
+        """Copy (device, host) block pairs out, then (host, device) pairs in."""
+        if not swap_out and not swap_in:
+            return
+        device_blocks = self.device_cache.blocks
+        if not self.on_cuda:
+            if swap_out:
+                device_ids, host_ids = _ids(swap_out, device_blocks.device)
+                self.blocks.index_copy_(2, host_ids, device_blocks.index_select(2, device_ids))
+            if swap_in:
+                host_ids, device_ids = _ids(swap_in, device_blocks.device)
+                device_blocks.index_copy_(2, device_ids, self.blocks.index_select(2, host_ids))
+            return
+
+        compute = torch.cuda.current_stream(device_blocks.device)
+        self.stream.wait_stream(compute)  # the blocks going out were written by earlier steps
+        with torch.cuda.stream(self.stream):
+            if swap_out:
+                device_ids, host_ids = _ids(swap_out, device_blocks.device)
+                staged = device_blocks.index_select(2, device_ids).to("cpu", non_blocking=True)
+                self.stream.synchronize()  # the host scatter below reads what just arrived
+                self.blocks.index_copy_(2, host_ids.cpu(), staged)
+            if swap_in:
+                host_ids, device_ids = _ids(swap_in, device_blocks.device)
+                staged = self.blocks.index_select(2, host_ids.cpu()).pin_memory()
+                device_blocks.index_copy_(2, device_ids, staged.to(device_blocks.device, non_blocking=True))
+        compute.wait_stream(self.stream)  # the forward reads the swapped-in blocks
+
+
+def _ids(pairs: Sequence[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.tensor(pairs, dtype=torch.long, device=device)
+    return ids[:, 0], ids[:, 1]
