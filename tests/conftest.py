@@ -10,6 +10,7 @@ from workers.engine import Engine
 from workers.model_loader import LoadedModel, load_model
 
 TEST_KV_MEMORY = 128 << 20
+TEST_SWAP_MEMORY = 64 << 20
 
 
 @pytest.fixture(scope="session")
@@ -29,10 +30,11 @@ def make_engine(smollm2):
     """Build engines over the shared model; after the test, all their blocks must be free."""
     engines: list[Engine] = []
 
-    def build(loaded: LoadedModel | None = None, kv_memory_bytes: int = TEST_KV_MEMORY, **scheduler) -> Engine:
+    def build(loaded: LoadedModel | None = None, kv_memory_bytes: int = TEST_KV_MEMORY,
+              swap_memory_bytes: int = TEST_SWAP_MEMORY, **scheduler) -> Engine:
         config = EngineConfig(
             model=ModelConfig(),
-            cache=CacheConfig(kv_memory_bytes=kv_memory_bytes),
+            cache=CacheConfig(kv_memory_bytes=kv_memory_bytes, swap_memory_bytes=swap_memory_bytes),
             scheduler=SchedulerConfig(**scheduler),
         )
         engine = Engine(loaded or smollm2, config)
@@ -43,10 +45,13 @@ def make_engine(smollm2):
     for engine in engines:
         assert not engine.has_unfinished(), "a test left requests in the engine"
         assert engine.allocator.num_free == engine.allocator.num_blocks, "KV blocks leaked"
+        host = engine.host_allocator
+        assert host is None or host.num_free == host.num_blocks, "host KV blocks leaked"
 
 
 def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = None, max_steps: int = 10_000):
-    """Step until idle; `arrivals[step]` lists (request_id, prompt, params) added before that step.
+    """Step until idle; `arrivals[step]` lists `add_request` arguments (request_id, prompt,
+    params[, priority, deadline]) added before that step.
 
     Returns {request_id: (token_ids, final_event, text)}.
     """
@@ -57,8 +62,8 @@ def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = 
     tokens: dict[str, list[int]] = {}
     texts: dict[str, str] = {}
     for step in range(max_steps):
-        for request_id, prompt, params in arrivals.pop(step, []):
-            engine.add_request(request_id, prompt, params)
+        for arguments in arrivals.pop(step, []):
+            engine.add_request(*arguments)
         if not arrivals and not engine.has_unfinished():
             break
         for event in engine.step():

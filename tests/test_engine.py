@@ -59,16 +59,55 @@ def test_greedy_batch_equals_generate_alone(make_engine, expected, chunk):
     assert max(r.num_tokens for r in engine.step_records) <= 96
 
 
-def test_preempted_request_recomputes_to_the_same_tokens(make_engine, expected):
-    """A KV pool too small for everyone forces preemption; outputs stay exact."""
-    engine = make_engine(kv_memory_bytes=8 * 16 * 46080)  # 8 blocks of 16 tokens
+BLOCK_BYTES = 16 * 46080  # one block of 16 tokens of SmolLM2's K/V in float32
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "recomputed"])
+def test_preempted_requests_produce_the_same_tokens(make_engine, expected, swap):
+    """A KV pool too small for everyone forces preemption: requests swapped out to the
+    host pool and back in, or recomputed, still produce exactly their greedy tokens."""
+    engine = make_engine(kv_memory_bytes=8 * BLOCK_BYTES, swap_memory_bytes=(64 << 20) if swap else 0)
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    chosen = ["p1", "p3", "p8"]
+    chosen = ["p1", "p3", "p8", "p6"]
     arrivals = {0: [(rid, expected[rid][0], params) for rid in chosen]}
     results = run_to_completion(engine, arrivals)
-    assert sum(r.num_preempted for r in engine.step_records) > 0
+    records = engine.step_records
+    assert sum(r.num_preempted for r in records) > 0
+    swapped_out = sum(r.num_blocks_swapped_out for r in records)
+    swapped_in = sum(r.num_blocks_swapped_in for r in records)
+    if swap:
+        assert swapped_out > 0 and swapped_in == swapped_out
+    else:
+        assert swapped_out == swapped_in == 0
     for rid in chosen:
         assert results[rid][0] == expected[rid][1], rid
+
+
+def test_higher_priority_runs_first(make_engine, expected):
+    engine = make_engine(max_running_requests=1)
+    params = SamplingParams(max_tokens=3)
+    arrivals = {0: [("low", expected["p1"][0], params, -5), ("mid", expected["p2"][0], params, 0),
+                    ("high", expected["p3"][0], params, 5)]}
+    results = run_to_completion(engine, arrivals)
+    first_tokens = sorted(results, key=lambda rid: results[rid][1].timings.first_token_s)
+    assert first_tokens == ["high", "mid", "low"]
+
+
+def test_deadlines_end_waiting_and_running_requests(make_engine, expected):
+    import time
+
+    engine = make_engine(max_running_requests=1)
+    engine.add_request("late", expected["p1"][0], SamplingParams(max_tokens=5), 0, time.time() - 1)
+    engine.add_request("runs", expected["p3"][0], SamplingParams(max_tokens=500, ignore_eos=True), 0,
+                       time.time() + 1.0)
+    engine.add_request("queued", expected["p2"][0], SamplingParams(max_tokens=500), 0, time.time() + 0.5)
+    engine.add_request("after", expected["p2"][0], SamplingParams(max_tokens=3), 0)
+    results = run_to_completion(engine)
+    assert results["late"][1].finish_reason is FinishReason.DEADLINE and results["late"][0] == []
+    assert results["queued"][1].finish_reason is FinishReason.DEADLINE and results["queued"][0] == []
+    tokens, final, _ = results["runs"]
+    assert final.finish_reason is FinishReason.DEADLINE and 0 < len(tokens) < 500
+    assert results["after"][1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
 def test_text_events_concatenate_to_the_decoded_output(make_engine, smollm2):
@@ -166,6 +205,10 @@ BAD_INPUTS = [
     ("stop token ids not ints", "Hi", SamplingParams(stop_token_ids=("a",))),
     ("malformed chat", [{"role": "user"}], SamplingParams()),
     ("prompt of the wrong type", 42, SamplingParams()),
+    ("priority above the range", "Hi", SamplingParams(), 11),
+    ("priority not an integer", "Hi", SamplingParams(), 1.5),
+    ("deadline not a number", "Hi", SamplingParams(), 0, "soon"),
+    ("deadline not finite", "Hi", SamplingParams(), 0, float("inf")),
 ]
 
 
@@ -173,10 +216,10 @@ def test_bad_input_fails_only_that_request(make_engine, expected):
     engine = make_engine()
     prompt_ids, want = expected["p1"]
     engine.add_request("good", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
-    for name, prompt, params in BAD_INPUTS:
-        engine.add_request(name, prompt, params)
+    for name, *arguments in BAD_INPUTS:
+        engine.add_request(name, *arguments)
     results = run_to_completion(engine)
-    for name, _, _ in BAD_INPUTS:
+    for name, *_ in BAD_INPUTS:
         token_ids, final, _ = results[name]
         assert final.finish_reason is FinishReason.ERROR, name
         assert final.error and token_ids == [], name

@@ -157,7 +157,10 @@ class Engine:
         num_decode = plan.num_decode_tokens
         sampling = [c.request for c in plan.chunks if c.samples]
         try:
-            output = self.runner.execute(plan)
+            try:
+                output = self.runner.execute(plan)
+            finally:
+                self.scheduler.swaps_done(plan)
             token_ids = self.sampler.sample(
                 output.logits,
                 [r.params for r in sampling],

@@ -35,8 +35,8 @@ is preempted and returns to the queue under its original key, keeping its place:
 A request is never swapped back in during the step that swapped it out.
 
 **Swaps** are listed in the plan as (device block, host block) pairs, to be copied
-before the step's forward: all swap-outs, then all swap-ins. Host blocks freed by a
-swap-in are reused only from the next step, once their copy has been made.
+before the step's forward: all swap-outs, then all swap-ins. The host blocks a
+swap-in reads are freed when the runner reports the copies made (`swaps_done`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,6 @@ class Scheduler:
         self._num_swapped = 0
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished entries dropped lazily
         self._order = itertools.count()
-        self._host_blocks_to_free: list[int] = []  # read by this step's swap-ins
         self._step = 0
         self._priority_weight = config.priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
 
@@ -149,6 +148,11 @@ class Scheduler:
                 due.append(request)
         return due
 
+    def swaps_done(self, plan: StepPlan) -> None:
+        """The runner has made the plan's copies: the host blocks swapped in are free again."""
+        if plan.swap_in:
+            self.host_allocator.free([host for host, _ in plan.swap_in])
+
     def has_unfinished(self) -> bool:
         return bool(self._num_queued or self.running)
 
@@ -169,9 +173,6 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._step += 1
-        if self._host_blocks_to_free:
-            self.host_allocator.free(self._host_blocks_to_free)
-            self._host_blocks_to_free = []
         plan = StepPlan()
         while True:
             self._plan_decodes(plan)
@@ -301,8 +302,7 @@ class Scheduler:
     def _swap_in(self, request: Request, plan: StepPlan) -> None:
         request.block_ids = [self.allocator.allocate() for _ in request.host_block_ids]
         plan.swap_in.extend(zip(request.host_block_ids, request.block_ids))
-        self._host_blocks_to_free.extend(request.host_block_ids)
-        request.host_block_ids = []
+        request.host_block_ids = []  # freed by `swaps_done`, once they have been read
         plan.resumed.append(request)
         self._start_running(request)
 
