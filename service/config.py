@@ -62,7 +62,10 @@ class SchedulerConfig:
     max_batch_tokens: int = 512
     # Prompt tokens one step may process, all requests together: what bounds a step's
     # cost, and so the inter-token latency of running requests, when prompts flood in.
-    max_prefill_tokens: int = 512
+    # Lower protects running streams more and costs throughput: on the 2-core dev CPU,
+    # 128 keeps 98% of the throughput of 512; 48 holds a prefill storm's steps under
+    # 2x a decode-only step (see `inflight bench --scenario storm`).
+    max_prefill_tokens: int = 128
     # Decode tokens one step may process (one per decoding request).
     max_decode_tokens: int = 256
     # Most tokens of one prompt processed in one step (chunked prefill).

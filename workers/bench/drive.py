@@ -6,7 +6,6 @@ that produced an event returns, as a caller of the engine would see it.
 
 from __future__ import annotations
 
-import gc
 import random
 import time
 from collections.abc import Callable
@@ -64,8 +63,3 @@ class Driver:
 def random_prompts(rng: random.Random, count: int, length: tuple[int, int], vocab_ids: list[int]) -> list[list[int]]:
     return [[rng.choice(vocab_ids) for _ in range(rng.randint(*length))] for _ in range(count)]
 
-
-def release(engine) -> None:
-    """Drop an engine's KV pools before the next one allocates its own."""
-    del engine
-    gc.collect()

@@ -1,6 +1,10 @@
 """`inflight bench`: the engine and its peers on one seeded workload, in one run.
 
-The parent process only orchestrates: each system runs in its own child process
+`--scenario` picks what is measured: `throughput` (the default, below) or one of the
+scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, each described in
+its own module (they run in this process and compare the engine with itself).
+
+For `throughput`, the parent process only orchestrates: each system runs in its own child process
 (`python -m workers.bench --child JOB --out RESULT`) that loads the model itself, so
 peak RSS is per system and one system's allocations cannot slow another. Order:
 
@@ -26,11 +30,15 @@ from pathlib import Path
 from service.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
+SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from workers.bench import priority, scheduler_cost, storm, swap
+
+    parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[20, 400], metavar=("MIN", "MAX"),
                         help="prompt length range in tokens (inclusive)")
@@ -46,10 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
+    for scenario in (storm, priority, swap, scheduler_cost):
+        scenario.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark as `args` asks; prints a table, writes JSON/PNG, returns the report."""
+    if args.scenario != "throughput":
+        return run_scenario(args)
     from workers.bench.metrics import summarize
     from workers.bench.report import build_report, format_table, write_json, write_png
     from workers.bench.workload import Workload
@@ -105,6 +117,47 @@ def run(args: argparse.Namespace) -> dict:
     report_paths = ", ".join(str(p) for p in (args.json, png) if p is not None)
     print(format_table(report))
     print(f"wrote {report_paths}")
+    return report
+
+
+def run_scenario(args: argparse.Namespace) -> dict:
+    """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
+    import torch
+
+    from workers.bench import priority, scheduler_cost, storm, swap
+    from workers.bench.report import write_json
+
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    if args.scenario == "scheduler":
+        figures = scheduler_cost.run(args)
+    else:
+        from service.config import ModelConfig
+        from workers.bench.workload import allowed_token_ids, special_token_ids
+        from workers.model_loader import load_model
+
+        loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
+        vocab = min(len(loaded.tokenizer), loaded.model.config.vocab_size)
+        vocab_ids = allowed_token_ids(vocab, special_token_ids(loaded.tokenizer))
+        module = {"storm": storm, "priority": priority, "swap": swap}[args.scenario]
+        figures = module.run(loaded, args, vocab_ids)
+    report = {
+        "scenario": args.scenario,
+        args.scenario: figures,
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "dtype": args.dtype,
+            "seed": args.seed,
+            "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "elapsed_s": time.perf_counter() - started,
+        },
+    }
+    if args.json is not None:
+        write_json(report, args.json)
+    print(json.dumps({args.scenario: figures}, indent=2))
     return report
 
 

@@ -5,13 +5,15 @@ Long generations run at a steady pace; then a backlog of long prompts lands at o
 inter-token latency while the backlog is being prefilled, against their steady pace,
 with the prefill sub-budget on and with it off (set to the whole step budget).
 
-Phases, for each setting:
-1. the long generations are admitted; once all of them decode, `steady_steps` steps
-   give the steady inter-token latencies;
-2. the burst arrives; the burst window lasts until every burst request has its first
-   token (its prompt is fully prefilled); the long generations' gaps whose later token
-   falls in the window are the burst latencies;
-3. everything left is cancelled.
+Three runs of the same seeded requests:
+- `budgets_on` and `budgets_off`: the long generations are admitted and decode for
+  `steady_steps` steps, then the burst arrives. The burst window lasts until every
+  burst request has its first token (its prompt fully prefilled); the long
+  generations' gaps whose later token falls in the window are the burst latencies;
+- `steady`: the long generations alone, no burst, through the same output positions
+  as `budgets_on`'s window. A decode step costs more as contexts grow, so the steady
+  pace is taken at the same positions, not before the burst (that figure is reported
+  too, as `itl_p50_before_burst_s`).
 """
 
 from __future__ import annotations
@@ -28,17 +30,15 @@ from workers.bench.metrics import inter_token_latencies, percentile
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("storm scenario")
     group.add_argument("--storm-running", type=int, default=16, help="long generations running before the burst")
-    group.add_argument("--storm-burst", type=int, default=64, help="requests in the burst")
+    group.add_argument("--storm-burst", type=int, default=32, help="requests in the burst")
     group.add_argument("--storm-prompt-len", type=int, nargs=2, default=[200, 800], metavar=("MIN", "MAX"),
                        help="burst prompt lengths")
     group.add_argument("--storm-output-len", type=int, default=16, help="burst output length")
-    group.add_argument("--storm-prefill-tokens", type=int, default=SchedulerConfig().max_prefill_tokens,
-                       help="max_prefill_tokens with budgets on (default: the engine's default, %(default)s)")
+    group.add_argument("--storm-prefill-tokens", type=int, default=32,
+                       help="max_prefill_tokens with budgets on (default: %(default)s, a latency-first setting)")
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    from workers.engine import Engine
-
     base = SchedulerConfig()
     settings = {
         "budgets_on": args.storm_prefill_tokens,
@@ -46,29 +46,49 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     }
     report = {}
     for name, max_prefill_tokens in settings.items():
-        scheduler = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
-        engine = Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), scheduler=scheduler))
-        report[name] = _run_once(engine, args, vocab_ids) | {"max_prefill_tokens": max_prefill_tokens,
-                                                            "max_batch_tokens": scheduler.max_batch_tokens}
-        del engine
+        drive, steady_start = _start(loaded, args, vocab_ids, max_prefill_tokens)
+        report[name] = _burst(drive, steady_start, args, vocab_ids) | {"max_prefill_tokens": max_prefill_tokens,
+                                                        "max_batch_tokens": base.max_batch_tokens}
+        del drive
         gc.collect()
+
+    # The steady pace at the positions budgets_on's burst window covered.
+    window = report["budgets_on"].pop("positions")
+    report["budgets_off"].pop("positions")
+    drive, _ = _start(loaded, args, vocab_ids, args.storm_prefill_tokens)
+    drive.run_until(lambda: all(len(drive.token_times[r]) > last for r, (_, last) in window.items()))
+    steady = [gap for r, (first, last) in window.items()
+              for gap in inter_token_latencies(drive.token_times[r])[first - 1:last]]
+    _cancel_all(drive)
+    report["steady"] = {"itl_p50_s": percentile(steady, 50), "itl_p99_s": percentile(steady, 99)}
+    for name in settings:
+        report[name]["itl_p50_steady_s"] = report["steady"]["itl_p50_s"]
     on, off = report["budgets_on"], report["budgets_off"]
     report["burst_p99_over_steady_p50"] = on["itl_p99_burst_s"] / on["itl_p50_steady_s"]
     report["off_p99_over_on_p99"] = off["itl_p99_burst_s"] / on["itl_p99_burst_s"]
     return report
 
 
-def _run_once(engine, args: argparse.Namespace, vocab_ids: list[int], steady_steps: int = 40) -> dict:
+def _start(loaded, args: argparse.Namespace, vocab_ids: list[int], max_prefill_tokens: int,
+           steady_steps: int = 40) -> tuple[Driver, float]:
+    """An engine with the long generations decoding for `steady_steps` steps, and when those began."""
+    from workers.engine import Engine
+
+    scheduler = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
+    drive = Driver(Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), scheduler=scheduler)))
     rng = random.Random(args.seed)
-    drive = Driver(engine)
-    long_ids = [f"long-{i}" for i in range(args.storm_running)]
-    for request_id, prompt in zip(long_ids, random_prompts(rng, len(long_ids), (32, 96), vocab_ids)):
-        drive.add(request_id, prompt, output_len=4000)
-    drive.run_until(lambda: all(drive.token_times[r] for r in long_ids))
+    for i, prompt in enumerate(random_prompts(rng, args.storm_running, (32, 96), vocab_ids)):
+        drive.add(f"long-{i}", prompt, output_len=4000)
+    drive.run_until(lambda: all(drive.token_times.values()))
     steady_start = drive.now()
     for _ in range(steady_steps):
         drive.step()
+    return drive, steady_start
 
+
+def _burst(drive: Driver, steady_start: float, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    long_ids = list(drive.token_times)
+    rng = random.Random(args.seed + 1)
     burst_ids = [f"burst-{i}" for i in range(args.storm_burst)]
     burst_prompts = random_prompts(rng, len(burst_ids), tuple(args.storm_prompt_len), vocab_ids)
     burst_start = drive.now()
@@ -78,22 +98,21 @@ def _run_once(engine, args: argparse.Namespace, vocab_ids: list[int], steady_ste
     drive.run_until(lambda: all(drive.token_times[r] for r in burst_ids))
     burst_end = drive.now()
     burst_steps = drive.num_steps - first_burst_step
-    for request_id in long_ids + burst_ids:
-        engine.cancel(request_id)
-    drive.drain()
+    _cancel_all(drive)
 
-    def gaps(start: float, end: float) -> list[float]:
-        out = []
-        for request_id in long_ids:
-            times = drive.token_times[request_id]
-            out += [gap for gap, t in zip(inter_token_latencies(times), times[1:]) if start < t <= end]
-        return out
-
-    steady, burst = gaps(steady_start, burst_start), gaps(burst_start, burst_end)
+    before, burst, positions = [], [], {}
+    for request_id in long_ids:
+        times = drive.token_times[request_id]
+        for index, (gap, t) in enumerate(zip(inter_token_latencies(times), times[1:]), start=1):
+            if steady_start < t <= burst_start:
+                before.append(gap)
+            elif burst_start < t <= burst_end:
+                burst.append(gap)
+                first, _ = positions.get(request_id, (index, index))
+                positions[request_id] = (first, index)  # token indexes whose gaps fall in the window
     ttfts = [drive.first_token_s(r) for r in burst_ids]
     return {
-        "itl_p50_steady_s": percentile(steady, 50),
-        "itl_p99_steady_s": percentile(steady, 99),
+        "itl_p50_before_burst_s": percentile(before, 50),
         "itl_p50_burst_s": percentile(burst, 50),
         "itl_p99_burst_s": percentile(burst, 99),
         "itl_max_burst_s": max(burst),
@@ -102,4 +121,11 @@ def _run_once(engine, args: argparse.Namespace, vocab_ids: list[int], steady_ste
         "burst_prompt_tokens": sum(len(p) for p in burst_prompts),
         "burst_ttft_p50_s": percentile(ttfts, 50),
         "burst_ttft_p99_s": percentile(ttfts, 99),
+        "positions": positions,
     }
+
+
+def _cancel_all(drive: Driver) -> None:
+    for request_id in drive.token_times:
+        drive.engine.cancel(request_id)
+    drive.drain()

@@ -1,0 +1,73 @@
+"""`inflight bench --scenario priority`: urgent requests against a low-priority backlog.
+
+A backlog of low-priority requests is queued at once; then high-priority requests
+arrive one by one while the backlog is being served. Reported: each class's time to
+first token, the worst low-priority wait, and the aging bound at work — the latest
+a request that started before a low-priority one arrived after it, which the
+scheduler keeps within `priority_bound_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+from service.config import EngineConfig, ModelConfig, SchedulerConfig
+from workers.bench.drive import Driver, random_prompts
+from workers.bench.metrics import percentile
+from workers.request import PRIORITY_MAX, PRIORITY_MIN
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("priority scenario")
+    group.add_argument("--priority-low", type=int, default=1000, help="low-priority requests queued at t0")
+    group.add_argument("--priority-high", type=int, default=40, help="high-priority requests arriving afterwards")
+    group.add_argument("--priority-high-every", type=float, default=1.0,
+                       help="seconds between high-priority arrivals (the first at that offset)")
+    group.add_argument("--priority-bound", type=float, default=SchedulerConfig().priority_bound_s,
+                       help="the scheduler's priority_bound_s (default: %(default)s)")
+
+
+def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    from workers.engine import Engine
+
+    scheduler = SchedulerConfig(priority_bound_s=args.priority_bound)
+    engine = Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), scheduler=scheduler))
+    rng = random.Random(args.seed)
+    drive = Driver(engine)
+    low_ids = [f"low-{i}" for i in range(args.priority_low)]
+    for request_id, prompt in zip(low_ids, random_prompts(rng, len(low_ids), (8, 32), vocab_ids)):
+        drive.add(request_id, prompt, output_len=rng.randint(2, 8), priority=PRIORITY_MIN)
+    high = [(f"high-{i}", (i + 1) * args.priority_high_every) for i in range(args.priority_high)]
+    high_prompts = random_prompts(rng, len(high), (8, 32), vocab_ids)
+    pending = list(zip(high, high_prompts))
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0][1] <= drive.now():
+            (request_id, _), prompt = pending.pop(0)
+            drive.add(request_id, prompt, output_len=rng.randint(2, 8), priority=PRIORITY_MAX)
+        drive.step()
+
+    high_ids = [request_id for request_id, _ in high]
+    first_token = {r: drive.token_times[r][0] for r in low_ids + high_ids}
+    low_ttft = [drive.first_token_s(r) for r in low_ids]
+    high_ttft = [drive.first_token_s(r) for r in high_ids]
+    # Aging at work: for each low request, the latest-arriving request whose first token
+    # came before its own; how much later than it that one arrived.
+    overtaken_by = [
+        max((drive.arrivals[h] - drive.arrivals[low] for h in high_ids if first_token[h] < first_token[low]),
+            default=0.0)
+        for low in low_ids
+    ]
+    return {
+        "low_requests": len(low_ids),
+        "high_requests": len(high_ids),
+        "high_ttft_p50_s": percentile(high_ttft, 50),
+        "high_ttft_p99_s": percentile(high_ttft, 99),
+        "low_ttft_p50_s": percentile(low_ttft, 50),
+        "low_ttft_p99_s": percentile(low_ttft, 99),
+        "low_wait_max_s": max(low_ttft),
+        "low_overtaken_by_max_s": max(overtaken_by),
+        "priority_bound_s": args.priority_bound,
+        "wall_s": drive.now(),
+        "steps": drive.num_steps,
+    }
