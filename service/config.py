@@ -75,7 +75,7 @@ class SchedulerConfig:
     # Aging: a request is never overtaken in the queue by one that arrived more than
     # this many seconds after it, whatever their priorities. Within that window each
     # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
-    # of waiting.
+    # of waiting. 0 ignores priorities: first come, first served.
     priority_bound_s: float = 30.0
 
     def __post_init__(self) -> None:

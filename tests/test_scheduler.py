@@ -183,6 +183,16 @@ def test_without_contention_higher_priority_starts_first_and_equal_priority_is_f
     assert started == ["r4", "r1", "r3", "r0", "r6", "r2", "r5"]
 
 
+@settings(max_examples=100, deadline=None)
+@given(priorities=st.lists(st.integers(PRIORITY_MIN, PRIORITY_MAX), min_size=1, max_size=20))
+def test_without_contention_start_order_is_priority_then_arrival(priorities):
+    s = make(max_running_requests=1)
+    requests = [request(f"r{i}", 2, max_tokens=1, priority=p) for i, p in enumerate(priorities)]
+    started = [c.request.request_id for plan in run(s, requests) for c in plan.chunks if c.start == 0]
+    want = sorted(range(len(priorities)), key=lambda i: (-priorities[i], i))
+    assert started == [f"r{i}" for i in want]
+
+
 def test_aging_a_request_is_never_overtaken_by_one_arriving_more_than_the_bound_later():
     bound = 30.0
     s = make(max_running_requests=1, priority_bound_s=bound)

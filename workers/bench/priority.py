@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 
 from service.config import EngineConfig, ModelConfig, SchedulerConfig
 from workers.bench.drive import Driver, random_prompts
@@ -45,7 +46,10 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
         while pending and pending[0][0][1] <= drive.now():
             (request_id, _), prompt = pending.pop(0)
             drive.add(request_id, prompt, output_len=rng.randint(2, 8), priority=PRIORITY_MAX)
-        drive.step()
+        if engine.has_unfinished():
+            drive.step()
+        elif pending:
+            time.sleep(max(0.0, pending[0][0][1] - drive.now()))  # idle until the next arrival
 
     high_ids = [request_id for request_id, _ in high]
     first_token = {r: drive.token_times[r][0] for r in low_ids + high_ids}

@@ -20,6 +20,8 @@ from workers.bench.drive import Driver, random_prompts
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("swap scenario")
     group.add_argument("--swap-requests", type=int, default=24, help="requests, all arriving at t0")
+    group.add_argument("--swap-prompt-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
+    group.add_argument("--swap-output-len", type=int, nargs=2, default=[64, 192], metavar=("MIN", "MAX"))
     group.add_argument("--swap-pool-blocks", type=int, default=160,
                        help="device KV blocks of the small pool (default: %(default)s, about a third of the load)")
 
@@ -28,8 +30,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     from workers.engine import Engine
 
     rng = random.Random(args.seed)
-    prompts = random_prompts(rng, args.swap_requests, (64, 256), vocab_ids)
-    outputs = [rng.randint(64, 192) for _ in prompts]
+    prompts = random_prompts(rng, args.swap_requests, tuple(args.swap_prompt_len), vocab_ids)
+    outputs = [rng.randint(*args.swap_output_len) for _ in prompts]
     block_size = CacheConfig().block_size
     block_bytes = KVShape.of(loaded.model.config).bytes_per_token(loaded.model.dtype) * block_size
     small = args.swap_pool_blocks * block_bytes
@@ -57,6 +59,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
             "blocks_swapped_in": sum(r.num_blocks_swapped_in for r in records),
             "swapped_blocks_per_s": swapped / wall,
             "swap_s": sum(r.swap_s for r in records),
+            # Copy rate while swapping: K/V bytes moved over the time spent in swap copies.
+            "swap_gb_per_s": swapped * block_bytes / max(sum(r.swap_s for r in records), 1e-9) / 1e9,
             "steps": len(records),
         }
         del engine, drive

@@ -1,0 +1,66 @@
+"""The scheduler scenarios of `inflight bench`, each run tiny on the real model: they
+produce the report keys the issue names, with figures that hang together."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from workers.bench.main import add_arguments, run
+
+
+def bench(tmp_path, *argv: str) -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([*argv, "--json", str(tmp_path / "report.json")])
+    report = run(args)
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    return report
+
+
+def test_scheduler_decision_cost_is_reported(tmp_path):
+    report = bench(tmp_path, "--scenario", "scheduler", "--scheduler-running", "32",
+                   "--scheduler-waiting", "100", "--scheduler-decisions", "20")
+    figures = report["scheduler"]
+    assert figures["running"] == 32 and figures["waiting"] == 100 and figures["decisions"] == 20
+    assert 0 < figures["decision_p50_ms"] <= figures["decision_p99_ms"]
+
+
+@pytest.mark.slow
+def test_storm_compares_budgets_on_and_off_at_the_same_positions(tmp_path):
+    report = bench(tmp_path, "--scenario", "storm", "--storm-running", "2", "--storm-burst", "2",
+                   "--storm-prompt-len", "40", "60", "--storm-output-len", "2", "--storm-prefill-tokens", "8")
+    storm = report["storm"]
+    on, off = storm["budgets_on"], storm["budgets_off"]
+    for key in ("itl_p99_burst_s", "itl_p50_steady_s"):
+        assert on[key] > 0
+    assert off["itl_p99_burst_s"] > 0
+    assert on["max_prefill_tokens"] == 8 and off["max_prefill_tokens"] == off["max_batch_tokens"]
+    # With 8 prompt tokens per step the burst takes more steps than with the whole budget.
+    assert on["burst_steps"] > off["burst_steps"]
+    assert storm["burst_p99_over_steady_p50"] == pytest.approx(on["itl_p99_burst_s"] / on["itl_p50_steady_s"])
+
+
+@pytest.mark.slow
+def test_priority_scenario_high_priority_jumps_the_backlog(tmp_path):
+    report = bench(tmp_path, "--scenario", "priority", "--priority-low", "24", "--priority-high", "3",
+                   "--priority-high-every", "0.2")
+    figures = report["priority"]
+    assert figures["low_requests"] == 24 and figures["high_requests"] == 3
+    assert figures["high_ttft_p50_s"] < figures["low_ttft_p50_s"]
+    assert figures["low_overtaken_by_max_s"] <= figures["priority_bound_s"]
+
+
+@pytest.mark.slow
+def test_swap_scenario_preempts_only_with_the_small_pool(tmp_path):
+    report = bench(tmp_path, "--scenario", "swap", "--swap-requests", "4", "--swap-pool-blocks", "12",
+                   "--swap-prompt-len", "16", "32", "--swap-output-len", "40", "60")
+    swap = report["swap"]
+    assert swap["large_pool"]["preemptions"] == 0
+    assert swap["small_pool_swap"]["blocks_swapped_out"] > 0
+    assert swap["small_pool_swap"]["blocks_swapped_in"] == swap["small_pool_swap"]["blocks_swapped_out"]
+    assert swap["small_pool_recompute"]["preemptions"] > 0
+    assert swap["small_pool_recompute"]["blocks_swapped_out"] == 0
+    assert swap["swap_vs_large_pool"] > 0
