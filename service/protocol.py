@@ -1,0 +1,218 @@
+"""The wire protocol (version 1): job entries in, reply entries out. See docs/protocol.md.
+
+Pure functions over Redis field maps, no I/O: `decode_job` turns a request-stream entry
+into a `Job` or raises `ProtocolError` with a stable code; `token_fields`, `done_fields`
+and `error_fields` build reply-stream entries. A job is either flat string fields (what
+`redis-cli XADD` writes) or one `payload` field holding a msgpack map of the same fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import msgpack
+
+from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinalEvent, SamplingParams
+
+PROTOCOL_VERSION = 1
+REQUESTS_STREAM = "inflight:requests"
+CONTROL_STREAM = "inflight:control"
+# Largest accepted entry: prompt, messages and everything else together.
+MAX_ENTRY_BYTES = 1 << 20
+MAX_ID_CHARS = 200
+
+FIELDS = frozenset({"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                    "priority", "deadline_ms", "reply_to"})
+
+
+def reply_stream(request_id: str) -> str:
+    """The default reply stream; `{id}` is a Redis Cluster hash tag, so all of one
+    request's keys live in one slot."""
+    return f"inflight:out:{{{request_id}}}"
+
+
+class ProtocolError(ValueError):
+    """A job entry that cannot be served. `code` is stable; `message` is for humans.
+
+    `request_id` and `reply_to` are set when they could be read, so the error can be
+    published where the producer listens.
+    """
+
+    def __init__(self, code: str, message: str, request_id: str | None = None, reply_to: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        self.reply_to = reply_to
+
+
+@dataclass(frozen=True)
+class Job:
+    request_id: str
+    prompt: str | list[dict]
+    params: SamplingParams
+    priority: int
+    deadline_ms: int | None
+    reply_to: str
+
+
+def decode_job(entry_id: str, fields: dict) -> Job:
+    """A request-stream entry (field names and values as bytes or str) -> a `Job`."""
+    entry_id = _text(entry_id, "entry id")
+    raw = {_text(k, "field name"): v for k, v in fields.items()}
+    size = sum(len(k) + len(v if isinstance(v, (bytes, str)) else b"") for k, v in raw.items())
+    if size > MAX_ENTRY_BYTES:
+        raise ProtocolError("too_large", f"entry is {size} bytes; the limit is {MAX_ENTRY_BYTES}")
+    if "payload" in raw:
+        if len(raw) > 1:
+            raise ProtocolError("invalid_field", "an entry with `payload` must have no other fields")
+        values, typed = _unpack(raw["payload"]), True
+    else:
+        values, typed = {k: _text(v, k) for k, v in raw.items()}, False
+
+    request_id = values.get("id", entry_id)
+    if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_ID_CHARS:
+        raise ProtocolError("invalid_field", f"id must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    reply_to = values.get("reply_to", reply_stream(request_id))
+    if not isinstance(reply_to, str) or not reply_to:
+        raise ProtocolError("invalid_field", "reply_to must be a non-empty string", request_id)
+
+    def fail(code: str, message: str) -> ProtocolError:
+        return ProtocolError(code, message, request_id, reply_to)
+
+    unknown = sorted(set(values) - FIELDS)
+    if unknown:
+        raise fail("unknown_field", f"unknown field(s): {', '.join(unknown)}")
+    if ("prompt" in values) == ("messages" in values):
+        raise fail("missing_field" if "prompt" not in values else "invalid_field",
+                   "give exactly one of `prompt` and `messages`")
+    if "prompt" in values:
+        prompt = values["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise fail("invalid_field", "prompt must be a non-empty string")
+    else:
+        prompt = values["messages"] if typed else _json(values["messages"], "messages", fail)
+        if not (isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        )):
+            raise fail("invalid_field", "messages must be a non-empty list of {role, content} string maps")
+
+    def number(name: str, kind: type, default):
+        if name not in values:
+            return default
+        value = values[name]
+        if not typed:
+            try:
+                value = kind(value)
+            except ValueError:
+                raise fail("invalid_type", f"{name} must be {'an integer' if kind is int else 'a number'}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            raise fail("invalid_type", f"{name} must be {'an integer' if kind is int else 'a number'}")
+        if kind is float and not math.isfinite(value):
+            raise fail("invalid_field", f"{name} must be finite")
+        return value
+
+    stop = values.get("stop", [])
+    if not typed and "stop" in values:
+        stop = _json(stop, "stop", fail) if stop.startswith("[") else [stop]
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise fail("invalid_field", "stop must be a string or a list of non-empty strings")
+
+    defaults = SamplingParams()
+    params = SamplingParams(
+        max_tokens=number("max_tokens", int, defaults.max_tokens),
+        temperature=float(number("temperature", float, defaults.temperature)),
+        top_k=number("top_k", int, defaults.top_k),
+        top_p=float(number("top_p", float, defaults.top_p)),
+        seed=number("seed", int, None),
+        stop=tuple(stop),
+    )
+    try:
+        params.validate()
+    except ValueError as error:
+        raise fail("invalid_field", str(error)) from None
+    priority = number("priority", int, 0)
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise fail("invalid_field", f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}]")
+    deadline_ms = number("deadline_ms", int, None)
+    if deadline_ms is not None and deadline_ms < 0:
+        raise fail("invalid_field", "deadline_ms must be a unix time in milliseconds")
+    return Job(request_id, prompt, params, priority, deadline_ms, reply_to)
+
+
+# -- replies ---------------------------------------------------------------------------
+
+
+def token_fields(seq: int, text: str, token_ids: tuple[int, ...] | list[int]) -> dict[str, str | bytes]:
+    """One token event: readable fields plus the same data as msgpack in `data`."""
+    data = {"type": "token", "seq": seq, "text": text, "token_ids": list(token_ids)}
+    return {"type": "token", "seq": str(seq), "text": text, "token_ids": " ".join(map(str, token_ids)),
+            "data": msgpack.packb(data)}
+
+
+def done_fields(event: FinalEvent) -> dict[str, str | bytes]:
+    """The final event of a request that ended without error (stop, length, cancelled, deadline)."""
+    t = event.timings
+    data = {
+        "type": "done",
+        "finish_reason": event.finish_reason.value,
+        "text": event.text,
+        "usage": {"prompt_tokens": event.usage.prompt_tokens, "completion_tokens": event.usage.completion_tokens},
+        "timings": {"queue_s": t.queue_s, "first_token_s": t.first_token_s, "total_s": t.total_s},
+    }
+    return {
+        "type": "done",
+        "finish_reason": data["finish_reason"],
+        "text": event.text,
+        "prompt_tokens": str(event.usage.prompt_tokens),
+        "completion_tokens": str(event.usage.completion_tokens),
+        "queue_s": f"{t.queue_s:.6f}",
+        "first_token_s": "" if t.first_token_s is None else f"{t.first_token_s:.6f}",
+        "total_s": f"{t.total_s:.6f}",
+        "data": msgpack.packb(data),
+    }
+
+
+def error_fields(code: str, message: str) -> dict[str, str | bytes]:
+    return {"type": "error", "code": code, "message": message,
+            "data": msgpack.packb({"type": "error", "code": code, "message": message})}
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _text(value, name: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("invalid_type", f"{name} is not UTF-8") from None
+    raise ProtocolError("invalid_type", f"{name} must be a string")
+
+
+def _unpack(payload) -> dict:
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8", "surrogateescape")
+    try:
+        values = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as error:  # msgpack raises several types for bad input
+        raise ProtocolError("malformed_payload", f"payload is not valid msgpack: {type(error).__name__}") from None
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise ProtocolError("malformed_payload", "payload must be a msgpack map with string keys")
+    if "payload" in values:
+        raise ProtocolError("unknown_field", "unknown field(s): payload")
+    return values
+
+
+def _json(text: str, name: str, fail):
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise fail("invalid_type", f"{name} must be JSON in the flat form") from None

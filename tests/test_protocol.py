@@ -1,0 +1,158 @@
+"""The wire protocol's decoder and reply encoders (docs/protocol.md), fuzzed, and an
+entry written the way `redis-cli XADD` writes it to a real Redis server."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.protocol import (
+    FIELDS,
+    MAX_ENTRY_BYTES,
+    Job,
+    ProtocolError,
+    decode_job,
+    done_fields,
+    error_fields,
+    reply_stream,
+    token_fields,
+)
+from workers.request import FinalEvent, FinishReason, Timings, Usage
+
+
+def flat(**fields) -> dict[bytes, bytes]:
+    """Fields as Redis returns them: bytes."""
+    return {k.encode(): str(v).encode() for k, v in fields.items()}
+
+
+def test_flat_fields_as_redis_cli_writes_them():
+    job = decode_job(b"1700000000000-0", flat(prompt="Hello", max_tokens=32, temperature=0.5, top_p=0.9,
+                                              top_k=40, seed=7, priority=3, deadline_ms=1800000000000))
+    assert job == Job("1700000000000-0", "Hello", job.params, 3, 1800000000000, "inflight:out:{1700000000000-0}")
+    p = job.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (32, 0.5, 0.9, 40, 7)
+
+
+def test_flat_messages_and_stop_are_json_or_a_single_stop_string():
+    messages = [{"role": "user", "content": "Hi"}]
+    job = decode_job("1-0", flat(id="a", messages=json.dumps(messages), stop='["\\n", "END"]', reply_to="mine"))
+    assert (job.request_id, job.prompt, job.params.stop, job.reply_to) == ("a", messages, ("\n", "END"), "mine")
+    assert decode_job("1-0", flat(prompt="x", stop="END")).params.stop == ("END",)
+
+
+def test_msgpack_payload_carries_typed_fields():
+    payload = msgpack.packb({"id": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                             "temperature": 1, "stop": ["x"], "priority": -2})
+    job = decode_job(b"2-0", {b"payload": payload})
+    assert (job.request_id, job.params.max_tokens, job.params.temperature, job.priority) == ("b", 5, 1.0, -2)
+    assert job.reply_to == reply_stream("b") == "inflight:out:{b}"
+
+
+@pytest.mark.parametrize("fields, code", [
+    (flat(max_tokens=3), "missing_field"),
+    (flat(prompt="a", messages="[]"), "invalid_field"),
+    (flat(prompt="a", colour="red"), "unknown_field"),
+    (flat(prompt="a", max_tokens="many"), "invalid_type"),
+    (flat(prompt="a", max_tokens=1.5), "invalid_type"),
+    (flat(prompt="a", max_tokens=0), "invalid_field"),
+    (flat(prompt="a", temperature="nan"), "invalid_field"),
+    (flat(prompt="a", top_p=2), "invalid_field"),
+    (flat(prompt="a", priority=11), "invalid_field"),
+    (flat(prompt="a", deadline_ms=-1), "invalid_field"),
+    (flat(messages="not json"), "invalid_type"),
+    (flat(messages='[{"role": "user"}]'), "invalid_field"),
+    (flat(prompt=""), "invalid_field"),
+    ({b"payload": b"\xc1not msgpack"}, "malformed_payload"),
+    ({b"payload": msgpack.packb([1, 2])}, "malformed_payload"),
+    ({b"payload": msgpack.packb({"prompt": "a", "max_tokens": True})}, "invalid_type"),
+    ({b"payload": msgpack.packb({"prompt": "a"}), b"prompt": b"b"}, "invalid_field"),
+    ({b"prompt": b"\xff\xfe"}, "invalid_type"),
+    (flat(prompt="x" * (MAX_ENTRY_BYTES + 1)), "too_large"),
+])
+def test_bad_entries_get_a_stable_code(fields, code):
+    with pytest.raises(ProtocolError) as caught:
+        decode_job("3-0", fields)
+    assert caught.value.code == code and caught.value.message
+
+
+def test_errors_name_the_request_and_its_reply_stream_when_they_can():
+    with pytest.raises(ProtocolError) as caught:
+        decode_job("4-0", flat(id="c", prompt="a", top_k=-1))
+    assert (caught.value.request_id, caught.value.reply_to) == ("c", "inflight:out:{c}")
+
+
+_values = st.one_of(st.binary(max_size=40), st.text(max_size=40).map(str.encode),
+                    st.integers().map(lambda i: str(i).encode()), st.floats().map(lambda f: str(f).encode()))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.one_of(st.sampled_from(sorted(FIELDS | {"payload"})).map(str.encode), st.binary(max_size=8)),
+                       _values, max_size=8))
+def test_fuzzed_flat_entries_decode_or_raise_protocol_error(fields):
+    try:
+        job = decode_job("5-0", fields)
+    except ProtocolError as error:
+        assert error.code in {"missing_field", "invalid_field", "unknown_field", "invalid_type",
+                              "malformed_payload", "too_large"}
+    else:
+        job.params.validate()
+
+
+_msgpack_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=20),
+              st.binary(max_size=20)),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(
+    st.binary(max_size=64),
+    st.dictionaries(st.sampled_from(sorted(FIELDS)), _msgpack_values, max_size=6).map(msgpack.packb),
+))
+def test_fuzzed_payloads_decode_or_raise_protocol_error(payload):
+    try:
+        decode_job("6-0", {b"payload": payload})
+    except ProtocolError:
+        pass
+
+
+def test_reply_fields_are_readable_and_carry_msgpack():
+    token = token_fields(0, "Hel", [12, 34])
+    assert (token["type"], token["seq"], token["text"], token["token_ids"]) == ("token", "0", "Hel", "12 34")
+    assert msgpack.unpackb(token["data"]) == {"type": "token", "seq": 0, "text": "Hel", "token_ids": [12, 34]}
+    final = FinalEvent("r", FinishReason.LENGTH, Usage(3, 2), Timings(0.01, 0.2, 0.5, (0.2, 0.5)), text="!")
+    done = done_fields(final)
+    assert (done["finish_reason"], done["completion_tokens"], done["total_s"]) == ("length", "2", "0.500000")
+    assert msgpack.unpackb(done["data"])["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+    error = error_fields("invalid_field", "top_k must be >= 0")
+    assert msgpack.unpackb(error["data"]) == {"type": "error", "code": "invalid_field", "message": "top_k must be >= 0"}
+
+
+def test_an_entry_written_like_redis_cli_decodes(redis_client):
+    key = "inflight:test:protocol"
+    redis_client.delete(key)
+    # What `redis-cli XADD inflight:test:protocol '*' prompt "Hello" max_tokens 32` writes.
+    entry_id = redis_client.execute_command("XADD", key, "*", "prompt", "Hello", "max_tokens", "32")
+    [(read_id, fields)] = redis_client.xrange(key)
+    job = decode_job(read_id, fields)
+    assert (job.request_id, job.prompt, job.params.max_tokens) == (entry_id.decode(), "Hello", 32)
+    redis_client.xadd(job.reply_to, token_fields(0, "Hi", [1]))
+    [(_, reply)] = redis_client.xrange(job.reply_to)
+    assert reply[b"text"] == b"Hi" and reply[b"seq"] == b"0"
+    redis_client.delete(key, job.reply_to)
+
+
+@pytest.fixture
+def redis_client():
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    client.ping()  # a real server: .ci/run starts one if none answers
+    yield client
+    client.close()
