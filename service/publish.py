@@ -1,0 +1,42 @@
+"""Writes a request's events to its reply stream (docs/protocol.md, "Replies").
+
+Each event is one XADD; the stream's TTL is refreshed in the same round trip, so a
+reply stream nobody reads expires `ttl_s` after its last event. Token events carry a
+`seq` that counts from 0 without gaps; `next_seq` reads where a stream left off, so a
+worker that takes over a request continues the numbering instead of repeating it.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from service.protocol import done_fields, error_fields, token_fields
+from workers.request import FinalEvent
+
+
+class ReplyPublisher:
+    def __init__(self, redis, ttl_s: int) -> None:
+        self.redis = redis  # a redis.asyncio.Redis
+        self.ttl_s = ttl_s
+
+    async def token(self, reply_to: str, seq: int, text: str, token_ids) -> None:
+        await self._add(reply_to, token_fields(seq, text, token_ids))
+
+    async def done(self, reply_to: str, event: FinalEvent) -> None:
+        await self._add(reply_to, done_fields(event))
+
+    async def error(self, reply_to: str, code: str, message: str) -> None:
+        await self._add(reply_to, error_fields(code, message))
+
+    async def next_seq(self, reply_to: str) -> int:
+        """The seq the next token event on `reply_to` should carry (0 for a new stream)."""
+        for _, fields in await self.redis.xrevrange(reply_to, count=16):
+            if fields.get(b"type") == b"token":
+                return msgpack.unpackb(fields[b"data"])["seq"] + 1
+        return 0
+
+    async def _add(self, reply_to: str, fields: dict) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(reply_to, fields)
+            pipe.expire(reply_to, self.ttl_s)
+            await pipe.execute()
