@@ -1,6 +1,7 @@
 """The `inflight` command line.
 
     inflight demo    run the engine in-process on sample prompts and stream the answers
+    inflight worker  serve jobs from a Redis stream (docs/protocol.md)
     inflight bench   the throughput/latency benchmark against peers, in one run
 """
 
@@ -11,7 +12,7 @@ import asyncio
 import sys
 import time
 
-from service.config import add_engine_arguments, engine_config_from_args
+from service.config import RedisConfig, add_engine_arguments, engine_config_from_args
 
 SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
     ("chat", [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
@@ -31,6 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--temperature", type=float, default=0.0)
     add_engine_arguments(demo)
 
+    worker = commands.add_parser("worker", help="serve jobs from a Redis stream until SIGTERM")
+    redis_defaults = RedisConfig()
+    worker.add_argument("--redis-url", default=redis_defaults.url, help="default: %(default)s")
+    worker.add_argument("--consumer", default=redis_defaults.consumer,
+                        help="this worker's stable name in the consumer group (default: %(default)s)")
+    worker.add_argument("--requests-stream", default=redis_defaults.requests_stream)
+    worker.add_argument("--dead-letter-stream", default=redis_defaults.dead_letter_stream)
+    add_engine_arguments(worker)
+
     from workers.bench.main import add_arguments as add_bench_arguments
 
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
@@ -39,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "demo":
         return asyncio.run(_demo(args))
+    if args.command == "worker":
+        import uvloop
+
+        return uvloop.run(_worker(args))
     from workers.bench.main import run as run_bench
 
     run_bench(args)
@@ -75,6 +89,32 @@ async def _demo(args: argparse.Namespace) -> int:
                           f"first token {ttft}, total {t.total_s:.2f} s){event.error or ''}\033[0m")
                 else:
                     print(event.text, end="", flush=True)
+    return 0
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    import signal
+
+    import redis.asyncio as aioredis
+
+    from service.worker import Worker
+    from workers.engine import Engine
+
+    config = RedisConfig(url=args.redis_url, consumer=args.consumer, requests_stream=args.requests_stream,
+                         dead_letter_stream=args.dead_letter_stream)
+    engine = Engine.from_config(engine_config_from_args(args))
+    # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
+    client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)  # stop claiming, finish what is in hand
+    print(f"inflight worker {config.consumer}: reading {config.requests_stream} on {config.url}", file=sys.stderr,
+          flush=True)
+    try:
+        await Worker(engine, client, config).run(stop)
+    finally:
+        await client.aclose()
     return 0
 
 

@@ -88,6 +88,26 @@ class SchedulerConfig:
 
 
 @dataclass
+class RedisConfig:
+    # redis:// or rediss:// URL of the server jobs and replies go through.
+    url: str = "redis://127.0.0.1:6379"
+    requests_stream: str = "inflight:requests"
+    control_stream: str = "inflight:control"
+    group: str = "inflight"
+    # Stable per worker, so a restarted worker finds its own pending entries again.
+    consumer: str = "worker-1"
+    dead_letter_stream: str = "inflight:dead"
+    # How long one blocking read waits for new entries.
+    block_ms: int = 1000
+    # Entries pending longer than this (a dead worker's) are taken over.
+    claim_idle_ms: int = 30_000
+    # An entry delivered more times than this goes to the dead-letter stream.
+    max_deliveries: int = 3
+    # Reply streams expire this long after their last event.
+    reply_ttl_s: int = 3600
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -18,3 +18,35 @@ def test_demo_streams_an_answer_to_a_chat_prompt():
     assert "[chat] What is the capital of France?" in result.stdout
     assert "Paris" in result.stdout
     assert "tokens, first token" in result.stdout
+
+
+def test_worker_process_serves_a_job_and_exits_cleanly_on_sigterm():
+    import signal
+    import time
+    import uuid
+
+    import redis
+
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    stream, dead, reply = f"{prefix}:requests", f"{prefix}:dead", f"inflight:out:{{{prefix}-job}}"
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    client.xadd(stream, {"id": f"{prefix}-job", "prompt": "The capital of France is", "max_tokens": "6"})
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--dead-letter-stream", dead,
+         "--consumer", "cli-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not any(f[b"type"] == b"done" for _, f in client.xrange(reply)):
+            time.sleep(0.2)
+        replies = client.xrange(reply)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
+    finally:
+        worker.kill()
+        client.delete(stream, dead, reply)
+        client.close()
+    types = [f[b"type"] for _, f in replies]
+    assert types == [b"token"] * 6 + [b"done"], worker.stdout.read()
+    assert "Paris" in "".join(f[b"text"].decode() for _, f in replies)

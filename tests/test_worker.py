@@ -1,0 +1,75 @@
+"""The worker end to end in one process: jobs written to a real Redis stream, answered
+on reply streams by the real engine, bad jobs rejected without disturbing the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from service.config import RedisConfig
+from service.worker import Worker
+from tests.conftest import run_to_completion
+from workers.request import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+async def read_replies(client, reply_to: str, timeout_s: float = 120) -> list[dict]:
+    """Every entry of a reply stream up to its final event."""
+    entries, last = [], "0"
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        for _, chunk in await client.xread({reply_to: last}, block=500) or []:
+            for entry_id, fields in chunk:
+                last = entry_id
+                entries.append({k.decode(): v for k, v in fields.items()})
+                if fields[b"type"] in (b"done", b"error"):
+                    return entries
+    raise AssertionError(f"no final event on {reply_to}")
+
+
+def test_jobs_in_replies_out_bad_jobs_dead_lettered(make_engine):
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
+                         consumer="w1", block_ms=200)
+    engine = make_engine()
+    want = run_to_completion(make_engine(), {0: [("ref", "The capital of France is", SamplingParams(max_tokens=8))]})
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        worker = Worker(engine, client, config)
+        serving = asyncio.create_task(worker.run(stop))
+        stream = config.requests_stream
+        await client.xadd(stream, {"id": f"{prefix}-good", "prompt": "The capital of France is", "max_tokens": "8"})
+        await client.xadd(stream, {"payload": msgpack.packb({"id": f"{prefix}-chat", "max_tokens": 4,
+                                                             "messages": [{"role": "user", "content": "Hi"}]})})
+        await client.xadd(stream, {"id": f"{prefix}-bad", "prompt": "x", "max_tokens": "lots"})
+        await client.xadd(stream, {"id": f"{prefix}-long", "prompt": "x", "max_tokens": "100000"})
+        replies = {name: await read_replies(client, f"inflight:out:{{{prefix}-{name}}}")
+                   for name in ("good", "chat", "bad", "long")}
+        stop.set()
+        await serving
+        dead = await client.xrange(config.dead_letter_stream)
+        pending = await client.xpending(stream, config.group)
+        await client.delete(stream, config.dead_letter_stream,
+                            *(f"inflight:out:{{{prefix}-{n}}}" for n in ("good", "chat", "bad", "long")))
+        await client.aclose()
+        return replies, dead, pending
+
+    replies, dead, pending = asyncio.run(main())
+    good = replies["good"]
+    tokens = [e for e in good if e["type"] == b"token"]
+    assert [int(e["seq"]) for e in tokens] == list(range(len(tokens)))
+    assert [int(e["token_ids"]) for e in tokens] == want["ref"][0]
+    assert b"".join(e["text"] for e in good).decode() == want["ref"][2]
+    assert good[-1]["type"] == b"done" and good[-1]["finish_reason"] in (b"length", b"stop")
+    assert replies["chat"][-1]["type"] == b"done"
+    assert replies["bad"] == [replies["bad"][0]] and replies["bad"][0]["code"] == b"invalid_type"
+    assert replies["long"][-1]["type"] == b"error" and replies["long"][-1]["code"] == b"invalid_request"
+    assert sorted(record[b"code"] for _, record in dead) == [b"invalid_request", b"invalid_type"]
+    assert pending["pending"] == 0  # everything acked: served, or parked as a dead letter
