@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="this worker's stable name in the consumer group (default: %(default)s)")
     worker.add_argument("--requests-stream", default=redis_defaults.requests_stream)
     worker.add_argument("--dead-letter-stream", default=redis_defaults.dead_letter_stream)
+    worker.add_argument("--control-stream", default=redis_defaults.control_stream)
+    worker.add_argument("--claim-idle-ms", type=int, default=redis_defaults.claim_idle_ms,
+                        help="take over entries another consumer left pending this long (default: %(default)s)")
     add_engine_arguments(worker)
 
     from workers.bench.main import add_arguments as add_bench_arguments
@@ -101,7 +104,8 @@ async def _worker(args: argparse.Namespace) -> int:
     from workers.engine import Engine
 
     config = RedisConfig(url=args.redis_url, consumer=args.consumer, requests_stream=args.requests_stream,
-                         dead_letter_stream=args.dead_letter_stream)
+                         dead_letter_stream=args.dead_letter_stream, control_stream=args.control_stream,
+                         claim_idle_ms=args.claim_idle_ms)
     engine = Engine.from_config(engine_config_from_args(args))
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
     client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)

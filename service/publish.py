@@ -28,6 +28,19 @@ class ReplyPublisher:
     async def error(self, reply_to: str, code: str, message: str) -> None:
         await self._add(reply_to, error_fields(code, message))
 
+    async def published(self, reply_to: str) -> tuple[list[int], bool]:
+        """What `reply_to` already holds: the token ids in seq order, and whether a final
+        (done or error) event ended it."""
+        token_ids: list[int] = []
+        finished = False
+        for _, fields in await self.redis.xrange(reply_to):
+            data = msgpack.unpackb(fields[b"data"])
+            if data["type"] == "token":
+                token_ids.extend(data["token_ids"])
+            else:
+                finished = True
+        return token_ids, finished
+
     async def next_seq(self, reply_to: str) -> int:
         """The seq the next token event on `reply_to` should carry (0 for a new stream)."""
         for _, fields in await self.redis.xrevrange(reply_to, count=16):

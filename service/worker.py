@@ -6,11 +6,20 @@ It claims at most `capacity` jobs at a time (backpressure: idle workers get the 
 publishes every event on the request's reply stream, and acks an entry once its final
 event is published. An entry that cannot be served gets an `error` reply when its reply
 stream can be named, and always a dead-letter record.
+
+Failover: an entry delivered before (its worker died) continues from what its reply
+stream already holds: the tokens there become part of the prompt, `max_tokens` shrinks
+by their number, and `seq` goes on from the last one, so a reader sees every `seq` once.
+A stop string split across the takeover point is not detected.
+
+Cancellation: every worker follows the control stream; `XADD inflight:control * type
+cancel id <request id>` ends that request (finish_reason `cancelled`) wherever it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from service.config import RedisConfig
 from service.ingest import Entry, JobReader
@@ -18,7 +27,8 @@ from service.protocol import ProtocolError, decode_job
 from service.publish import ReplyPublisher
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
-from workers.request import FinalEvent, InvalidRequest
+from workers.model_loader import encode_prompt
+from workers.request import FinalEvent, FinishReason, InvalidRequest, Timings, Usage
 
 
 class Worker:
@@ -28,6 +38,7 @@ class Worker:
         self.reader = JobReader(redis, config.requests_stream, config.group, config.consumer,
                                 config.dead_letter_stream, config.claim_idle_ms, config.max_deliveries)
         self.publisher = ReplyPublisher(redis, config.reply_ttl_s)
+        self.redis = redis
         # Enough queued work to keep the batcher full, no more.
         self.capacity = 2 * engine.config.scheduler.max_running_requests
         self.serving: dict[str, asyncio.Task] = {}
@@ -36,6 +47,7 @@ class Worker:
         """Serve until `stop` is set, then finish what is in hand."""
         await self.reader.ensure_group()
         async with self.front:
+            control = asyncio.create_task(self._follow_control(stop), name="control")
             while not stop.is_set():
                 room = self.capacity - len(self.serving)
                 if room <= 0:
@@ -45,6 +57,18 @@ class Worker:
                     await self._start(entry)
             if self.serving:
                 await asyncio.wait(list(self.serving.values()))
+            control.cancel()
+
+    async def _follow_control(self, stop: asyncio.Event) -> None:
+        last = "$"  # only what is sent from now on
+        while not stop.is_set():
+            reply = await self.redis.xread({self.config.control_stream: last}, block=self.config.block_ms)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    request_id = fields.get(b"id", b"").decode(errors="replace")
+                    if fields.get(b"type") == b"cancel" and request_id in self.serving:
+                        self.front.cancel(request_id)
 
     async def _start(self, entry: Entry) -> None:
         try:
@@ -62,23 +86,47 @@ class Worker:
 
     async def _serve(self, entry: Entry, job) -> None:
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
+        prompt, params, seq, carried = job.prompt, job.params, 0, 0
+        if entry.deliveries > 1:  # taken over: go on from what is already published
+            published, finished = await self.publisher.published(job.reply_to)
+            if finished:
+                await self.reader.ack(entry.entry_id)
+                return
+            if published:
+                seq = carried = len(published)
+                if seq >= params.max_tokens:
+                    await self._finish_length(entry, job, seq)
+                    return
+                tokenizer = self.front.engine.tokenizer
+                base = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
+                    encode_prompt(tokenizer, prompt)
+                prompt = list(base) + published
+                params = replace(params, max_tokens=params.max_tokens - seq)
         try:
-            stream = self.front.submit(job.prompt, job.params, job.request_id, job.priority, deadline)
+            stream = self.front.submit(prompt, params, job.request_id, job.priority, deadline)
         except InvalidRequest as error:
             await self._reject(entry, "duplicate_id", str(error), job.reply_to)
             return
-        seq = 0
         async for event in stream:
             if isinstance(event, FinalEvent):
                 if event.error:
                     code = "internal_error" if event.error.startswith("model step failed") else "invalid_request"
                     await self._reject(entry, code, event.error, job.reply_to)
                     return
+                if carried:  # usage counts the whole request, not only this worker's part
+                    usage = event.usage
+                    event = replace(event, usage=Usage(usage.prompt_tokens - carried, usage.completion_tokens + carried))
                 await self.publisher.done(job.reply_to, event)
                 await self.reader.ack(entry.entry_id)
                 return
             await self.publisher.token(job.reply_to, seq, event.text, event.token_ids)
             seq += 1
+
+    async def _finish_length(self, entry: Entry, job, completion_tokens: int) -> None:
+        """Every token was published before the takeover; only the final event is missing."""
+        event = FinalEvent(job.request_id, FinishReason.LENGTH, Usage(0, completion_tokens), Timings(0.0, None, 0.0, ()))
+        await self.publisher.done(job.reply_to, event)
+        await self.reader.ack(entry.entry_id)
 
     async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None) -> None:
         if reply_to:

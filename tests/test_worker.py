@@ -73,3 +73,32 @@ def test_jobs_in_replies_out_bad_jobs_dead_lettered(make_engine):
     assert replies["long"][-1]["type"] == b"error" and replies["long"][-1]["code"] == b"invalid_request"
     assert sorted(record[b"code"] for _, record in dead) == [b"invalid_request", b"invalid_type"]
     assert pending["pending"] == 0  # everything acked: served, or parked as a dead letter
+
+
+def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
+                         control_stream=f"{prefix}:control", consumer="w1", block_ms=200)
+    engine = make_engine()
+    reply_to = f"inflight:out:{{{prefix}-long}}"
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(engine, client, config).run(stop))
+        await asyncio.sleep(0.3)  # the control reader starts from new entries only
+        await client.xadd(config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:",
+                                                   "max_tokens": "2000"})
+        while not await client.xlen(reply_to):
+            await asyncio.sleep(0.05)
+        await client.xadd(config.control_stream, {"type": "cancel", "id": f"{prefix}-long"})
+        replies = await read_replies(client, reply_to)
+        stop.set()
+        await serving
+        await client.delete(config.requests_stream, config.dead_letter_stream, config.control_stream, reply_to)
+        await client.aclose()
+        return replies
+
+    replies = asyncio.run(main())
+    assert replies[-1]["type"] == b"done" and replies[-1]["finish_reason"] == b"cancelled"
+    assert 0 < len(replies) - 1 < 2000
