@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--requests-stream", default=redis_defaults.requests_stream)
     worker.add_argument("--dead-letter-stream", default=redis_defaults.dead_letter_stream)
     worker.add_argument("--control-stream", default=redis_defaults.control_stream)
+    worker.add_argument("--shutdown-grace-s", type=float, default=redis_defaults.shutdown_grace_s,
+                        help="on SIGTERM, time to finish in-flight requests before leaving them pending (default: %(default)s)")
     worker.add_argument("--claim-idle-ms", type=int, default=redis_defaults.claim_idle_ms,
                         help="take over entries another consumer left pending this long (default: %(default)s)")
     add_engine_arguments(worker)
@@ -105,7 +107,7 @@ async def _worker(args: argparse.Namespace) -> int:
 
     config = RedisConfig(url=args.redis_url, consumer=args.consumer, requests_stream=args.requests_stream,
                          dead_letter_stream=args.dead_letter_stream, control_stream=args.control_stream,
-                         claim_idle_ms=args.claim_idle_ms)
+                         claim_idle_ms=args.claim_idle_ms, shutdown_grace_s=args.shutdown_grace_s)
     engine = Engine.from_config(engine_config_from_args(args))
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
     client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)

@@ -105,6 +105,9 @@ class RedisConfig:
     max_deliveries: int = 3
     # Reply streams expire this long after their last event.
     reply_ttl_s: int = 3600
+    # On SIGTERM: stop claiming, give in-flight requests this long to finish, then leave
+    # the rest pending (unacked) for other workers to take over and continue.
+    shutdown_grace_s: float = 30.0
 
 
 @dataclass

@@ -44,7 +44,8 @@ class Worker:
         self.serving: dict[str, asyncio.Task] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set, then finish what is in hand."""
+        """Serve until `stop` is set; then finish what is in hand within the grace period
+        and leave the rest pending, for another worker to continue."""
         await self.reader.ensure_group()
         async with self.front:
             control = asyncio.create_task(self._follow_control(stop), name="control")
@@ -56,7 +57,13 @@ class Worker:
                 for entry in await self.reader.read(room, self.config.block_ms):
                     await self._start(entry)
             if self.serving:
-                await asyncio.wait(list(self.serving.values()))
+                _, unfinished = await asyncio.wait(list(self.serving.values()), timeout=self.config.shutdown_grace_s)
+                for task in unfinished:
+                    task.cancel()  # no final event, no ack: the entry stays pending
+                if unfinished:
+                    await asyncio.wait(unfinished)
+                while self.front.engine.has_unfinished():  # the engine drops what was cancelled
+                    await asyncio.sleep(0.01)
             control.cancel()
 
     async def _follow_control(self, stop: asyncio.Event) -> None:
@@ -107,6 +114,13 @@ class Worker:
         except InvalidRequest as error:
             await self._reject(entry, "duplicate_id", str(error), job.reply_to)
             return
+        try:
+            await self._publish(entry, job, stream, seq, carried)
+        except asyncio.CancelledError:
+            self.front.cancel(job.request_id)  # shutting down: free its place in the engine
+            raise
+
+    async def _publish(self, entry: Entry, job, stream, seq: int, carried: int) -> None:
         async for event in stream:
             if isinstance(event, FinalEvent):
                 if event.error:

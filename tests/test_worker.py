@@ -102,3 +102,31 @@ def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
     replies = asyncio.run(main())
     assert replies[-1]["type"] == b"done" and replies[-1]["finish_reason"] == b"cancelled"
     assert 0 < len(replies) - 1 < 2000
+
+
+def test_shutdown_after_the_grace_period_leaves_unfinished_requests_pending(make_engine):
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
+                         control_stream=f"{prefix}:control", consumer="w1", block_ms=200, shutdown_grace_s=0.3)
+    engine = make_engine()
+    reply_to = f"inflight:out:{{{prefix}-long}}"
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(engine, client, config).run(stop))
+        await client.xadd(config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:",
+                                                   "max_tokens": "2000"})
+        while not await client.xlen(reply_to):
+            await asyncio.sleep(0.05)
+        stop.set()
+        await serving
+        replies = await client.xrange(reply_to)
+        pending = await client.xpending(config.requests_stream, config.group)
+        await client.delete(config.requests_stream, config.dead_letter_stream, reply_to)
+        await client.aclose()
+        return replies, pending
+
+    replies, pending = asyncio.run(main())
+    assert replies and all(fields[b"type"] == b"token" for _, fields in replies)  # no final event
+    assert pending["pending"] == 1  # left for another worker to take over and continue
