@@ -57,9 +57,14 @@ class JobReader:
                 self._own_pending_done = True  # everything it had is in hand
             if entries:
                 return await self._with_deliveries(entries)
-        _, claimed, _ = await self.redis.xautoclaim(
-            self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
-        )
+        try:
+            _, claimed, _ = await self.redis.xautoclaim(
+                self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
+            )
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            claimed = []
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields]  # deleted entries come back empty
         if claimed:
             return await self._with_deliveries(claimed)
@@ -79,8 +84,14 @@ class JobReader:
             await pipe.execute()
 
     async def _read_group(self, start: str, count: int, block_ms: int | None) -> list[tuple[str, dict]]:
-        reply = await self.redis.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count,
-                                            block=block_ms)
+        try:
+            reply = await self.redis.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count,
+                                                block=block_ms)
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            await self.ensure_group()  # a Redis restarted without persistence lost it
+            return []
         return [(entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries if fields]
 
     async def _with_deliveries(self, entries: list[tuple]) -> list[Entry]:

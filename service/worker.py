@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+from redis.exceptions import ConnectionError, TimeoutError
+
 from service.config import RedisConfig
 from service.ingest import Entry, JobReader
 from service.protocol import ProtocolError, decode_job
@@ -46,7 +48,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set; then finish what is in hand within the grace period
         and leave the rest pending, for another worker to continue."""
-        await self.reader.ensure_group()
+        await _retrying(self.reader.ensure_group)
         async with self.front:
             control = asyncio.create_task(self._follow_control(stop), name="control")
             while not stop.is_set():
@@ -54,7 +56,8 @@ class Worker:
                 if room <= 0:
                     await asyncio.wait(list(self.serving.values()), return_when=asyncio.FIRST_COMPLETED)
                     continue
-                for entry in await self.reader.read(room, self.config.block_ms):
+                entries = await _retrying(lambda: self.reader.read(room, self.config.block_ms))
+                for entry in entries:
                     await self._start(entry)
             if self.serving:
                 _, unfinished = await asyncio.wait(list(self.serving.values()), timeout=self.config.shutdown_grace_s)
@@ -69,7 +72,8 @@ class Worker:
     async def _follow_control(self, stop: asyncio.Event) -> None:
         last = "$"  # only what is sent from now on
         while not stop.is_set():
-            reply = await self.redis.xread({self.config.control_stream: last}, block=self.config.block_ms)
+            reply = await _retrying(lambda: self.redis.xread({self.config.control_stream: last},
+                                                             block=self.config.block_ms))
             for _, entries in reply or []:
                 for entry_id, fields in entries:
                     last = entry_id
@@ -95,9 +99,9 @@ class Worker:
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
         prompt, params, seq, carried = job.prompt, job.params, 0, 0
         if entry.deliveries > 1:  # taken over: go on from what is already published
-            published, finished = await self.publisher.published(job.reply_to)
+            published, finished = await _retrying(lambda: self.publisher.published(job.reply_to))
             if finished:
-                await self.reader.ack(entry.entry_id)
+                await _retrying(lambda: self.reader.ack(entry.entry_id))
                 return
             if published:
                 seq = carried = len(published)
@@ -125,13 +129,13 @@ class Worker:
             if isinstance(event, FinalEvent):
                 if event.error:
                     code = "internal_error" if event.error.startswith("model step failed") else "invalid_request"
-                    await self._reject(entry, code, event.error, job.reply_to)
+                    await self._reject(entry, code, event.error, job.reply_to, seq)
                     return
                 if carried:  # usage counts the whole request, not only this worker's part
                     usage = event.usage
                     event = replace(event, usage=Usage(usage.prompt_tokens - carried, usage.completion_tokens + carried))
-                await self.publisher.done(job.reply_to, event)
-                await self.reader.ack(entry.entry_id)
+                await self.publisher.done(job.reply_to, event, seq)
+                await _retrying(lambda: self.reader.ack(entry.entry_id))
                 return
             await self.publisher.token(job.reply_to, seq, event.text, event.token_ids)
             seq += 1
@@ -139,11 +143,23 @@ class Worker:
     async def _finish_length(self, entry: Entry, job, completion_tokens: int) -> None:
         """Every token was published before the takeover; only the final event is missing."""
         event = FinalEvent(job.request_id, FinishReason.LENGTH, Usage(0, completion_tokens), Timings(0.0, None, 0.0, ()))
-        await self.publisher.done(job.reply_to, event)
-        await self.reader.ack(entry.entry_id)
+        await self.publisher.done(job.reply_to, event, completion_tokens)
+        await _retrying(lambda: self.reader.ack(entry.entry_id))
 
-    async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None) -> None:
+    async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None, num_tokens: int = 0) -> None:
         if reply_to:
-            await self.publisher.error(reply_to, code, message)
-        await self.reader.dead_letter(entry, code, message)
+            await self.publisher.error(reply_to, code, message, num_tokens)
+        await _retrying(lambda: self.reader.dead_letter(entry, code, message))
+
+
+async def _retrying(call):
+    """Run `call()` until Redis answers: a dropped connection or a restart is waited out
+    with backoff, while the engine goes on generating."""
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except (ConnectionError, TimeoutError):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 

@@ -123,7 +123,7 @@ def test_dead_letter_keeps_the_entry_and_why_and_acks_it(keys):
     assert pending["pending"] == 0
 
 
-def test_replies_are_numbered_expire_and_a_successor_continues_the_numbering(keys):
+def test_replies_are_numbered_idempotent_expire_and_a_successor_continues_the_numbering(keys):
     async def main():
         client = await connect()
         publisher = ReplyPublisher(client, ttl_s=120)
@@ -132,8 +132,9 @@ def test_replies_are_numbered_expire_and_a_successor_continues_the_numbering(key
         for seq, text in enumerate(["Hel", "lo"]):
             await publisher.token(reply, seq, text, [seq])
         successor_seq = await ReplyPublisher(client, ttl_s=120).next_seq(reply)
+        await publisher.token(reply, 1, "lo", [1])  # a retried write that had landed: no duplicate
         final = FinalEvent("r", FinishReason.STOP, Usage(2, 2), Timings(0.0, 0.1, 0.2, (0.1, 0.2)))
-        await publisher.done(reply, final)
+        await publisher.done(reply, final, num_tokens=2)
         entries = await client.xrange(reply)
         ttl = await client.ttl(reply)
         await client.aclose()

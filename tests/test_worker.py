@@ -130,3 +130,70 @@ def test_shutdown_after_the_grace_period_leaves_unfinished_requests_pending(make
     replies, pending = asyncio.run(main())
     assert replies and all(fields[b"type"] == b"token" for _, fields in replies)  # no final event
     assert pending["pending"] == 1  # left for another worker to take over and continue
+
+
+def test_the_worker_rides_out_dropped_connections_and_a_redis_restart(make_engine, tmp_path):
+    """A private Redis (AOF on) whose connections are killed and which is restarted
+    mid-stream: the request still completes with every seq exactly once."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = ["redis-server", "--port", str(port), "--dir", str(tmp_path), "--appendonly", "yes",
+               "--save", "", "--bind", "127.0.0.1"]
+
+    def start_server():
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                return server
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError("redis-server did not start")
+
+    server = start_server()
+    config = RedisConfig(url=f"redis://127.0.0.1:{port}", consumer="w1", block_ms=200)
+    engine = make_engine()
+    reply_to = "inflight:out:{faults}"
+
+    async def main():
+        nonlocal server
+        client = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(engine, client, config).run(stop))
+        await client.xadd(config.requests_stream, {"id": "faults", "prompt": "Count to a thousand:",
+                                                   "max_tokens": "160"})
+        while await client.xlen(reply_to) < 10:
+            await asyncio.sleep(0.05)
+        await client.client_kill_filter(_type="normal", skipme=False)  # every connection dropped
+        await asyncio.sleep(0.5)
+        watcher = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+        while await watcher.xlen(reply_to) < 40:
+            await asyncio.sleep(0.05)
+        await watcher.aclose()
+        server.terminate()  # a clean shutdown writes the AOF
+        server.wait(timeout=30)
+        await asyncio.sleep(1.0)  # generation goes on while Redis is away
+        server = start_server()
+        watcher = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+        replies = await read_replies(watcher, reply_to)
+        stop.set()
+        await serving
+        pending = await watcher.xpending(config.requests_stream, config.group)
+        await watcher.aclose()
+        await client.aclose()
+        return replies, pending
+
+    try:
+        replies, pending = asyncio.run(main())
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    tokens = [e for e in replies if e["type"] == b"token"]
+    assert [int(e["seq"]) for e in tokens] == list(range(len(tokens)))
+    assert replies[-1]["type"] == b"done" and int(replies[-1]["completion_tokens"]) == len(tokens)
+    assert pending["pending"] == 0
