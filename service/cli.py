@@ -2,6 +2,7 @@
 
     inflight demo    run the engine in-process on sample prompts and stream the answers
     inflight worker  serve jobs from a Redis stream (docs/protocol.md)
+    inflight submit  send one prompt through Redis and stream the answer
     inflight bench   the throughput/latency benchmark against peers, in one run
 """
 
@@ -46,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="take over entries another consumer left pending this long (default: %(default)s)")
     add_engine_arguments(worker)
 
+    submit = commands.add_parser("submit", help="send a prompt through Redis and stream the answer")
+    submit.add_argument("prompt", help="the text; sent as a chat message unless --raw")
+    submit.add_argument("--raw", action="store_true", help="send the text as a plain prompt, not a chat message")
+    submit.add_argument("--max-tokens", type=int, default=64)
+    submit.add_argument("--temperature", type=float, default=0.0)
+    submit.add_argument("--priority", type=int, default=0, help="-10..10, higher first")
+    submit.add_argument("--redis-url", default=redis_defaults.url, help="default: %(default)s")
+    submit.add_argument("--requests-stream", default=redis_defaults.requests_stream)
+
     from workers.bench.main import add_arguments as add_bench_arguments
 
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
@@ -58,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         return uvloop.run(_worker(args))
+    if args.command == "submit":
+        return _submit(args)
     from workers.bench.main import run as run_bench
 
     run_bench(args)
@@ -94,6 +106,28 @@ async def _demo(args: argparse.Namespace) -> int:
                           f"first token {ttft}, total {t.total_s:.2f} s){event.error or ''}\033[0m")
                 else:
                     print(event.text, end="", flush=True)
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from service.sdk import SyncClient
+
+    text = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
+    with SyncClient(args.redis_url, requests_stream=args.requests_stream) as client:
+        for event in client.generate(**text, max_tokens=args.max_tokens, temperature=args.temperature,
+                                     priority=args.priority):
+            if event["type"] == "token":
+                print(event["text"], end="", flush=True)
+            elif event["type"] == "done":
+                usage, timings = event["usage"], event["timings"]
+                first = timings["first_token_s"]
+                print(event["text"])
+                print(f"({event['finish_reason']}: {usage['completion_tokens']} tokens, first token "
+                      f"{'-' if first is None else f'{first * 1000:.0f} ms'}, total {timings['total_s']:.2f} s)",
+                      file=sys.stderr)
+            else:
+                print(f"error {event['code']}: {event['message']}", file=sys.stderr)
+                return 1
     return 0
 
 

@@ -100,3 +100,30 @@ def test_a_killed_workers_request_is_finished_by_another_with_every_seq_once():
     assert [t["seq"] for t in tokens] == list(range(len(tokens)))  # every seq once, in order
     assert replies[-1]["type"] == "done" and replies[-1]["usage"]["completion_tokens"] == len(tokens) <= 120
     assert pending == 0
+
+
+def test_submit_streams_the_answer_from_a_worker_process():
+    import uuid
+
+    import redis
+
+    stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--consumer", "submit-test",
+         "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "service.cli", "submit", "What is the capital of France?", "--max-tokens", "12",
+             "--priority", "3", "--requests-stream", stream],
+            capture_output=True, text=True, timeout=300, check=True,
+        )
+    finally:
+        worker.kill()
+        worker.wait()
+        client = redis.Redis(host="127.0.0.1", port=6379)
+        client.delete(stream)
+        client.close()
+    assert "Paris" in result.stdout
+    assert "tokens, first token" in result.stderr

@@ -197,3 +197,39 @@ def test_the_worker_rides_out_dropped_connections_and_a_redis_restart(make_engin
     assert [int(e["seq"]) for e in tokens] == list(range(len(tokens)))
     assert replies[-1]["type"] == b"done" and int(replies[-1]["completion_tokens"]) == len(tokens)
     assert pending["pending"] == 0
+
+
+def test_the_sdk_submits_streams_and_cancels(make_engine):
+    from service.sdk import Client
+
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
+                         control_stream=f"{prefix}:control", consumer="w1", block_ms=200)
+    engine = make_engine()
+
+    async def main():
+        redis_client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(engine, redis_client, config).run(stop))
+        await asyncio.sleep(0.3)
+        async with Client(requests_stream=config.requests_stream, control_stream=config.control_stream,
+                          block_ms=200) as client:
+            answer = [e async for e in client.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                                       max_tokens=12, priority=2)]
+            long_id = await client.submit("Count to a thousand:", max_tokens=2000)
+            cancelled = []
+            async for event in client.events(long_id):
+                cancelled.append(event)
+                if len(cancelled) == 3:
+                    await client.cancel(long_id)
+        stop.set()
+        await serving
+        await redis_client.delete(config.requests_stream, config.dead_letter_stream, config.control_stream,
+                                  f"inflight:out:{{{long_id}}}")
+        await redis_client.aclose()
+        return answer, cancelled
+
+    answer, cancelled = asyncio.run(main())
+    assert [e["type"] for e in answer] == ["token"] * (len(answer) - 1) + ["done"]
+    assert "Paris" in "".join(e["text"] for e in answer)
+    assert cancelled[-1]["type"] == "done" and cancelled[-1]["finish_reason"] == "cancelled"
