@@ -35,14 +35,26 @@ def job_payload(prompt: str | None, messages: list[dict] | None, request_id: str
     return {"payload": msgpack.packb(job)}
 
 
-class Client:
-    def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
-                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000) -> None:
+def _replies(reply) -> Iterator[tuple[bytes, dict]]:
+    """(entry id, event) for each entry of an XREAD reply."""
+    for _, entries in reply or []:
+        for entry_id, fields in entries:
+            yield entry_id, msgpack.unpackb(fields[b"data"])
+
+
+class _Settings:
+    def __init__(self, redis_class, url: str, requests_stream: str, control_stream: str, block_ms: int) -> None:
         # The socket timeout must outlast a blocking read.
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=block_ms / 1000 + 30)
+        self.redis = redis_class.from_url(url, socket_timeout=block_ms / 1000 + 30)
         self.requests_stream = requests_stream
         self.control_stream = control_stream
         self.block_ms = block_ms
+
+
+class Client(_Settings):
+    def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
+                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000) -> None:
+        super().__init__(aioredis.Redis, url, requests_stream, control_stream, block_ms)
 
     async def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      request_id: str | None = None, **options) -> str:
@@ -56,13 +68,10 @@ class Client:
         """The request's events in order, ending with its done or error event."""
         key, last = reply_to or reply_stream(request_id), "0"
         while True:
-            for _, entries in await self.redis.xread({key: last}, block=self.block_ms) or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    event = msgpack.unpackb(fields[b"data"])
-                    yield event
-                    if event["type"] in FINAL_TYPES:
-                        return
+            for last, event in _replies(await self.redis.xread({key: last}, block=self.block_ms)):
+                yield event
+                if event["type"] in FINAL_TYPES:
+                    return
 
     async def generate(self, prompt: str | None = None, **kwargs) -> AsyncIterator[dict]:
         request_id = await self.submit(prompt, **kwargs)
@@ -82,15 +91,12 @@ class Client:
         await self.close()
 
 
-class SyncClient:
+class SyncClient(_Settings):
     """The same, blocking."""
 
     def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
                  control_stream: str = CONTROL_STREAM, block_ms: int = 1000) -> None:
-        self.redis = redis.Redis.from_url(url, socket_timeout=block_ms / 1000 + 30)
-        self.requests_stream = requests_stream
-        self.control_stream = control_stream
-        self.block_ms = block_ms
+        super().__init__(redis.Redis, url, requests_stream, control_stream, block_ms)
 
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                request_id: str | None = None, **options) -> str:
@@ -101,13 +107,10 @@ class SyncClient:
     def events(self, request_id: str, reply_to: str | None = None) -> Iterator[dict]:
         key, last = reply_to or reply_stream(request_id), "0"
         while True:
-            for _, entries in self.redis.xread({key: last}, block=self.block_ms) or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    event = msgpack.unpackb(fields[b"data"])
-                    yield event
-                    if event["type"] in FINAL_TYPES:
-                        return
+            for last, event in _replies(self.redis.xread({key: last}, block=self.block_ms)):
+                yield event
+                if event["type"] in FINAL_TYPES:
+                    return
 
     def generate(self, prompt: str | None = None, **kwargs) -> Iterator[dict]:
         request_id = self.submit(prompt, **kwargs)

@@ -18,6 +18,12 @@ from workers.request import SamplingParams
 pytestmark = pytest.mark.slow
 
 
+def stream_config(prefix: str, **overrides) -> RedisConfig:
+    """Streams private to one test, and a short blocking read."""
+    return RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
+                       control_stream=f"{prefix}:control", consumer="w1", block_ms=200, **overrides)
+
+
 async def read_replies(client, reply_to: str, timeout_s: float = 120) -> list[dict]:
     """Every entry of a reply stream up to its final event."""
     entries, last = [], "0"
@@ -34,8 +40,7 @@ async def read_replies(client, reply_to: str, timeout_s: float = 120) -> list[di
 
 def test_jobs_in_replies_out_bad_jobs_dead_lettered(make_engine):
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
-                         consumer="w1", block_ms=200)
+    config = stream_config(prefix)
     engine = make_engine()
     want = run_to_completion(make_engine(), {0: [("ref", "The capital of France is", SamplingParams(max_tokens=8))]})
 
@@ -77,8 +82,7 @@ def test_jobs_in_replies_out_bad_jobs_dead_lettered(make_engine):
 
 def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
-                         control_stream=f"{prefix}:control", consumer="w1", block_ms=200)
+    config = stream_config(prefix)
     engine = make_engine()
     reply_to = f"inflight:out:{{{prefix}-long}}"
 
@@ -106,8 +110,7 @@ def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
 
 def test_shutdown_after_the_grace_period_leaves_unfinished_requests_pending(make_engine):
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
-                         control_stream=f"{prefix}:control", consumer="w1", block_ms=200, shutdown_grace_s=0.3)
+    config = stream_config(prefix, shutdown_grace_s=0.3)
     engine = make_engine()
     reply_to = f"inflight:out:{{{prefix}-long}}"
 
@@ -203,8 +206,7 @@ def test_the_sdk_submits_streams_and_cancels(make_engine):
     from service.sdk import Client
 
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-    config = RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
-                         control_stream=f"{prefix}:control", consumer="w1", block_ms=200)
+    config = stream_config(prefix)
     engine = make_engine()
 
     async def main():
