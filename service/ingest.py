@@ -68,7 +68,8 @@ class JobReader:
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields]  # deleted entries come back empty
         if claimed:
             return await self._with_deliveries(claimed)
-        return await self._with_deliveries(await self._read_group(">", count, block_ms))
+        # A new entry is on its first delivery: no need to ask Redis.
+        return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
 
     async def ack(self, entry_id: str) -> None:
         await self.redis.xack(self.stream, self.group, entry_id)
