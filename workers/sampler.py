@@ -90,8 +90,10 @@ def _sample_group(
     top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=logits.device)
     if rule == "nucleus":
         return _sample_nucleus(scaled, top_p, generator)
-    values, token_ids = scaled.topk(rule, dim=-1)  # top-k: the distribution is renormalized over these
-    return _draw(_nucleus_weights(values, top_p), token_ids, generator)
+    # Top-k on the raw logits: dividing by the temperature first can flush tiny values to
+    # zero and tie them with tokens outside the k best. The distribution is renormalized over these.
+    values, token_ids = logits.float().topk(rule, dim=-1)
+    return _draw(_nucleus_weights(values / temperature[:, None], top_p), token_ids, generator)
 
 
 def _sample_nucleus(scaled: torch.Tensor, top_p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
