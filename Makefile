@@ -4,9 +4,14 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test bench install clean
+.PHONY: run demo test bench install clean
 
+# The worker, on $REDIS_URL or else an embedded Valkey server; it prints how to submit.
 run: $(INSTALLED)
+	$(VENV)/bin/inflight worker
+
+# The engine in-process on a few sample prompts, no Redis.
+demo: $(INSTALLED)
 	$(VENV)/bin/inflight demo
 
 test: $(INSTALLED)

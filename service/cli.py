@@ -12,8 +12,10 @@ import argparse
 import asyncio
 import sys
 import time
+from pathlib import Path
 
 from service.config import RedisConfig, add_engine_arguments, engine_config_from_args
+from service.embedded import embedded_url
 
 SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
     ("chat", [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
@@ -35,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
     worker = commands.add_parser("worker", help="serve jobs from a Redis stream until SIGTERM")
     redis_defaults = RedisConfig()
-    worker.add_argument("--redis-url", default=redis_defaults.url, help="default: %(default)s")
+    worker.add_argument("--redis-url", default=redis_defaults.url,
+                        help="default: $REDIS_URL, else an embedded Valkey server on --embedded-port")
+    worker.add_argument("--embedded-port", type=int, default=redis_defaults.embedded_port,
+                        help="port of the embedded Valkey server used when no URL is given (default: %(default)s)")
+    worker.add_argument("--embedded-data-dir", type=Path, default=redis_defaults.embedded_data_dir,
+                        help="the embedded server's data directory (default: %(default)s)")
     worker.add_argument("--consumer", default=redis_defaults.consumer,
                         help="this worker's stable name in the consumer group (default: %(default)s)")
     worker.add_argument("--requests-stream", default=redis_defaults.requests_stream)
@@ -53,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--max-tokens", type=int, default=64)
     submit.add_argument("--temperature", type=float, default=0.0)
     submit.add_argument("--priority", type=int, default=0, help="-10..10, higher first")
-    submit.add_argument("--redis-url", default=redis_defaults.url, help="default: %(default)s")
+    submit.add_argument("--redis-url", default=redis_defaults.url or embedded_url(redis_defaults.embedded_port),
+                        help="default: $REDIS_URL, else the embedded server's address (%(default)s)")
     submit.add_argument("--requests-stream", default=redis_defaults.requests_stream)
 
     from workers.bench.main import add_arguments as add_bench_arguments
@@ -132,16 +140,28 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 async def _worker(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from service.embedded import embedded_valkey
+
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
+        config = RedisConfig(url=url, embedded_port=args.embedded_port, embedded_data_dir=args.embedded_data_dir, consumer=args.consumer,
+                             requests_stream=args.requests_stream, dead_letter_stream=args.dead_letter_stream,
+                             control_stream=args.control_stream, claim_idle_ms=args.claim_idle_ms,
+                             shutdown_grace_s=args.shutdown_grace_s)
+        return await _serve(args, config, embedded=not args.redis_url)
+
+
+async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) -> int:
     import signal
 
     import redis.asyncio as aioredis
+    from redis.exceptions import AuthenticationError
 
     from service.worker import Worker
     from workers.engine import Engine
 
-    config = RedisConfig(url=args.redis_url, consumer=args.consumer, requests_stream=args.requests_stream,
-                         dead_letter_stream=args.dead_letter_stream, control_stream=args.control_stream,
-                         claim_idle_ms=args.claim_idle_ms, shutdown_grace_s=args.shutdown_grace_s)
     engine = Engine.from_config(engine_config_from_args(args))
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
     client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)
@@ -149,13 +169,41 @@ async def _worker(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)  # stop claiming, finish what is in hand
-    print(f"inflight worker {config.consumer}: reading {config.requests_stream} on {config.url}", file=sys.stderr,
-          flush=True)
+    print(f"inflight worker {config.consumer}: reading {config.requests_stream} on "
+          f"{_redacted(config.url)}{' (embedded Valkey)' if embedded else ''}", file=sys.stderr, flush=True)
+    if embedded:
+        print(_how_to_submit(config), file=sys.stderr, flush=True)
     try:
         await Worker(engine, client, config).run(stop)
+    except AuthenticationError as error:
+        print(f"inflight worker: Redis at {_redacted(config.url)} refused the credentials: {error}", file=sys.stderr)
+        return 2
     finally:
         await client.aclose()
     return 0
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password, for logs."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    return url.replace(f":{parts.password}@", ":***@", 1)
+
+
+def _how_to_submit(config: RedisConfig) -> str:
+    port = config.embedded_port
+    url = "" if port == RedisConfig().embedded_port else f" --redis-url {config.url}"
+    return f"""
+Submit from another terminal:
+  .venv/bin/inflight submit{url} "What is the capital of France?"
+or with redis-cli:
+  redis-cli -p {port} XADD {config.requests_stream} '*' id hello prompt "The sea is" max_tokens 32
+  redis-cli -p {port} XREAD BLOCK 0 STREAMS 'inflight:out:{{hello}}' 0
+Stop with Ctrl-C (in-flight requests finish first).
+"""
 
 
 if __name__ == "__main__":

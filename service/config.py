@@ -7,6 +7,7 @@ variables) map onto these dataclasses; no other module reads the environment.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,13 +90,20 @@ class SchedulerConfig:
 
 @dataclass
 class RedisConfig:
-    # redis:// or rediss:// URL of the server jobs and replies go through.
-    url: str = "redis://127.0.0.1:6379"
+    # The server jobs and replies go through: $REDIS_URL, e.g. redis://127.0.0.1:6379,
+    # redis://user:password@host:6379/0 (AUTH/ACL) or
+    # rediss://host:6380?ssl_ca_certs=/path/ca.pem (TLS). Empty: an embedded Valkey
+    # server (service/embedded.py) on 127.0.0.1:embedded_port.
+    url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", ""))
+    embedded_port: int = 6399
+    # Where the embedded server keeps its append-only file (queued jobs survive restarts).
+    embedded_data_dir: Path = field(default_factory=lambda: default_cache_dir() / "valkey")
     requests_stream: str = "inflight:requests"
     control_stream: str = "inflight:control"
     group: str = "inflight"
-    # Stable per worker, so a restarted worker finds its own pending entries again.
-    consumer: str = "worker-1"
+    # Stable per worker and unique in the group, so a restarted worker finds its own
+    # pending entries again (and only its own). Two workers on one host need two names.
+    consumer: str = field(default_factory=socket.gethostname)
     dead_letter_stream: str = "inflight:dead"
     # How long one blocking read waits for new entries.
     block_ms: int = 1000

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 
 from service.config import RedisConfig
 from service.ingest import Entry, JobReader
@@ -159,6 +159,8 @@ async def _retrying(call):
     while True:
         try:
             return await call()
+        except AuthenticationError:
+            raise  # wrong credentials do not get better with time
         except (ConnectionError, TimeoutError):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)

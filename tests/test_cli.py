@@ -1,4 +1,4 @@
-"""`make run`'s command: the demo streams answers from the in-process engine."""
+"""The command line: the demo, `make run`'s worker (on Redis or an embedded Valkey), submit."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_worker_process_serves_a_job_and_exits_cleanly_on_sigterm():
     client = redis.Redis(host="127.0.0.1", port=6379)
     client.xadd(stream, {"id": f"{prefix}-job", "prompt": "The capital of France is", "max_tokens": "6"})
     worker = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--dead-letter-stream", dead,
+        [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream", stream, "--dead-letter-stream", dead,
          "--consumer", "cli-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -67,7 +67,7 @@ def test_a_killed_workers_request_is_finished_by_another_with_every_seq_once():
 
     def start(name: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--dead-letter-stream",
+            [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream", stream, "--dead-letter-stream",
              dead, "--consumer", name, "--claim-idle-ms", "1500", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -102,28 +102,46 @@ def test_a_killed_workers_request_is_finished_by_another_with_every_seq_once():
     assert pending == 0
 
 
-def test_submit_streams_the_answer_from_a_worker_process():
-    import uuid
+def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams_through_it(tmp_path):
+    import os
+    import signal
+    import socket
+    import time
 
     import redis
 
-    stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
+    with socket.socket() as probe:  # a free port, so a developer's own `make run` is not disturbed
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--consumer", "submit-test",
-         "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [sys.executable, "-m", "service.cli", "worker", "--embedded-port", str(port), "--embedded-data-dir",
+         str(tmp_path / "valkey"), "--consumer", "embedded-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"},
     )
     try:
+        banner = ""
+        while "Stop with Ctrl-C" not in banner:
+            line = worker.stdout.readline()
+            assert line, f"the worker exited: {banner}"
+            banner += line
+        assert f"redis://127.0.0.1:{port} (embedded Valkey)" in banner
+        assert f"submit --redis-url redis://127.0.0.1:{port}" in banner  # it says how to submit
+
         result = subprocess.run(
             [sys.executable, "-m", "service.cli", "submit", "What is the capital of France?", "--max-tokens", "12",
-             "--priority", "3", "--requests-stream", stream],
-            capture_output=True, text=True, timeout=300, check=True,
+             "--priority", "3", "--redis-url", f"redis://127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=300, check=True, env=env,
         )
+        assert "Paris" in result.stdout
+        assert "tokens, first token" in result.stderr
+
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
+        time.sleep(0.5)
+        with pytest.raises(redis.ConnectionError):  # the embedded server went with its worker
+            redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()
+        assert (tmp_path / "valkey").is_dir()
     finally:
         worker.kill()
         worker.wait()
-        client = redis.Redis(host="127.0.0.1", port=6379)
-        client.delete(stream)
-        client.close()
-    assert "Paris" in result.stdout
-    assert "tokens, first token" in result.stderr
