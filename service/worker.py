@@ -39,7 +39,7 @@ class Worker:
         self.config = config
         self.reader = JobReader(redis, config.requests_stream, config.group, config.consumer,
                                 config.dead_letter_stream, config.claim_idle_ms, config.max_deliveries)
-        self.publisher = ReplyPublisher(redis, config.reply_ttl_s)
+        self.publisher = ReplyPublisher(redis, config.reply_ttl_s, config.consumer)
         self.redis = redis
         # Enough queued work to keep the batcher full, no more.
         self.capacity = 2 * engine.config.scheduler.max_running_requests

@@ -145,3 +145,50 @@ def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams
     finally:
         worker.kill()
         worker.wait()
+
+
+def test_two_worker_processes_on_one_stream_split_the_load_with_no_duplicates():
+    import time
+    import uuid
+
+    import msgpack
+    import redis
+
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    stream, dead = f"{prefix}:requests", f"{prefix}:dead"
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
+             stream, "--dead-letter-stream", dead, "--consumer", name, "--kv-memory-mb", "128", "--swap-memory-mb",
+             "16", "--max-running-requests", "2", "--threads", "1"],  # capacity 4 each: neither can take all
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for name in ("left", "right")
+    ]
+    jobs = [f"{prefix}-{i}" for i in range(16)]
+    try:
+        for job in jobs:
+            client.xadd(stream, {"id": job, "prompt": f"Count from {job[-1]}:", "max_tokens": "24"})
+        deadline = time.time() + 300
+        replies: dict[str, list[dict]] = {}
+        while time.time() < deadline and len(replies) < len(jobs):
+            for job in jobs:
+                events = [msgpack.unpackb(f[b"data"]) for _, f in client.xrange(f"inflight:out:{{{job}}}")]
+                if events and events[-1]["type"] == "done":
+                    replies[job] = events
+            time.sleep(0.5)
+        pending = client.xpending(stream, "inflight")["pending"]
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+        client.delete(stream, dead, *[f"inflight:out:{{{job}}}" for job in jobs])
+        client.close()
+    assert len(replies) == len(jobs)
+    for events in replies.values():  # each job answered once: every seq once, one final event
+        assert [e["seq"] for e in events[:-1]] == list(range(len(events) - 1))
+        assert events[-1]["usage"]["completion_tokens"] == len(events) - 1
+    served_by = [events[-1]["worker"] for events in replies.values()]
+    assert {"left", "right"} == set(served_by), served_by  # both took a share
+    assert pending == 0

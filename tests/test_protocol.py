@@ -127,9 +127,11 @@ def test_reply_fields_are_readable_and_carry_msgpack():
     assert (token["type"], token["seq"], token["text"], token["token_ids"]) == ("token", "0", "Hel", "12 34")
     assert msgpack.unpackb(token["data"]) == {"type": "token", "seq": 0, "text": "Hel", "token_ids": [12, 34]}
     final = FinalEvent("r", FinishReason.LENGTH, Usage(3, 2), Timings(0.01, 0.2, 0.5, (0.2, 0.5)), text="!")
-    done = done_fields(final)
-    assert (done["finish_reason"], done["completion_tokens"], done["total_s"]) == ("length", "2", "0.500000")
+    done = done_fields(final, worker="gpu-3")
+    assert (done["finish_reason"], done["completion_tokens"], done["total_s"], done["worker"]) == (
+        "length", "2", "0.500000", "gpu-3")
     assert msgpack.unpackb(done["data"])["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
+    assert msgpack.unpackb(done["data"])["worker"] == "gpu-3"
     error = error_fields("invalid_field", "top_k must be >= 0")
     assert msgpack.unpackb(error["data"]) == {"type": "error", "code": "invalid_field", "message": "top_k must be >= 0"}
 

@@ -1,0 +1,54 @@
+"""The producer examples in docs/examples (redis-cli, Node.js) run against a real worker."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+
+
+@pytest.fixture(scope="module")
+def worker_env():
+    """A worker process on private streams; the environment that points the examples at it."""
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    requests, dead = f"{prefix}:requests", f"{prefix}:dead"
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
+         requests, "--dead-letter-stream", dead, "--consumer", "examples-test", "--kv-memory-mb", "128",
+         "--swap-memory-mb", "16"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    yield {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379", "INFLIGHT_REQUESTS": requests}
+    worker.kill()
+    worker.wait()
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    client.delete(requests, dead, *client.keys("inflight:out:{shell-*"), *client.keys("inflight:out:{node-*"))
+    client.close()
+
+
+def test_the_redis_cli_example_streams_an_answer(worker_env):
+    result = subprocess.run(["bash", str(EXAMPLES / "redis-cli.sh"), "The capital of France is"],
+                            env=worker_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "(length: 16 tokens)" in result.stdout
+
+
+def test_the_node_example_streams_an_answer(worker_env):
+    node = EXAMPLES / "node"
+    assert (node / "node_modules").is_dir(), "`make test` installs the example's packages (npm ci)"
+    result = subprocess.run([shutil.which("node") or "node", "generate.mjs", "What is the capital of France?"],
+                            cwd=node, env=worker_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "tokens)" in result.stdout
