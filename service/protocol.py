@@ -24,7 +24,8 @@ MAX_ENTRY_BYTES = 1 << 20
 MAX_ID_CHARS = 200
 
 FIELDS = frozenset({"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                    "priority", "deadline_ms", "reply_to"})
+                    "ignore_eos", "priority", "deadline_ms", "reply_to"})
+FLAT_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
 def reply_stream(request_id: str) -> str:
@@ -123,6 +124,12 @@ def decode_job(entry_id: str, fields: dict) -> Job:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise fail("invalid_field", "stop must be a string or a list of non-empty strings")
 
+    ignore_eos = values.get("ignore_eos", False)
+    if not typed and "ignore_eos" in values:
+        ignore_eos = FLAT_BOOLEANS.get(ignore_eos.lower(), ignore_eos)
+    if not isinstance(ignore_eos, bool):
+        raise fail("invalid_type", "ignore_eos must be true or false")
+
     defaults = SamplingParams()
     params = SamplingParams(
         max_tokens=number("max_tokens", int, defaults.max_tokens),
@@ -131,6 +138,7 @@ def decode_job(entry_id: str, fields: dict) -> Job:
         top_p=float(number("top_p", float, defaults.top_p)),
         seed=number("seed", int, None),
         stop=tuple(stop),
+        ignore_eos=ignore_eos,
     )
     try:
         params.validate()

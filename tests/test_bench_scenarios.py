@@ -64,3 +64,16 @@ def test_swap_scenario_preempts_only_with_the_small_pool(tmp_path):
     assert swap["small_pool_recompute"]["preemptions"] > 0
     assert swap["small_pool_recompute"]["blocks_swapped_out"] == 0
     assert swap["swap_vs_large_pool"] > 0
+
+
+def test_redis_scenario_runs_the_workload_through_a_worker_process_and_in_process(tmp_path):
+    report = bench(tmp_path, "--scenario", "redis", "--redis-url", "redis://127.0.0.1:6379", "--requests", "3",
+                   "--prompt-len", "8", "16", "--output-len", "3", "6", "--redis-rounds", "1", "--ttft-pairs", "2")
+    figures = report["redis"]
+    assert figures["output_tokens_per_s"] > 0 and figures["inprocess_output_tokens_per_s"] > 0
+    assert figures["throughput_ratio"] == figures["output_tokens_per_s"] / figures["inprocess_output_tokens_per_s"]
+    assert figures["ttft_pairs"] == 2 and figures["ttft_p50_s"] > 0
+    assert "ttft_overhead_p50_s" in figures
+    # Both paths did the whole workload: every requested token arrived.
+    expected = figures["workload"]["total_output_tokens"]
+    assert [r["output_tokens"] for r in figures["rounds"]["redis"] + figures["rounds"]["inprocess"]] == [expected] * 2

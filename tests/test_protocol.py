@@ -44,6 +44,13 @@ def test_flat_messages_and_stop_are_json_or_a_single_stop_string():
     assert decode_job("1-0", flat(prompt="x", stop="END")).params.stop == ("END",)
 
 
+def test_ignore_eos_is_a_boolean_in_either_form():
+    assert decode_job("1-0", flat(prompt="x", ignore_eos="true")).params.ignore_eos is True
+    assert decode_job("1-0", flat(prompt="x", ignore_eos="0")).params.ignore_eos is False
+    assert decode_job("1-0", {b"payload": msgpack.packb({"prompt": "x", "ignore_eos": True})}).params.ignore_eos
+    assert decode_job("1-0", flat(prompt="x")).params.ignore_eos is False
+
+
 def test_msgpack_payload_carries_typed_fields():
     payload = msgpack.packb({"id": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
                              "temperature": 1, "stop": ["x"], "priority": -2})
@@ -63,6 +70,8 @@ def test_msgpack_payload_carries_typed_fields():
     (flat(prompt="a", top_p=2), "invalid_field"),
     (flat(prompt="a", priority=11), "invalid_field"),
     (flat(prompt="a", deadline_ms=-1), "invalid_field"),
+    (flat(prompt="a", ignore_eos="yes please"), "invalid_type"),
+    ({b"payload": msgpack.packb({"prompt": "a", "ignore_eos": 1})}, "invalid_type"),
     (flat(messages="not json"), "invalid_type"),
     (flat(messages='[{"role": "user"}]'), "invalid_field"),
     (flat(prompt=""), "invalid_field"),

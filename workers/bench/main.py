@@ -1,8 +1,9 @@
 """`inflight bench`: the engine and its peers on one seeded workload, in one run.
 
-`--scenario` picks what is measured: `throughput` (the default, below) or one of the
-scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, each described in
-its own module (they run in this process and compare the engine with itself).
+`--scenario` picks what is measured: `throughput` (the default, below), one of the
+scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, or `redis` (the Redis
+edge against in-process), each described in its own module (they run in this process
+and compare the engine with itself).
 
 For `throughput`, the parent process only orchestrates: each system runs in its own child process
 (`python -m workers.bench --child JOB --out RESULT`) that loads the model itself, so
@@ -30,13 +31,13 @@ from pathlib import Path
 from service.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
-SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler")
+SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from workers.bench import priority, scheduler_cost, storm, swap
+    from workers.bench import priority, scheduler_cost, storm, swap, through_redis
 
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
-    for scenario in (storm, priority, swap, scheduler_cost):
+    for scenario in (storm, priority, swap, scheduler_cost, through_redis):
         scenario.add_arguments(parser)
 
 
@@ -124,7 +125,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from workers.bench import priority, scheduler_cost, storm, swap
+    from workers.bench import priority, scheduler_cost, storm, swap, through_redis
     from workers.bench.report import write_json
 
     load_before = os.getloadavg()[0]
@@ -139,7 +140,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
         loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
         vocab = min(len(loaded.tokenizer), loaded.model.config.vocab_size)
         vocab_ids = allowed_token_ids(vocab, special_token_ids(loaded.tokenizer))
-        module = {"storm": storm, "priority": priority, "swap": swap}[args.scenario]
+        module = {"storm": storm, "priority": priority, "swap": swap, "redis": through_redis}[args.scenario]
         figures = module.run(loaded, args, vocab_ids)
     report = {
         "scenario": args.scenario,
