@@ -53,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    return asyncio.run(_run(loaded, args, vocab_ids))
+    import uvloop
+
+    return uvloop.run(_run(loaded, args, vocab_ids))  # the loop the worker runs on
 
 
 async def _run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
