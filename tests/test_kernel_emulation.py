@@ -1,0 +1,124 @@
+"""The CUDA kernels, run on the CPU emulation, match the torch reference.
+
+The emulation (`gpu/emulator`) compiles the very `.cu` program text that NVRTC gets,
+runs each CUDA thread as a host thread, and `CupyAttentionBackend` drives it exactly
+as it drives the GPU. float32 matches to rounding; float16 to atol 1e-3 (rtol 1e-3);
+bfloat16 to atol 1e-3, rtol 1.6e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.cupy_attention import CupyAttentionBackend
+from gpu.emulator import EmulatedKernels
+from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.offload import HostKVPool
+from tests.attention_cases import check_against_reference, decode_chunks, make_step
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128]
+BLOCK_SIZES = [16, 32]
+GQA_GROUPS = [1, 4, 8]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> EmulatedKernels:
+    return EmulatedKernels()  # built with g++ once per source hash (~10 s), then cached
+
+
+def backend(step, kernels, partition_size=None) -> CupyAttentionBackend:
+    return CupyAttentionBackend(step.kernel_cache, kernels, partition_size=partition_size)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", GQA_GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_split_into_partitions(kernels, dtype, head_dim, group, block_size):
+    """Contexts that are not multiples of the block size, split into 32-token partitions
+    and reduced; the shortest fits in one partition, the longest spans several."""
+    step = make_step(dtype, head_dim, block_size, num_kv_heads=2, group=group,
+                     chunks=decode_chunks([1, 37, 100, 75]), seed=group * head_dim + block_size)  # fmt: skip
+    check_against_reference(step, backend(step, kernels, partition_size=32))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_batch_sizes_in_one_partition(kernels, dtype, batch):
+    """The default partitioning: these contexts fit in one partition (no reduce step)."""
+    contexts = [(7 * i + 5) % 90 + 1 for i in range(batch)]
+    step = make_step(dtype, 128, 16, num_kv_heads=2, group=4, chunks=decode_chunks(contexts), seed=batch)
+    check_against_reference(step, backend(step, kernels))
+
+
+def test_decode_long_context_uses_the_largest_partition(kernels):
+    """One sequence of 1100 tokens: 512-token partitions (the most a block holds) and a reduce."""
+    step = make_step(torch.float16, 64, 32, num_kv_heads=1, group=4, chunks=decode_chunks([1100]), seed=3)
+    attention = backend(step, kernels, partition_size=512)
+    check_against_reference(step, attention)
+    assert attention.prepare(step.sequences, 1).decode.num_partitions == 3
+
+
+def test_wide_gqa_groups_span_several_blocks(kernels):
+    """A group wider than one decode block serves (12 query heads per KV head), and an
+    odd one (3, as in SmolLM2)."""
+    for group in (12, 3):
+        step = make_step(torch.float32, 64, 16, num_kv_heads=2, group=group,
+                         chunks=decode_chunks([20, 41]) + [(0, 9), (13, 6)], seed=group)  # fmt: skip
+        check_against_reference(step, backend(step, kernels, partition_size=32))
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", GQA_GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunked_prefill(kernels, dtype, head_dim, group, block_size):
+    """A fresh prompt, a later chunk of a prompt whose prefix is cached (both not
+    block-aligned), and a one-token prompt, in one step."""
+    step = make_step(dtype, head_dim, block_size, num_kv_heads=2, group=group,
+                     chunks=[(0, 21), (35, 12), (0, 1)], seed=group * head_dim + block_size)  # fmt: skip
+    check_against_reference(step, backend(step, kernels))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_mixed_step_of_decodes_and_prefill_chunks(kernels, dtype):
+    """What the scheduler sends: decodes first, then prompt chunks, in one batch."""
+    chunks = decode_chunks([50, 3, 129, 64]) + [(17, 40), (0, 33)]
+    step = make_step(dtype, 128, 16, num_kv_heads=4, group=4, chunks=chunks, seed=11)
+    check_against_reference(step, backend(step, kernels, partition_size=64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swap_round_trip(kernels, dtype):
+    """Blocks swapped out to the host pool and back in (to other ids) by the copy kernel
+    come back bit for bit, in every layer's K and V; the other blocks are untouched."""
+    shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=64)
+    cache = PagedKVCache(shape, num_blocks=12, block_size=16, dtype=dtype)
+    cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=torch.Generator().manual_seed(0)).to(dtype))
+    original = cache.blocks.clone()
+    pool = HostKVPool(cache, num_blocks=6, kernels=kernels)
+
+    pool.swap(swap_out=[(3, 5), (7, 0), (10, 2)], swap_in=[])
+    for device_id, host_id in [(3, 5), (7, 0), (10, 2)]:
+        assert torch.equal(pool.blocks[:, :, host_id], original[:, :, device_id])
+    pool.swap(swap_out=[], swap_in=[(5, 1), (0, 4), (2, 11)])
+    expected = original.clone()
+    expected[:, :, [1, 4, 11]] = original[:, :, [3, 7, 10]]
+    assert torch.equal(cache.blocks, expected)
+
+
+def test_swap_out_and_in_in_one_step(kernels):
+    """The step's swap-out runs before its swap-in, so a block freed by a swap-out can be
+    the destination of a swap-in."""
+    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=64)
+    cache = PagedKVCache(shape, num_blocks=4, block_size=16, dtype=torch.float16)
+    cache.blocks.copy_(torch.randn(cache.blocks.shape).half())
+    pool = HostKVPool(cache, num_blocks=2, kernels=kernels)
+    pool.swap(swap_out=[(1, 0)], swap_in=[])
+    parked = pool.blocks[:, :, 0].clone()
+    block_2 = cache.blocks[:, :, 2].clone()
+    pool.swap(swap_out=[(2, 1)], swap_in=[(0, 2)])
+    assert torch.equal(cache.blocks[:, :, 2], parked)
+    assert torch.equal(pool.blocks[:, :, 1], block_2)
