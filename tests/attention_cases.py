@@ -22,6 +22,12 @@ from gpu.attention import AttentionBackend, SequenceSlice
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 
+# The sweep: every instantiated dtype, head_dim and block size, and GQA ratios 1, 4, 8.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128]
+BLOCK_SIZES = [16, 32]
+GQA_GROUPS = [1, 4, 8]
+
 # Tolerances against the reference, by dtype (the kernels accumulate in fp32).
 TOLERANCES = {
     torch.float32: dict(atol=1e-5, rtol=1.3e-6),

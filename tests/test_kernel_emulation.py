@@ -15,12 +15,15 @@ from gpu.cupy_attention import CupyAttentionBackend
 from gpu.emulator import EmulatedKernels
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
-from tests.attention_cases import check_against_reference, decode_chunks, make_step
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 128]
-BLOCK_SIZES = [16, 32]
-GQA_GROUPS = [1, 4, 8]
+from tests.attention_cases import (
+    BLOCK_SIZES,
+    DTYPES,
+    GQA_GROUPS,
+    HEAD_DIMS,
+    check_against_reference,
+    decode_chunks,
+    make_step,
+)
 
 
 @pytest.fixture(scope="module")
