@@ -125,3 +125,26 @@ def test_swap_out_and_in_in_one_step(kernels):
     pool.swap(swap_out=[(2, 1)], swap_in=[(0, 2)])
     assert torch.equal(cache.blocks[:, :, 2], parked)
     assert torch.equal(pool.blocks[:, :, 1], block_2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_16_bit_conversions_are_the_hardwares(kernels, dtype):
+    """The emulation rounds float32 to 16 bits to nearest even, subnormals, overflow and
+    ties included, as torch (and the GPU's cvt.rn) do; and widens every 16-bit value exactly."""
+    every_16_bit = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    widened = kernels.convert(every_16_bit, torch.float32)
+    expected = every_16_bit.float()
+    assert torch.equal(widened.isnan(), expected.isnan())
+    assert torch.equal(widened[~expected.isnan()], expected[~expected.isnan()])
+
+    random_bits = torch.randint(-(2**31), 2**31 - 1, (1 << 20,), generator=torch.Generator().manual_seed(0))
+    # Every 16-bit value, the midpoints between neighbours (the ties) and a hair either side.
+    ties = (expected[:-1].double() + expected[1:].double()) / 2
+    floats = torch.cat([random_bits.to(torch.int32).view(torch.float32), expected, ties.float(),
+                        ties.float().nextafter(torch.tensor(float("inf"))),
+                        ties.float().nextafter(torch.tensor(float("-inf")))])  # fmt: skip
+    rounded = kernels.convert(floats, dtype)
+    expected = floats.to(dtype)
+    nan = floats.isnan()
+    assert torch.equal(rounded[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert rounded[nan].isnan().all()

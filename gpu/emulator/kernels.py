@@ -26,6 +26,14 @@ CXX_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-a
 _C_TYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float, "ptr": ctypes.c_void_p}
 
 
+_CONVERSIONS = {
+    "to_float16": ("float", "unsigned short", "float_to_half_bits"),
+    "to_bfloat16": ("float", "unsigned short", "float_to_bfloat16_bits"),
+    "from_float16": ("unsigned short", "float", "half_bits_to_float"),
+    "from_bfloat16": ("unsigned short", "float", "bfloat16_bits_to_float"),
+}
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("INFLIGHT_EMULATOR_CACHE") or Path.home() / ".cache" / "inflight" / "emulator"
     return Path(root)
@@ -35,6 +43,12 @@ def _wrapper_source(instances: list[Instantiation]) -> str:
     """The emulation header, the program text NVRTC compiles, and the entry points."""
     lines = [f'#include "{HEADER}"']
     lines += [cuda_source.read_source(source) for source in cuda_source.SOURCES]
+    # The 16-bit conversions, so the tests can hold them to torch's bit for bit.
+    for name, (arg, result, function) in _CONVERSIONS.items():
+        lines.append(
+            f'extern "C" void {name}(const {arg}* in, {result}* out, long n) '
+            f"{{ for (long i = 0; i < n; ++i) out[i] = {function}(in[i]); }}"
+        )
     for index, instance in enumerate(instances):
         lines.append(
             f'extern "C" void emulated_{index}(const unsigned* grid, const unsigned* block, void** args) '
@@ -68,6 +82,7 @@ class EmulatedKernels:
     def __init__(self, instances: list[Instantiation] | None = None) -> None:
         self.instances = instances or cuda_source.instantiations()
         library = ctypes.CDLL(str(build(self.instances)))
+        self._library = library
         self._entries = {}
         for index, instance in enumerate(self.instances):
             entry = getattr(library, f"emulated_{index}")
@@ -84,6 +99,17 @@ class EmulatedKernels:
         grid3 = (ctypes.c_uint * 3)(*(tuple(grid) + (1, 1, 1))[:3])
         block3 = (ctypes.c_uint * 3)(block, 1, 1)
         self._entries[instance](grid3, block3, pointers)
+
+    def convert(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` (float32 to a 16-bit dtype, or back) through the emulation's conversion."""
+        x = x.contiguous()
+        if x.dtype == torch.float32:
+            name, out = f"to_{str(dtype).removeprefix('torch.')}", torch.empty(x.shape, dtype=dtype)
+        else:
+            name, out = f"from_{str(x.dtype).removeprefix('torch.')}", torch.empty(x.shape, dtype=torch.float32)
+        getattr(self._library, name)(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                                     ctypes.c_long(x.numel()))  # fmt: skip
+        return out
 
 
 def _address(arg) -> int:
