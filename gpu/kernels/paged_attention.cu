@@ -51,6 +51,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
     constexpr int V_DIMS = 4;
     constexpr int V_THREADS = HEAD_DIM / V_DIMS;
     constexpr int V_ROWS = NUM_THREADS / V_THREADS;
+    // Tokens whose K (V) rows a thread loads before using any.
+    constexpr int K_UNROLL = 2;
+    constexpr int V_UNROLL = 4;
     static_assert(HEAD_DIM % DIMS_PER_LANE == 0 && LANES <= 32 && V_ROWS >= 1, "head_dim");
 
     __shared__ float q_s[MAX_GROUP][HEAD_DIM];
@@ -83,26 +86,35 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
     __syncthreads();
 
     // Phase 1: scores of every token in the partition, for every head of the group.
+    // K_UNROLL tokens per lane group are loaded before any is used, to keep more loads
+    // in flight (decode is bound by memory bandwidth).
     const int lane_in_token = lane % LANES;
-    for (int pass = 0; pass < count; pass += TOKENS_PER_PASS) {
-        const int t = pass + warp * TOKENS_PER_WARP + lane / LANES;
-        float k[DIMS_PER_LANE];
-        if (t < count) {
-            const i64 at = row_offset<HEAD_DIM>(table, start + t, BLOCK_SIZE, num_kv_heads, kv_head);
-            load_as_float<T, DIMS_PER_LANE>(key_cache + at + lane_in_token * DIMS_PER_LANE, k);
-        } else {
+    for (int pass = 0; pass < count; pass += TOKENS_PER_PASS * K_UNROLL) {
+        float k[K_UNROLL][DIMS_PER_LANE];
 #pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; ++i) k[i] = 0.f;
+        for (int u = 0; u < K_UNROLL; ++u) {
+            const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
+            if (t < count) {
+                const i64 at = row_offset<HEAD_DIM>(table, start + t, BLOCK_SIZE, num_kv_heads, kv_head);
+                load_as_float<T, DIMS_PER_LANE>(key_cache + at + lane_in_token * DIMS_PER_LANE, k[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < DIMS_PER_LANE; ++i) k[u][i] = 0.f;
+            }
         }
 #pragma unroll
-        for (int h = 0; h < MAX_GROUP; ++h) {
-            if (h >= heads) break;  // uniform across the block
-            const float* q = &q_s[h][lane_in_token * DIMS_PER_LANE];
-            float dot = 0.f;
+        for (int u = 0; u < K_UNROLL; ++u) {
+            const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
 #pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; ++i) dot += q[i] * k[i];
-            dot = warp_sum(dot, LANES);
-            if (t < count && lane_in_token == 0) scores_s[h][t] = dot;
+            for (int h = 0; h < MAX_GROUP; ++h) {
+                if (h >= heads) break;  // uniform across the block
+                const float* q = &q_s[h][lane_in_token * DIMS_PER_LANE];
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < DIMS_PER_LANE; ++i) dot += q[i] * k[u][i];
+                dot = warp_sum(dot, LANES);
+                if (t < count && lane_in_token == 0) scores_s[h][t] = dot;
+            }
         }
     }
     __syncthreads();
@@ -138,16 +150,27 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
     for (int h = 0; h < MAX_GROUP; ++h)
 #pragma unroll
         for (int i = 0; i < V_DIMS; ++i) acc[h][i] = 0.f;
-    for (int t = v_row; t < count; t += V_ROWS) {
-        float v[V_DIMS];
-        const i64 at = row_offset<HEAD_DIM>(table, start + t, BLOCK_SIZE, num_kv_heads, kv_head);
-        load_as_float<T, V_DIMS>(value_cache + at + d0, v);
+    for (int first = v_row; first < count; first += V_ROWS * V_UNROLL) {
+        float v[V_UNROLL][V_DIMS];
 #pragma unroll
-        for (int h = 0; h < MAX_GROUP; ++h) {
-            if (h >= heads) break;
-            const float p = scores_s[h][t];
+        for (int u = 0; u < V_UNROLL; ++u) {
+            const int t = first + u * V_ROWS;
+            if (t < count) {
+                const i64 at = row_offset<HEAD_DIM>(table, start + t, BLOCK_SIZE, num_kv_heads, kv_head);
+                load_as_float<T, V_DIMS>(value_cache + at + d0, v[u]);
+            }
+        }
 #pragma unroll
-            for (int i = 0; i < V_DIMS; ++i) acc[h][i] += p * v[i];
+        for (int u = 0; u < V_UNROLL; ++u) {
+            const int t = first + u * V_ROWS;
+            if (t >= count) break;
+#pragma unroll
+            for (int h = 0; h < MAX_GROUP; ++h) {
+                if (h >= heads) break;
+                const float p = scores_s[h][t];
+#pragma unroll
+                for (int i = 0; i < V_DIMS; ++i) acc[h][i] += p * v[u][i];
+            }
         }
     }
 #pragma unroll
