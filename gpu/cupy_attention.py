@@ -39,6 +39,7 @@ class DecodeBatch:
 class PrefillBatch:
     query_starts: torch.Tensor  # [S] int32
     query_lens: torch.Tensor  # [S] int32
+    query_lens_host: list[int]
     context_lens: torch.Tensor  # [S] int32
     block_tables: torch.Tensor  # [S, max_blocks] int32
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by GQA group
@@ -48,7 +49,7 @@ class PrefillBatch:
         rows depend on the GQA group, known only when the first layer runs."""
         if group not in self.tiles:
             seqs, rows = [], []
-            for seq, query_len in enumerate(self.query_lens.tolist()):
+            for seq, query_len in enumerate(self.query_lens_host):
                 for first in range(0, query_len * group, cuda_source.PREFILL_ROWS):
                     seqs.append(seq)
                     rows.append(first)
@@ -84,7 +85,7 @@ class CupyAttentionBackend(AttentionBackend):
             self.target_blocks = BLOCKS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
             self.target_blocks = 256
-        dtype, block_size = kv_cache.blocks.dtype, kv_cache.block_size
+        block_size = kv_cache.block_size
         self._write = cuda_source.write_kv(dtype)
         self._decode = cuda_source.decode(dtype, head_dim, block_size)
         self._reduce = cuda_source.decode_reduce(dtype, head_dim)
@@ -129,6 +130,7 @@ class CupyAttentionBackend(AttentionBackend):
         return PrefillBatch(
             _int32([seq.query_start for seq in prefills], self.device),
             _int32([seq.query_len for seq in prefills], self.device),
+            [seq.query_len for seq in prefills],
             _int32([seq.context_len for seq in prefills], self.device),
             self._block_tables(prefills),
         )
