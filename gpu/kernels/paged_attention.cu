@@ -102,13 +102,18 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
                 for (int i = 0; i < DIMS_PER_LANE; ++i) k[u][i] = 0.f;
             }
         }
+        // Heads outer, tokens inner: each slice of q read from shared memory serves
+        // K_UNROLL tokens (shared-memory bandwidth would bound this loop otherwise).
 #pragma unroll
-        for (int u = 0; u < K_UNROLL; ++u) {
-            const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
+        for (int h = 0; h < MAX_GROUP; ++h) {
+            if (h >= heads) break;  // uniform across the block
+            float q[DIMS_PER_LANE];
 #pragma unroll
-            for (int h = 0; h < MAX_GROUP; ++h) {
-                if (h >= heads) break;  // uniform across the block
-                const float* q = &q_s[h][lane_in_token * DIMS_PER_LANE];
+            for (int i = 0; i < DIMS_PER_LANE; ++i) q[i] = q_s[h][lane_in_token * DIMS_PER_LANE + i];
+#pragma unroll
+            for (int u = 0; u < K_UNROLL; ++u) {
+                if (pass + u * TOKENS_PER_PASS >= count) break;  // uniform: past the partition's end
+                const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
                 float dot = 0.f;
 #pragma unroll
                 for (int i = 0; i < DIMS_PER_LANE; ++i) dot += q[i] * k[u][i];
