@@ -226,6 +226,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_reduce(
 // head of the group) rows of one sequence's chunk, each warp owning 4 of them; the block
 // walks the keys up to its last row's position in tiles of 16, each K/V tile loaded once
 // into shared memory for all 16 rows, with an online softmax (running max and sum).
+// A warp scores two rows at a time: lanes 0-15 take one row, 16-31 the other, one key each.
 constexpr int PREFILL_ROWS = 16;
 constexpr int KEY_TILE = 16;
 
@@ -242,13 +243,16 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
     const int* __restrict__ block_tables,   // [seqs, max_blocks]
     int max_blocks, int num_heads, int num_kv_heads, float scale) {
     constexpr int ROWS_PER_WARP = PREFILL_ROWS / NUM_WARPS;
+    constexpr int PAIRS = ROWS_PER_WARP / 2;
     constexpr int DIMS_PER_LANE = HEAD_DIM / 32;
-    static_assert(KEY_TILE * 2 == 32, "a key's dot product is split over two lanes");
+    static_assert(KEY_TILE * 2 == 32 && ROWS_PER_WARP % 2 == 0, "a warp scores two rows of 16 keys at a time");
 
-    __shared__ float q_s[PREFILL_ROWS][HEAD_DIM];
-    __shared__ float k_s[KEY_TILE][HEAD_DIM];
+    __shared__ float q_s[PREFILL_ROWS][HEAD_DIM + 1];  // padded: a warp reads two rows at once
+    __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];  // padded: the 16 lanes of a row read 16 keys' rows
     __shared__ float v_s[KEY_TILE][HEAD_DIM];
-    __shared__ float p_s[NUM_WARPS][KEY_TILE];
+    __shared__ float p_s[NUM_WARPS][ROWS_PER_WARP][KEY_TILE];  // one tile's probabilities per row
+    __shared__ float alpha_s[NUM_WARPS][ROWS_PER_WARP];        // and its rescaling of the row's sum
+    __shared__ float l_s[NUM_WARPS][ROWS_PER_WARP];
 
     const int seq = tile_seqs[blockIdx.x];
     const int first_row = tile_rows[blockIdx.x];
@@ -272,17 +276,21 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
         q_s[r][d] = q;
     }
 
-    float m[ROWS_PER_WARP], l[ROWS_PER_WARP], acc[ROWS_PER_WARP][DIMS_PER_LANE];
+    // Each lane keeps the running max and sum of its half's row in each pair, and the
+    // output of dims lane, lane + 32, ... of all the warp's rows.
+    const int half = lane / KEY_TILE, key = lane % KEY_TILE;
+    float m[PAIRS], l[PAIRS], acc[ROWS_PER_WARP][DIMS_PER_LANE];
 #pragma unroll
-    for (int r = 0; r < ROWS_PER_WARP; ++r) {
-        m[r] = -INF;
-        l[r] = 0.f;
+    for (int pair = 0; pair < PAIRS; ++pair) {
+        m[pair] = -INF;
+        l[pair] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r)
 #pragma unroll
         for (int i = 0; i < DIMS_PER_LANE; ++i) acc[r][i] = 0.f;
-    }
 
     const int key_end = past + (first_row + rows - 1) / group + 1;  // the last row's causal bound
-    const int key = lane % KEY_TILE, half = lane / KEY_TILE;
     for (int tile = 0; tile < key_end; tile += KEY_TILE) {
         __syncthreads();  // the previous tile is consumed (and q_s written, the first time)
         for (int i = tid; i < KEY_TILE * HEAD_DIM; i += NUM_THREADS) {
@@ -299,41 +307,48 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
         __syncthreads();
 
 #pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) {
-            const int row = warp * ROWS_PER_WARP + r;
+        for (int pair = 0; pair < PAIRS; ++pair) {
+            const int local = 2 * pair + half;  // this half's row among the warp's
+            const int row = warp * ROWS_PER_WARP + local;
             const int position = past + (first_row + row) / group;
             float s = 0.f;
 #pragma unroll 8
-            for (int d = half * (HEAD_DIM / 2); d < (half + 1) * (HEAD_DIM / 2); ++d) s += q_s[row][d] * k_s[key][d];
-            s += __shfl_xor_sync(0xffffffffu, s, KEY_TILE);
+            for (int d = 0; d < HEAD_DIM; ++d) s += q_s[row][d] * k_s[key][d];
             const bool visible = row < rows && tile + key <= position;
             s = visible ? s : -INF;
-            const float tile_max = warp_max(s, KEY_TILE);
-            const float m_new = fmaxf(m[r], tile_max);
+            const float m_new = fmaxf(m[pair], warp_max(s, KEY_TILE));
             const float p = visible ? expf(s - m_new) : 0.f;
-            const float alpha = m[r] == -INF ? 0.f : expf(m[r] - m_new);
-            l[r] = l[r] * alpha + warp_sum(p, KEY_TILE);
-            m[r] = m_new;
-            if (half == 0) p_s[warp][key] = p;
-            __syncwarp();
+            const float alpha = m[pair] == -INF ? 0.f : expf(m[pair] - m_new);
+            l[pair] = l[pair] * alpha + warp_sum(p, KEY_TILE);
+            m[pair] = m_new;
+            p_s[warp][local][key] = p;
+            if (key == 0) alpha_s[warp][local] = alpha;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_WARP; ++r) {
+            const float alpha = alpha_s[warp][r];
 #pragma unroll
             for (int i = 0; i < DIMS_PER_LANE; ++i) {
                 const int d = lane + 32 * i;
                 float o = acc[r][i] * alpha;
 #pragma unroll
-                for (int j = 0; j < KEY_TILE; ++j) o += p_s[warp][j] * v_s[j][d];
+                for (int j = 0; j < KEY_TILE; ++j) o += p_s[warp][r][j] * v_s[j][d];
                 acc[r][i] = o;
             }
-            __syncwarp();
         }
     }
 
+#pragma unroll
+    for (int pair = 0; pair < PAIRS; ++pair)
+        if (key == 0) l_s[warp][2 * pair + half] = l[pair];
+    __syncwarp();
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
         const int row = warp * ROWS_PER_WARP + r;
         if (row >= rows) continue;
         const int token = (first_row + row) / group, head = kv_head * group + (first_row + row) % group;
-        const float inv = 1.f / l[r];
+        const float inv = 1.f / l_s[warp][r];
 #pragma unroll
         for (int i = 0; i < DIMS_PER_LANE; ++i)
             out[((query_start + token) * num_heads + head) * HEAD_DIM + lane + 32 * i] = from_float<T>(acc[r][i] * inv);
