@@ -14,7 +14,7 @@ kernels keep every score and sum in fp32 and round only the output.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -99,3 +99,34 @@ def check_against_reference(step: Step, backend: AttentionBackend) -> None:
 
 def decode_chunks(context_lens: list[int]) -> list[tuple[int, int]]:
     return [(context - 1, 1) for context in context_lens]
+
+
+def far_cache(step: Step, base: int) -> tuple[PagedKVCache, list[SequenceSlice]]:
+    """The kernels' cache of `step` moved to block ids `base` and up, in a pool of
+    `base + num_blocks` blocks (allocated, not zeroed: untouched host pages cost no
+    memory), and the sequences with their block tables moved along."""
+    small = step.kernel_cache
+    cache = PagedKVCache(small.shape, 1, small.block_size, small.blocks.dtype, small.blocks.device)
+    cache.num_blocks = base + small.num_blocks
+    cache.blocks = torch.empty(small.shape.blocks_shape(cache.num_blocks, small.block_size),
+                               dtype=small.blocks.dtype, device=small.blocks.device)  # fmt: skip
+    cache.blocks[:, :, base:] = small.blocks
+    pool = (cache.num_blocks * small.block_size, small.shape.num_kv_heads, small.shape.head_dim)
+    cache.key_pools = [cache.blocks[layer, 0].view(pool) for layer in range(small.shape.num_layers)]
+    cache.value_pools = [cache.blocks[layer, 1].view(pool) for layer in range(small.shape.num_layers)]
+    sequences = [replace(s, block_table=[b + base for b in s.block_table]) for s in step.sequences]
+    return cache, sequences
+
+
+def check_far_cache_against_reference(step: Step, cache: PagedKVCache, sequences: list[SequenceSlice],
+                                      backend: AttentionBackend, base: int) -> None:  # fmt: skip
+    """Like `check_against_reference`, with the kernels over `far_cache`'s blocks."""
+    reference = TorchAttentionBackend(step.reference_cache)
+    num_tokens = step.query.shape[0]
+    expected = reference.attend(
+        0, step.query.float(), step.key.float(), step.value.float(), step.scale,
+        reference.prepare(step.sequences, num_tokens),
+    )  # fmt: skip
+    got = backend.attend(0, step.query, step.key, step.value, step.scale, backend.prepare(sequences, num_tokens))
+    assert torch.equal(cache.blocks[:, :, base:].float(), step.reference_cache.blocks), "the cache writes differ"
+    torch.testing.assert_close(got.float(), expected, **TOLERANCES[step.query.dtype])

@@ -5,8 +5,6 @@ generates exactly the torch backend's greedy tokens. Skipped without a GPU."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -19,9 +17,10 @@ from tests.attention_cases import (
     DTYPES,
     GQA_GROUPS,
     HEAD_DIMS,
-    TOLERANCES,
     check_against_reference,
+    check_far_cache_against_reference,
     decode_chunks,
+    far_cache,
     make_step,
 )
 from tests.conftest import run_to_completion
@@ -68,19 +67,9 @@ def test_decode_long_contexts(kernels, batch):
 def test_cache_of_more_than_2_31_elements(kernels):
     """Blocks whose offsets pass 2^31 elements are read and written where they are."""
     step = make_step(torch.float16, 128, 16, 8, 4, decode_chunks([300, 45]) + [(20, 17)], CUDA, 5)
-    block_elements = 16 * 8 * 128
-    base = 2**31 // block_elements + 3
-    big = PagedKVCache(KVShape(1, 8, 128), base + step.kernel_cache.num_blocks, 16, torch.float16, CUDA)
-    big.blocks[:, :, base:] = step.kernel_cache.blocks
-    far = [replace(s, block_table=[b + base for b in s.block_table]) for s in step.sequences]
-    num_tokens = step.query.shape[0]
-    reference = TorchAttentionBackend(step.reference_cache)
-    expected = reference.attend(0, step.query.float(), step.key.float(), step.value.float(), step.scale,
-                                reference.prepare(step.sequences, num_tokens))  # fmt: skip
-    attention = backend(big, kernels, 128)
-    got = attention.attend(0, step.query, step.key, step.value, step.scale, attention.prepare(far, num_tokens))
-    assert torch.equal(big.blocks[:, :, base:].float(), step.reference_cache.blocks)
-    torch.testing.assert_close(got.float(), expected, **TOLERANCES[torch.float16])
+    base = 2**31 // (16 * 8 * 128) + 3
+    cache, sequences = far_cache(step, base)
+    check_far_cache_against_reference(step, cache, sequences, backend(cache, kernels, 128), base)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -21,7 +21,9 @@ from tests.attention_cases import (
     GQA_GROUPS,
     HEAD_DIMS,
     check_against_reference,
+    check_far_cache_against_reference,
     decode_chunks,
+    far_cache,
     make_step,
 )
 
@@ -71,6 +73,18 @@ def test_wide_gqa_groups_span_several_blocks(kernels):
         step = make_step(torch.float32, 64, 16, num_kv_heads=2, group=group,
                          chunks=decode_chunks([20, 41]) + [(0, 9), (13, 6)], seed=group)  # fmt: skip
         check_against_reference(step, backend(step, kernels, partition_size=32))
+
+
+def test_cache_of_more_than_2_31_elements(kernels):
+    """Blocks whose offsets pass 2^31 elements (in both the K and the V pool) are read
+    and written where they are: offsets are 64-bit."""
+    step = make_step(torch.float16, 128, 16, num_kv_heads=8, group=4,
+                     chunks=decode_chunks([70, 45]) + [(20, 17)], seed=5)  # fmt: skip
+    base = 2**31 // (16 * 8 * 128) + 3
+    cache, sequences = far_cache(step, base)
+    assert cache.key_pools[0].numel() > 2**31
+    attention = CupyAttentionBackend(cache, kernels, partition_size=32)
+    check_far_cache_against_reference(step, cache, sequences, attention, base)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
