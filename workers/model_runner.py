@@ -4,7 +4,8 @@ the paged KV cache.
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
 each chunk that samples, not for every prompt token. On CPU the model's linears are
-swapped for oneDNN ones with packed weights (`workers.packed_linear`).
+swapped for oneDNN ones with packed weights (`workers.packed_linear`). Attention runs
+on the CUDA kernels on a GPU and on the torch reference otherwise (`gpu.backends`).
 """
 
 from __future__ import annotations
