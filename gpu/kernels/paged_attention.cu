@@ -17,12 +17,11 @@ constexpr int MAX_GROUP = 8;
 // The longest partition a decode block handles (its scores sit in shared memory).
 constexpr int MAX_PARTITION = 512;
 
-template <int HEAD_DIM>
-__device__ __forceinline__ i64 row_offset(const int* __restrict__ table, int pos, int block_size,
-                                          int num_kv_heads, int kv_head) {
-    const i64 block = table[pos / block_size];
+// Where token `pos` of a request, held in cache block `block`, has its row for `kv_head`.
+template <int HEAD_DIM, int BLOCK_SIZE>
+__device__ __forceinline__ i64 kv_offset(i64 block, int pos, int num_kv_heads, int kv_head) {
     const i64 row_stride = (i64)num_kv_heads * HEAD_DIM;
-    return (block * block_size + pos % block_size) * row_stride + (i64)kv_head * HEAD_DIM;
+    return (block * BLOCK_SIZE + pos % BLOCK_SIZE) * row_stride + (i64)kv_head * HEAD_DIM;
 }
 
 // Decode. Grid: x = kv head x head group, y = sequence, z = partition of the context.
@@ -53,13 +52,14 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
     constexpr int V_ROWS = NUM_THREADS / V_THREADS;
     // Tokens whose K (V) rows a thread loads before using any.
     constexpr int K_UNROLL = 2;
-    constexpr int V_UNROLL = 4;
+    constexpr int V_UNROLL = 8;
     static_assert(HEAD_DIM % DIMS_PER_LANE == 0 && LANES <= 32 && V_ROWS >= 1, "head_dim");
 
     __shared__ float q_s[MAX_GROUP][HEAD_DIM];
     __shared__ float scores_s[MAX_GROUP][MAX_PARTITION];
     __shared__ float inv_sum_s[MAX_GROUP];
     __shared__ float acc_s[V_ROWS][MAX_GROUP][HEAD_DIM];
+    __shared__ int blocks_s[MAX_PARTITION / BLOCK_SIZE + 1];  // the partition's block ids
 
     const int seq = blockIdx.y;
     const int partition = blockIdx.z;
@@ -73,10 +73,14 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
     const int start = partition * partition_size;
     if (start >= context_len) return;  // a shorter sequence than the batch's longest
     const int count = min(partition_size, context_len - start);
-    const int* table = block_tables + (i64)seq * max_blocks;
     const i64 row = query_rows[seq];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
+    // The block ids go to shared memory first, so no K/V load waits on a table load.
+    const int first_block = start / BLOCK_SIZE;
+    const int num_blocks = (start + count - 1) / BLOCK_SIZE - first_block + 1;
+    for (int i = tid; i < num_blocks; i += NUM_THREADS)
+        blocks_s[i] = block_tables[(i64)seq * max_blocks + first_block + i];
     for (int i = tid; i < MAX_GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int h = i / HEAD_DIM, d = i % HEAD_DIM;
         q_s[h][d] = h < heads
@@ -95,7 +99,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
         for (int u = 0; u < K_UNROLL; ++u) {
             const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
             if (t < count) {
-                const i64 at = row_offset<HEAD_DIM>(table, start + t, BLOCK_SIZE, num_kv_heads, kv_head);
+                const int pos = start + t;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
+                                                               num_kv_heads, kv_head);
                 load_as_float<T, DIMS_PER_LANE>(key_cache + at + lane_in_token * DIMS_PER_LANE, k[u]);
             } else {
 #pragma unroll
@@ -161,7 +167,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
         for (int u = 0; u < V_UNROLL; ++u) {
             const int t = first + u * V_ROWS;
             if (t < count) {
-                const i64 at = row_offset<HEAD_DIM>(table, start + t, BLOCK_SIZE, num_kv_heads, kv_head);
+                const int pos = start + t;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
+                                                               num_kv_heads, kv_head);
                 load_as_float<T, V_DIMS>(value_cache + at + d0, v[u]);
             }
         }
@@ -297,7 +305,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
             const int j = i / HEAD_DIM, d = i % HEAD_DIM;
             float k = 0.f, v = 0.f;
             if (tile + j < key_end) {
-                const i64 at = row_offset<HEAD_DIM>(table, tile + j, BLOCK_SIZE, num_kv_heads, kv_head) + d;
+                const int pos = tile + j;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(table[pos / BLOCK_SIZE], pos, num_kv_heads, kv_head) + d;
                 k = to_float(key_cache[at]);
                 v = to_float(value_cache[at]);
             }
