@@ -33,8 +33,9 @@ class CupyKernels:
         self._cupy = cupy
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         with cupy.cuda.Device(self.device_index):
-            # Compiled for this device on first use, then served from cupy's on-disk cache.
-            self._modules = {
+            # Compiled for this device now (a missing NVRTC fails at start, not at the first
+            # step), then served from cupy's on-disk cache on later starts.
+            modules = {
                 source: cupy.RawModule(
                     code=cuda_source.read_source(source),
                     options=cuda_source.nvrtc_options(),
@@ -42,16 +43,16 @@ class CupyKernels:
                 )
                 for source in cuda_source.SOURCES
             }
-        self._functions: dict[Instantiation, object] = {}
+            self._functions = {
+                instance: modules[instance.kernel.source].get_function(instance.name_expression)
+                for instance in cuda_source.instantiations()
+            }
 
     def launch(self, instance: Instantiation, grid: tuple[int, ...], block: int, args: list) -> None:
         params = instance.kernel.params
         if len(args) != len(params):
             raise TypeError(f"{instance.name_expression} takes {len(params)} arguments, got {len(args)}")
-        function = self._functions.get(instance)
-        if function is None:
-            function = self._modules[instance.kernel.source].get_function(instance.name_expression)
-            self._functions[instance] = function
+        function = self._functions[instance]
         values = tuple(
             _NUMPY_TYPES[kind](self._address(arg) if kind == "ptr" else arg) for arg, (_, kind) in zip(args, params)
         )
