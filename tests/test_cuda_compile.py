@@ -14,6 +14,9 @@ from cupy.cuda import nvrtc
 from gpu import cuda_source
 
 ARCHITECTURES = ["sm_80", "sm_90"]
+# What cupy's RawModule adds to our options on its way to NVRTC (cupy/cuda/compiler.py);
+# its own compile path needs a device, so the check adds them itself.
+CUPY_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 
 
 def test_nvrtc_is_installed():
@@ -29,7 +32,7 @@ def test_every_instantiation_compiles(source, architecture):
     try:
         for instance in instances:
             nvrtc.addNameExpression(program, instance.name_expression)
-        options = [*cuda_source.nvrtc_options(), f"--gpu-architecture={architecture}", "--ptxas-options=-v"]
+        options = [*cuda_source.nvrtc_options(), *CUPY_OPTIONS, f"-arch={architecture}", "--ptxas-options=-v"]
         try:
             nvrtc.compileProgram(program, options)
         except nvrtc.NVRTCError:
