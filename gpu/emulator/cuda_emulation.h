@@ -10,9 +10,14 @@
 #pragma once
 #define CUDA_EMULATION 1
 
+#include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -42,9 +47,22 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 
 namespace emu {
 
+// Every barrier that opens is progress; a launch that makes none for 300 s (or
+// $CUDA_EMULATION_WATCHDOG_S: threads of a block diverged at `__syncthreads` or a
+// shuffle, a hang on a GPU) aborts the process rather than hang the tests.
+inline std::atomic<unsigned long> progress{0};
+inline int watchdog_seconds() {
+    const char* value = std::getenv("CUDA_EMULATION_WATCHDOG_S");
+    return value ? std::atoi(value) : 300;
+}
+struct Tick {
+    void operator()() noexcept { progress.fetch_add(1, std::memory_order_relaxed); }
+};
+using Barrier = std::barrier<Tick>;
+
 struct Warp {
     explicit Warp(int lanes) : barrier(lanes) {}
-    std::barrier<> barrier;
+    Barrier barrier;
     std::uint64_t slots[2][32];
 };
 
@@ -52,7 +70,7 @@ struct Block {
     explicit Block(int threads) : barrier(threads) {
         for (int w = 0; w < (threads + 31) / 32; ++w) warps.emplace_back(std::make_unique<Warp>(std::min(32, threads - 32 * w)));
     }
-    std::barrier<> barrier;
+    Barrier barrier;
     std::vector<std::unique_ptr<Warp>> warps;
 };
 
@@ -160,10 +178,30 @@ void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* thr
                     block->barrier.arrive_and_wait();  // the next block reuses the shared memory
                 }
     };
+    std::mutex watch_mutex;
+    std::condition_variable finished;
+    bool done = false;
+    std::thread watchdog([&, seconds = watchdog_seconds()] {
+        std::unique_lock<std::mutex> lock(watch_mutex);
+        unsigned long seen = progress.load();
+        while (!finished.wait_for(lock, std::chrono::seconds(seconds), [&] { return done; })) {
+            if (progress.load() == seen) {
+                std::fprintf(stderr, "cuda emulation: no barrier opened in %d s; a block's threads diverged\n", seconds);
+                std::abort();
+            }
+            seen = progress.load();
+        }
+    });
     std::vector<std::thread> pool;
     for (int t = 1; t < count; ++t) pool.emplace_back(run, t);
     run(0);
     for (auto& thread : pool) thread.join();
+    {
+        std::lock_guard<std::mutex> lock(watch_mutex);
+        done = true;
+    }
+    finished.notify_one();
+    watchdog.join();
     block = nullptr;
 }
 
