@@ -19,12 +19,11 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 
 # torch dtype -> the kernels' element type (16-bit floats are carried as bits, see common.cuh).
 ELEMENT_TYPES = {torch.float16: "half_t", torch.bfloat16: "bfloat16_t", torch.float32: "float"}
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32)
 # The decode kernel's longest partition (MAX_PARTITION in paged_attention.cu).
 MAX_PARTITION = 512
 THREADS = 128  # every kernel's block size (NUM_THREADS in paged_attention.cu)
-PREFILL_ROWS = 16  # (query token, head) rows per prefill tile (PREFILL_ROWS in paged_attention.cu)
 MAX_GROUP = 8  # query heads a decode block serves per KV head (MAX_GROUP in paged_attention.cu)
 
 # Parameter kinds: "ptr" a device (or mapped host) address, "i32", "i64", "f32".
@@ -80,6 +79,11 @@ class Instantiation:
         if not self.template_args:
             return self.kernel.name
         return f"{self.kernel.name}<{', '.join(self.template_args)}>"
+
+
+def prefill_rows(head_dim: int) -> int:
+    """(query token, head) rows per prefill tile (prefill_rows() in paged_attention.cu)."""
+    return 16 if head_dim <= 128 else 8
 
 
 def decode(dtype: torch.dtype, head_dim: int, block_size: int) -> Instantiation:

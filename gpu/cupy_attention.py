@@ -44,13 +44,13 @@ class PrefillBatch:
     block_tables: torch.Tensor  # [S, max_blocks] int32
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by GQA group
 
-    def tiles_for(self, group: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence, first row) of each tile of PREFILL_ROWS (token, head) rows; the
-        rows depend on the GQA group, known only when the first layer runs."""
+    def tiles_for(self, group: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, first row) of each tile of (token, head) rows; the rows depend on
+        the GQA group, known only when the first layer runs."""
         if group not in self.tiles:
             seqs, rows = [], []
             for seq, query_len in enumerate(self.query_lens_host):
-                for first in range(0, query_len * group, cuda_source.PREFILL_ROWS):
+                for first in range(0, query_len * group, cuda_source.prefill_rows(head_dim)):
                     seqs.append(seq)
                     rows.append(first)
             self.tiles[group] = (_int32(seqs, device), _int32(rows, device))
@@ -179,7 +179,7 @@ class CupyAttentionBackend(AttentionBackend):
                 ])  # fmt: skip
         prefill = metadata.prefill
         if prefill is not None:
-            tile_seqs, tile_rows = prefill.tiles_for(group, out.device)
+            tile_seqs, tile_rows = prefill.tiles_for(group, head_dim, out.device)
             self.kernels.launch(self._prefill, (tile_seqs.numel(), num_kv_heads), threads, [
                 out, query, query.stride(0), query.stride(1), key_pool, value_pool, tile_seqs, tile_rows,
                 prefill.query_starts, prefill.query_lens, prefill.context_lens,

@@ -24,7 +24,7 @@ from gpu.torch_attention import TorchAttentionBackend
 
 # The sweep: every instantiated dtype, head_dim and block size, and GQA ratios 1, 4, 8.
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 128]
+HEAD_DIMS = [64, 128, 256]
 BLOCK_SIZES = [16, 32]
 GQA_GROUPS = [1, 4, 8]
 

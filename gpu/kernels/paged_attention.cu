@@ -233,9 +233,11 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_reduce(
 // Chunked prefill. Grid: x = tile, y = kv head. A tile is 16 consecutive (query token,
 // head of the group) rows of one sequence's chunk, each warp owning 4 of them; the block
 // walks the keys up to its last row's position in tiles of 16, each K/V tile loaded once
-// into shared memory for all 16 rows, with an online softmax (running max and sum).
+// into shared memory for all the tile's rows, with an online softmax (running max and sum).
 // A warp scores two rows at a time: lanes 0-15 take one row, 16-31 the other, one key each.
-constexpr int PREFILL_ROWS = 16;
+// At head_dim 256 a tile has 8 rows, so that its shared memory stays under 48 KB.
+template <int HEAD_DIM>
+__device__ constexpr int prefill_rows() { return HEAD_DIM <= 128 ? 16 : 8; }
 constexpr int KEY_TILE = 16;
 
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
@@ -250,6 +252,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
     const int* __restrict__ context_lens,   // [seqs] including the chunk
     const int* __restrict__ block_tables,   // [seqs, max_blocks]
     int max_blocks, int num_heads, int num_kv_heads, float scale) {
+    constexpr int PREFILL_ROWS = prefill_rows<HEAD_DIM>();
     constexpr int ROWS_PER_WARP = PREFILL_ROWS / NUM_WARPS;
     constexpr int PAIRS = ROWS_PER_WARP / 2;
     constexpr int DIMS_PER_LANE = HEAD_DIM / 32;
