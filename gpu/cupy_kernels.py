@@ -65,6 +65,8 @@ class CupyKernels:
             return int(arg)
         if arg.is_cuda:
             return arg.data_ptr()
-        if not arg.is_pinned():
-            raise ValueError("a host tensor reaches a kernel only if it is pinned")
-        return self._cupy.cuda.runtime.hostGetDevicePointer(arg.data_ptr(), 0)
+        # Pinned memory is mapped into the device's address space (unified addressing).
+        attributes = self._cupy.cuda.runtime.pointerGetAttributes(arg.data_ptr())
+        if not arg.is_pinned() or not attributes.devicePointer:
+            raise ValueError("a host tensor reaches a kernel only if it is pinned (and so mapped)")
+        return attributes.devicePointer
