@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu.attention import SequenceSlice
 from gpu.cupy_attention import CupyAttentionBackend
 from gpu.emulator import EmulatedKernels
 from gpu.kv_cache import KVShape, PagedKVCache
@@ -52,10 +53,28 @@ def test_decode_split_into_partitions(kernels, dtype, head_dim, group, block_siz
 @pytest.mark.parametrize("batch", [1, 3, 16])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_batch_sizes_in_one_partition(kernels, dtype, batch):
-    """The default partitioning: these contexts fit in one partition (no reduce step)."""
+    """Each context in a single partition: the decode kernel writes the output itself,
+    with no reduce step."""
     contexts = [(7 * i + 5) % 90 + 1 for i in range(batch)]
     step = make_step(dtype, 128, 16, num_kv_heads=2, group=4, chunks=decode_chunks(contexts), seed=batch)
-    check_against_reference(step, backend(step, kernels))
+    attention = backend(step, kernels, partition_size=512)
+    assert attention.prepare(step.sequences, batch).decode.num_partitions == 1
+    check_against_reference(step, attention)
+
+
+def test_partitions_shrink_until_the_batch_fills_the_device(kernels):
+    """Partitions are 512 tokens unless the launch would have fewer blocks than the device
+    wants (on the emulation, 256), down to 64 tokens."""
+    step = make_step(torch.float16, 64, 16, num_kv_heads=8, group=1, chunks=decode_chunks([5]))
+    attention = backend(step, kernels)
+
+    def partition_size(batch, context):
+        sequences = [SequenceSlice(i, 1, context, [0] * -(-context // 16)) for i in range(batch)]
+        return attention.prepare(sequences, batch).decode.partition_size
+
+    assert partition_size(64, 4096) == 512  # 4096 blocks
+    assert partition_size(1, 4096) == 128  # 8 KV heads x 32 partitions = 256 blocks
+    assert partition_size(2, 100) == 64  # as small as it goes
 
 
 def test_decode_long_context_uses_the_largest_partition(kernels):
