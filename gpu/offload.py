@@ -74,7 +74,6 @@ class HostKVPool:
                 device_blocks.index_copy_(2, device_ids, staged.to(device_blocks.device, non_blocking=True))
         compute.wait_stream(self.stream)  # the forward reads the swapped-in blocks
 
-
     def _swap_with_kernel(self, swap_out, swap_in) -> None:
         device_blocks = self.device_cache.blocks
         if not self.on_cuda:
