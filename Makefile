@@ -5,7 +5,7 @@ PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NODE_EXAMPLE := docs/examples/node/node_modules/.package-lock.json
 
-.PHONY: run demo test bench install clean
+.PHONY: run demo test bench install gpu-check clean
 
 # The worker, on $REDIS_URL or else an embedded Valkey server; it prints how to submit.
 run: $(INSTALLED)
@@ -22,6 +22,12 @@ bench: $(INSTALLED)
 	$(VENV)/bin/inflight bench --json bench-results/bench.json
 
 install: $(INSTALLED)
+
+# On a machine with a CUDA GPU (where pip's torch==2.13.0 is a CUDA build): the kernels'
+# device checks and bandwidth benchmark (ops/gpu-check.sh, under 5 minutes).
+gpu-check: $(INSTALLED)
+	$(PYTHON) -m pip install -q -e '.[gpu]'
+	PYTHON=$(PYTHON) ops/gpu-check.sh
 
 # torch is pinned first: the CPU wheel of 2.13.0 lies on this kind of machine's disk,
 # and a looser requirement would pull a CUDA build of several GB. The bundled model

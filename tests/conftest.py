@@ -1,9 +1,11 @@
 """Shared fixtures: the real SmolLM2 model (converted once, then cached) and engines
-that must give back every KV block by the end of each test."""
+that must give back every KV block by the end of each test. Tests marked `gpu` are
+skipped where there is no CUDA device or no cupy."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from workers.engine import Engine
@@ -11,6 +13,17 @@ from workers.model_loader import LoadedModel, load_model
 
 TEST_KV_MEMORY = 128 << 20
 TEST_SWAP_MEMORY = 64 << 20
+
+
+def pytest_collection_modifyitems(config, items):
+    from gpu.cupy_kernels import cupy_available
+
+    if torch.cuda.is_available() and cupy_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and cupy")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ the paged KV cache.
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
 each chunk that samples, not for every prompt token. On CPU the model's linears are
-swapped for oneDNN ones with packed weights (`workers.packed_linear`).
+swapped for oneDNN ones with packed weights (`workers.packed_linear`). Attention runs
+on the CUDA kernels on a GPU and on the torch reference otherwise (`gpu.backends`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, SequenceSlice
+from gpu.backends import select_backend
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
-from gpu.torch_attention import TorchAttentionBackend
 from service.config import CacheConfig
 from workers.packed_linear import can_pack, pack_linears
 from workers.scheduler import StepPlan
@@ -31,7 +32,8 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] = TorchAttentionBackend):
+    def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] | None = None):
+        """`backend_class` None picks one (`gpu.backends`): the CUDA kernels on a GPU, else torch."""
         self.model = model
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if can_pack(model):
@@ -44,8 +46,10 @@ class ModelRunner:
             model.dtype,
             self.device,
         )
-        self.backend = backend_class(self.kv_cache)
-        self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes)
+        self.backend = backend_class(self.kv_cache) if backend_class else select_backend(self.kv_cache)
+        # With the CUDA kernels, swaps are kernel launches too.
+        kernels = getattr(self.backend, "kernels", None)
+        self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, kernels)
 
     @property
     def num_host_blocks(self) -> int:

@@ -1,0 +1,27 @@
+"""Which attention backend a model gets: the CUDA kernels (`CupyAttentionBackend`)
+when the cache is on a GPU, cupy imports and kernels exist for the cache's dtype,
+head_dim and block size; the torch reference (`TorchAttentionBackend`) otherwise."""
+
+from __future__ import annotations
+
+from gpu import cuda_source
+from gpu.attention import AttentionBackend
+from gpu.cupy_kernels import cupy_available
+from gpu.kv_cache import PagedKVCache
+from gpu.torch_attention import TorchAttentionBackend
+
+
+def kernels_apply(kv_cache: PagedKVCache) -> bool:
+    return (
+        kv_cache.blocks.device.type == "cuda"
+        and cuda_source.supports(kv_cache.blocks.dtype, kv_cache.shape.head_dim, kv_cache.block_size)
+        and cupy_available()
+    )
+
+
+def select_backend(kv_cache: PagedKVCache) -> AttentionBackend:
+    if kernels_apply(kv_cache):
+        from gpu.cupy_attention import CupyAttentionBackend
+
+        return CupyAttentionBackend(kv_cache)
+    return TorchAttentionBackend(kv_cache)

@@ -1,0 +1,197 @@
+"""The CUDA attention backend: the kernels of `gpu/kernels/paged_attention.cu` behind
+the engine's `AttentionBackend` interface, loaded with cupy (NVRTC).
+
+Per layer: one launch writes the new K/V into their slots; one decode launch covers
+every request with a single new token (plus a reduce launch when contexts are split
+into partitions); one prefill launch covers every prompt chunk. `prepare` builds the
+index tensors once per step. The kernels come from `CupyKernels` on a GPU; the tests
+hand in `gpu.emulator.EmulatedKernels` instead, which runs the same source on the
+CPU, so this class is checked without a GPU too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu import cuda_source
+from gpu.attention import AttentionBackend, SequenceSlice
+from gpu.kv_cache import PagedKVCache
+
+# A decode launch should have a few blocks per SM; short of that, contexts are split
+# into smaller partitions (down to MIN_PARTITION tokens).
+BLOCKS_PER_SM = 2
+MIN_PARTITION = 64
+
+
+@dataclass
+class DecodeBatch:
+    query_rows: torch.Tensor  # [B] int32: the batch row of each decode token
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    partition_size: int
+    num_partitions: int
+
+
+@dataclass
+class PrefillBatch:
+    query_starts: torch.Tensor  # [S] int32
+    query_lens: torch.Tensor  # [S] int32
+    query_lens_host: list[int]
+    context_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by GQA group
+
+    def tiles_for(self, group: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence, first row) of each tile of (token, head) rows; the rows depend on
+        the GQA group, known only when the first layer runs."""
+        if group not in self.tiles:
+            seqs, rows = [], []
+            for seq, query_len in enumerate(self.query_lens_host):
+                for first in range(0, query_len * group, cuda_source.prefill_rows(head_dim)):
+                    seqs.append(seq)
+                    rows.append(first)
+            self.tiles[group] = (_int32(seqs, device), _int32(rows, device))
+        return self.tiles[group]
+
+
+@dataclass
+class KernelMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    decode: DecodeBatch | None
+    prefill: PrefillBatch | None
+
+
+class CupyAttentionBackend(AttentionBackend):
+    def __init__(self, kv_cache: PagedKVCache, kernels=None, partition_size: int | None = None) -> None:
+        """`kernels` defaults to the GPU's (`CupyKernels`); `partition_size` (tokens per
+        decode partition) defaults to a size that gives every SM a few blocks."""
+        super().__init__(kv_cache)
+        dtype, head_dim = kv_cache.blocks.dtype, kv_cache.shape.head_dim
+        if not cuda_source.supports(dtype, head_dim, kv_cache.block_size):
+            raise ValueError(f"no kernels for {dtype}, head_dim {head_dim}, block size {kv_cache.block_size}")
+        if partition_size is not None and not 0 < partition_size <= cuda_source.MAX_PARTITION:
+            raise ValueError(f"partition_size must be in 1..{cuda_source.MAX_PARTITION}")
+        self.device = kv_cache.blocks.device
+        if kernels is None:
+            from gpu.cupy_kernels import CupyKernels
+
+            kernels = CupyKernels(self.device)
+        self.kernels = kernels
+        self.partition_size = partition_size
+        if self.device.type == "cuda":
+            self.target_blocks = BLOCKS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.target_blocks = 256
+        block_size = kv_cache.block_size
+        self._write = cuda_source.write_kv(dtype)
+        self._decode = cuda_source.decode(dtype, head_dim, block_size)
+        self._reduce = cuda_source.decode_reduce(dtype, head_dim)
+        self._prefill = cuda_source.prefill(dtype, head_dim, block_size)
+
+    def prepare(self, sequences: Sequence[SequenceSlice], num_tokens: int) -> KernelMetadata:
+        block_size = self.kv_cache.block_size
+        slots: list[int] = []
+        decodes: list[SequenceSlice] = []
+        prefills: list[SequenceSlice] = []
+        for seq in sequences:
+            for pos in range(seq.past_len, seq.context_len):
+                slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
+            (decodes if seq.query_len == 1 else prefills).append(seq)
+        assert len(slots) == num_tokens
+        slot_mapping = torch.tensor(slots, dtype=torch.long).to(self.device)
+        return KernelMetadata(slot_mapping, self._decode_batch(decodes), self._prefill_batch(prefills))
+
+    def _decode_batch(self, decodes: list[SequenceSlice]) -> DecodeBatch | None:
+        if not decodes:
+            return None
+        longest = max(seq.context_len for seq in decodes)
+        size = self.partition_size or self._auto_partition_size(len(decodes), longest)
+        return DecodeBatch(
+            _int32([seq.query_start for seq in decodes], self.device),
+            _int32([seq.context_len for seq in decodes], self.device),
+            self._block_tables(decodes),
+            size,
+            -(-longest // size),
+        )
+
+    def _auto_partition_size(self, num_seqs: int, longest: int) -> int:
+        size = cuda_source.MAX_PARTITION
+        kv_heads = self.kv_cache.shape.num_kv_heads
+        while size > MIN_PARTITION and num_seqs * kv_heads * -(-longest // size) < self.target_blocks:
+            size //= 2
+        return size
+
+    def _prefill_batch(self, prefills: list[SequenceSlice]) -> PrefillBatch | None:
+        if not prefills:
+            return None
+        return PrefillBatch(
+            _int32([seq.query_start for seq in prefills], self.device),
+            _int32([seq.query_len for seq in prefills], self.device),
+            [seq.query_len for seq in prefills],
+            _int32([seq.context_len for seq in prefills], self.device),
+            self._block_tables(prefills),
+        )
+
+    def _block_tables(self, sequences: list[SequenceSlice]) -> torch.Tensor:
+        """[len(sequences), max_blocks] int32, padded with block 0 (never read)."""
+        block_size = self.kv_cache.block_size
+        used = [-(-seq.context_len // block_size) for seq in sequences]
+        tables = torch.zeros(len(sequences), max(used), dtype=torch.int32)
+        for i, (seq, n) in enumerate(zip(sequences, used)):
+            tables[i, :n] = torch.as_tensor(seq.block_table[:n], dtype=torch.int32)
+        return tables.to(self.device)
+
+    def attend(self, layer_idx, query, key, value, scale, metadata: KernelMetadata) -> torch.Tensor:
+        key_pool = self.kv_cache.key_pools[layer_idx]
+        value_pool = self.kv_cache.value_pools[layer_idx]
+        query, key, value = (_unit_stride(t) for t in (query, key, value))
+        num_tokens, num_heads, head_dim = query.shape
+        num_kv_heads = key.shape[1]
+        threads = cuda_source.THREADS
+        self.kernels.launch(self._write, (num_tokens,), threads, [
+            key_pool, value_pool, key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
+            metadata.slot_mapping, num_kv_heads, head_dim,
+        ])  # fmt: skip
+
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+        group = num_heads // num_kv_heads
+        decode = metadata.decode
+        if decode is not None:
+            num_seqs, parts = decode.query_rows.numel(), decode.num_partitions
+            partial_out = partial_max = partial_sum = 0  # unused with a single partition
+            if parts > 1:
+                partial_out = torch.empty((num_seqs, num_heads, parts, head_dim), dtype=torch.float32, device=out.device)
+                partial_max = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=out.device)
+                partial_sum = torch.empty_like(partial_max)
+            head_groups = -(-group // cuda_source.MAX_GROUP)
+            self.kernels.launch(self._decode, (num_kv_heads * head_groups, num_seqs, parts), threads, [
+                out, partial_out, partial_max, partial_sum, query, query.stride(0), query.stride(1),
+                key_pool, value_pool, decode.query_rows, decode.context_lens, decode.block_tables,
+                decode.block_tables.shape[1], num_heads, num_kv_heads, decode.partition_size, parts, scale,
+            ])  # fmt: skip
+            if parts > 1:
+                self.kernels.launch(self._reduce, (num_heads, num_seqs), threads, [
+                    out, partial_out, partial_max, partial_sum, decode.query_rows, decode.context_lens,
+                    num_heads, decode.partition_size, parts,
+                ])  # fmt: skip
+        prefill = metadata.prefill
+        if prefill is not None:
+            tile_seqs, tile_rows = prefill.tiles_for(group, head_dim, out.device)
+            self.kernels.launch(self._prefill, (tile_seqs.numel(), num_kv_heads), threads, [
+                out, query, query.stride(0), query.stride(1), key_pool, value_pool, tile_seqs, tile_rows,
+                prefill.query_starts, prefill.query_lens, prefill.context_lens,
+                prefill.block_tables, prefill.block_tables.shape[1], num_heads, num_kv_heads, scale,
+            ])  # fmt: skip
+        return out
+
+
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take token and head strides but read head_dim contiguously."""
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,93 @@
+// Shared by every kernel: 64-bit offsets, the 16-bit float types, and fp32 conversion.
+//
+// The 16-bit floats are carried as their bits and converted with one PTX instruction
+// each, so NVRTC needs no CUDA headers. The CPU emulation (gpu/emulator) defines the
+// same conversion functions in software, bit for bit, and sets CUDA_EMULATION.
+#ifndef INFLIGHT_COMMON_CUH
+#define INFLIGHT_COMMON_CUH
+
+typedef long long i64;
+
+// -INF: the score of a masked key (no <cmath> under NVRTC).
+#define INF __int_as_float(0x7f800000)
+
+struct half_t { unsigned short bits; };
+struct bfloat16_t { unsigned short bits; };
+
+// 16 (or 8) bytes moved by one load or store.
+struct alignas(16) bytes16 { unsigned int x, y, z, w; };
+struct alignas(8) bytes8 { unsigned int x, y; };
+template <int BYTES> struct word_of;
+template <> struct word_of<16> { typedef bytes16 type; };
+template <> struct word_of<8> { typedef bytes8 type; };
+
+#ifndef CUDA_EMULATION
+__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short float_to_half_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ unsigned short float_to_bfloat16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bfloat16_bits_to_float(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+#endif
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(half_t x) { return half_bits_to_float(x.bits); }
+__device__ __forceinline__ float to_float(bfloat16_t x) { return bfloat16_bits_to_float(x.bits); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
+    half_t h;
+    h.bits = float_to_half_bits(x);
+    return h;
+}
+template <> __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float x) {
+    bfloat16_t h;
+    h.bits = float_to_bfloat16_bits(x);
+    return h;
+}
+
+// N consecutive elements, converted to fp32, read in 16-byte words (8-byte ones when
+// the N elements are just 8 bytes). The address must be aligned to the word.
+template <typename T, int N>
+__device__ __forceinline__ void load_as_float(const T* __restrict__ src, float* dst) {
+    constexpr int BYTES = N * sizeof(T) >= 16 ? 16 : 8;
+    typedef typename word_of<BYTES>::type word_t;
+    constexpr int PER_LOAD = BYTES / sizeof(T);
+    static_assert(N % PER_LOAD == 0, "loads are whole words");
+#pragma unroll
+    for (int i = 0; i < N; i += PER_LOAD) {
+        word_t word = *reinterpret_cast<const word_t*>(src + i);
+        const T* elements = reinterpret_cast<const T*>(&word);
+#pragma unroll
+        for (int j = 0; j < PER_LOAD; ++j) dst[i + j] = to_float(elements[j]);
+    }
+}
+
+__device__ __forceinline__ float warp_max(float x, int width) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        if (offset < width) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x, int width) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        if (offset < width) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+#endif  // INFLIGHT_COMMON_CUH

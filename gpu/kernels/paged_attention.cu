@@ -1,0 +1,368 @@
+// Paged attention over the KV cache: decode (one query token per request, split into
+// partitions with a reduce step) and chunked prefill (a chunk of query tokens, causal
+// over the cached prefix plus itself).
+//
+// Cache layout, per layer: K and V pools `[num_blocks, BLOCK_SIZE, num_kv_heads,
+// HEAD_DIM]`; token p of a request lives in block `block_tables[seq][p / BLOCK_SIZE]`,
+// row `p % BLOCK_SIZE`. Block offsets are 64-bit. The queries' token and head strides
+// are arguments (transformers hands over transposed views); the output is contiguous
+// `[tokens, num_heads, HEAD_DIM]`. Every score and sum is fp32.
+#include "common.cuh"
+
+constexpr int NUM_THREADS = 128;
+constexpr int NUM_WARPS = NUM_THREADS / 32;
+// Query heads that one decode block serves from each K/V row it loads; a wider GQA
+// group is split over several blocks (blockIdx.x).
+constexpr int MAX_GROUP = 8;
+// The longest partition a decode block handles (its scores sit in shared memory).
+constexpr int MAX_PARTITION = 512;
+
+// Where token `pos` of a request, held in cache block `block`, has its row for `kv_head`.
+template <int HEAD_DIM, int BLOCK_SIZE>
+__device__ __forceinline__ i64 kv_offset(i64 block, int pos, int num_kv_heads, int kv_head) {
+    const i64 row_stride = (i64)num_kv_heads * HEAD_DIM;
+    return (block * BLOCK_SIZE + pos % BLOCK_SIZE) * row_stride + (i64)kv_head * HEAD_DIM;
+}
+
+// Decode. Grid: x = kv head x head group, y = sequence, z = partition of the context.
+// A block loads each K and V row of its partition once for all (up to MAX_GROUP) query
+// heads that share the KV head. With one partition it writes the output; with more it
+// writes each partition's normalised output, max and sum for `paged_decode_reduce`.
+template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+__global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
+    T* __restrict__ out,                 // [tokens, num_heads, HEAD_DIM]
+    float* __restrict__ partial_out,     // [seqs, num_heads, num_partitions, HEAD_DIM]
+    float* __restrict__ partial_max,     // [seqs, num_heads, num_partitions]
+    float* __restrict__ partial_sum,     // [seqs, num_heads, num_partitions]
+    const T* __restrict__ query, i64 query_token_stride, i64 query_head_stride,
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+    const int* __restrict__ query_rows,    // [seqs] the batch row of each decode token
+    const int* __restrict__ context_lens,  // [seqs]
+    const int* __restrict__ block_tables,  // [seqs, max_blocks]
+    int max_blocks, int num_heads, int num_kv_heads, int partition_size, int num_partitions,
+    float scale) {
+    // Phase 1 (scores): a group of LANES lanes takes one token, each lane 16 dims.
+    constexpr int DIMS_PER_LANE = 16;
+    constexpr int LANES = HEAD_DIM / DIMS_PER_LANE;
+    constexpr int TOKENS_PER_WARP = 32 / LANES;
+    constexpr int TOKENS_PER_PASS = NUM_WARPS * TOKENS_PER_WARP;
+    // Phase 3 (values): a row of V_THREADS threads takes one token, each 4 dims.
+    constexpr int V_DIMS = 4;
+    constexpr int V_THREADS = HEAD_DIM / V_DIMS;
+    constexpr int V_ROWS = NUM_THREADS / V_THREADS;
+    // Tokens whose K (V) rows a thread loads before using any.
+    constexpr int K_UNROLL = 2;
+    constexpr int V_UNROLL = 8;
+    static_assert(HEAD_DIM % DIMS_PER_LANE == 0 && LANES <= 32 && V_ROWS >= 1, "head_dim");
+
+    __shared__ float q_s[MAX_GROUP][HEAD_DIM];
+    __shared__ float scores_s[MAX_GROUP][MAX_PARTITION];
+    __shared__ float inv_sum_s[MAX_GROUP];
+    __shared__ float acc_s[V_ROWS][MAX_GROUP][HEAD_DIM];
+    __shared__ int blocks_s[MAX_PARTITION / BLOCK_SIZE + 1];  // the partition's block ids
+
+    const int seq = blockIdx.y;
+    const int partition = blockIdx.z;
+    const int group = num_heads / num_kv_heads;
+    const int head_groups = (group + MAX_GROUP - 1) / MAX_GROUP;
+    const int kv_head = blockIdx.x / head_groups;
+    const int first_head = kv_head * group + (blockIdx.x % head_groups) * MAX_GROUP;
+    const int heads = min(MAX_GROUP, kv_head * group + group - first_head);
+
+    const int context_len = context_lens[seq];
+    const int start = partition * partition_size;
+    if (start >= context_len) return;  // a shorter sequence than the batch's longest
+    const int count = min(partition_size, context_len - start);
+    const i64 row = query_rows[seq];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+    // The block ids go to shared memory first, so no K/V load waits on a table load.
+    const int first_block = start / BLOCK_SIZE;
+    const int num_blocks = (start + count - 1) / BLOCK_SIZE - first_block + 1;
+    for (int i = tid; i < num_blocks; i += NUM_THREADS)
+        blocks_s[i] = block_tables[(i64)seq * max_blocks + first_block + i];
+    for (int i = tid; i < MAX_GROUP * HEAD_DIM; i += NUM_THREADS) {
+        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+        q_s[h][d] = h < heads
+            ? to_float(query[row * query_token_stride + (i64)(first_head + h) * query_head_stride + d]) * scale
+            : 0.f;
+    }
+    __syncthreads();
+
+    // Phase 1: scores of every token in the partition, for every head of the group.
+    // K_UNROLL tokens per lane group are loaded before any is used, to keep more loads
+    // in flight (decode is bound by memory bandwidth).
+    const int lane_in_token = lane % LANES;
+    for (int pass = 0; pass < count; pass += TOKENS_PER_PASS * K_UNROLL) {
+        float k[K_UNROLL][DIMS_PER_LANE];
+#pragma unroll
+        for (int u = 0; u < K_UNROLL; ++u) {
+            const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
+            if (t < count) {
+                const int pos = start + t;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
+                                                               num_kv_heads, kv_head);
+                load_as_float<T, DIMS_PER_LANE>(key_cache + at + lane_in_token * DIMS_PER_LANE, k[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < DIMS_PER_LANE; ++i) k[u][i] = 0.f;
+            }
+        }
+        // Heads outer, tokens inner: each slice of q read from shared memory serves
+        // K_UNROLL tokens (shared-memory bandwidth would bound this loop otherwise).
+#pragma unroll
+        for (int h = 0; h < MAX_GROUP; ++h) {
+            if (h >= heads) break;  // uniform across the block
+            float q[DIMS_PER_LANE];
+#pragma unroll
+            for (int i = 0; i < DIMS_PER_LANE; ++i) q[i] = q_s[h][lane_in_token * DIMS_PER_LANE + i];
+#pragma unroll
+            for (int u = 0; u < K_UNROLL; ++u) {
+                if (pass + u * TOKENS_PER_PASS >= count) break;  // uniform: past the partition's end
+                const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < DIMS_PER_LANE; ++i) dot += q[i] * k[u][i];
+                dot = warp_sum(dot, LANES);
+                if (t < count && lane_in_token == 0) scores_s[h][t] = dot;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Phase 2: softmax within the partition, one warp per head.
+    for (int h = warp; h < heads; h += NUM_WARPS) {
+        float m = -INF;
+        for (int t = lane; t < count; t += 32) m = fmaxf(m, scores_s[h][t]);
+        m = warp_max(m, 32);
+        float sum = 0.f;
+        for (int t = lane; t < count; t += 32) {
+            const float p = expf(scores_s[h][t] - m);
+            scores_s[h][t] = p;
+            sum += p;
+        }
+        sum = warp_sum(sum, 32);
+        if (lane == 0) {
+            inv_sum_s[h] = 1.f / sum;
+            if (num_partitions > 1) {
+                const i64 at = ((i64)seq * num_heads + first_head + h) * num_partitions + partition;
+                partial_max[at] = m;
+                partial_sum[at] = sum;
+            }
+        }
+    }
+    __syncthreads();
+
+    // Phase 3: probabilities times V, V_ROWS tokens at a time, then summed over the rows.
+    const int v_row = tid / V_THREADS;
+    const int d0 = (tid % V_THREADS) * V_DIMS;
+    float acc[MAX_GROUP][V_DIMS];
+#pragma unroll
+    for (int h = 0; h < MAX_GROUP; ++h)
+#pragma unroll
+        for (int i = 0; i < V_DIMS; ++i) acc[h][i] = 0.f;
+    for (int first = v_row; first < count; first += V_ROWS * V_UNROLL) {
+        float v[V_UNROLL][V_DIMS];
+#pragma unroll
+        for (int u = 0; u < V_UNROLL; ++u) {
+            const int t = first + u * V_ROWS;
+            if (t < count) {
+                const int pos = start + t;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
+                                                               num_kv_heads, kv_head);
+                load_as_float<T, V_DIMS>(value_cache + at + d0, v[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < V_UNROLL; ++u) {
+            const int t = first + u * V_ROWS;
+            if (t >= count) break;
+#pragma unroll
+            for (int h = 0; h < MAX_GROUP; ++h) {
+                if (h >= heads) break;
+                const float p = scores_s[h][t];
+#pragma unroll
+                for (int i = 0; i < V_DIMS; ++i) acc[h][i] += p * v[u][i];
+            }
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < MAX_GROUP; ++h)
+#pragma unroll
+        for (int i = 0; i < V_DIMS; ++i) acc_s[v_row][h][d0 + i] = acc[h][i];
+    __syncthreads();
+    for (int i = tid; i < heads * HEAD_DIM; i += NUM_THREADS) {
+        const int h = i / HEAD_DIM, d = i % HEAD_DIM;
+        float o = 0.f;
+#pragma unroll
+        for (int r = 0; r < V_ROWS; ++r) o += acc_s[r][h][d];
+        o *= inv_sum_s[h];
+        if (num_partitions == 1) {
+            out[(row * num_heads + first_head + h) * HEAD_DIM + d] = from_float<T>(o);
+        } else {
+            const i64 at = ((i64)seq * num_heads + first_head + h) * num_partitions + partition;
+            partial_out[at * HEAD_DIM + d] = o;
+        }
+    }
+}
+
+// Decode's reduce step. Grid: x = head, y = sequence. Each partition's output is weighted
+// by its share of the softmax denominator, exp(max_p - max) * sum_p.
+template <typename T, int HEAD_DIM>
+__global__ void __launch_bounds__(NUM_THREADS) paged_decode_reduce(
+    T* __restrict__ out, const float* __restrict__ partial_out, const float* __restrict__ partial_max,
+    const float* __restrict__ partial_sum, const int* __restrict__ query_rows,
+    const int* __restrict__ context_lens, int num_heads, int partition_size, int num_partitions) {
+    const int head = blockIdx.x, seq = blockIdx.y;
+    const int used = (context_lens[seq] + partition_size - 1) / partition_size;
+    const i64 base = ((i64)seq * num_heads + head) * num_partitions;
+    float m = -INF;
+    for (int p = 0; p < used; ++p) m = fmaxf(m, partial_max[base + p]);
+    float total = 0.f;
+    for (int p = 0; p < used; ++p) total += partial_sum[base + p] * expf(partial_max[base + p] - m);
+    const float inv_total = 1.f / total;
+    const i64 row = query_rows[seq];
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NUM_THREADS) {
+        float o = 0.f;
+        for (int p = 0; p < used; ++p)
+            o += partial_sum[base + p] * expf(partial_max[base + p] - m) * partial_out[(base + p) * HEAD_DIM + d];
+        out[(row * num_heads + head) * HEAD_DIM + d] = from_float<T>(o * inv_total);
+    }
+}
+
+// Chunked prefill. Grid: x = tile, y = kv head. A tile is 16 consecutive (query token,
+// head of the group) rows of one sequence's chunk, each warp owning 4 of them; the block
+// walks the keys up to its last row's position in tiles of 16, each K/V tile loaded once
+// into shared memory for all the tile's rows, with an online softmax (running max and sum).
+// A warp scores two rows at a time: lanes 0-15 take one row, 16-31 the other, one key each.
+// At head_dim 256 a tile has 8 rows, so that its shared memory stays under 48 KB.
+template <int HEAD_DIM>
+__device__ constexpr int prefill_rows() { return HEAD_DIM <= 128 ? 16 : 8; }
+constexpr int KEY_TILE = 16;
+
+template <typename T, int HEAD_DIM, int BLOCK_SIZE>
+__global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
+    T* __restrict__ out,  // [tokens, num_heads, HEAD_DIM]
+    const T* __restrict__ query, i64 query_token_stride, i64 query_head_stride,
+    const T* __restrict__ key_cache, const T* __restrict__ value_cache,
+    const int* __restrict__ tile_seqs,      // [tiles] which sequence
+    const int* __restrict__ tile_rows,      // [tiles] its first row (token * group + head)
+    const int* __restrict__ query_starts,   // [seqs] batch row of the chunk's first token
+    const int* __restrict__ query_lens,     // [seqs]
+    const int* __restrict__ context_lens,   // [seqs] including the chunk
+    const int* __restrict__ block_tables,   // [seqs, max_blocks]
+    int max_blocks, int num_heads, int num_kv_heads, float scale) {
+    constexpr int PREFILL_ROWS = prefill_rows<HEAD_DIM>();
+    constexpr int ROWS_PER_WARP = PREFILL_ROWS / NUM_WARPS;
+    constexpr int PAIRS = ROWS_PER_WARP / 2;
+    constexpr int DIMS_PER_LANE = HEAD_DIM / 32;
+    static_assert(KEY_TILE * 2 == 32 && ROWS_PER_WARP % 2 == 0, "a warp scores two rows of 16 keys at a time");
+
+    __shared__ float q_s[PREFILL_ROWS][HEAD_DIM + 1];  // padded: a warp reads two rows at once
+    __shared__ float k_s[KEY_TILE][HEAD_DIM + 1];  // padded: the 16 lanes of a row read 16 keys' rows
+    __shared__ float v_s[KEY_TILE][HEAD_DIM];
+    __shared__ float p_s[NUM_WARPS][ROWS_PER_WARP][KEY_TILE];  // one tile's probabilities per row
+    __shared__ float alpha_s[NUM_WARPS][ROWS_PER_WARP];        // and its rescaling of the row's sum
+    __shared__ float l_s[NUM_WARPS][ROWS_PER_WARP];
+
+    const int seq = tile_seqs[blockIdx.x];
+    const int first_row = tile_rows[blockIdx.x];
+    const int kv_head = blockIdx.y;
+    const int group = num_heads / num_kv_heads;
+    const int query_len = query_lens[seq];
+    const int context_len = context_lens[seq];
+    const int past = context_len - query_len;
+    const int rows = min(PREFILL_ROWS, query_len * group - first_row);
+    const int* table = block_tables + (i64)seq * max_blocks;
+    const i64 query_start = query_starts[seq];
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+    for (int i = tid; i < PREFILL_ROWS * HEAD_DIM; i += NUM_THREADS) {
+        const int r = i / HEAD_DIM, d = i % HEAD_DIM;
+        float q = 0.f;
+        if (r < rows) {
+            const int token = (first_row + r) / group, head = kv_head * group + (first_row + r) % group;
+            q = to_float(query[(query_start + token) * query_token_stride + (i64)head * query_head_stride + d]) * scale;
+        }
+        q_s[r][d] = q;
+    }
+
+    // Each lane keeps the running max and sum of its half's row in each pair, and the
+    // output of dims lane, lane + 32, ... of all the warp's rows.
+    const int half = lane / KEY_TILE, key = lane % KEY_TILE;
+    float m[PAIRS], l[PAIRS], acc[ROWS_PER_WARP][DIMS_PER_LANE];
+#pragma unroll
+    for (int pair = 0; pair < PAIRS; ++pair) {
+        m[pair] = -INF;
+        l[pair] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r)
+#pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i) acc[r][i] = 0.f;
+
+    const int key_end = past + (first_row + rows - 1) / group + 1;  // the last row's causal bound
+    for (int tile = 0; tile < key_end; tile += KEY_TILE) {
+        __syncthreads();  // the previous tile is consumed (and q_s written, the first time)
+        for (int i = tid; i < KEY_TILE * HEAD_DIM; i += NUM_THREADS) {
+            const int j = i / HEAD_DIM, d = i % HEAD_DIM;
+            float k = 0.f, v = 0.f;
+            if (tile + j < key_end) {
+                const int pos = tile + j;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(table[pos / BLOCK_SIZE], pos, num_kv_heads, kv_head) + d;
+                k = to_float(key_cache[at]);
+                v = to_float(value_cache[at]);
+            }
+            k_s[j][d] = k;
+            v_s[j][d] = v;
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int pair = 0; pair < PAIRS; ++pair) {
+            const int local = 2 * pair + half;  // this half's row among the warp's
+            const int row = warp * ROWS_PER_WARP + local;
+            const int position = past + (first_row + row) / group;
+            float s = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < HEAD_DIM; ++d) s += q_s[row][d] * k_s[key][d];
+            const bool visible = row < rows && tile + key <= position;
+            s = visible ? s : -INF;
+            const float m_new = fmaxf(m[pair], warp_max(s, KEY_TILE));
+            const float p = visible ? expf(s - m_new) : 0.f;
+            const float alpha = m[pair] == -INF ? 0.f : expf(m[pair] - m_new);
+            l[pair] = l[pair] * alpha + warp_sum(p, KEY_TILE);
+            m[pair] = m_new;
+            p_s[warp][local][key] = p;
+            if (key == 0) alpha_s[warp][local] = alpha;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < ROWS_PER_WARP; ++r) {
+            const float alpha = alpha_s[warp][r];
+#pragma unroll
+            for (int i = 0; i < DIMS_PER_LANE; ++i) {
+                const int d = lane + 32 * i;
+                float o = acc[r][i] * alpha;
+#pragma unroll
+                for (int j = 0; j < KEY_TILE; ++j) o += p_s[warp][r][j] * v_s[j][d];
+                acc[r][i] = o;
+            }
+        }
+    }
+
+#pragma unroll
+    for (int pair = 0; pair < PAIRS; ++pair)
+        if (key == 0) l_s[warp][2 * pair + half] = l[pair];
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < ROWS_PER_WARP; ++r) {
+        const int row = warp * ROWS_PER_WARP + r;
+        if (row >= rows) continue;
+        const int token = (first_row + row) / group, head = kv_head * group + (first_row + row) % group;
+        const float inv = 1.f / l_s[warp][r];
+#pragma unroll
+        for (int i = 0; i < DIMS_PER_LANE; ++i)
+            out[((query_start + token) * num_heads + head) * HEAD_DIM + lane + 32 * i] = from_float<T>(acc[r][i] * inv);
+    }
+}
