@@ -13,7 +13,14 @@ import asyncio
 import sys
 import time
 
-from service.config import RedisConfig, add_engine_arguments, engine_config_from_args
+from service.config import (
+    RedisConfig,
+    add_engine_arguments,
+    add_observability_arguments,
+    engine_config_from_args,
+    logging_config_from_args,
+    metrics_config_from_args,
+)
 
 SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
     ("chat", [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
@@ -46,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--claim-idle-ms", type=int, default=redis_defaults.claim_idle_ms,
                         help="take over entries another consumer left pending this long (default: %(default)s)")
     add_engine_arguments(worker)
+    add_observability_arguments(worker)
 
     submit = commands.add_parser("submit", help="send a prompt through Redis and stream the answer")
     submit.add_argument("prompt", help="the text; sent as a chat message unless --raw")
@@ -135,26 +143,37 @@ async def _worker(args: argparse.Namespace) -> int:
     import signal
 
     import redis.asyncio as aioredis
+    import structlog
 
+    from service.metrics import Metrics, start_metrics_server
+    from service.structured_logging import configure_logging
     from service.worker import Worker
     from workers.engine import Engine
 
     config = RedisConfig(url=args.redis_url, consumer=args.consumer, requests_stream=args.requests_stream,
                          dead_letter_stream=args.dead_letter_stream, control_stream=args.control_stream,
                          claim_idle_ms=args.claim_idle_ms, shutdown_grace_s=args.shutdown_grace_s)
+    log_config, metrics_config = logging_config_from_args(args), metrics_config_from_args(args)
+    configure_logging(log_config)
+    log = structlog.get_logger("inflight.worker")
     engine = Engine.from_config(engine_config_from_args(args))
+    metrics = Metrics(engine.config.scheduler)
+    server = start_metrics_server(metrics_config.port, metrics.registry, metrics_config.host) if metrics_config.port else None
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
     client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)  # stop claiming, finish what is in hand
-    print(f"inflight worker {config.consumer}: reading {config.requests_stream} on {config.url}", file=sys.stderr,
-          flush=True)
+    log.info("worker_started", consumer=config.consumer, stream=config.requests_stream, redis=config.url,
+             metrics_port=metrics_config.port or None, kv_blocks=engine.allocator.num_blocks)
     try:
-        await Worker(engine, client, config).run(stop)
+        await Worker(engine, client, config, metrics, metrics_config.ingest_poll_s, log_config.log_prompts).run(stop)
     finally:
         await client.aclose()
+        if server is not None:
+            server.shutdown()
+        log.info("worker_stopped", consumer=config.consumer)
     return 0
 
 

@@ -33,7 +33,7 @@ def test_worker_process_serves_a_job_and_exits_cleanly_on_sigterm():
     client.xadd(stream, {"id": f"{prefix}-job", "prompt": "The capital of France is", "max_tokens": "6"})
     worker = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--dead-letter-stream", dead,
-         "--consumer", "cli-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+         "--consumer", "cli-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -68,7 +68,7 @@ def test_a_killed_workers_request_is_finished_by_another_with_every_seq_once():
     def start(name: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--dead-letter-stream",
-             dead, "--consumer", name, "--claim-idle-ms", "1500", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+             dead, "--consumer", name, "--claim-idle-ms", "1500", "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
@@ -110,7 +110,7 @@ def test_submit_streams_the_answer_from_a_worker_process():
     stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
     worker = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--requests-stream", stream, "--consumer", "submit-test",
-         "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+         "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

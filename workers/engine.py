@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,14 +41,14 @@ from workers.request import (
     validate_priority,
 )
 from workers.sampler import Sampler, make_generator
-from workers.scheduler import Scheduler
+from workers.scheduler import Census, Scheduler
 
 Prompt = str | list[dict] | list[int]
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did and what it cost (for benchmarks and, later, metrics)."""
+    """What one step did and what it cost (for benchmarks and metrics)."""
 
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -58,10 +59,26 @@ class StepRecord:
     forward_s: float
     swap_s: float
     step_s: float
+    num_swapped_out: int = 0  # requests among `num_preempted` swapped to host; the rest recompute
+    num_swapped_in: int = 0  # requests swapped back in
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine after a step, for an observer (metrics): what the step did (None when
+    it ran nothing) and where requests and KV blocks stand."""
+
+    step: StepRecord | None
+    census: Census
+    oldest_waiting_s: float  # how long the longest-waiting queued request has waited; 0 if none
+    device_blocks_used: int
+    device_blocks_total: int
+    host_blocks_used: int
+    host_blocks_total: int  # 0 without a host pool
 
 
 @dataclass
@@ -94,6 +111,8 @@ class Engine:
         self._lock = threading.Lock()  # guards the inbox and the set of known ids
         self._inbox: list[_Live | str | FinalEvent] = []  # new requests, ids to cancel, errors
         self._known_ids: set[str] = set()
+        # Called at the end of every step, in the stepping thread; must be quick.
+        self.observer: Callable[[EngineStats], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -147,13 +166,37 @@ class Engine:
             return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[Event]:
+        events, record = self._step()
+        if record is not None:
+            self.step_records.append(record)
+        if self.observer is not None:
+            self.observer(self.stats(record))
+        return events
+
+    def stats(self, record: StepRecord | None = None) -> EngineStats:
+        """Where requests and blocks stand now; call from the stepping thread."""
+        census = self.scheduler.census()
+        oldest = census.oldest_queued_arrival
+        host = self.host_allocator
+        return EngineStats(
+            record,
+            census,
+            0.0 if oldest is None else time.perf_counter() - oldest,
+            self.allocator.num_used,
+            self.allocator.num_blocks,
+            host.num_used if host else 0,
+            host.num_blocks if host else 0,
+        )
+
+    def _step(self) -> tuple[list[Event], StepRecord | None]:
         started = time.perf_counter()
         events = self._drain_inbox()
         for request in self.scheduler.expired(started):
             events.append(self._retire(request, FinishReason.DEADLINE))
         plan = self.scheduler.schedule()
         if not plan.has_work:
-            return events
+            return events, None
+        num_swapped_out = sum(1 for r in plan.preempted if r.status is RequestStatus.SWAPPED)
         num_decode = plan.num_decode_tokens
         sampling = [c.request for c in plan.chunks if c.samples]
         try:
@@ -174,7 +217,7 @@ class Engine:
             for request in failed.values():
                 if request.status is not RequestStatus.FINISHED:
                     events.append(self._retire(request, FinishReason.ERROR, error=message))
-            return events
+            return events, None
         now = time.perf_counter()
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
@@ -182,20 +225,20 @@ class Engine:
                 chunk.request.scheduled_time = started
         for request, token_id in zip(sampling, token_ids):
             events.extend(self._append_token(request, token_id, now))
-        self.step_records.append(
-            StepRecord(
-                plan.num_tokens - num_decode,
-                num_decode,
-                len(sampling),
-                len(plan.preempted),
-                len(plan.swap_out),
-                len(plan.swap_in),
-                output.forward_s,
-                output.swap_s,
-                time.perf_counter() - started,
-            )
+        record = StepRecord(
+            plan.num_tokens - num_decode,
+            num_decode,
+            len(sampling),
+            len(plan.preempted),
+            len(plan.swap_out),
+            len(plan.swap_in),
+            output.forward_s,
+            output.swap_s,
+            time.perf_counter() - started,
+            num_swapped_out=num_swapped_out,
+            num_swapped_in=len(plan.resumed),
         )
-        return events
+        return events, record
 
     # -- internals -----------------------------------------------------------------
 
