@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test bench install clean
+.PHONY: run test bench dashboards install clean
 
 run: $(INSTALLED)
 	$(VENV)/bin/inflight demo
@@ -16,6 +16,10 @@ bench: $(INSTALLED)
 	$(VENV)/bin/inflight bench --json bench-results/bench.json
 
 install: $(INSTALLED)
+
+# Regenerate the Grafana dashboard JSON from ops/grafana/dashboards.py (commit the result).
+dashboards:
+	python3 ops/grafana/dashboards.py
 
 # torch is pinned first: the CPU wheel of 2.13.0 lies on this kind of machine's disk,
 # and a looser requirement would pull a CUDA build of several GB. The bundled model
