@@ -5,9 +5,9 @@ a real Prometheus scraping a real worker."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 from service.metrics import Metrics
@@ -16,8 +16,9 @@ from workers.request import FinalEvent, FinishReason, Timings, Usage
 from workers.scheduler import Census
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "ops" / "grafana"))
-import dashboards  # noqa: E402  (ops/grafana/dashboards.py, the generator)
+_spec = importlib.util.spec_from_file_location("dashboards", ROOT / "ops" / "grafana" / "dashboards.py")
+dashboards = importlib.util.module_from_spec(_spec)  # the generator, a script rather than a package module
+_spec.loader.exec_module(dashboards)
 
 # Series Prometheus makes itself rather than scraping them from a worker.
 PROMETHEUS_OWN = {"up"}
