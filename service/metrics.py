@@ -15,6 +15,7 @@ Naming: one prefix (`inflight_`), the unit last (`_seconds`, `_tokens`, `_blocks
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -118,6 +119,9 @@ class Metrics:
         for budget in ("batch", "prefill", "decode"):
             self.step_budget.labels(budget)
         self._priorities_seen: set[tuple[str, int]] = set()
+        # Computed at scrape time, so the age keeps growing if the engine stops stepping.
+        self._oldest_waiting_since: float | None = None  # wall clock
+        self.oldest_waiting.set_function(self._oldest_waiting_age)
 
     # -- feeds ---------------------------------------------------------------------------
 
@@ -147,7 +151,8 @@ class Metrics:
         for state, priority in self._priorities_seen | now.keys():
             self.scheduler_requests.labels(state, str(priority)).set(now.get((state, priority), 0))
         self._priorities_seen |= now.keys()
-        self.oldest_waiting.set(stats.oldest_waiting_s)
+        waiting = census.oldest_queued_arrival is not None
+        self._oldest_waiting_since = time.time() - stats.oldest_waiting_s if waiting else None
 
         for pool, used, total in (("device", stats.device_blocks_used, stats.device_blocks_total),
                                   ("host", stats.host_blocks_used, stats.host_blocks_total)):
@@ -177,6 +182,10 @@ class Metrics:
 
     def observe_dead_letter(self, code: str) -> None:
         self.dead_letters.labels(code).inc()
+
+    def _oldest_waiting_age(self) -> float:
+        since = self._oldest_waiting_since
+        return 0.0 if since is None else max(0.0, time.time() - since)
 
     async def poll_ingest(self, redis, stream: str, group: str, dead_letter_stream: str) -> None:
         """Ask Redis how far behind the consumer group is (one pipelined round trip)."""

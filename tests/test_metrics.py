@@ -7,6 +7,7 @@ import asyncio
 import re
 import shutil
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -78,6 +79,20 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     assert value(metrics, "inflight_time_to_first_token_seconds_count") == 3
     assert value(metrics, "inflight_inter_token_latency_seconds_count") == 3 * 23
     assert value(metrics, "inflight_queue_time_seconds_count") == 3
+
+
+def test_the_oldest_waiting_age_grows_between_steps():
+    """Read at scrape time: if the engine hangs, a starving request still shows its age."""
+    from workers.engine import EngineStats
+    from workers.scheduler import Census
+
+    metrics = Metrics()
+    metrics.observe_step(EngineStats(None, Census({}, {0: 1}, {}, 1.0), 5.0, 1, 10, 0, 0))
+    first = value(metrics, "inflight_oldest_waiting_age_seconds")
+    time.sleep(0.05)
+    assert 5.0 <= first < value(metrics, "inflight_oldest_waiting_age_seconds")
+    metrics.observe_step(EngineStats(None, Census({0: 1}, {}, {}, None), 0.0, 1, 10, 0, 0))
+    assert value(metrics, "inflight_oldest_waiting_age_seconds") == 0
 
 
 def test_an_error_before_the_engine_queued_the_request_is_counted_but_not_timed():
