@@ -40,14 +40,22 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for request_id, priority in (("low", -2), ("mid", 0), ("high", 3)):
         engine.add_request(request_id, "List the numbers from 1 to 300, comma separated:", params, priority)
-    finals, steps = [], 0
+    finals, steps, first_finish_step = [], 0, None
     while engine.has_unfinished():
         finals += [e for e in engine.step() if isinstance(e, FinalEvent)]
         steps += 1
+        if finals and first_finish_step is None:
+            first_finish_step = steps
     for event in finals:
         metrics.observe_finished(event)
 
     assert len(seen) == steps  # one report per step
+    # Token latencies are reported as the tokens come, not when their requests finish,
+    # and agree with the final events' timings.
+    assert sum(len(s.first_token_s) for s in seen[:first_finish_step - 1]) == 3
+    assert sorted(x for s in seen for x in s.first_token_s) == sorted(e.timings.first_token_s for e in finals)
+    gaps = [b - a for e in finals for a, b in zip(e.timings.token_times, e.timings.token_times[1:])]
+    assert sorted(x for s in seen for x in s.inter_token_s) == pytest.approx(sorted(gaps))
     first = seen[0].census
     assert sum(first.running.values()) + sum(first.waiting.values()) + sum(first.swapped.values()) == 3
     records = [s.step for s in seen if s.step is not None]

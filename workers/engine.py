@@ -79,6 +79,10 @@ class EngineStats:
     device_blocks_total: int
     host_blocks_used: int
     host_blocks_total: int  # 0 without a host pool
+    # Latencies of the tokens this step produced, reported now rather than when their
+    # requests finish: time to first token (from arrival), and time since the previous token.
+    first_token_s: tuple[float, ...] = ()
+    inter_token_s: tuple[float, ...] = ()
 
 
 @dataclass
@@ -113,6 +117,8 @@ class Engine:
         self._known_ids: set[str] = set()
         # Called at the end of every step, in the stepping thread; must be quick.
         self.observer: Callable[[EngineStats], None] | None = None
+        self._first_token_s: list[float] = []  # this step's token latencies, for the observer
+        self._inter_token_s: list[float] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -166,6 +172,7 @@ class Engine:
             return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[Event]:
+        self._first_token_s, self._inter_token_s = [], []
         events, record = self._step()
         if record is not None:
             self.step_records.append(record)
@@ -186,6 +193,8 @@ class Engine:
             self.allocator.num_blocks,
             host.num_used if host else 0,
             host.num_blocks if host else 0,
+            tuple(self._first_token_s),
+            tuple(self._inter_token_s),
         )
 
     def _step(self) -> tuple[list[Event], StepRecord | None]:
@@ -296,10 +305,13 @@ class Engine:
         return events
 
     def _append_token(self, request: Request, token_id: int, now: float) -> list[Event]:
-        request.output_token_ids.append(token_id)
-        request.token_times.append(now)
         if request.first_token_time is None:
             request.first_token_time = now
+            self._first_token_s.append(now - request.arrival_time)
+        else:
+            self._inter_token_s.append(now - request.token_times[-1])
+        request.output_token_ids.append(token_id)
+        request.token_times.append(now)
         params = request.params
         live = self._live[request.request_id]
         stop_token = token_id in params.stop_token_ids or (
