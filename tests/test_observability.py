@@ -115,6 +115,8 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
     try:
         wait_until(lambda: get(f"{api.base}/-/ready"), 60, "Prometheus to be ready")
         wait_until(lambda: get(f"http://127.0.0.1:{metrics_port}/metrics"), 180, "the worker's /metrics")
+        # A counter's increase before its first scrape is invisible to rate(): start from a scrape.
+        wait_until(lambda: api.scalar('sum(up{job="inflight"})') == 1, 30, "a first scrape of the worker")
 
         served = {f"{prefix}-{name}": priority for name, priority in
                   (("low", -5), ("mid", 0), ("mid2", 0), ("high", 5))}
