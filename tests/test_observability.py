@@ -133,6 +133,8 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         # Prometheus has scraped the worker after the last request ended, and the lag poll has run.
         wait_until(lambda: api.scalar("sum(inflight_requests_total)") == 6, 30, "a scrape after the last request")
         wait_until(lambda: api.scalar("max(inflight_dead_letter_stream_entries)") == 2, 30, "the ingest poll")
+        wait_until(lambda: api.scalar("max(inflight_ingest_pending_entries) + max(inflight_ingest_lag_entries)") == 0,
+                   30, "every entry delivered and acked")
 
         dashboard = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "inflight.json").read_text())
         empty = []
