@@ -156,9 +156,14 @@ async def _worker(args: argparse.Namespace) -> int:
     log_config, metrics_config = logging_config_from_args(args), metrics_config_from_args(args)
     configure_logging(log_config)
     log = structlog.get_logger("inflight.worker")
-    engine = Engine.from_config(engine_config_from_args(args))
-    metrics = Metrics(engine.config.scheduler)
-    server = start_metrics_server(metrics_config.port, metrics.registry, metrics_config.host) if metrics_config.port else None
+    engine_config = engine_config_from_args(args)
+    metrics = Metrics(engine_config.scheduler)
+    try:  # before loading the model, so a port in use fails fast
+        server = start_metrics_server(metrics_config.port, metrics.registry, metrics_config.host) if metrics_config.port else None
+    except OSError as error:
+        log.error("metrics_port_unavailable", port=metrics_config.port, error=str(error))
+        return 1
+    engine = Engine.from_config(engine_config)
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
     client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)
     stop = asyncio.Event()

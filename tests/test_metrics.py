@@ -159,3 +159,22 @@ def test_the_exposition_passes_promtool_check_metrics():
     result = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(metrics.registry),
                             capture_output=True, timeout=60)
     assert result.returncode == 0 and not result.stdout and not result.stderr, result.stdout + result.stderr
+
+
+def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits():
+    import json
+    import socket
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "service.cli", "worker", "--metrics-host", "127.0.0.1", "--metrics-port", str(port),
+             "--requests-stream", f"inflight:test:{uuid.uuid4().hex[:8]}:requests", "--log-format", "json"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 1
+    [line] = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert (line["event"], line["level"], line["port"]) == ("metrics_port_unavailable", "error", port)
