@@ -4,7 +4,9 @@
 container, a log shipper), coloured console output when it is (`LoggingConfig.format`
 can force either). Context bound with `bind_request` (request id, priority) is carried
 by contextvars, so every line logged while serving a request names it; each asyncio
-task has its own copy, so concurrent requests never see each other's.
+task has its own copy, so concurrent requests never see each other's. Records from the
+standard library's logging (transformers, redis, warnings) go through the same renderer,
+so a JSON log holds nothing but JSON lines.
 
 Named `structured_logging`, not `logging`, so it can never shadow the standard library.
 """
@@ -25,19 +27,30 @@ def configure_logging(config: LoggingConfig, stream: TextIO | None = None) -> No
     stream = stream or sys.stderr
     as_json = config.format == "json" or (config.format == "auto" and not _is_terminal(stream))
     renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=_is_terminal(stream))
+    level = logging.getLevelNamesMapping()[config.level.upper()]
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[config.level.upper()]),
+        processors=[*shared, structlog.processors.StackInfoRenderer(), structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,  # tests configure it more than once per process
     )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    ))
+    logging.basicConfig(handlers=[handler], level=level, force=True)
+    logging.captureWarnings(True)
+    # transformers gives its loggers a handler of their own and stops propagation; hand
+    # its records to ours (it is imported by then: the engine's modules import it).
+    library = logging.getLogger("transformers")
+    library.handlers.clear()
+    library.propagate = True
 
 
 def bind_request(request_id: str, priority: int) -> None:

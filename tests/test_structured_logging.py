@@ -22,10 +22,16 @@ class Terminal(io.StringIO):
 
 
 @pytest.fixture(autouse=True)
-def restore_structlog():
+def restore_logging():
+    import logging
+
+    root, library = logging.getLogger(), logging.getLogger("transformers")
+    saved = root.handlers[:], root.level, library.handlers[:], library.propagate
     yield
     structlog.reset_defaults()
     structlog.contextvars.clear_contextvars()
+    root.handlers[:], root.level, library.handlers[:], library.propagate = saved
+    logging.captureWarnings(False)
 
 
 def lines(stream: io.StringIO) -> list[dict]:
@@ -39,6 +45,27 @@ def test_json_lines_when_the_output_is_not_a_terminal():
     [line] = lines(out)
     assert line["event"] == "worker_started" and line["consumer"] == "w1" and line["level"] == "info"
     assert line["timestamp"].endswith("Z")
+
+
+def test_standard_library_records_become_json_lines_too():
+    import logging
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    library_logger = transformers_logging.get_logger("transformers.modeling_utils")  # with its own handler
+    out = io.StringIO()
+    configure_logging(LoggingConfig(), out)
+    bind_request("r1", 2)
+    library_logger.warning("weights not tied")
+    logging.getLogger("redis.connection").debug("below the level")
+    logging.getLogger("redis.connection").warning("reconnecting")
+    warnings.warn("deprecated flag")
+    first, second, third = lines(out)
+    assert (first["event"], first["level"], first["logger"]) == ("weights not tied", "warning", "transformers.modeling_utils")
+    assert (first["request_id"], first["priority"]) == ("r1", 2)
+    assert (second["event"], second["logger"]) == ("reconnecting", "redis.connection")
+    assert third["logger"] == "py.warnings" and "deprecated flag" in third["event"]
 
 
 def test_console_output_on_a_terminal_and_json_when_forced():
