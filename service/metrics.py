@@ -3,8 +3,8 @@
 Each `Metrics` owns its registry, so several workers can live in one process (tests).
 It is fed from three places, none of which imports prometheus_client:
 - `observe_step`, the engine's observer (`Engine.observer`), called in the stepping
-  thread after every step with an `EngineStats`: the first-token and inter-token
-  latencies of the tokens it produced, batch composition, step time, budget use,
+  thread after every step with an `EngineStats`: the queue, first-token and
+  inter-token latencies it made, batch composition, step time, budget use,
   requests by state and priority, KV blocks, preemptions and swaps;
 - `observe_finished`, `observe_outcome` and `observe_dead_letter`, from the worker;
 - `poll_ingest`, from the worker's event loop every `ingest_poll_s`: Redis lag, pending
@@ -128,6 +128,8 @@ class Metrics:
 
     def observe_step(self, stats: EngineStats) -> None:
         """The engine's observer: runs in the stepping thread after each step."""
+        for seconds in stats.queue_s:
+            self.queue_time.observe(seconds)
         for seconds in stats.first_token_s:
             self.time_to_first_token.observe(seconds)
         for seconds in stats.inter_token_s:
@@ -166,16 +168,14 @@ class Metrics:
             self.kv_usage.labels(pool).set(used / total if total else 0.0)
 
     def observe_finished(self, event: FinalEvent) -> None:
-        """A request the engine ended (any finish reason, errors included). Its first-token
-        and inter-token latencies were observed as the tokens came (`observe_step`)."""
+        """A request the engine ended (any finish reason, errors included). Its queue,
+        first-token and inter-token latencies were observed as they happened (`observe_step`)."""
         self.requests.labels(event.finish_reason.value).inc()
         self.prompt_tokens.inc(event.usage.prompt_tokens)
         self.generation_tokens.inc(event.usage.completion_tokens)
-        timings = event.timings
-        if event.finish_reason is FinishReason.ERROR and not timings.token_times:
+        if event.finish_reason is FinishReason.ERROR and not event.timings.token_times:
             return  # rejected by the engine's validation: it never queued, there is nothing to time
-        self.request_duration.observe(timings.total_s)
-        self.queue_time.observe(timings.queue_s)
+        self.request_duration.observe(event.timings.total_s)
 
     def observe_outcome(self, outcome: str) -> None:
         """A request that ended without the engine's timings: "rejected" (it never reached

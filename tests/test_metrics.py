@@ -54,6 +54,7 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     # and agree with the final events' timings.
     assert sum(len(s.first_token_s) for s in seen[:first_finish_step - 1]) == 3
     assert sorted(x for s in seen for x in s.first_token_s) == sorted(e.timings.first_token_s for e in finals)
+    assert sorted(x for s in seen for x in s.queue_s) == sorted(e.timings.queue_s for e in finals)
     gaps = [b - a for e in finals for a, b in zip(e.timings.token_times, e.timings.token_times[1:])]
     assert sorted(x for s in seen for x in s.inter_token_s) == pytest.approx(sorted(gaps))
     first = seen[0].census

@@ -79,8 +79,10 @@ class EngineStats:
     device_blocks_total: int
     host_blocks_used: int
     host_blocks_total: int  # 0 without a host pool
-    # Latencies of the tokens this step produced, reported now rather than when their
-    # requests finish: time to first token (from arrival), and time since the previous token.
+    # Latencies as this step made them, reported now rather than when their requests
+    # finish: queue time of the requests it first scheduled, time to first token (from
+    # arrival) and time since the previous token of the tokens it produced.
+    queue_s: tuple[float, ...] = ()
     first_token_s: tuple[float, ...] = ()
     inter_token_s: tuple[float, ...] = ()
 
@@ -117,7 +119,8 @@ class Engine:
         self._known_ids: set[str] = set()
         # Called at the end of every step, in the stepping thread; must be quick.
         self.observer: Callable[[EngineStats], None] | None = None
-        self._first_token_s: list[float] = []  # this step's token latencies, for the observer
+        self._queue_s: list[float] = []  # this step's latencies, for the observer
+        self._first_token_s: list[float] = []
         self._inter_token_s: list[float] = []
 
     @classmethod
@@ -172,7 +175,7 @@ class Engine:
             return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[Event]:
-        self._first_token_s, self._inter_token_s = [], []
+        self._queue_s, self._first_token_s, self._inter_token_s = [], [], []
         events, record = self._step()
         if record is not None:
             self.step_records.append(record)
@@ -193,6 +196,7 @@ class Engine:
             self.allocator.num_blocks,
             host.num_used if host else 0,
             host.num_blocks if host else 0,
+            tuple(self._queue_s),
             tuple(self._first_token_s),
             tuple(self._inter_token_s),
         )
@@ -232,6 +236,7 @@ class Engine:
             chunk.request.num_computed += chunk.num_tokens
             if chunk.request.scheduled_time is None:
                 chunk.request.scheduled_time = started
+                self._queue_s.append(started - chunk.request.arrival_time)
         for request, token_id in zip(sampling, token_ids):
             events.extend(self._append_token(request, token_id, now))
         record = StepRecord(
