@@ -5,7 +5,7 @@ PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NODE_EXAMPLE := docs/examples/node/node_modules/.package-lock.json
 
-.PHONY: run demo test bench install gpu-check clean
+.PHONY: run demo test bench dashboards install gpu-check clean
 
 # The worker, on $REDIS_URL or else an embedded Valkey server; it prints how to submit.
 run: $(INSTALLED)
@@ -28,6 +28,10 @@ install: $(INSTALLED)
 gpu-check: $(INSTALLED)
 	$(PYTHON) -m pip install -q -e '.[gpu]'
 	PYTHON=$(PYTHON) ops/gpu-check.sh
+
+# Regenerate the Grafana dashboard JSON from ops/grafana/dashboards.py (commit the result).
+dashboards:
+	python3 ops/grafana/dashboards.py
 
 # torch is pinned first: the CPU wheel of 2.13.0 lies on this kind of machine's disk,
 # and a looser requirement would pull a CUDA build of several GB. The bundled model

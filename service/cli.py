@@ -14,7 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from service.config import RedisConfig, add_engine_arguments, engine_config_from_args
+from service.config import (
+    RedisConfig,
+    add_engine_arguments,
+    add_observability_arguments,
+    engine_config_from_args,
+    logging_config_from_args,
+    metrics_config_from_args,
+)
 from service.embedded import embedded_url
 
 SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
@@ -53,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--claim-idle-ms", type=int, default=redis_defaults.claim_idle_ms,
                         help="take over entries another consumer left pending this long (default: %(default)s)")
     add_engine_arguments(worker)
+    add_observability_arguments(worker)
 
     submit = commands.add_parser("submit", help="send a prompt through Redis and stream the answer")
     submit.add_argument("prompt", help="the text; sent as a chat message unless --raw")
@@ -157,29 +165,45 @@ async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) 
     import signal
 
     import redis.asyncio as aioredis
+    import structlog
     from redis.exceptions import AuthenticationError
 
+    from service.metrics import Metrics, start_metrics_server
+    from service.structured_logging import configure_logging
     from service.worker import Worker
     from workers.engine import Engine
 
-    engine = Engine.from_config(engine_config_from_args(args))
+    log_config, metrics_config = logging_config_from_args(args), metrics_config_from_args(args)
+    configure_logging(log_config)
+    log = structlog.get_logger("inflight.worker")
+    engine_config = engine_config_from_args(args)
+    metrics = Metrics(engine_config.scheduler)
+    try:  # before loading the model, so a port in use fails fast
+        server = start_metrics_server(metrics_config.port, metrics.registry, metrics_config.host) if metrics_config.port else None
+    except OSError as error:
+        log.error("metrics_port_unavailable", port=metrics_config.port, error=str(error))
+        return 1
+    engine = Engine.from_config(engine_config)
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
     client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)  # stop claiming, finish what is in hand
-    print(f"inflight worker {config.consumer}: reading {config.requests_stream} on "
-          f"{_redacted(config.url)}{' (embedded Valkey)' if embedded else ''}", file=sys.stderr, flush=True)
+    log.info("worker_started", consumer=config.consumer, stream=config.requests_stream, redis=_redacted(config.url),
+             embedded=embedded, metrics_port=metrics_config.port or None, kv_blocks=engine.allocator.num_blocks)
     if embedded:
         print(_how_to_submit(config), file=sys.stderr, flush=True)
     try:
-        await Worker(engine, client, config).run(stop)
+        await Worker(engine, client, config, metrics, metrics_config.ingest_poll_s, log_config.log_prompts).run(stop)
     except AuthenticationError as error:
-        print(f"inflight worker: Redis at {_redacted(config.url)} refused the credentials: {error}", file=sys.stderr)
+        log.error("redis_credentials_refused", redis=_redacted(config.url), error=str(error))
         return 2
     finally:
         await client.aclose()
+        if server is not None:
+            server.shutdown()
+        log.info("worker_stopped", consumer=config.consumer)
     return 0
 
 
@@ -197,6 +221,7 @@ def _how_to_submit(config: RedisConfig) -> str:
     port = config.embedded_port
     url = "" if port == RedisConfig().embedded_port else f" --redis-url {config.url}"
     return f"""
+inflight worker {config.consumer} is serving {config.requests_stream} on {config.url} (embedded Valkey).
 Submit from another terminal:
   .venv/bin/inflight submit{url} "What is the capital of France?"
 or with redis-cli:

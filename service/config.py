@@ -118,6 +118,43 @@ class RedisConfig:
     shutdown_grace_s: float = 30.0
 
 
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class MetricsConfig:
+    # Port of the worker's Prometheus endpoint (GET /metrics); 0 serves none.
+    port: int = 9464
+    # Address it listens on; 0.0.0.0 so Prometheus in another container can scrape it.
+    host: str = "0.0.0.0"
+    # How often the worker asks Redis for the ingest lag (XINFO GROUPS, XPENDING, XLEN);
+    # from the event loop, never the model thread.
+    ingest_poll_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("metrics port must be in [0, 65535]")
+        if not self.ingest_poll_s > 0:
+            raise ValueError("ingest_poll_s must be > 0")
+
+
+@dataclass
+class LoggingConfig:
+    # auto: JSON lines when stderr is not a terminal, human-readable console output when it is.
+    format: str = "auto"
+    level: str = "info"
+    # Prompts and generated text go into the per-request log line only when the operator
+    # opts in: they may hold personal data.
+    log_prompts: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in LOG_FORMATS:
+            raise ValueError(f"log format must be one of {LOG_FORMATS}, got {self.format!r}")
+        if self.level not in LOG_LEVELS:
+            raise ValueError(f"log level must be one of {LOG_LEVELS}, got {self.level!r}")
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -161,3 +198,23 @@ def engine_config_from_args(args) -> EngineConfig:
             priority_bound_s=args.priority_bound_s,
         ),
     )
+
+
+def add_observability_arguments(parser) -> None:
+    """The flags that map onto `MetricsConfig` and `LoggingConfig`."""
+    metrics, logs = MetricsConfig(), LoggingConfig()
+    group = parser.add_argument_group("observability")
+    group.add_argument("--metrics-port", type=int, default=metrics.port, help="Prometheus /metrics port, 0 = off (default: %(default)s)")
+    group.add_argument("--metrics-host", default=metrics.host, help="address /metrics listens on (default: %(default)s)")
+    group.add_argument("--ingest-poll-s", type=float, default=metrics.ingest_poll_s, help="seconds between Redis ingest-lag polls (default: %(default)s)")
+    group.add_argument("--log-format", default=logs.format, choices=LOG_FORMATS, help="auto = JSON unless stderr is a terminal (default: %(default)s)")
+    group.add_argument("--log-level", default=logs.level, choices=LOG_LEVELS)
+    group.add_argument("--log-prompts", action="store_true", help="put prompts and outputs in the per-request log line (off by default)")
+
+
+def metrics_config_from_args(args) -> MetricsConfig:
+    return MetricsConfig(port=args.metrics_port, host=args.metrics_host, ingest_poll_s=args.ingest_poll_s)
+
+
+def logging_config_from_args(args) -> LoggingConfig:
+    return LoggingConfig(format=args.log_format, level=args.log_level, log_prompts=args.log_prompts)

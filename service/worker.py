@@ -14,6 +14,10 @@ A stop string split across the takeover point is not detected.
 
 Cancellation: every worker follows the control stream; `XADD inflight:control * type
 cancel id <request id>` ends that request (finish_reason `cancelled`) wherever it runs.
+
+Observability: the engine's observer feeds `Metrics` after every step; the worker adds
+each request's outcome and timings as it ends, and polls Redis for the ingest lag. Each
+served request logs one summary line, with its id and priority bound as context.
 """
 
 from __future__ import annotations
@@ -21,22 +25,32 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
-from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
+import structlog
+from redis.exceptions import AuthenticationError, ConnectionError, RedisError, TimeoutError
 
 from service.config import RedisConfig
 from service.ingest import Entry, JobReader
+from service.metrics import Metrics
 from service.protocol import ProtocolError, decode_job
 from service.publish import ReplyPublisher
+from service.structured_logging import bind_request, log_request_finished
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
 from workers.model_loader import encode_prompt
 from workers.request import FinalEvent, FinishReason, InvalidRequest, Timings, Usage
 
+log = structlog.get_logger("inflight.worker")
+
 
 class Worker:
-    def __init__(self, engine: Engine, redis, config: RedisConfig) -> None:
+    def __init__(self, engine: Engine, redis, config: RedisConfig, metrics: Metrics | None = None,
+                 ingest_poll_s: float = 5.0, log_prompts: bool = False) -> None:
         self.front = AsyncEngine(engine)
         self.config = config
+        self.metrics = metrics or Metrics(engine.config.scheduler)
+        engine.observer = self.metrics.observe_step
+        self.ingest_poll_s = ingest_poll_s
+        self.log_prompts = log_prompts  # prompts and outputs in the summary line: opt-in
         self.reader = JobReader(redis, config.requests_stream, config.group, config.consumer,
                                 config.dead_letter_stream, config.claim_idle_ms, config.max_deliveries)
         self.publisher = ReplyPublisher(redis, config.reply_ttl_s, config.consumer)
@@ -51,6 +65,7 @@ class Worker:
         await _retrying(self.reader.ensure_group)
         async with self.front:
             control = asyncio.create_task(self._follow_control(stop), name="control")
+            lag = asyncio.create_task(self._poll_ingest_lag(stop), name="ingest-lag")
             while not stop.is_set():
                 room = self.capacity - len(self.serving)
                 if room <= 0:
@@ -68,6 +83,7 @@ class Worker:
                 while self.front.engine.has_unfinished():  # the engine drops what was cancelled
                     await asyncio.sleep(0.01)
             control.cancel()
+            lag.cancel()
 
     async def _follow_control(self, stop: asyncio.Event) -> None:
         last = "$"  # only what is sent from now on
@@ -81,6 +97,15 @@ class Worker:
                     if fields.get(b"type") == b"cancel" and request_id in self.serving:
                         self.front.cancel(request_id)
 
+    async def _poll_ingest_lag(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.metrics.poll_ingest(self.redis, self.config.requests_stream, self.config.group,
+                                               self.config.dead_letter_stream)
+            except RedisError as error:  # the gauges keep their last values; the serving path logs outages
+                log.debug("ingest_lag_poll_failed", error=str(error))
+            await asyncio.sleep(self.ingest_poll_s)
+
     async def _start(self, entry: Entry) -> None:
         try:
             if entry.deliveries > self.config.max_deliveries:
@@ -89,13 +114,15 @@ class Worker:
             if job.request_id in self.serving:
                 raise ProtocolError("duplicate_id", f"request id {job.request_id!r} is already being served")
         except ProtocolError as error:
-            await self._reject(entry, error.code, error.message, error.reply_to)
+            self.metrics.observe_outcome("rejected")
+            await self._reject(entry, error.code, error.message, error.reply_to, request_id=error.request_id)
             return
         task = asyncio.create_task(self._serve(entry, job), name=f"serve-{job.request_id}")
         self.serving[job.request_id] = task
         task.add_done_callback(lambda _: self.serving.pop(job.request_id, None))
 
     async def _serve(self, entry: Entry, job) -> None:
+        bind_request(job.request_id, job.priority)  # this task's context only
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
         prompt, params, seq, carried = job.prompt, job.params, 0, 0
         if entry.deliveries > 1:  # taken over: go on from what is already published
@@ -116,6 +143,7 @@ class Worker:
         try:
             stream = self.front.submit(prompt, params, job.request_id, job.priority, deadline)
         except InvalidRequest as error:
+            self.metrics.observe_outcome("rejected")
             await self._reject(entry, "duplicate_id", str(error), job.reply_to)
             return
         try:
@@ -125,8 +153,16 @@ class Worker:
             raise
 
     async def _publish(self, entry: Entry, job, stream, seq: int, carried: int) -> None:
+        output: list[str] | None = [] if self.log_prompts else None
         async for event in stream:
             if isinstance(event, FinalEvent):
+                self.metrics.observe_finished(event)
+                if output is not None:
+                    output.append(event.text)
+                if output is None:
+                    log_request_finished(log, event)
+                else:
+                    log_request_finished(log, event, prompt=job.prompt, output="".join(output))
                 if event.error:
                     code = "internal_error" if event.error.startswith("model step failed") else "invalid_request"
                     await self._reject(entry, code, event.error, job.reply_to, seq)
@@ -138,15 +174,24 @@ class Worker:
                 await _retrying(lambda: self.reader.ack(entry.entry_id))
                 return
             await self.publisher.token(job.reply_to, seq, event.text, event.token_ids)
+            if output is not None:
+                output.append(event.text)
             seq += 1
 
     async def _finish_length(self, entry: Entry, job, completion_tokens: int) -> None:
         """Every token was published before the takeover; only the final event is missing."""
         event = FinalEvent(job.request_id, FinishReason.LENGTH, Usage(0, completion_tokens), Timings(0.0, None, 0.0, ()))
+        self.metrics.observe_outcome(FinishReason.LENGTH.value)  # no timings: they were the first worker's
+        log.info("request_finished", finish_reason=FinishReason.LENGTH.value, completion_tokens=completion_tokens,
+                 taken_over=True)
         await self.publisher.done(job.reply_to, event, completion_tokens)
         await _retrying(lambda: self.reader.ack(entry.entry_id))
 
-    async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None, num_tokens: int = 0) -> None:
+    async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None, num_tokens: int = 0,
+                      request_id: str | None = None) -> None:
+        log.warning("job_dead_lettered", code=code, message=message, entry_id=entry.entry_id,
+                    deliveries=entry.deliveries, **({"request_id": request_id} if request_id else {}))
+        self.metrics.observe_dead_letter(code)
         if reply_to:
             await self.publisher.error(reply_to, code, message, num_tokens)
         await _retrying(lambda: self.reader.dead_letter(entry, code, message))
@@ -158,10 +203,16 @@ async def _retrying(call):
     delay = 0.05
     while True:
         try:
-            return await call()
+            result = await call()
         except AuthenticationError:
             raise  # wrong credentials do not get better with time
-        except (ConnectionError, TimeoutError):
+        except (ConnectionError, TimeoutError) as error:
+            if delay == 0.05:  # once per outage, not once per retry
+                log.warning("redis_unavailable", error=str(error) or type(error).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+            continue
+        if delay > 0.05:
+            log.info("redis_recovered")
+        return result
 

@@ -33,7 +33,7 @@ def test_worker_process_serves_a_job_and_exits_cleanly_on_sigterm():
     client.xadd(stream, {"id": f"{prefix}-job", "prompt": "The capital of France is", "max_tokens": "6"})
     worker = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream", stream, "--dead-letter-stream", dead,
-         "--consumer", "cli-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+         "--consumer", "cli-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -68,7 +68,7 @@ def test_a_killed_workers_request_is_finished_by_another_with_every_seq_once():
     def start(name: str) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream", stream, "--dead-letter-stream",
-             dead, "--consumer", name, "--claim-idle-ms", "1500", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+             dead, "--consumer", name, "--claim-idle-ms", "1500", "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
@@ -116,7 +116,7 @@ def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     worker = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--embedded-port", str(port), "--embedded-data-dir",
-         str(tmp_path / "valkey"), "--consumer", "embedded-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16"],
+         str(tmp_path / "valkey"), "--consumer", "embedded-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -161,7 +161,7 @@ def test_two_worker_processes_on_one_stream_split_the_load_with_no_duplicates():
         subprocess.Popen(
             [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
              stream, "--dead-letter-stream", dead, "--consumer", name, "--kv-memory-mb", "128", "--swap-memory-mb",
-             "16", "--max-running-requests", "2", "--threads", "1"],  # capacity 4 each: neither can take all
+             "16", "--max-running-requests", "2", "--threads", "1", "--metrics-port", "0"],  # capacity 4 each: neither can take all
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         for name in ("left", "right")

@@ -25,7 +25,7 @@ def worker_env():
     worker = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
          requests, "--dead-letter-stream", dead, "--consumer", "examples-test", "--kv-memory-mb", "128",
-         "--swap-memory-mb", "16"],
+         "--swap-memory-mb", "16", "--metrics-port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     yield {**os.environ, "REDIS_URL": "redis://127.0.0.1:6379", "INFLIGHT_REQUESTS": requests}

@@ -58,7 +58,7 @@ def secured_redis(tmp_path):
 def start_worker(redis_url: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--consumer", "secure-test", "--kv-memory-mb", "128",
-         "--swap-memory-mb", "16"],
+         "--swap-memory-mb", "16", "--metrics-port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"},
     )
@@ -87,5 +87,5 @@ def test_wrong_credentials_stop_the_worker_with_a_clear_error(secured_redis):
     finally:
         worker.kill()
     assert worker.returncode == 2
-    assert "refused the credentials" in output
+    assert "redis_credentials_refused" in output
     assert "not-the-password" not in output

@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,14 +41,14 @@ from workers.request import (
     validate_priority,
 )
 from workers.sampler import Sampler, make_generator
-from workers.scheduler import Scheduler
+from workers.scheduler import Census, Scheduler
 
 Prompt = str | list[dict] | list[int]
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did and what it cost (for benchmarks and, later, metrics)."""
+    """What one step did and what it cost (for benchmarks and metrics)."""
 
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -58,10 +59,32 @@ class StepRecord:
     forward_s: float
     swap_s: float
     step_s: float
+    num_swapped_out: int = 0  # requests among `num_preempted` swapped to host; the rest recompute
+    num_swapped_in: int = 0  # requests swapped back in
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine after a step, for an observer (metrics): what the step did (None when
+    it ran nothing) and where requests and KV blocks stand."""
+
+    step: StepRecord | None
+    census: Census
+    oldest_waiting_s: float  # how long the longest-waiting queued request has waited; 0 if none
+    device_blocks_used: int
+    device_blocks_total: int
+    host_blocks_used: int
+    host_blocks_total: int  # 0 without a host pool
+    # Latencies as this step made them, reported now rather than when their requests
+    # finish: queue time of the requests it first scheduled, time to first token (from
+    # arrival) and time since the previous token of the tokens it produced.
+    queue_s: tuple[float, ...] = ()
+    first_token_s: tuple[float, ...] = ()
+    inter_token_s: tuple[float, ...] = ()
 
 
 @dataclass
@@ -94,6 +117,11 @@ class Engine:
         self._lock = threading.Lock()  # guards the inbox and the set of known ids
         self._inbox: list[_Live | str | FinalEvent] = []  # new requests, ids to cancel, errors
         self._known_ids: set[str] = set()
+        # Called at the end of every step, in the stepping thread; must be quick.
+        self.observer: Callable[[EngineStats], None] | None = None
+        self._queue_s: list[float] = []  # this step's latencies, for the observer
+        self._first_token_s: list[float] = []
+        self._inter_token_s: list[float] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -147,13 +175,41 @@ class Engine:
             return bool(self._inbox) or self.scheduler.has_unfinished()
 
     def step(self) -> list[Event]:
+        self._queue_s, self._first_token_s, self._inter_token_s = [], [], []
+        events, record = self._step()
+        if record is not None:
+            self.step_records.append(record)
+        if self.observer is not None:
+            self.observer(self.stats(record))
+        return events
+
+    def stats(self, record: StepRecord | None = None) -> EngineStats:
+        """Where requests and blocks stand now; call from the stepping thread."""
+        census = self.scheduler.census()
+        oldest = census.oldest_queued_arrival
+        host = self.host_allocator
+        return EngineStats(
+            record,
+            census,
+            0.0 if oldest is None else time.perf_counter() - oldest,
+            self.allocator.num_used,
+            self.allocator.num_blocks,
+            host.num_used if host else 0,
+            host.num_blocks if host else 0,
+            tuple(self._queue_s),
+            tuple(self._first_token_s),
+            tuple(self._inter_token_s),
+        )
+
+    def _step(self) -> tuple[list[Event], StepRecord | None]:
         started = time.perf_counter()
         events = self._drain_inbox()
         for request in self.scheduler.expired(started):
             events.append(self._retire(request, FinishReason.DEADLINE))
         plan = self.scheduler.schedule()
         if not plan.has_work:
-            return events
+            return events, None
+        num_swapped_out = sum(1 for r in plan.preempted if r.status is RequestStatus.SWAPPED)
         num_decode = plan.num_decode_tokens
         sampling = [c.request for c in plan.chunks if c.samples]
         try:
@@ -174,28 +230,29 @@ class Engine:
             for request in failed.values():
                 if request.status is not RequestStatus.FINISHED:
                     events.append(self._retire(request, FinishReason.ERROR, error=message))
-            return events
+            return events, None
         now = time.perf_counter()
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
             if chunk.request.scheduled_time is None:
                 chunk.request.scheduled_time = started
+                self._queue_s.append(started - chunk.request.arrival_time)
         for request, token_id in zip(sampling, token_ids):
             events.extend(self._append_token(request, token_id, now))
-        self.step_records.append(
-            StepRecord(
-                plan.num_tokens - num_decode,
-                num_decode,
-                len(sampling),
-                len(plan.preempted),
-                len(plan.swap_out),
-                len(plan.swap_in),
-                output.forward_s,
-                output.swap_s,
-                time.perf_counter() - started,
-            )
+        record = StepRecord(
+            plan.num_tokens - num_decode,
+            num_decode,
+            len(sampling),
+            len(plan.preempted),
+            len(plan.swap_out),
+            len(plan.swap_in),
+            output.forward_s,
+            output.swap_s,
+            time.perf_counter() - started,
+            num_swapped_out=num_swapped_out,
+            num_swapped_in=len(plan.resumed),
         )
-        return events
+        return events, record
 
     # -- internals -----------------------------------------------------------------
 
@@ -253,10 +310,13 @@ class Engine:
         return events
 
     def _append_token(self, request: Request, token_id: int, now: float) -> list[Event]:
-        request.output_token_ids.append(token_id)
-        request.token_times.append(now)
         if request.first_token_time is None:
             request.first_token_time = now
+            self._first_token_s.append(now - request.arrival_time)
+        else:
+            self._inter_token_s.append(now - request.token_times[-1])
+        request.output_token_ids.append(token_id)
+        request.token_times.append(now)
         params = request.params
         live = self._live[request.request_id]
         stop_token = token_id in params.stop_token_ids or (

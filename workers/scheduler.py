@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 
 from service.config import SchedulerConfig
@@ -90,6 +91,16 @@ class StepPlan:
     def has_work(self) -> bool:
         """Anything for the runner to do: tokens to run or blocks to copy."""
         return bool(self.chunks or self.swap_out or self.swap_in)
+
+
+@dataclass(frozen=True)
+class Census:
+    """How many requests are in each state, by priority (for metrics)."""
+
+    running: dict[int, int]
+    waiting: dict[int, int]  # queued, holding no blocks (new, or preempted to recompute)
+    swapped: dict[int, int]  # queued, their blocks in the host pool
+    oldest_queued_arrival: float | None  # arrival time of the longest-waiting queued request
 
 
 class Scheduler:
@@ -164,6 +175,20 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return self._num_swapped
+
+    def census(self) -> Census:
+        """Counts by state and priority; O(running + queued), so call it once a step at most."""
+        running = Counter(r.priority for r in self.running)
+        waiting: Counter[int] = Counter()
+        swapped: Counter[int] = Counter()
+        oldest = None
+        for _, request in self._queue:
+            if request.status not in QUEUED:
+                continue  # finished while queued, dropped lazily
+            (swapped if request.status is RequestStatus.SWAPPED else waiting)[request.priority] += 1
+            if oldest is None or request.arrival_time < oldest:
+                oldest = request.arrival_time
+        return Census(dict(running), dict(waiting), dict(swapped), oldest)
 
     def queued(self) -> list[Request]:
         """Queued requests in the order they would start."""

@@ -177,7 +177,7 @@ def _start_worker(url: str, prefix: str, args: argparse.Namespace) -> subprocess
     return subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--redis-url", url, "--requests-stream", f"{prefix}:requests",
          "--dead-letter-stream", f"{prefix}:dead", "--control-stream", f"{prefix}:control",
-         "--consumer", "bench", "--dtype", args.dtype, *(["--model", args.model] if args.model else [])],
+         "--consumer", "bench", "--metrics-port", "0", "--dtype", args.dtype, *(["--model", args.model] if args.model else [])],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
 

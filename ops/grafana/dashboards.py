@@ -1,0 +1,153 @@
+"""The Grafana dashboard, as code: `python ops/grafana/dashboards.py` writes
+`ops/grafana/dashboards/inflight.json`, which is committed and provisioned as is.
+
+Edit the panels here, never the JSON; `tests/test_dashboards.py` fails when the JSON is
+stale or a panel queries a metric the worker does not export, and
+`tests/test_observability.py` runs every query against a real Prometheus scraping a
+real worker. Queries use `$__rate_interval`, which Grafana fills in from the scrape
+interval.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUTPUT = Path(__file__).parent / "dashboards" / "inflight.json"
+DATASOURCE = {"type": "prometheus", "uid": "inflight-prometheus"}  # as provisioned in provisioning/datasources
+RATE = "$__rate_interval"
+WIDTH, HEIGHT = 12, 8  # two panels a row
+
+
+def quantiles(metric: str, qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket[{RATE}])))", f"p{round(q * 100)}") for q in qs]
+
+
+def mean_per_step(metric: str, by: str) -> tuple[str, str]:
+    return (f"sum by ({by}) (rate({metric}_sum[{RATE}])) / sum by ({by}) (rate({metric}_count[{RATE}]))",
+            f"{{{{{by}}}}}")
+
+
+# (section, [(title, unit, [(expr, legend)], description)])
+SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
+    ("Throughput", [
+        ("Tokens per second", "short", [
+            (f"sum(rate(inflight_generation_tokens_total[{RATE}]))", "generated"),
+            (f"sum(rate(inflight_prompt_tokens_total[{RATE}]))", "prompt"),
+        ], "Tokens of finished requests, all workers."),
+        ("Requests per second by outcome", "reqps", [
+            (f"sum by (outcome) (rate(inflight_requests_total[{RATE}]))", "{{outcome}}"),
+        ], "Finish reason, or rejected before reaching the engine."),
+    ]),
+    ("Latency", [
+        ("Time to first token", "s", quantiles("inflight_time_to_first_token_seconds"), "From arrival at the engine."),
+        ("Inter-token latency", "s", quantiles("inflight_inter_token_latency_seconds"), "Between consecutive tokens."),
+        ("End-to-end latency", "s", quantiles("inflight_request_duration_seconds"), "Arrival to final event."),
+        ("Queue time", "s", quantiles("inflight_queue_time_seconds"), "Arrival to first scheduled."),
+    ]),
+    ("Queues", [
+        ("Requests by state and priority", "short", [
+            ("sum by (state, priority) (inflight_scheduler_requests)", "{{state}} p{{priority}}"),
+        ], "Running, waiting and swapped requests in the engines."),
+        ("Ingest lag and pending entries", "short", [
+            ("max(inflight_ingest_lag_entries)", "lag (not yet delivered)"),
+            ("max(inflight_ingest_pending_entries)", "pending (delivered, not acked)"),
+        ], "The request stream's consumer group, as Redis reports it."),
+        ("Oldest waiting request", "s", [
+            ("max(inflight_oldest_waiting_age_seconds)", "age"),
+        ], "Time since arrival of the longest-waiting queued request (starvation)."),
+        ("Workers up", "short", [
+            ('sum(up{job="inflight"})', "up"),
+        ], "Workers Prometheus scraped successfully."),
+    ]),
+    ("KV cache", [
+        ("KV cache usage", "percentunit", [
+            ("max by (pool) (inflight_kv_cache_usage_ratio)", "{{pool}}"),
+        ], "Fraction of blocks in use: device pool and host (swap) pool."),
+        ("KV blocks", "short", [
+            ("sum by (pool, state) (inflight_kv_cache_blocks)", "{{pool}} {{state}}"),
+        ], "Used and free blocks per pool."),
+        ("Preemptions", "short", [
+            (f"sum by (mode) (rate(inflight_preemptions_total[{RATE}]))", "{{mode}}"),
+        ], "Running requests preempted per second: swapped to host, or sent back to recompute."),
+        ("Swaps", "short", [
+            (f"sum by (direction) (rate(inflight_swapped_blocks_total[{RATE}]))", "blocks {{direction}}"),
+            (f"sum by (direction) (rate(inflight_swapped_requests_total[{RATE}]))", "requests {{direction}}"),
+        ], "KV blocks and requests moved between device and host per second."),
+    ]),
+    ("Steps", [
+        ("Batch composition (tokens per step)", "short", [
+            mean_per_step("inflight_step_tokens", "kind"),
+        ], "Mean prefill and decode tokens in a step."),
+        ("Step time", "s", quantiles("inflight_step_duration_seconds") + [
+            (f"sum(rate(inflight_step_duration_seconds_count[{RATE}]))", "steps/s"),
+        ], "Wall time of one engine step."),
+        ("Budget saturation", "percentunit", [
+            mean_per_step("inflight_step_budget_used_ratio", "budget"),
+        ], "Mean fraction of each token budget a step used: batch, prefill, decode."),
+    ]),
+    ("Errors", [
+        ("Errors and rejections", "reqps", [
+            (f'sum by (outcome) (rate(inflight_requests_total{{outcome=~"error|rejected"}}[{RATE}]))', "{{outcome}}"),
+        ], "Requests that ended in an error or were rejected."),
+        ("Dead letters", "short", [
+            (f"sum by (code) (increase(inflight_dead_letters_total[{RATE}]))", "{{code}}"),
+            ("max(inflight_dead_letter_stream_entries)", "in the dead-letter stream"),
+        ], "Entries parked on the dead-letter stream, by error code."),
+    ]),
+]
+
+
+def panel(panel_id: int, title: str, unit: str, targets: list[tuple[str, str]], description: str, x: int, y: int) -> dict:
+    return {
+        "id": panel_id,
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "gridPos": {"h": HEIGHT, "w": WIDTH, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        "targets": [
+            {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }
+
+
+def dashboard() -> dict:
+    panels, y, next_id = [], 0, 1
+    for section, section_panels in SECTIONS:
+        panels.append({"id": next_id, "type": "row", "title": section, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        next_id, y = next_id + 1, y + 1
+        for i, (title, unit, targets, description) in enumerate(section_panels):
+            panels.append(panel(next_id, title, unit, targets, description, (i % 2) * WIDTH, y + (i // 2) * HEIGHT))
+            next_id += 1
+        y += -(-len(section_panels) // 2) * HEIGHT
+    return {
+        "uid": "inflight-overview",
+        "title": "inflight",
+        "description": "LLM inference workers: throughput, latency, queues, KV cache, steps, errors.",
+        "tags": ["inflight"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "10s",
+        "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": []},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(render())
+    print(f"wrote {OUTPUT}", file=sys.stderr)

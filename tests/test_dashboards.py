@@ -1,0 +1,94 @@
+"""The Grafana dashboard as code: the committed JSON is what the generator writes, and
+every panel queries only metrics a worker's registry exports (so a renamed metric cannot
+leave a panel silently empty). tests/test_observability.py runs the same queries against
+a real Prometheus scraping a real worker."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+from service.metrics import Metrics
+from workers.engine import EngineStats, StepRecord
+from workers.request import FinalEvent, FinishReason, Timings, Usage
+from workers.scheduler import Census
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("dashboards", ROOT / "ops" / "grafana" / "dashboards.py")
+dashboards = importlib.util.module_from_spec(_spec)  # the generator, a script rather than a package module
+_spec.loader.exec_module(dashboards)
+
+# Series Prometheus makes itself rather than scraping them from a worker.
+PROMETHEUS_OWN = {"up"}
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset", "bool"}
+
+
+def exported_series_names() -> set[str]:
+    """Every series name a worker's registry exports, once each metric has seen data."""
+    metrics = Metrics()
+    step = StepRecord(num_prefill_tokens=12, num_decode_tokens=3, num_sampled=4, num_preempted=1,
+                      num_blocks_swapped_out=2, num_blocks_swapped_in=0, forward_s=0.02, swap_s=0.001, step_s=0.03,
+                      num_swapped_out=1)
+    metrics.observe_step(EngineStats(step, Census({0: 2}, {5: 1}, {-3: 1}, 0.0), 1.5, 7, 10, 2, 8))
+    metrics.observe_finished(FinalEvent("r", FinishReason.LENGTH, Usage(12, 3), Timings(0.1, 0.2, 0.4, (0.2, 0.3, 0.4))))
+    metrics.observe_dead_letter("invalid_type")
+    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The series names a PromQL expression reads."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # strings
+    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
+    expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", expr)  # label lists
+    names = re.findall(r"\b([a-zA-Z_][a-zA-Z0-9_]*)\b(?!\s*\()", expr)  # an identifier not called as a function
+    return {name for name in names if name not in PROMQL_WORDS}
+
+
+def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
+    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] if panel["type"] != "row"
+            for target in panel["targets"]]
+
+
+def test_the_committed_dashboard_is_what_the_generator_writes():
+    committed = (ROOT / "ops" / "grafana" / "dashboards" / "inflight.json").read_text()
+    assert committed == dashboards.render(), "stale: run `python ops/grafana/dashboards.py` and commit the JSON"
+
+
+def test_the_metric_name_extraction_finds_what_a_query_reads():
+    expr = ('histogram_quantile(0.99, sum by (le) (rate(inflight_a_seconds_bucket{outcome=~"x|y"}[5m])))'
+            ' / ignoring(kind) group_left sum(inflight_b_total offset 5m) and on(pool) up')
+    assert metric_names(expr) == {"inflight_a_seconds_bucket", "inflight_b_total", "up"}
+
+
+def test_every_panel_queries_only_metrics_the_worker_exports():
+    exported = exported_series_names() | PROMETHEUS_OWN
+    queries = panel_queries(json.loads(dashboards.render()))
+    unknown = {(title, name) for title, expr in queries for name in metric_names(expr) if name not in exported}
+    assert not unknown, f"panels query metrics the worker does not export: {sorted(unknown)}"
+    assert all(metric_names(expr) for _, expr in queries)
+
+
+def test_a_panel_on_an_unknown_metric_is_caught():
+    exported = exported_series_names()
+    assert metric_names("sum(rate(inflight_tokens_generated_total[5m]))") - exported == {"inflight_tokens_generated_total"}
+    assert metric_names("rate(inflight_request_duration_seconds_bucket[5m])") <= exported
+    assert metric_names("rate(inflight_request_duration_seconds_buckets[5m])") - exported  # a typo'd suffix
+
+
+def test_the_dashboard_has_the_panels_the_operators_need():
+    dashboard = json.loads(dashboards.render())
+    queries = " ".join(expr for _, expr in panel_queries(dashboard))
+    for metric in ("inflight_generation_tokens_total", "inflight_time_to_first_token_seconds_bucket",
+                   "inflight_inter_token_latency_seconds_bucket", "inflight_request_duration_seconds_bucket",
+                   "inflight_scheduler_requests", "inflight_ingest_lag_entries", "inflight_kv_cache_usage_ratio",
+                   "inflight_preemptions_total", "inflight_swapped_blocks_total", "inflight_step_tokens_sum",
+                   "inflight_step_duration_seconds_bucket", "inflight_dead_letters_total"):
+        assert metric in queries, metric
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    datasource = {p["datasource"]["uid"] for p in dashboard["panels"] if p["type"] != "row"}
+    provisioned = (ROOT / "ops/grafana/provisioning/datasources/prometheus.yml").read_text()
+    assert datasource == {"inflight-prometheus"} and "uid: inflight-prometheus" in provisioned

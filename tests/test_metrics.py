@@ -1,0 +1,182 @@
+"""The metrics a worker exports: fed by a real engine's step observer and by real Redis,
+named by the project's conventions, and accepted by `promtool check metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import subprocess
+import time
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import generate_latest
+
+from service.metrics import Metrics
+from workers.request import FinalEvent, SamplingParams
+
+BLOCK_BYTES = 16 * 46_080  # one 16-token block of SmolLM2-135M in float32 (all layers, K and V)
+UNITS = ("_seconds", "_tokens", "_blocks", "_entries", "_ratio", "_requests", "_preemptions", "_letters")
+
+
+def value(metrics: Metrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+@pytest.mark.slow
+def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_engine):
+    # 4 device blocks for three requests that need 3 each: preemptions are certain.
+    engine = make_engine(kv_memory_bytes=4 * BLOCK_BYTES, swap_memory_bytes=2 * BLOCK_BYTES)
+    metrics = Metrics(engine.config.scheduler)
+    seen = []
+
+    def observe(stats):
+        seen.append(stats)
+        metrics.observe_step(stats)
+
+    engine.observer = observe
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for request_id, priority in (("low", -2), ("mid", 0), ("high", 3)):
+        engine.add_request(request_id, "List the numbers from 1 to 300, comma separated:", params, priority)
+    finals, steps, first_finish_step = [], 0, None
+    while engine.has_unfinished():
+        finals += [e for e in engine.step() if isinstance(e, FinalEvent)]
+        steps += 1
+        if finals and first_finish_step is None:
+            first_finish_step = steps
+    for event in finals:
+        metrics.observe_finished(event)
+
+    assert len(seen) == steps  # one report per step
+    # Token latencies are reported as the tokens come, not when their requests finish,
+    # and agree with the final events' timings.
+    assert sum(len(s.first_token_s) for s in seen[:first_finish_step - 1]) == 3
+    assert sorted(x for s in seen for x in s.first_token_s) == sorted(e.timings.first_token_s for e in finals)
+    assert sorted(x for s in seen for x in s.queue_s) == sorted(e.timings.queue_s for e in finals)
+    gaps = [b - a for e in finals for a, b in zip(e.timings.token_times, e.timings.token_times[1:])]
+    assert sorted(x for s in seen for x in s.inter_token_s) == pytest.approx(sorted(gaps))
+    first = seen[0].census
+    assert sum(first.running.values()) + sum(first.waiting.values()) + sum(first.swapped.values()) == 3
+    records = [s.step for s in seen if s.step is not None]
+    assert records == list(engine.step_records)
+    assert all(s.device_blocks_used <= s.device_blocks_total == 4 and s.host_blocks_total == 2 for s in seen)
+    preempted = sum(r.num_preempted for r in records)
+    assert preempted > 0
+    last = seen[-1]
+    assert (last.census.running, last.census.waiting, last.census.swapped) == ({}, {}, {})
+    assert last.device_blocks_used == last.host_blocks_used == 0 and last.oldest_waiting_s == 0
+
+    assert value(metrics, "inflight_preemptions_total", mode="swap") + \
+        value(metrics, "inflight_preemptions_total", mode="recompute") == preempted
+    assert value(metrics, "inflight_swapped_blocks_total", direction="out") == sum(r.num_blocks_swapped_out for r in records)
+    assert value(metrics, "inflight_swapped_requests_total", direction="in") == \
+        value(metrics, "inflight_swapped_requests_total", direction="out")  # every request swapped out came back
+    assert value(metrics, "inflight_step_tokens_count", kind="decode") == len(records)
+    assert value(metrics, "inflight_step_tokens_sum", kind="prefill") == sum(r.num_prefill_tokens for r in records)
+    assert value(metrics, "inflight_step_duration_seconds_count") == len(records)
+    # Priorities that have left a state read 0, not their last count.
+    for priority in ("-2", "0", "3"):
+        assert value(metrics, "inflight_scheduler_requests", state="running", priority=priority) == 0
+    assert value(metrics, "inflight_kv_cache_blocks", pool="device", state="used") == 0
+    assert value(metrics, "inflight_kv_cache_blocks", pool="device", state="free") == 4
+    assert value(metrics, "inflight_kv_cache_usage_ratio", pool="host") == 0
+
+    assert value(metrics, "inflight_requests_total", outcome="length") == 3
+    assert value(metrics, "inflight_generation_tokens_total") == 72
+    assert value(metrics, "inflight_time_to_first_token_seconds_count") == 3
+    assert value(metrics, "inflight_inter_token_latency_seconds_count") == 3 * 23
+    assert value(metrics, "inflight_queue_time_seconds_count") == 3
+
+
+def test_the_oldest_waiting_age_grows_between_steps():
+    """Read at scrape time: if the engine hangs, a starving request still shows its age."""
+    from workers.engine import EngineStats
+    from workers.scheduler import Census
+
+    metrics = Metrics()
+    metrics.observe_step(EngineStats(None, Census({}, {0: 1}, {}, 1.0), 5.0, 1, 10, 0, 0))
+    first = value(metrics, "inflight_oldest_waiting_age_seconds")
+    time.sleep(0.05)
+    assert 5.0 <= first < value(metrics, "inflight_oldest_waiting_age_seconds")
+    metrics.observe_step(EngineStats(None, Census({0: 1}, {}, {}, None), 0.0, 1, 10, 0, 0))
+    assert value(metrics, "inflight_oldest_waiting_age_seconds") == 0
+
+
+def test_an_error_before_the_engine_queued_the_request_is_counted_but_not_timed():
+    from workers.request import FinishReason, Timings, Usage
+
+    metrics = Metrics()
+    metrics.observe_finished(FinalEvent("bad", FinishReason.ERROR, Usage(0, 0), Timings(0.0, None, 0.0, ()), error="no"))
+    metrics.observe_outcome("rejected")
+    assert value(metrics, "inflight_requests_total", outcome="error") == 1
+    assert value(metrics, "inflight_requests_total", outcome="rejected") == 1
+    assert value(metrics, "inflight_request_duration_seconds_count") == 0
+
+
+def test_ingest_lag_pending_entries_and_dead_letters_come_from_redis():
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    stream, dead, group = f"{prefix}:requests", f"{prefix}:dead", "workers"
+    metrics = Metrics()
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379)
+        try:
+            await client.xgroup_create(stream, group, id="0", mkstream=True)
+            for i in range(5):
+                await client.xadd(stream, {"id": str(i)})
+            delivered = await client.xreadgroup(group, "c1", {stream: ">"}, count=2)
+            await client.xadd(dead, {"code": "invalid_type"})
+            await metrics.poll_ingest(client, stream, group, dead)
+            first = (value(metrics, "inflight_ingest_lag_entries"), value(metrics, "inflight_ingest_pending_entries"),
+                     value(metrics, "inflight_dead_letter_stream_entries"))
+            await client.xack(stream, group, delivered[0][1][0][0])
+            await metrics.poll_ingest(client, stream, group, dead)
+            second = (value(metrics, "inflight_ingest_lag_entries"), value(metrics, "inflight_ingest_pending_entries"))
+            return first, second
+        finally:
+            await client.delete(stream, dead)
+            await client.aclose()
+
+    first, second = asyncio.run(main())
+    assert first == (3, 2, 1)  # 3 never delivered, 2 delivered and not acked, 1 dead letter
+    assert second == (3, 1)
+
+
+def test_every_metric_has_the_prefix_a_unit_and_no_colon():
+    metrics = Metrics()
+    names = [family.name for family in metrics.registry.collect()]
+    assert len(names) >= 20
+    for name in names:
+        assert re.fullmatch(r"inflight_[a-z0-9_]+", name), name
+        assert name.endswith(UNITS), f"{name} does not end in a unit"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
+def test_the_exposition_passes_promtool_check_metrics():
+    metrics = Metrics()
+    metrics.observe_dead_letter("invalid_type")
+    result = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(metrics.registry),
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout and not result.stderr, result.stdout + result.stderr
+
+
+def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits():
+    import json
+    import socket
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--metrics-host", "127.0.0.1",
+             "--metrics-port", str(port),
+             "--requests-stream", f"inflight:test:{uuid.uuid4().hex[:8]}:requests", "--log-format", "json"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert result.returncode == 1
+    [line] = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert (line["event"], line["level"], line["port"]) == ("metrics_port_unavailable", "error", port)
