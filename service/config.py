@@ -31,10 +31,16 @@ class ModelConfig:
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Torch intra-op threads; 0 means torch's default (one per core).
     threads: int = 0
+    # Where the model and its KV cache live: "auto" (the first CUDA GPU if torch sees
+    # one, else the CPU), "cpu", "cuda" or "cuda:N". On a GPU the attention runs in
+    # inflight's CUDA kernels when cupy is installed (the `gpu` extra).
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         self.cache_dir = Path(self.cache_dir)
 
 
@@ -170,6 +176,7 @@ def add_engine_arguments(parser) -> None:
     group.add_argument("--dtype", default=model.dtype, choices=DTYPES)
     group.add_argument("--cache-dir", type=Path, default=model.cache_dir, help="where converted GGUF weights are cached (default: %(default)s)")
     group.add_argument("--threads", type=int, default=model.threads, help="torch threads, 0 = one per core")
+    group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block (default: %(default)s)")
     group.add_argument("--kv-memory-mb", type=int, default=cache.kv_memory_bytes >> 20, help="KV cache size in MiB (default: %(default)s)")
     group.add_argument("--swap-memory-mb", type=int, default=cache.swap_memory_bytes >> 20, help="host KV pool for preempted requests in MiB, 0 = recompute instead (default: %(default)s)")
@@ -183,7 +190,8 @@ def add_engine_arguments(parser) -> None:
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(source=args.model, dtype=args.dtype, cache_dir=args.cache_dir, threads=args.threads),
+        model=ModelConfig(source=args.model, dtype=args.dtype, cache_dir=args.cache_dir, threads=args.threads,
+                          device=args.device),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_memory_bytes=args.kv_memory_mb << 20,

@@ -242,3 +242,14 @@ def test_chat_without_a_chat_template_is_an_invalid_request(converted):
     tokenizer.chat_template = None
     with pytest.raises(InvalidRequest, match="no chat template"):
         encode_prompt(tokenizer, [{"role": "user", "content": "Hi"}])
+
+
+def test_the_device_setting_is_checked_and_auto_means_the_gpu_if_there_is_one():
+    import torch
+
+    from workers.model_loader import resolve_device
+
+    with pytest.raises(ValueError, match="device"):
+        ModelConfig(device="tpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)

@@ -89,6 +89,7 @@ def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> Loaded
         stem, _, quant = gguf.stem.rpartition(".")
         name = f"{stem} ({quant} GGUF, {config.dtype})" if stem else f"{quant} (GGUF, {config.dtype})"
 
+    model.to(resolve_device(config.device))
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(
@@ -98,6 +99,13 @@ def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> Loaded
         max_context=int(model.config.max_position_embeddings),
         from_cache=from_cache,
     )
+
+
+def resolve_device(device: str) -> torch.device:
+    """ModelConfig.device as a torch device: "auto" is the first GPU if there is one."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
 
 
 def encode_prompt(tokenizer: transformers.PreTrainedTokenizerBase, prompt: str | list[dict]) -> list[int]:
