@@ -245,3 +245,16 @@ def test_bfloat16_engine_serves_with_a_bfloat16_cache(make_engine):
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     token_ids, final, text = run_to_completion(engine, {0: [("bf16", chat, SamplingParams(max_tokens=16))]})["bf16"]
     assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and "Paris" in text
+
+
+def test_a_failing_step_observer_does_not_stop_generation(make_engine, expected, caplog):
+    engine = make_engine()
+
+    def broken_metrics(stats):
+        raise RuntimeError("metrics backend down")
+
+    engine.observer = broken_metrics
+    prompt_ids, want = expected["p1"]
+    engine.add_request("r", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    assert run_to_completion(engine)["r"][0] == want
+    assert "the step observer failed" in caplog.text

@@ -12,6 +12,7 @@ the next step drains.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -42,6 +43,8 @@ from workers.request import (
 )
 from workers.sampler import Sampler, make_generator
 from workers.scheduler import Census, Scheduler
+
+_log = logging.getLogger("inflight.engine")
 
 Prompt = str | list[dict] | list[int]
 
@@ -180,7 +183,10 @@ class Engine:
         if record is not None:
             self.step_records.append(record)
         if self.observer is not None:
-            self.observer(self.stats(record))
+            try:
+                self.observer(self.stats(record))
+            except Exception:  # metrics must never stop generation
+                _log.exception("the step observer failed")
         return events
 
     def stats(self, record: StepRecord | None = None) -> EngineStats:
