@@ -95,14 +95,14 @@ def main(argv: list[str] | None = None) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     import uvloop
 
-    from workers.async_engine import AsyncEngine
+    from workers.async_engine import AsyncEngine, on_torch_thread
     from workers.engine import Engine
     from workers.request import FinalEvent, SamplingParams
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     config = engine_config_from_args(args)
     started = time.perf_counter()
-    engine = Engine.from_config(config)
+    engine = await on_torch_thread(Engine.from_config, config)  # where it will step
     print(f"loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.allocator.num_blocks} blocks", file=sys.stderr)
 
     prompts = [("chat", [{"role": "user", "content": p}]) for p in args.prompt] if args.prompt else SAMPLE_PROMPTS
@@ -171,6 +171,7 @@ async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) 
     from service.metrics import Metrics, start_metrics_server
     from service.structured_logging import configure_logging
     from service.worker import Worker
+    from workers.async_engine import on_torch_thread
     from workers.engine import Engine
 
     log_config, metrics_config = logging_config_from_args(args), metrics_config_from_args(args)
@@ -183,7 +184,7 @@ async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) 
     except OSError as error:
         log.error("metrics_port_unavailable", port=metrics_config.port, error=str(error))
         return 1
-    engine = Engine.from_config(engine_config)
+    engine = await on_torch_thread(Engine.from_config, engine_config)  # where it will step
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
     client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)
     stop = asyncio.Event()

@@ -3,24 +3,41 @@
 The model step runs in a single worker thread, so the event loop (Redis I/O,
 /metrics) never waits for a forward pass. Each request gets a queue that the
 stepping task fills with its events.
+
+That thread is the process's one torch thread: build the engine there too
+(`await on_torch_thread(Engine.from_config, config)`). libgomp keeps an OpenMP team
+for each thread that starts parallel work; once two threads own one, there are more
+OpenMP threads than cores (on a 2-core machine) and libgomp stops spinning between
+parallel regions. Measured on the dev machine: an engine loaded on the main thread and
+stepped on another took 1.6x as long per step as one loaded and stepped on one thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from workers.engine import Engine, Prompt
 from workers.request import DEFAULT_PRIORITY, Event, FinalEvent, SamplingParams
+
+
+T = TypeVar("T")
+
+_TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-torch")
+
+
+async def on_torch_thread(fn: Callable[..., T], *args) -> T:
+    """Run `fn(*args)` on the thread that steps every engine of this process."""
+    return await asyncio.get_running_loop().run_in_executor(_TORCH_THREAD, fn, *args)
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._queues: dict[str, asyncio.Queue[Event]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-step")
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -36,7 +53,7 @@ class AsyncEngine:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+            await on_torch_thread(lambda: None)  # a step still running finishes first
 
     def submit(
         self,
@@ -82,13 +99,12 @@ class AsyncEngine:
         self._wakeup.set()
 
     async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             self._wakeup.clear()
             if not self.engine.has_unfinished():
                 await self._wakeup.wait()
                 continue
-            events = await loop.run_in_executor(self._executor, self.engine.step)
+            events = await on_torch_thread(self.engine.step)
             for event in events:
                 queue = self._queues.get(event.request_id)
                 if queue is not None:

@@ -5,7 +5,7 @@ Through Redis: an `inflight worker` process (the consumer) on private streams; t
 process is the producer. It queues every job at t0 (one pipelined round trip) and follows
 all reply streams with one blocking XREAD, stamping each token when it arrives here.
 In-process: this process runs the same engine settings behind the same `AsyncEngine`
-front the worker uses, submits the same prompts at t0 and stamps each token event as it
+front the worker uses (built on its torch thread, as the worker builds it), submits the same prompts at t0 and stamps each token event as it
 comes out. The prompts are the workload's token ids decoded to text (both paths encode
 that text the same way), with `ignore_eos`, so both do exactly the same work.
 
@@ -52,16 +52,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="short prompts sent one at a time down each path for the TTFT overhead (default: %(default)s)")
 
 
-def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+def run(args: argparse.Namespace) -> dict:
     import uvloop
 
-    return uvloop.run(_run(loaded, args, vocab_ids))  # the loop the worker runs on
+    return uvloop.run(_run(args))  # the loop the worker runs on
 
 
-async def _run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    from workers.async_engine import AsyncEngine
+def _load(args: argparse.Namespace):
+    """The model, the engine and the prompt vocabulary, built on the torch thread as in the worker."""
+    from workers.bench.workload import allowed_token_ids, special_token_ids
     from workers.engine import Engine
+    from workers.model_loader import load_model
 
+    loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
+    vocab_ids = allowed_token_ids(min(len(loaded.tokenizer), loaded.model.config.vocab_size),
+                                  special_token_ids(loaded.tokenizer))
+    return loaded, Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype))), vocab_ids
+
+
+async def _run(args: argparse.Namespace) -> dict:
+    from workers.async_engine import AsyncEngine, on_torch_thread
+
+    loaded, engine, vocab_ids = await on_torch_thread(_load, args)
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
     prompts = {r.request_id: (loaded.tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
     rng = random.Random(args.seed + 1)
@@ -73,7 +85,7 @@ async def _run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
         prefix = f"inflight:bench:{uuid.uuid4().hex[:8]}"
         worker = _start_worker(url, prefix, args)
         try:
-            async with AsyncEngine(Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype)))) as front:
+            async with AsyncEngine(engine) as front:
                 paths = {"inprocess": _InProcess(front), "redis": _ThroughRedis(client, prefix)}
                 for path in paths.values():  # warm both: first-step costs are not the edge's
                     await path.generate({f"warmup-{uuid.uuid4().hex[:6]}": (short_prompts[0], 2)})
