@@ -82,15 +82,20 @@ def make_step(
     return Step(sequences, query, key, value, head_dim**-0.5, reference_cache, kernel_cache)
 
 
+def reference_output(step: Step) -> torch.Tensor:
+    """The torch reference's attention output for `step`, computed in float32 (it also
+    writes the step's K/V into `step.reference_cache`)."""
+    reference = TorchAttentionBackend(step.reference_cache)
+    return reference.attend(
+        0, step.query.float(), step.key.float(), step.value.float(), step.scale,
+        reference.prepare(step.sequences, step.query.shape[0]),
+    )  # fmt: skip
+
+
 def check_against_reference(step: Step, backend: AttentionBackend) -> None:
     """`backend` (over `step.kernel_cache`) matches the torch reference: the output and
     the cache after the write."""
-    reference = TorchAttentionBackend(step.reference_cache)
-    num_tokens = step.query.shape[0]
-    expected = reference.attend(
-        0, step.query.float(), step.key.float(), step.value.float(), step.scale,
-        reference.prepare(step.sequences, num_tokens),
-    )  # fmt: skip
+    expected, num_tokens = reference_output(step), step.query.shape[0]
     got = backend.attend(0, step.query, step.key, step.value, step.scale, backend.prepare(step.sequences, num_tokens))
     assert torch.equal(step.kernel_cache.blocks.float(), step.reference_cache.blocks), "the cache writes differ"
     assert got.dtype == step.query.dtype
@@ -121,12 +126,7 @@ def far_cache(step: Step, base: int) -> tuple[PagedKVCache, list[SequenceSlice]]
 def check_far_cache_against_reference(step: Step, cache: PagedKVCache, sequences: list[SequenceSlice],
                                       backend: AttentionBackend, base: int) -> None:  # fmt: skip
     """Like `check_against_reference`, with the kernels over `far_cache`'s blocks."""
-    reference = TorchAttentionBackend(step.reference_cache)
-    num_tokens = step.query.shape[0]
-    expected = reference.attend(
-        0, step.query.float(), step.key.float(), step.value.float(), step.scale,
-        reference.prepare(step.sequences, num_tokens),
-    )  # fmt: skip
+    expected, num_tokens = reference_output(step), step.query.shape[0]
     got = backend.attend(0, step.query, step.key, step.value, step.scale, backend.prepare(sequences, num_tokens))
     assert torch.equal(cache.blocks[:, :, base:].float(), step.reference_cache.blocks), "the cache writes differ"
     torch.testing.assert_close(got.float(), expected, **TOLERANCES[step.query.dtype])
