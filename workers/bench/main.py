@@ -259,6 +259,12 @@ def run_child(job_path: Path, out_path: Path) -> None:
     model_config = ModelConfig(source=job["model"], dtype=job["dtype"])
     # The ceiling is plain transformers eager; the peers use sdpa; the engine sets its own.
     attn = "eager" if system == "ceiling" else "sdpa"
+    threads = torch.get_num_threads()
+    if system == "hf_continuous":
+        # Its generation loop runs on a thread of its own: loading here with one thread
+        # leaves that thread the process's only OpenMP team (see workers/async_engine.py),
+        # as the engine's worker has.
+        torch.set_num_threads(1)
     loaded = load_model(model_config, attn_implementation=attn)
     load_rss = peak_rss_mb()
     load_average = os.getloadavg()[0]
@@ -278,7 +284,7 @@ def run_child(job_path: Path, out_path: Path) -> None:
             result = engine_side.run_ceiling(model, params["step_tokens"], seed=workload.seed)
         elif system == "hf_continuous":
             kv_bytes = EngineConfig().cache.kv_memory_bytes  # the engine's KV budget, for a like-for-like cache
-            result = peers.run_hf_continuous(model, workload, params["max_batch_tokens"], kv_bytes)
+            result = peers.run_hf_continuous(model, workload, params["max_batch_tokens"], kv_bytes, threads)
         elif system == "hf_static":
             pad = model.generation_config.pad_token_id
             pad = loaded.tokenizer.pad_token_id if pad is None else pad

@@ -28,7 +28,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
 
-def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int) -> dict:
+def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int,
+                      threads: int | None = None) -> dict:
     """Transformers' continuous batching, fed through the manager so each request has its own length.
 
     `generate_batch` takes one `max_new_tokens` for all requests, so requests go through
@@ -38,6 +39,9 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
     Results are not streamed (streaming=False): a consumer thread draining per-token
     outputs would compete with the generation thread for the GIL, and the recorded
     timestamps already are the per-token times.
+
+    `threads`: torch threads for the generation thread, when the caller loaded the model
+    with fewer so that only that thread runs OpenMP teams.
 
     The KV cache gets the engine's byte budget (`num_blocks` derived from it); left unset,
     transformers sizes it from 60% of host RAM and zero-fills it, which would dominate RSS.
@@ -51,6 +55,8 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
     )
     manager = model.init_continuous_batching(generation_config=generation_config, continuous_batching_config=cb_config)
     manager.warmup()  # builds the paged cache now, as the engine does before t0
+    if threads is not None:
+        torch.set_num_threads(threads)  # for the generation thread, which starts now
     manager.start()
     try:
         warmup = workload.requests[0]
