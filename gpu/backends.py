@@ -1,11 +1,13 @@
 """Which attention backend a model gets: the CUDA kernels (`CupyAttentionBackend`)
 when the cache is on a GPU, cupy imports and kernels exist for the cache's dtype,
-head_dim and block size; the torch reference (`TorchAttentionBackend`) otherwise."""
+head_dim and block size; on a CPU, the C++ decode kernel (`CpuAttentionBackend`) for a
+float32 cache where g++ builds it; the torch reference (`TorchAttentionBackend`) otherwise."""
 
 from __future__ import annotations
 
 from gpu import cuda_source
 from gpu.attention import AttentionBackend
+from gpu.cpu_attention import CpuAttentionBackend, kernel_applies
 from gpu.cupy_kernels import cupy_available
 from gpu.kv_cache import PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
@@ -24,4 +26,6 @@ def select_backend(kv_cache: PagedKVCache) -> AttentionBackend:
         from gpu.cupy_attention import CupyAttentionBackend
 
         return CupyAttentionBackend(kv_cache)
+    if kernel_applies(kv_cache):
+        return CpuAttentionBackend(kv_cache)
     return TorchAttentionBackend(kv_cache)

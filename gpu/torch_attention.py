@@ -37,7 +37,7 @@ class PrefillSlice:
 @dataclass
 class TorchMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    decodes: list[DecodeGroup]
+    decodes: object  # what the backend's `prepare_decodes` built (DecodeGroups here)
     prefills: list[PrefillSlice]
 
 
@@ -74,18 +74,26 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
                 prefills.append(PrefillSlice(rows, blocks, seq.context_len, mask))
         assert len(slot_mapping) == num_tokens
-        groups = [_decode_group(group, block_size) for group in _by_length(decodes)]
-        return TorchMetadata(torch.tensor(slot_mapping), groups, prefills)
+        return TorchMetadata(torch.tensor(slot_mapping), self.prepare_decodes(decodes), prefills)
+
+    def prepare_decodes(self, decodes: list[SequenceSlice]):
+        """The decode tokens' index tensors (what `attend_decodes` takes)."""
+        return [_decode_group(group, self.kv_cache.block_size) for group in _by_length(decodes)]
 
     def attend(self, layer_idx, query, key, value, scale, metadata: TorchMetadata) -> torch.Tensor:
         key_pool = self.kv_cache.key_pools[layer_idx]
         value_pool = self.kv_cache.value_pools[layer_idx]
         key_pool.index_copy_(0, metadata.slot_mapping, key)
         value_pool.index_copy_(0, metadata.slot_mapping, value)
-
-        num_heads, num_kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[2]
         out = query.new_empty(query.shape)
-        for group in metadata.decodes:
+        self.attend_decodes(out, query, key_pool, value_pool, scale, metadata.decodes)
+        self._attend_prefills(out, query, key, value, key_pool, value_pool, scale, metadata.prefills)
+        return out
+
+    def attend_decodes(self, out, query, key_pool, value_pool, scale, groups: list[DecodeGroup]) -> None:
+        """Fill the decode tokens' rows of `out`."""
+        num_heads, num_kv_heads, head_dim = query.shape[1], key_pool.shape[1], query.shape[2]
+        for group in groups:
             batch = group.token_index.numel()
             # [B, kv_heads, group, D]: the query heads sharing a KV head become query rows.
             q = query.index_select(0, group.token_index).view(batch, num_kv_heads, -1, head_dim)
@@ -95,7 +103,9 @@ class TorchAttentionBackend(AttentionBackend):
                 q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=group.mask, scale=scale
             )
             out.index_copy_(0, group.token_index, o.reshape(batch, num_heads, head_dim))
-        for p in metadata.prefills:
+
+    def _attend_prefills(self, out, query, key, value, key_pool, value_pool, scale, prefills: list[PrefillSlice]):
+        for p in prefills:
             q = query[p.rows].transpose(0, 1).unsqueeze(0)  # 4-D so SDPA takes its fused path
             if p.blocks is None:
                 k, v = key[p.rows], value[p.rows]
@@ -112,7 +122,6 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
             out[p.rows] = o[0].transpose(0, 1)
-        return out
 
     def _gather(self, pool: torch.Tensor, blocks: torch.Tensor, workspace: str) -> torch.Tensor:
         """Whole blocks, copied in one index_select into the named workspace (valid until

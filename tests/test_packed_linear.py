@@ -9,10 +9,12 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from workers.packed_linear import PackedLinear, can_pack, pack_linears
+from workers.packed_linear import PackedLinear, _packs, can_pack, pack_linears
+
+BF16_PACKS = pytest.mark.skipif(not _packs(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 here")
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 3e-2, marks=BF16_PACKS)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_nn_linear(dtype, atol, bias):
     torch.manual_seed(0)
@@ -44,3 +46,9 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_logits():
 
 def test_float16_is_left_alone():
     assert not can_pack(nn.Linear(8, 8).half())
+
+
+def test_bfloat16_is_packed_only_where_onednn_can():
+    """On a CPU without the instructions oneDNN's bfloat16 packing needs, the model keeps
+    its plain linears (and still serves: see the engine's bfloat16 test)."""
+    assert can_pack(nn.Linear(8, 8).to(torch.bfloat16)) == _packs(torch.bfloat16)

@@ -10,10 +10,12 @@ against `F.linear`). The results agree with `F.linear` to float rounding.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
-# oneDNN packs float32 and bfloat16 everywhere; float16 needs CPU features most lack.
+# oneDNN packs float32 everywhere, bfloat16 on most x86 CPUs; float16 needs features most lack.
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN tunes the packed layout for; any row count works with it.
 _ROWS_HINT = 64
@@ -38,11 +40,19 @@ class PackedLinear(nn.Module):
 
 def can_pack(model: nn.Module) -> bool:
     parameter = next(model.parameters())
-    return (
-        parameter.device.type == "cpu"
-        and parameter.dtype in PACKABLE_DTYPES
-        and torch.backends.mkldnn.is_available()
-    )
+    return parameter.device.type == "cpu" and _packs(parameter.dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), _ROWS_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_linears(model: nn.Module) -> int:

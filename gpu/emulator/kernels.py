@@ -10,16 +10,13 @@ so the attention backend runs unchanged on either.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from gpu import cuda_source
 from gpu.cuda_source import Instantiation
+from gpu.native_build import build_shared_library
 
 HEADER = Path(__file__).parent / "cuda_emulation.h"
 CXX_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-w")
@@ -32,11 +29,6 @@ _CONVERSIONS = {
     "from_float16": ("unsigned short", "float", "half_bits_to_float"),
     "from_bfloat16": ("unsigned short", "float", "bfloat16_bits_to_float"),
 }
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("INFLIGHT_EMULATOR_CACHE") or Path.home() / ".cache" / "inflight" / "emulator"
-    return Path(root)
 
 
 def _wrapper_source(instances: list[Instantiation]) -> str:
@@ -59,21 +51,7 @@ def _wrapper_source(instances: list[Instantiation]) -> str:
 
 def build(instances: list[Instantiation]) -> Path:
     """The shared library for `instances` (built now unless cached)."""
-    wrapper = _wrapper_source(instances)
-    digest = hashlib.sha256(wrapper.encode())
-    digest.update(HEADER.read_bytes())
-    digest.update(" ".join(CXX_FLAGS).encode())
-    library = _cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as work:
-        source = Path(work) / "emulated.cpp"
-        source.write_text(wrapper)
-        built = Path(work) / library.name
-        subprocess.run(["g++", *CXX_FLAGS, str(source), "-o", str(built)], check=True)
-        os.replace(built, library)  # atomic: a concurrent build of the same hash is harmless
-    return library
+    return build_shared_library("kernels", _wrapper_source(instances), CXX_FLAGS, includes=(HEADER,))
 
 
 class EmulatedKernels:

@@ -1,0 +1,106 @@
+"""The CPU attention backend: decode tokens on a C++ kernel that reads the paged cache in
+place (`gpu/kernels/cpu_paged_decode.cpp`), prompt chunks on the torch reference.
+
+The torch reference gathers each decode's blocks into a padded batch and reads them
+again, which on a CPU costs about as much as the attention itself: decode attention is
+bound by memory, and it moves the context three times instead of once. The kernel
+reads every K and V row of a context once, for all the query heads that share it.
+
+The library is built with g++ for this CPU on first use and cached
+(`gpu.native_build`); where it cannot be built, or for dtypes other than float32,
+`cpu_kernel()` is None and the engine stays on the torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu.attention import SequenceSlice
+from gpu.kv_cache import PagedKVCache
+from gpu.native_build import build_shared_library
+from gpu.torch_attention import TorchAttentionBackend
+
+SOURCE = Path(__file__).parent / "kernels" / "cpu_paged_decode.cpp"
+CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+_log = logging.getLogger("inflight.attention")
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# out, query, its token and head strides, K and V pools, query rows, context lengths,
+# block tables, then seqs, max_blocks, block_size, heads, kv_heads, head_dim, scale, threads.
+_ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
+
+
+@functools.cache
+def cpu_kernel():
+    """The kernel's entry point, or None where g++ cannot build it (logged once)."""
+    try:
+        library = ctypes.CDLL(str(build_shared_library("cpu_paged_decode", SOURCE.read_text(), CXX_FLAGS)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        _log.warning("CPU decode kernel unavailable, using torch attention: %s", detail.strip()[-500:])
+        return None
+    entry = library.paged_decode_attention
+    entry.argtypes = _ARGTYPES
+    entry.restype = ctypes.c_int
+    return entry
+
+
+def kernel_applies(kv_cache: PagedKVCache) -> bool:
+    return (
+        kv_cache.blocks.device.type == "cpu"
+        and kv_cache.blocks.dtype == torch.float32
+        and cpu_kernel() is not None
+    )
+
+
+@dataclass
+class CpuDecodes:
+    query_rows: torch.Tensor  # [B] int32, the batch row of each decode token
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+
+    @property
+    def num_seqs(self) -> int:
+        return self.query_rows.numel()
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    def __init__(self, kv_cache: PagedKVCache) -> None:
+        super().__init__(kv_cache)
+        if not kernel_applies(kv_cache):
+            raise ValueError("the CPU decode kernel needs a float32 cache in host memory and g++")
+        self._kernel = cpu_kernel()
+
+    def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
+        block_size = self.kv_cache.block_size
+        max_blocks = max((-(-seq.context_len // block_size) for seq in decodes), default=0)
+        tables = []
+        for seq in decodes:
+            row = list(seq.block_table[:max_blocks])
+            tables.append(row + [0] * (max_blocks - len(row)))
+        return CpuDecodes(
+            torch.tensor([seq.query_start for seq in decodes], dtype=torch.int32),
+            torch.tensor([seq.context_len for seq in decodes], dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32).view(len(decodes), max_blocks),
+        )
+
+    def attend_decodes(self, out, query, key_pool, value_pool, scale, decodes: CpuDecodes) -> None:
+        if decodes.num_seqs == 0:
+            return
+        assert query.stride(2) == 1 and out.is_contiguous()
+        status = self._kernel(
+            out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
+            key_pool.data_ptr(), value_pool.data_ptr(),
+            decodes.query_rows.data_ptr(), decodes.context_lens.data_ptr(), decodes.block_tables.data_ptr(),
+            decodes.num_seqs, decodes.block_tables.shape[1], self.kv_cache.block_size,
+            query.shape[1], key_pool.shape[1], query.shape[2], scale, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"CPU decode kernel rejected {query.shape[1]} heads over {key_pool.shape[1]} KV heads")

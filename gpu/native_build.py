@@ -1,0 +1,61 @@
+"""Builds C++ into a shared library with g++, once per source and flags, cached on disk.
+
+Used by the CPU decode kernel (`gpu.cpu_attention`) and the CPU emulation of the CUDA
+kernels (`gpu.emulator`). The cache key covers the source, the flags and, for builds
+tuned to this CPU (`-march=native`), the CPU's model and feature flags, so a cache
+directory shared between machines never hands one machine another's instructions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("INFLIGHT_NATIVE_CACHE") or Path.home() / ".cache" / "inflight" / "native"
+    return Path(root)
+
+
+def cpu_identity() -> str:
+    """This CPU's model name and feature flags (Linux), or "" where /proc says nothing."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def library_path(prefix: str, source: str, flags: tuple[str, ...], includes: tuple[Path, ...] = ()) -> Path:
+    """Where the library built from `source` with `g++ flags` is cached; `includes` are
+    the files it #includes by path, part of the key too."""
+    digest = hashlib.sha256(source.encode())
+    digest.update(" ".join(flags).encode())
+    for path in includes:
+        digest.update(path.read_bytes())
+    if "-march=native" in flags:
+        digest.update(cpu_identity().encode())
+    return cache_dir() / f"{prefix}-{digest.hexdigest()[:16]}.so"
+
+
+def build_shared_library(prefix: str, source: str, flags: tuple[str, ...], includes: tuple[Path, ...] = ()) -> Path:
+    """The library at `library_path(...)`, built now unless cached.
+
+    Raises `subprocess.CalledProcessError` (or `FileNotFoundError` without g++) if it
+    cannot be built.
+    """
+    library = library_path(prefix, source, flags, includes)
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as work:
+        source_path = Path(work) / f"{prefix}.cpp"
+        source_path.write_text(source)
+        built = Path(work) / library.name
+        subprocess.run(["g++", *flags, str(source_path), "-o", str(built)], check=True, capture_output=True, text=True)
+        os.replace(built, library)  # atomic: a concurrent build of the same source is harmless
+    return library

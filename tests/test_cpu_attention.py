@@ -1,0 +1,91 @@
+"""The CPU decode kernel (`gpu/kernels/cpu_paged_decode.cpp`) matches the torch reference,
+is what a float32 CPU engine runs on, and is never required: without g++ the engine
+stays on the torch reference."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from gpu import cpu_attention, native_build
+from gpu.backends import select_backend
+from gpu.cpu_attention import CpuAttentionBackend, cpu_kernel
+from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.torch_attention import TorchAttentionBackend
+from tests.attention_cases import (
+    BLOCK_SIZES,
+    check_against_reference,
+    check_far_cache_against_reference,
+    decode_chunks,
+    far_cache,
+    make_step,
+)
+
+pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="g++ cannot build the CPU kernel here")
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64 and 128 are specialised, 80 is the generic path
+def test_decodes_match_the_reference(head_dim, group, block_size):
+    """Contexts of every length class: shorter than a block, ending on a block boundary,
+    and spanning many blocks, scattered over the pool."""
+    step = make_step(torch.float32, head_dim, block_size, num_kv_heads=3, group=group,
+                     chunks=decode_chunks([2, block_size, 3 * block_size + 1, 300, 37]),
+                     seed=group * head_dim + block_size)  # fmt: skip
+    check_against_reference(step, CpuAttentionBackend(step.kernel_cache))
+
+
+def test_mixed_step_keeps_prompt_chunks_on_the_reference():
+    """Decodes on the kernel, a fresh prompt and a later chunk on torch, in one batch."""
+    chunks = [(40, 1), (0, 9), (5, 1), (33, 12), (200, 1)]
+    step = make_step(torch.float32, 64, 16, num_kv_heads=3, group=3, chunks=chunks, seed=11)
+    check_against_reference(step, CpuAttentionBackend(step.kernel_cache))
+
+
+def test_a_step_without_decodes():
+    step = make_step(torch.float32, 64, 16, num_kv_heads=3, group=3, chunks=[(0, 5), (16, 3)], seed=2)
+    check_against_reference(step, CpuAttentionBackend(step.kernel_cache))
+
+
+def test_blocks_past_2_31_elements():
+    """Slot offsets are 64-bit: blocks past 2^31 floats of the pool are read where they are."""
+    step = make_step(torch.float32, 128, 16, num_kv_heads=8, group=4, chunks=decode_chunks([70, 45]), seed=5)
+    base = 2**31 // (16 * 8 * 128) + 3
+    cache, sequences = far_cache(step, base)
+    assert cache.key_pools[0].numel() > 2**31
+    check_far_cache_against_reference(step, cache, sequences, CpuAttentionBackend(cache), base)
+
+
+def test_float32_cpu_caches_get_the_kernel_others_the_reference():
+    shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64)
+    assert type(select_backend(PagedKVCache(shape, 4, 16, torch.float32))) is CpuAttentionBackend
+    assert type(select_backend(PagedKVCache(shape, 4, 16, torch.bfloat16))) is TorchAttentionBackend
+
+
+def test_without_a_compiler_the_engine_uses_the_reference(monkeypatch, tmp_path, caplog):
+    """No g++ on PATH and nothing cached: a warning, and the torch reference."""
+    monkeypatch.setenv("INFLIGHT_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cpu_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="inflight.attention"):
+            assert cpu_kernel() is None
+        assert "CPU decode kernel unavailable" in caplog.text
+        cache = PagedKVCache(KVShape(num_layers=1, num_kv_heads=3, head_dim=64), 4, 16, torch.float32)
+        assert type(select_backend(cache)) is TorchAttentionBackend
+        assert list(tmp_path.iterdir()) == []  # no half-built library left behind
+    finally:
+        cpu_kernel.cache_clear()
+
+
+def test_the_build_is_keyed_to_this_cpu(monkeypatch):
+    """A cache directory shared between machines never hands one machine a library built
+    with another CPU's instructions (the kernel is built with -march=native)."""
+    source = cpu_attention.SOURCE.read_text()
+    here = native_build.library_path("cpu_paged_decode", source, cpu_attention.CXX_FLAGS)
+    monkeypatch.setattr(native_build, "cpu_identity", lambda: "model name: another CPU")
+    elsewhere = native_build.library_path("cpu_paged_decode", source, cpu_attention.CXX_FLAGS)
+    assert elsewhere != here
