@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--storm-prompt-len", type=int, nargs=2, default=[200, 800], metavar=("MIN", "MAX"),
                        help="burst prompt lengths")
     group.add_argument("--storm-output-len", type=int, default=16, help="burst output length")
-    group.add_argument("--storm-prefill-tokens", type=int, default=32,
+    group.add_argument("--storm-prefill-tokens", type=int, default=16,
                        help="max_prefill_tokens with budgets on (default: %(default)s, a latency-first setting)")
 
 
