@@ -29,6 +29,8 @@ from gpu.torch_attention import TorchAttentionBackend
 
 SOURCE = Path(__file__).parent / "kernels" / "cpu_paged_decode.cpp"
 CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# Without -march=native: the portable loops, not the AVX2 ones (for testing both).
+PORTABLE_CXX_FLAGS = tuple(flag for flag in CXX_FLAGS if flag != "-march=native")
 
 _log = logging.getLogger("inflight.attention")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -41,11 +43,16 @@ _ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, cty
 def cpu_kernel():
     """The kernel's entry point, or None where g++ cannot build it (logged once)."""
     try:
-        library = ctypes.CDLL(str(build_shared_library("cpu_paged_decode", SOURCE.read_text(), CXX_FLAGS)))
+        return load_kernel(CXX_FLAGS)
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
         _log.warning("CPU decode kernel unavailable, using torch attention: %s", detail.strip()[-500:])
         return None
+
+
+def load_kernel(flags: tuple[str, ...]):
+    """The kernel built with `flags` (raises if it cannot be built)."""
+    library = ctypes.CDLL(str(build_shared_library("cpu_paged_decode", SOURCE.read_text(), flags)))
     entry = library.paged_decode_attention
     entry.argtypes = _ARGTYPES
     entry.restype = ctypes.c_int
@@ -72,11 +79,12 @@ class CpuDecodes:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    def __init__(self, kv_cache: PagedKVCache) -> None:
+    def __init__(self, kv_cache: PagedKVCache, kernel=None) -> None:
+        """`kernel` None is `cpu_kernel()`, built for this CPU."""
         super().__init__(kv_cache)
-        if not kernel_applies(kv_cache):
+        if kernel is None and not kernel_applies(kv_cache):
             raise ValueError("the CPU decode kernel needs a float32 cache in host memory and g++")
-        self._kernel = cpu_kernel()
+        self._kernel = kernel or cpu_kernel()
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
         block_size = self.kv_cache.block_size

@@ -11,7 +11,7 @@ import torch
 
 from gpu import cpu_attention, native_build
 from gpu.backends import select_backend
-from gpu.cpu_attention import CpuAttentionBackend, cpu_kernel
+from gpu.cpu_attention import PORTABLE_CXX_FLAGS, CpuAttentionBackend, cpu_kernel, load_kernel
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 from tests.attention_cases import (
@@ -26,23 +26,30 @@ from tests.attention_cases import (
 pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="g++ cannot build the CPU kernel here")
 
 
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernel(request):
+    """The kernel as built for this CPU (AVX2 loops where it has AVX2) and without
+    -march=native (the portable loops every CPU runs)."""
+    return cpu_kernel() if request.param == "native" else load_kernel(PORTABLE_CXX_FLAGS)
+
+
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64 and 128 are specialised, 80 is the generic path
-def test_decodes_match_the_reference(head_dim, group, block_size):
+def test_decodes_match_the_reference(kernel, head_dim, group, block_size):
     """Contexts of every length class: shorter than a block, ending on a block boundary,
     and spanning many blocks, scattered over the pool."""
     step = make_step(torch.float32, head_dim, block_size, num_kv_heads=3, group=group,
                      chunks=decode_chunks([2, block_size, 3 * block_size + 1, 300, 37]),
                      seed=group * head_dim + block_size)  # fmt: skip
-    check_against_reference(step, CpuAttentionBackend(step.kernel_cache))
+    check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel))
 
 
-def test_mixed_step_keeps_prompt_chunks_on_the_reference():
+def test_mixed_step_keeps_prompt_chunks_on_the_reference(kernel):
     """Decodes on the kernel, a fresh prompt and a later chunk on torch, in one batch."""
     chunks = [(40, 1), (0, 9), (5, 1), (33, 12), (200, 1)]
     step = make_step(torch.float32, 64, 16, num_kv_heads=3, group=3, chunks=chunks, seed=11)
-    check_against_reference(step, CpuAttentionBackend(step.kernel_cache))
+    check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel))
 
 
 def test_a_step_without_decodes():
@@ -50,13 +57,13 @@ def test_a_step_without_decodes():
     check_against_reference(step, CpuAttentionBackend(step.kernel_cache))
 
 
-def test_blocks_past_2_31_elements():
+def test_blocks_past_2_31_elements(kernel):
     """Slot offsets are 64-bit: blocks past 2^31 floats of the pool are read where they are."""
     step = make_step(torch.float32, 128, 16, num_kv_heads=8, group=4, chunks=decode_chunks([70, 45]), seed=5)
     base = 2**31 // (16 * 8 * 128) + 3
     cache, sequences = far_cache(step, base)
     assert cache.key_pools[0].numel() > 2**31
-    check_far_cache_against_reference(step, cache, sequences, CpuAttentionBackend(cache), base)
+    check_far_cache_against_reference(step, cache, sequences, CpuAttentionBackend(cache, kernel), base)
 
 
 def test_float32_cpu_caches_get_the_kernel_others_the_reference():
