@@ -3,9 +3,10 @@ the paged KV cache.
 
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
-each chunk that samples, not for every prompt token. On CPU the model's linears are
-swapped for oneDNN ones with packed weights (`workers.packed_linear`). Attention runs
-on the CUDA kernels on a GPU and on the torch reference otherwise (`gpu.backends`).
+each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
+are fused (`workers.cpu_fusions`) and its linears swapped for oneDNN ones with packed
+weights (`workers.packed_linear`). Attention runs on the CUDA kernels on a GPU, on the
+C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from gpu.backends import select_backend
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from service.config import CacheConfig
+from workers.cpu_fusions import fuse_for_cpu
 from workers.packed_linear import can_pack, pack_linears
 from workers.scheduler import StepPlan
 
@@ -36,6 +38,8 @@ class ModelRunner:
         """`backend_class` None picks one (`gpu.backends`): the CUDA kernels on a GPU, else torch."""
         self.model = model
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if next(model.parameters()).device.type == "cpu":
+            fuse_for_cpu(model)
         if can_pack(model):
             pack_linears(model)
         self.device = next(model.parameters()).device

@@ -1,0 +1,59 @@
+"""The fused CPU modules compute what the modules they replace compute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+from workers.cpu_fusions import FusedGatedMLP, FusedRMSNorm, fuse_for_cpu
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+CONFIGS = {
+    "llama": LlamaConfig(**TINY),
+    "llama-mlp-bias": LlamaConfig(**TINY, mlp_bias=True),
+    "qwen2": Qwen2Config(**TINY),
+    "mistral": MistralConfig(**TINY, sliding_window=None),
+}
+
+
+def tiny(config) -> nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms start at exactly 1 (Gemma's at 0): give them weights to apply
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                parameter.normal_(1.0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_fused_model_gives_the_same_logits(arch):
+    model = tiny(CONFIGS[arch])
+    fused = copy.deepcopy(model)
+    # Per layer: two norms and the MLP; plus the final norm.
+    assert fuse_for_cpu(fused) == 2 * 3 + 1
+    assert sum(isinstance(m, FusedRMSNorm) for m in fused.modules()) == 5
+    assert sum(isinstance(m, FusedGatedMLP) for m in fused.modules()) == 2
+    assert fuse_for_cpu(fused) == 0  # fusing twice changes nothing
+    ids = torch.randint(0, 512, (1, 37))
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_norms_keep_their_own_rounding():
+    """HF's norm casts back to bfloat16 before applying the weight; F.rms_norm would not."""
+    model = tiny(CONFIGS["llama"]).to(torch.bfloat16)
+    fuse_for_cpu(model)
+    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
+    assert sum(isinstance(m, FusedGatedMLP) for m in model.modules()) == 2
+
+
+def test_other_architectures_are_left_alone():
+    """Gemma's norm scales by 1 + weight and its MLP uses GELU: neither is swapped."""
+    model = tiny(GemmaConfig(**TINY, head_dim=8))
+    assert fuse_for_cpu(model) == 0
