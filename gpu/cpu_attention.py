@@ -18,19 +18,14 @@ import functools
 import logging
 import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from gpu.attention import SequenceSlice
 from gpu.kv_cache import PagedKVCache
-from gpu.native_build import build_shared_library
+from gpu.native_build import CPU_CXX_FLAGS, load_cpu_library
 from gpu.torch_attention import TorchAttentionBackend
 
-SOURCE = Path(__file__).parent / "kernels" / "cpu_paged_decode.cpp"
-CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-# Without -march=native: the portable loops, not the AVX2 ones (for testing both).
-PORTABLE_CXX_FLAGS = tuple(flag for flag in CXX_FLAGS if flag != "-march=native")
 
 _log = logging.getLogger("inflight.attention")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -43,7 +38,7 @@ _ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, cty
 def cpu_kernel():
     """The kernel's entry point, or None where g++ cannot build it (logged once)."""
     try:
-        return load_kernel(CXX_FLAGS)
+        return load_kernel(CPU_CXX_FLAGS)
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
         _log.warning("CPU decode kernel unavailable, using torch attention: %s", detail.strip()[-500:])
@@ -52,8 +47,7 @@ def cpu_kernel():
 
 def load_kernel(flags: tuple[str, ...]):
     """The kernel built with `flags` (raises if it cannot be built)."""
-    library = ctypes.CDLL(str(build_shared_library("cpu_paged_decode", SOURCE.read_text(), flags)))
-    entry = library.paged_decode_attention
+    entry = load_cpu_library("cpu_paged_decode", flags).paged_decode_attention
     entry.argtypes = _ARGTYPES
     entry.restype = ctypes.c_int
     return entry

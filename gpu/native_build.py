@@ -1,18 +1,27 @@
 """Builds C++ into a shared library with g++, once per source and flags, cached on disk.
 
-Used by the CPU decode kernel (`gpu.cpu_attention`) and the CPU emulation of the CUDA
-kernels (`gpu.emulator`). The cache key covers the source, the flags and, for builds
+Used by the CPU kernels (`load_cpu_library`: decode attention, fused element-wise ops)
+and the CPU emulation of the CUDA kernels (`gpu.emulator`). The cache key covers the source, the flags and, for builds
 tuned to this CPU (`-march=native`), the CPU's model and feature flags, so a cache
 directory shared between machines never hands one machine another's instructions.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import subprocess
 import tempfile
 from pathlib import Path
+
+# The CPU kernels (`gpu/kernels/cpu_*.cpp`): built for this CPU, with OpenMP (torch's own
+# runtime once loaded into this process, which already has torch's libgomp).
+KERNELS = Path(__file__).parent / "kernels"
+CPU_HEADERS = (KERNELS / "cpu_vector_math.h",)
+CPU_CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{KERNELS}")
+# Without -march=native: the portable loops, not the AVX2 ones (for testing both).
+PORTABLE_CPU_CXX_FLAGS = tuple(flag for flag in CPU_CXX_FLAGS if flag != "-march=native")
 
 
 def cache_dir() -> Path:
@@ -59,3 +68,10 @@ def build_shared_library(prefix: str, source: str, flags: tuple[str, ...], inclu
         subprocess.run(["g++", *flags, str(source_path), "-o", str(built)], check=True, capture_output=True, text=True)
         os.replace(built, library)  # atomic: a concurrent build of the same source is harmless
     return library
+
+
+def load_cpu_library(name: str, flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL:
+    """`gpu/kernels/{name}.cpp`, built with `flags` unless cached, and loaded (raises
+    `OSError` or `subprocess.CalledProcessError` if it cannot be)."""
+    source = (KERNELS / f"{name}.cpp").read_text()
+    return ctypes.CDLL(str(build_shared_library(name, source, flags, CPU_HEADERS)))

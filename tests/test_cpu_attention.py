@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
-from gpu import cpu_attention, native_build
+from gpu import native_build
 from gpu.backends import select_backend
-from gpu.cpu_attention import PORTABLE_CXX_FLAGS, CpuAttentionBackend, cpu_kernel, load_kernel
+from gpu.cpu_attention import CpuAttentionBackend, cpu_kernel, load_kernel
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 from tests.attention_cases import (
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="g++ cannot build t
 def kernel(request):
     """The kernel as built for this CPU (AVX2 loops where it has AVX2) and without
     -march=native (the portable loops every CPU runs)."""
-    return cpu_kernel() if request.param == "native" else load_kernel(PORTABLE_CXX_FLAGS)
+    return cpu_kernel() if request.param == "native" else load_kernel(native_build.PORTABLE_CPU_CXX_FLAGS)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -91,8 +91,9 @@ def test_without_a_compiler_the_engine_uses_the_reference(monkeypatch, tmp_path,
 def test_the_build_is_keyed_to_this_cpu(monkeypatch):
     """A cache directory shared between machines never hands one machine a library built
     with another CPU's instructions (the kernel is built with -march=native)."""
-    source = cpu_attention.SOURCE.read_text()
-    here = native_build.library_path("cpu_paged_decode", source, cpu_attention.CXX_FLAGS)
+    source = (native_build.KERNELS / "cpu_paged_decode.cpp").read_text()
+    key = ("cpu_paged_decode", source, native_build.CPU_CXX_FLAGS, native_build.CPU_HEADERS)
+    here = native_build.library_path(*key)
     monkeypatch.setattr(native_build, "cpu_identity", lambda: "model name: another CPU")
-    elsewhere = native_build.library_path("cpu_paged_decode", source, cpu_attention.CXX_FLAGS)
+    elsewhere = native_build.library_path(*key)
     assert elsewhere != here

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from workers.cpu_fusions import FusedGatedMLP, FusedRMSNorm, fuse_for_cpu
+from gpu.native_build import PORTABLE_CPU_CXX_FLAGS
+from workers import cpu_fusions
+from workers.cpu_fusions import FusedGatedMLP, FusedRMSNorm, fuse_for_cpu, fused_ops
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
@@ -31,8 +33,20 @@ def tiny(config) -> nn.Module:
     return model
 
 
+@pytest.fixture(params=["native", "portable", "torch"])
+def ops(request, monkeypatch):
+    """The one-pass operations as built for this CPU, built portable (no AVX2), and absent
+    (no g++: the torch fallback)."""
+    if request.param != "torch" and fused_ops() is None:
+        pytest.skip("g++ cannot build the CPU fused ops here")
+    library = {"native": fused_ops, "portable": lambda: fused_ops(PORTABLE_CPU_CXX_FLAGS),
+               "torch": lambda: None}[request.param]()  # fmt: skip
+    monkeypatch.setattr(cpu_fusions, "fused_ops", lambda: library)
+    return request.param
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_fused_model_gives_the_same_logits(arch):
+def test_fused_model_gives_the_same_logits(arch, ops):
     model = tiny(CONFIGS[arch])
     fused = copy.deepcopy(model)
     # Per layer: two norms and the MLP; plus the final norm.
@@ -57,3 +71,22 @@ def test_other_architectures_are_left_alone():
     """Gemma's norm scales by 1 + weight and its MLP uses GELU: neither is swapped."""
     model = tiny(GemmaConfig(**TINY, head_dim=8))
     assert fuse_for_cpu(model) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])  # 700 rows of 100 split over the threads
+def test_norm_and_gated_product_match_torch_for_any_shape(ops, rows):
+    """Widths that are not a multiple of the vector width, one row and many."""
+    torch.manual_seed(rows)
+    norm = FusedRMSNorm(type("Norm", (), {"weight": torch.randn(100), "variance_epsilon": 1e-5})())
+    x = torch.randn(1, rows, 100) * 3
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(norm(x), want, atol=1e-5, rtol=1e-5)
+
+    mlp = type("MLP", (), {})()
+    mlp.gate_proj, mlp.up_proj = nn.Linear(50, 100, bias=False), nn.Linear(50, 100, bias=False)
+    mlp.down_proj = nn.Identity()
+    fused = FusedGatedMLP(mlp)
+    x = torch.randn(1, rows, 50) * 4  # gate values well into both tails of SiLU
+    with torch.inference_mode():
+        want = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+        torch.testing.assert_close(fused(x), want, atol=1e-5, rtol=1e-5)

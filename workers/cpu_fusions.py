@@ -5,19 +5,32 @@ runs 30 layers of them. Two module swaps, for the RMSNorm and gated MLP of Llama
 and Mistral (the classes are named, so another architecture's variant, such as Gemma's
 `1 + weight` norm, is never swapped by accident):
 
-- RMSNorm as one `F.rms_norm` call instead of six operations (float32 models only, where
+- RMSNorm as one pass over each row instead of six operations (float32 models only, where
   it is the same arithmetic: HF's norm computes in float32 and casts back);
-- the MLP's gate and up projections as one linear of twice the width (one pass over the
-  activations, one call), SiLU in place on the first half, times the second half.
+- the MLP's gate and up projections as one linear of twice the width (one call, one
+  pass over the activations), then SiLU of the first half times the second in one pass.
+
+The one-pass operations are C++ (`gpu/kernels/cpu_fused_ops.cpp`, built for this CPU
+like the decode kernel); where it cannot be built they fall back to torch
+(`F.rms_norm`, `F.silu` and a multiply), which computes the same to rounding.
 
 Run before `pack_linears`, which then packs the fused projection like any other linear.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+import subprocess
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gpu.native_build import CPU_CXX_FLAGS, load_cpu_library
+
+_log = logging.getLogger("inflight.model")
 
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
 GATED_MLPS = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
@@ -31,7 +44,14 @@ class FusedRMSNorm(nn.Module):
         self.shape = tuple(norm.weight.shape)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
+        ops = fused_ops()
+        rows = hidden_states.reshape(-1, self.shape[0])
+        if ops is None or hidden_states.dtype != torch.float32 or rows.stride(1) != 1:
+            return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
+        out = torch.empty(hidden_states.shape, dtype=torch.float32)
+        ops.rms_norm(rows.data_ptr(), rows.stride(0), self.weight.data_ptr(), out.data_ptr(), rows.shape[0],
+                     self.shape[0], self.eps, torch.get_num_threads())  # fmt: skip
+        return out
 
 
 class FusedGatedMLP(nn.Module):
@@ -48,8 +68,16 @@ class FusedGatedMLP(nn.Module):
         self.down_proj = mlp.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        ops = fused_ops()
+        if ops is None or gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        product = gate_up.new_empty((*gate_up.shape[:-1], self.intermediate_size))
+        rows = product.numel() // self.intermediate_size
+        ops.silu_mul(gate_up.data_ptr(), gate_up.shape[-1], product.data_ptr(), rows, self.intermediate_size,
+                     torch.get_num_threads())  # fmt: skip
+        return self.down_proj(product)
 
 
 def fuse_for_cpu(model: nn.Module) -> int:
@@ -67,6 +95,23 @@ def fuse_for_cpu(model: nn.Module) -> int:
                 continue
             swapped += 1
     return swapped
+
+
+@functools.cache
+def fused_ops(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
+    """The one-pass operations, or None where g++ cannot build them (logged once)."""
+    try:
+        library = load_cpu_library("cpu_fused_ops", flags)
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        _log.warning("CPU fused ops unavailable, using torch: %s", detail.strip()[-500:])
+        return None
+    P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    library.rms_norm.argtypes = (P, I64, P, P, I64, I, ctypes.c_float, I)
+    library.rms_norm.restype = None
+    library.silu_mul.argtypes = (P, I64, P, I64, I, I)
+    library.silu_mul.restype = None
+    return library
 
 
 def _is_silu(activation: nn.Module) -> bool:
