@@ -164,6 +164,16 @@ inline void prefetch_block(const float* block, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(block + i), _MM_HINT_T0);
 }
 
+// The block holding token `start` of a context of `n` tokens; the next block is prefetched.
+inline const float* block_at(const float* pool, const Args& a, const int32_t* table, int start, int n,
+                             int64_t row_stride) {
+    const int index = start / a.block_size;
+    if (start + a.block_size < n)
+        prefetch_block(pool + (int64_t)table[index + 1] * a.block_size * row_stride,
+                       std::min(a.block_size, n - start - a.block_size) * row_stride);
+    return pool + (int64_t)table[index] * a.block_size * row_stride;
+}
+
 // attend_one for head sizes that are multiples of 8, on AVX2, for all the KV heads of a
 // sequence at once: a block's rows are read whole and in order (reading one head's slice
 // of every row leaves the hardware prefetcher fetching the other heads' for nothing),
@@ -182,11 +192,8 @@ void attend_seq_avx2(const Args& a, int seq, std::vector<float>& scores, std::ve
     const __m256 scale = _mm256_set1_ps(a.scale);
 
     for (int start = 0; start < n; start += a.block_size) {
-        const float* block = a.key_pool + (int64_t)table[start / a.block_size] * a.block_size * row_stride;
+        const float* block = block_at(a.key_pool, a, table, start, n, row_stride);
         const int count = std::min(a.block_size, n - start);
-        if (start + a.block_size < n)
-            prefetch_block(a.key_pool + (int64_t)table[start / a.block_size + 1] * a.block_size * row_stride,
-                           std::min(a.block_size, n - start - a.block_size) * row_stride);
         for (int h = 0; h < heads; ++h) {
             const float* q = query + (int64_t)h * a.query_head_stride;
             const float* k = block + (int64_t)(h / group) * HEAD_DIM;
@@ -200,11 +207,8 @@ void attend_seq_avx2(const Args& a, int seq, std::vector<float>& scores, std::ve
     float sums[1024];
     for (int h = 0; h < heads; ++h) sums[h] = exp_scores(scores.data() + (size_t)h * n, n);
     for (int start = 0; start < n; start += a.block_size) {
-        const float* block = a.value_pool + (int64_t)table[start / a.block_size] * a.block_size * row_stride;
+        const float* block = block_at(a.value_pool, a, table, start, n, row_stride);
         const int count = std::min(a.block_size, n - start);
-        if (start + a.block_size < n)
-            prefetch_block(a.value_pool + (int64_t)table[start / a.block_size + 1] * a.block_size * row_stride,
-                           std::min(a.block_size, n - start - a.block_size) * row_stride);
         for (int h = 0; h < heads; ++h) {
             const float* p = scores.data() + (size_t)h * n + start;
             const float* v = block + (int64_t)(h / group) * HEAD_DIM;
