@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from dataclasses import dataclass
 
 import torch
 
 from gpu.attention import SequenceSlice
 from gpu.kv_cache import PagedKVCache
-from gpu.native_build import CPU_CXX_FLAGS, load_cpu_library
+from gpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.torch_attention import TorchAttentionBackend
 
-
-_log = logging.getLogger("inflight.attention")
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # out, query, its token and head strides, K and V pools, query rows, context lengths,
 # block tables, then seqs, max_blocks, block_size, heads, kv_heads, head_dim, scale, threads.
@@ -37,17 +33,17 @@ _ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, cty
 @functools.cache
 def cpu_kernel():
     """The kernel's entry point, or None where g++ cannot build it (logged once)."""
-    try:
-        return load_kernel(CPU_CXX_FLAGS)
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        _log.warning("CPU decode kernel unavailable, using torch attention: %s", detail.strip()[-500:])
-        return None
+    library = try_load_cpu_library("cpu_paged_decode", CPU_CXX_FLAGS, instead="torch attention")
+    return None if library is None else _entry(library)
 
 
 def load_kernel(flags: tuple[str, ...]):
     """The kernel built with `flags` (raises if it cannot be built)."""
-    entry = load_cpu_library("cpu_paged_decode", flags).paged_decode_attention
+    return _entry(load_cpu_library("cpu_paged_decode", flags))
+
+
+def _entry(library: ctypes.CDLL):
+    entry = library.paged_decode_attention
     entry.argtypes = _ARGTYPES
     entry.restype = ctypes.c_int
     return entry

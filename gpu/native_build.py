@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import subprocess
 import tempfile
 from pathlib import Path
+
+_log = logging.getLogger("inflight.native")
 
 # The CPU kernels (`gpu/kernels/cpu_*.cpp`): built for this CPU, with OpenMP (torch's own
 # runtime once loaded into this process, which already has torch's libgomp).
@@ -75,3 +78,13 @@ def load_cpu_library(name: str, flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctype
     `OSError` or `subprocess.CalledProcessError` if it cannot be)."""
     source = (KERNELS / f"{name}.cpp").read_text()
     return ctypes.CDLL(str(build_shared_library(name, source, flags, CPU_HEADERS)))
+
+
+def try_load_cpu_library(name: str, flags: tuple[str, ...], instead: str) -> ctypes.CDLL | None:
+    """`load_cpu_library`, or None with a warning that says what runs `instead`."""
+    try:
+        return load_cpu_library(name, flags)
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        _log.warning("%s unavailable (%s), using %s", name, detail.strip()[-500:], instead)
+        return None

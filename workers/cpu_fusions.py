@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.native_build import CPU_CXX_FLAGS, load_cpu_library
-
-_log = logging.getLogger("inflight.model")
+from gpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
 GATED_MLPS = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
@@ -100,11 +96,8 @@ def fuse_for_cpu(model: nn.Module) -> int:
 @functools.cache
 def fused_ops(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
     """The one-pass operations, or None where g++ cannot build them (logged once)."""
-    try:
-        library = load_cpu_library("cpu_fused_ops", flags)
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        _log.warning("CPU fused ops unavailable, using torch: %s", detail.strip()[-500:])
+    library = try_load_cpu_library("cpu_fused_ops", flags, instead="torch operations")
+    if library is None:
         return None
     P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     library.rms_norm.argtypes = (P, I64, P, P, I64, I, ctypes.c_float, I)
