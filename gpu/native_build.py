@@ -1,9 +1,10 @@
 """Builds C++ into a shared library with g++, once per source and flags, cached on disk.
 
 Used by the CPU kernels (`load_cpu_library`: decode attention, fused element-wise ops)
-and the CPU emulation of the CUDA kernels (`gpu.emulator`). The cache key covers the source, the flags and, for builds
-tuned to this CPU (`-march=native`), the CPU's model and feature flags, so a cache
-directory shared between machines never hands one machine another's instructions.
+and the CPU emulation of the CUDA kernels (`gpu.emulator`). The cache key covers the
+source, the flags and, for builds tuned to this CPU (`-march=native`), the CPU's model
+and feature flags, so a cache directory shared between machines never hands one machine
+another's instructions.
 """
 
 from __future__ import annotations
