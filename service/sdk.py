@@ -94,16 +94,14 @@ class _Settings:
         self.reply_timeout_s = reply_timeout_s
 
     def _quiet_limit(self, request_id: str) -> _QuietLimit:
-        return _QuietLimit(self.reply_timeout_s, self.block_ms,
-                           f"no reply to request {request_id} within {self.reply_timeout_s:g} s: no worker is "
-                           f"serving {self.requests_stream} on {self.address}, or it stopped (the job stays queued)")
+        return _QuietLimit(self.reply_timeout_s, self.block_ms, request_id, f"{self.requests_stream} on {self.address}")
 
 
 class _QuietLimit:
     """How long the next read may block, so that a wait with no event ends after `limit_s`."""
 
-    def __init__(self, limit_s: float | None, block_ms: int, message: str) -> None:
-        self.limit_s, self.block_ms, self.message = limit_s, block_ms, message
+    def __init__(self, limit_s: float | None, block_ms: int, request_id: str, served: str) -> None:
+        self.limit_s, self.block_ms, self.request_id, self.served = limit_s, block_ms, request_id, served
         self.heard()
 
     def heard(self) -> None:
@@ -115,7 +113,8 @@ class _QuietLimit:
             return self.block_ms
         left_ms = (self.since + self.limit_s - time.monotonic()) * 1000
         if left_ms <= 0:
-            raise ReplyTimeout(self.message)
+            raise ReplyTimeout(f"no reply to request {self.request_id} within {self.limit_s:g} s: no worker is "
+                               f"serving {self.served}, or it stopped (the job stays queued)")
         return max(1, min(self.block_ms, int(left_ms)))
 
 
