@@ -78,6 +78,11 @@ def reply_types(client: redis.Redis, request_id: str) -> list[bytes]:
     return [fields[b"type"] for _, fields in client.xrange(f"inflight:out:{{{request_id}}}")]
 
 
+def log_line(output: str, event: str) -> str:
+    [line] = [line for line in output.splitlines() if event in line]
+    return line
+
+
 class Terminal:
     """A command in a pseudo-terminal, as in a user's shell: it leads a session of its own
     with the pty as its controlling terminal, so a written Ctrl-C (\\x03) makes the kernel
@@ -178,45 +183,62 @@ def _server_pid(port: int) -> int:
 # --- the worker, in a terminal ------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_ctrl_c_finishes_what_it_can_in_the_grace_period_leaves_the_rest_pending_and_stops_the_embedded_server(
-        terminal, tmp_path):
+def start_in_terminal(terminal, tmp_path: Path, consumer: str, grace_s: float) -> tuple[Terminal, int, redis.Redis]:
+    """`inflight worker` on a private embedded server, in a terminal, once it says it serves."""
     port, options = embedded_options(tmp_path)
-    grace_s = 6.0
-    worker = terminal(worker_argv(*options, "--consumer", "ctrl-c", grace_s=grace_s))
+    worker = terminal(worker_argv(*options, "--consumer", consumer, grace_s=grace_s))
     worker.expect(BANNER_END, 120)
-    client = redis.Redis(port=port)
+    return worker, port, redis.Redis(port=port)
+
+
+@pytest.mark.slow
+def test_ctrl_c_finishes_the_request_in_flight_through_the_embedded_server_then_stops_both(terminal, tmp_path):
+    worker, port, client = start_in_terminal(terminal, tmp_path, "ctrl-c", grace_s=30)
     server_pid = _server_pid(port)
-    short, long_ = f"short-{uuid.uuid4().hex[:6]}", f"long-{uuid.uuid4().hex[:6]}"
-    long_entry = queue(client, long_, LONG)
-    queue(client, short, "30")
-    wait_for(lambda: len(reply_types(client, short)) >= 2, 60, "the short request's first tokens")
+    request_id = f"short-{uuid.uuid4().hex[:6]}"
+    queue(client, request_id, "12")
+    wait_for(lambda: len(reply_types(client, request_id)) >= 1, 60, "the first token")
+
+    worker.ctrl_c()  # SIGINT to the terminal's foreground process group: the worker, not its server
+    status = worker.process.wait(timeout=30 + 2)
+    client.close()
+
+    assert status == 0, worker.text  # drained completely
+    assert gone(server_pid, within_s=0.5)  # stopped by the worker, after the drain
+    with embedded_valkey(port, tmp_path / "valkey"):
+        assert reply_types(redis.Redis(port=port), request_id) == [b"token"] * 12 + [b"done"], worker.text
+
+
+@pytest.mark.slow
+def test_ctrl_c_leaves_what_the_grace_period_cannot_finish_pending_for_a_restart(terminal, tmp_path):
+    grace_s = 3.0
+    worker, port, client = start_in_terminal(terminal, tmp_path, "grace", grace_s=grace_s)
+    server_pid = _server_pid(port)
+    request_id = f"long-{uuid.uuid4().hex[:6]}"
+    entry = queue(client, request_id, LONG)
+    wait_for(lambda: len(reply_types(client, request_id)) >= 1, 60, "the first token")
+    client.close()
 
     worker.ctrl_c()
     pressed = time.monotonic()
-    status = worker.process.wait(timeout=grace_s + 10)
+    status = worker.process.wait(timeout=grace_s + 30)
     took = time.monotonic() - pressed
-    client.close()
 
     assert status == 3, worker.text  # stopped with a job left pending
-    assert took < grace_s + 2, f"{took:.1f} s"
-    assert "worker_stopped" in worker.text and long_ in worker.text.split("worker_stopped")[1]
-    assert gone(server_pid, within_s=0.5)  # the worker stopped its server before it exited
+    assert took < grace_s + 2, f"{took:.1f} s: {worker.text}"
+    assert request_id in log_line(worker.text, "worker_stopped")  # the log line names it
+    assert gone(server_pid, within_s=0.5)
     with embedded_valkey(port, tmp_path / "valkey"):  # a restart, on the same append-only file
         after = redis.Redis(port=port)
-        assert reply_types(after, short)[-1] == b"done"  # finished through the server it drained on
-        assert b"done" not in reply_types(after, long_)
+        assert b"done" not in reply_types(after, request_id)
         pending = after.xpending_range("inflight:requests", "inflight", "-", "+", 10)
-        assert [p["message_id"] for p in pending] == [long_entry]  # not acked: the next worker takes it over
+        assert [p["message_id"] for p in pending] == [entry]  # not acked: the next worker takes it over
         after.close()
 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_and_the_embedded_server_goes_too(terminal, tmp_path):
-    port, options = embedded_options(tmp_path)
-    worker = terminal(worker_argv(*options, "--consumer", "twice", grace_s=30))
-    worker.expect(BANNER_END, 120)
-    client = redis.Redis(port=port)
+    worker, port, client = start_in_terminal(terminal, tmp_path, "twice", grace_s=30)
     server_pid = _server_pid(port)
     request_id = f"long-{uuid.uuid4().hex[:6]}"
     entry = queue(client, request_id, LONG)
@@ -267,8 +289,8 @@ def test_sigterm_while_redis_is_down_exits_within_the_grace_period(private_redis
         worker.wait()
     text = log.read_text()
     assert status == 3, text
-    assert took < grace_s + 2, f"{took:.1f} s"
-    assert request_id in text.split("worker_stopped")[1]  # the log line names what was left pending
+    assert took < grace_s + 2, f"{took:.1f} s: {text}"
+    assert request_id in log_line(text, "worker_stopped")  # the log line names what was left pending
 
 
 @pytest.mark.slow
