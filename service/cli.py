@@ -157,10 +157,14 @@ def _submit(args: argparse.Namespace) -> int:
 async def _worker(args: argparse.Namespace) -> int:
     import contextlib
 
-    from service.embedded import embedded_valkey
+    from service.embedded import EmbeddedServerError, embedded_valkey
 
     with contextlib.ExitStack() as stack:
-        url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
+        try:
+            url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
+        except EmbeddedServerError as error:
+            print(f"inflight worker: {error}", file=sys.stderr)
+            return 1
         config = redis_config_from_args(args, url)
         return await _serve(args, config, embedded=not args.redis_url)
 

@@ -34,6 +34,10 @@ START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 
 
+class EmbeddedServerError(RuntimeError):
+    """The embedded server could not start (e.g. something else holds the port)."""
+
+
 def embedded_url(port: int) -> str:
     return f"redis://{EMBEDDED_HOST}:{port}"
 
@@ -72,7 +76,7 @@ def _start(port: int, data_dir: Path) -> subprocess.Popen:
     if server.poll() is not None or not _answers(port):
         _stop(server)
         said = log_path.read_bytes()[logged_before:].decode(errors="replace").strip().splitlines()
-        raise RuntimeError(f"the embedded Valkey server did not start on port {port}"
+        raise EmbeddedServerError(f"the embedded Valkey server did not start on port {port}"
                            f"{f' ({said[-1].strip()})' if said else ''}; "
                            "choose another --embedded-port or set REDIS_URL")
     return server

@@ -321,6 +321,20 @@ def test_a_sigkilled_worker_takes_its_embedded_server_down_cleanly(tmp_path):
         assert redis.Redis(port=port).xlen("kept") == 1
 
 
+def test_a_port_held_by_something_else_stops_the_worker_with_one_line(tmp_path):
+    with socket.socket() as squatter:  # listens, never answers PING
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        result = subprocess.run(worker_argv("--embedded-port", str(port), "--embedded-data-dir", str(tmp_path / "valkey")),
+                                capture_output=True, text=True, timeout=60, env=environment())
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"inflight worker: the embedded Valkey server did not start on port {port} (")
+    assert "Failed listening on port" in line  # Valkey's own reason
+    assert line.endswith("; choose another --embedded-port or set REDIS_URL")
+
+
 # --- producers ----------------------------------------------------------------------
 
 
