@@ -156,6 +156,7 @@ def _submit(args: argparse.Namespace) -> int:
 
 async def _worker(args: argparse.Namespace) -> int:
     import contextlib
+    import os
 
     from service.embedded import EmbeddedServerError, embedded_valkey
 
@@ -166,7 +167,12 @@ async def _worker(args: argparse.Namespace) -> int:
             print(f"inflight worker: {error}", file=sys.stderr)
             return 1
         config = redis_config_from_args(args, url)
-        return await _serve(args, config, embedded=not args.redis_url)
+        status = await _serve(args, config, embedded=not args.redis_url)
+    # Served, logged, and the embedded server stopped: exit now. The interpreter's own
+    # teardown (torch's) would add about a second to a stop bounded by the grace period.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) -> int:
