@@ -360,3 +360,46 @@ def test_reply_to_outside_the_reply_prefix_is_refused_and_a_redis_error_fails_on
     assert ok[-1]["type"] == b"done"  # the worker kept serving
     assert sorted(dead) == ["invalid_field", "redis_error"]
     assert untouched == b"a string, not a stream" and length == 0
+
+
+def test_a_job_whose_reply_stream_is_forbidden_by_the_acl_fails_alone(make_engine, tmp_path):
+    """An ACL user that may not write one job's reply stream (NOPERM): that job is
+    dead-lettered as `redis_error`; the job beside it is served."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--user", "default", "off", "--user", "worker", "on", ">pw", "~inflight:requests", "~inflight:dead",
+         "~inflight:control", "~inflight:out:{ok-*", "&*", "+@all"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    config = RedisConfig(url=f"redis://worker:pw@127.0.0.1:{port}", consumer="w1", block_ms=200)
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=port, username="worker", password="pw", socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(make_engine(), client, config).run(stop))
+        await client.xadd(config.requests_stream, {"id": "no-1", "prompt": "Hi", "max_tokens": "3"})
+        await client.xadd(config.requests_stream, {"id": "ok-1", "prompt": "Hi", "max_tokens": "3"})
+        ok = await read_replies(client, "inflight:out:{ok-1}")
+        while await client.xlen(config.requests_stream):
+            await asyncio.sleep(0.05)
+        dead = await client.xrange(config.dead_letter_stream)
+        stop.set()
+        await serving
+        await client.aclose()
+        return ok, dead
+
+    try:
+        ok, dead = asyncio.run(main())
+    finally:
+        server.kill()
+        server.wait()
+    assert ok[-1]["type"] == b"done"
+    [(_, record)] = dead
+    assert record[b"code"] == b"redis_error" and record[b"message"].startswith(b"NoPermissionError")
