@@ -378,6 +378,21 @@ def test_submit_gives_up_after_its_timeout_when_no_worker_answers():
     assert 1 <= took < 1 + 5  # the interpreter's start, and a second of waiting
 
 
+def test_ctrl_c_on_a_waiting_submit_exits_130_without_a_traceback(terminal):
+    stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
+    client = redis.Redis(port=6379)
+    try:
+        submit = terminal(submit_argv("redis://127.0.0.1:6379", stream, "--timeout-s", "30"))
+        wait_for(lambda: client.xlen(stream) == 1, 30, "the job")
+        submit.ctrl_c()
+        status = submit.process.wait(timeout=10)
+    finally:
+        client.delete(stream)
+        client.close()
+    assert status == 130
+    assert "Traceback" not in submit.text
+
+
 def _collect_sync(url: str, stream: str, timeout_s: float | None) -> list[dict]:
     with SyncClient(url, requests_stream=stream, reply_timeout_s=timeout_s, block_ms=200) as client:
         return list(client.generate("Hello", max_tokens=4))
