@@ -146,25 +146,31 @@ def terminal():
         session.close()
 
 
+class PrivateRedis:
+    """A redis-server of one test's own, on a free port; `kill()` takes it away."""
+
+    def __init__(self, directory: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                         "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: _pings(self.port), 10, "redis-server")
+        except AssertionError:
+            self.kill()
+            raise
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
 @pytest.fixture
 def private_redis(tmp_path):
-    """A redis-server of this test's own on a free port; `.kill()` takes it away."""
-
-    class Server:
-        port = free_port()
-        url = f"redis://127.0.0.1:{port}"
-        process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                    "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-
-        def client(self) -> redis.Redis:
-            return redis.Redis(port=self.port, socket_timeout=5)
-
-        def kill(self) -> None:
-            self.process.kill()
-            self.process.wait()
-
-    server = Server()
-    wait_for(lambda: _pings(server.port), 10, "redis-server")
+    server = PrivateRedis(tmp_path)
     yield server
     server.kill()
 
