@@ -65,6 +65,7 @@ class Held:
     task: asyncio.Task
     request_id: str | None = None  # known once the entry is decoded
     submitted: bool = False  # in the engine, under the entry id
+    settling: bool = False  # being acked or dead-lettered: renewals no longer find it
 
 
 class Worker:
@@ -188,7 +189,7 @@ class Worker:
                                request_id=job.request_id)
             return
         if claim.finished:  # a worker wrote the final event, then died before acking
-            await retrying(lambda: self.reader.ack(entry.entry_id))
+            await self._ack(entry)
             return
         seq = len(claim.token_ids)
         if entry.deliveries > self.config.max_deliveries:
@@ -233,7 +234,7 @@ class Worker:
                     usage = event.usage
                     event = replace(event, usage=Usage(usage.prompt_tokens - carried, usage.completion_tokens + carried))
                 await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, seq))
-                await retrying(lambda: self.reader.ack(entry.entry_id))
+                await self._ack(entry)
                 return
             await retrying(lambda: self.publisher.token(job.reply_to, entry.entry_id, seq, event.text, event.token_ids))
             if output is not None:
@@ -247,7 +248,7 @@ class Worker:
         self.metrics.observe_outcome(reason.value)
         log.info("request_finished", finish_reason=reason.value, completion_tokens=num_tokens, ran=False)
         await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, num_tokens))
-        await retrying(lambda: self.reader.ack(entry.entry_id))
+        await self._ack(entry)
 
     async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None, num_tokens: int = 0,
                       request_id: str | None = None, claimed: bool = False) -> None:
@@ -264,7 +265,17 @@ class Worker:
                 if isinstance(error, RedisError) and is_transient(error):
                     raise
                 log.warning("error_reply_failed", entry_id=entry.entry_id, error=str(error) or type(error).__name__)
+        self._settling(entry)
         await retrying(lambda: self.reader.dead_letter(entry, code, message))
+
+    async def _ack(self, entry: Entry) -> None:
+        self._settling(entry)
+        await retrying(lambda: self.reader.ack(entry.entry_id))
+
+    def _settling(self, entry: Entry) -> None:
+        held = self.held.get(entry.entry_id)
+        if held is not None:
+            held.settling = True
 
     # -- alongside the jobs ------------------------------------------------------------
 
@@ -281,7 +292,7 @@ class Worker:
                 continue
             for entry_id in lost:
                 held = self.held.get(entry_id)
-                if held is not None:
+                if held is not None and not held.settling:  # not lost: acked while the renewal ran
                     log.warning("lease_lost", entry_id=entry_id, request_id=held.request_id)
                     held.task.cancel()
 
