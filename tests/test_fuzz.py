@@ -93,7 +93,10 @@ def random_name(rng: random.Random):
 def random_entry(rng: random.Random) -> dict:
     pick = rng.random()
     if pick < 0.6:  # flat fields
-        return {random_name(rng): random_scalar(rng) for _ in range(rng.randint(1, 8))}
+        entry = {random_name(rng): random_scalar(rng) for _ in range(rng.randint(1, 8))}
+        if "reply_to" in entry and rng.random() < 0.5:
+            entry["reply_to"] = rng.choice(REPLY_TARGETS)
+        return entry
     if pick < 0.75:  # a payload of garbage bytes or a non-map
         return {"payload": rng.choice((lambda: rng.randbytes(rng.randint(0, 200)),
                                        lambda: msgpack.packb(random_native(rng))))()}
