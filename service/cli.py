@@ -17,12 +17,19 @@ from pathlib import Path
 from service.config import (
     RedisConfig,
     add_engine_arguments,
+    add_redis_arguments,
     add_observability_arguments,
     engine_config_from_args,
     logging_config_from_args,
     metrics_config_from_args,
+    redis_config_from_args,
 )
 from service.embedded import embedded_url
+
+# The worker's exit status: 0 when it drained everything it held.
+EXIT_CREDENTIALS = 2  # Redis refused the credentials
+EXIT_PENDING_LEFT = 3  # stopped with jobs left pending for another worker (grace period over, or Redis away)
+EXIT_FORCED = 130  # a second SIGINT or SIGTERM: stopped at once
 
 SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
     ("chat", [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
@@ -44,21 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     worker = commands.add_parser("worker", help="serve jobs from a Redis stream until SIGTERM")
     redis_defaults = RedisConfig()
-    worker.add_argument("--redis-url", default=redis_defaults.url,
-                        help="default: $REDIS_URL, else an embedded Valkey server on --embedded-port")
-    worker.add_argument("--embedded-port", type=int, default=redis_defaults.embedded_port,
-                        help="port of the embedded Valkey server used when no URL is given (default: %(default)s)")
-    worker.add_argument("--embedded-data-dir", type=Path, default=redis_defaults.embedded_data_dir,
-                        help="the embedded server's data directory (default: %(default)s)")
-    worker.add_argument("--consumer", default=redis_defaults.consumer,
-                        help="this worker's stable name in the consumer group (default: %(default)s)")
-    worker.add_argument("--requests-stream", default=redis_defaults.requests_stream)
-    worker.add_argument("--dead-letter-stream", default=redis_defaults.dead_letter_stream)
-    worker.add_argument("--control-stream", default=redis_defaults.control_stream)
-    worker.add_argument("--shutdown-grace-s", type=float, default=redis_defaults.shutdown_grace_s,
-                        help="on SIGTERM, time to finish in-flight requests before leaving them pending (default: %(default)s)")
-    worker.add_argument("--claim-idle-ms", type=int, default=redis_defaults.claim_idle_ms,
-                        help="take over entries another consumer left pending this long (default: %(default)s)")
+    add_redis_arguments(worker)
     add_engine_arguments(worker)
     add_observability_arguments(worker)
 
@@ -154,16 +147,11 @@ async def _worker(args: argparse.Namespace) -> int:
 
     with contextlib.ExitStack() as stack:
         url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
-        config = RedisConfig(url=url, embedded_port=args.embedded_port, embedded_data_dir=args.embedded_data_dir, consumer=args.consumer,
-                             requests_stream=args.requests_stream, dead_letter_stream=args.dead_letter_stream,
-                             control_stream=args.control_stream, claim_idle_ms=args.claim_idle_ms,
-                             shutdown_grace_s=args.shutdown_grace_s)
+        config = redis_config_from_args(args, url)
         return await _serve(args, config, embedded=not args.redis_url)
 
 
 async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) -> int:
-    import signal
-
     import redis.asyncio as aioredis
     import structlog
     from redis.exceptions import AuthenticationError
@@ -184,28 +172,51 @@ async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) 
     except OSError as error:
         log.error("metrics_port_unavailable", port=metrics_config.port, error=str(error))
         return 1
+    stop = _stop_on_signals(log, config.shutdown_grace_s)
     engine = await on_torch_thread(Engine.from_config, engine_config)  # where it will step
+    if stop.is_set():  # told to stop while loading
+        return 0
     # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
-    client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 30)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)  # stop claiming, finish what is in hand
+    client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 10)
     log.info("worker_started", consumer=config.consumer, stream=config.requests_stream, redis=_redacted(config.url),
              embedded=embedded, metrics_port=metrics_config.port or None, kv_blocks=engine.allocator.num_blocks)
     if embedded:
         print(_how_to_submit(config), file=sys.stderr, flush=True)
+    left: list[str] = []
     try:
-        await Worker(engine, client, config, metrics, metrics_config.ingest_poll_s, log_config.log_prompts).run(stop)
+        left = await Worker(engine, client, config, metrics, metrics_config.ingest_poll_s, log_config.log_prompts).run(stop)
     except AuthenticationError as error:
         log.error("redis_credentials_refused", redis=_redacted(config.url), error=str(error))
-        return 2
+        return EXIT_CREDENTIALS
     finally:
         await client.aclose()
         if server is not None:
             server.shutdown()
-        log.info("worker_stopped", consumer=config.consumer)
-    return 0
+        log.info("worker_stopped", consumer=config.consumer, drained=not left, pending=left)
+    return EXIT_PENDING_LEFT if left else 0
+
+
+def _stop_on_signals(log, grace_s: float) -> asyncio.Event:
+    """The first SIGINT or SIGTERM sets the returned event (stop claiming, finish what is
+    in hand); a second one exits at once."""
+    import os
+    import signal
+
+    stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.warning("worker_forced_exit", signal=name)
+            sys.stderr.flush()
+            os._exit(EXIT_FORCED)
+        stop.set()
+        log.info("worker_stopping", signal=name, grace_s=grace_s)
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    return stop
 
 
 def _redacted(url: str) -> str:

@@ -94,7 +94,7 @@ class SchedulerConfig:
             raise ValueError("priority_bound_s must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RedisConfig:
     # The server jobs and replies go through: $REDIS_URL, e.g. redis://127.0.0.1:6379,
     # redis://user:password@host:6379/0 (AUTH/ACL) or
@@ -111,17 +111,87 @@ class RedisConfig:
     # pending entries again (and only its own). Two workers on one host need two names.
     consumer: str = field(default_factory=socket.gethostname)
     dead_letter_stream: str = "inflight:dead"
-    # How long one blocking read waits for new entries.
-    block_ms: int = 1000
-    # Entries pending longer than this (a dead worker's) are taken over.
-    claim_idle_ms: int = 30_000
+    # How long one blocking read waits for new entries; also how often an idle worker
+    # looks for entries whose lease ran out.
+    block_ms: int = 500
+    # The lease: a worker renews the entries it holds every claim_idle_ms / 4; an entry
+    # not renewed for this long (its worker died or hangs) is taken over by another.
+    claim_idle_ms: int = 2000
     # An entry delivered more times than this goes to the dead-letter stream.
     max_deliveries: int = 3
-    # Reply streams expire this long after their last event.
+    # Reply streams (and their owner keys) expire this long after their last event.
     reply_ttl_s: int = 3600
-    # On SIGTERM: stop claiming, give in-flight requests this long to finish, then leave
-    # the rest pending (unacked) for other workers to take over and continue.
+    # reply_to must start with one of these: a job cannot make the worker write
+    # anywhere else in Redis.
+    reply_prefixes: tuple[str, ...] = ("inflight:out:",)
+    # How long a cancel is remembered: a job submitted before it and taken up to this
+    # long after it is cancelled without running. The control stream is trimmed to it.
+    cancel_ttl_s: int = 3600
+    # Caps (approximate, as XADD/XTRIM MAXLEN ~ trims them) on the dead-letter and
+    # control streams, the two streams no consumer deletes from.
+    dead_letter_max_len: int = 10_000
+    control_max_len: int = 100_000
+    # On SIGINT or SIGTERM: stop claiming, give in-flight requests this long to finish,
+    # then leave the rest pending (unacked) for other workers to take over and continue.
     shutdown_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_ms", "claim_idle_ms", "max_deliveries", "reply_ttl_s", "cancel_ttl_s",
+                     "dead_letter_max_len", "control_max_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not self.reply_prefixes or not all(self.reply_prefixes):
+            raise ValueError("reply_prefixes must be non-empty strings")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("shutdown_grace_s must be >= 0")
+        object.__setattr__(self, "embedded_data_dir", Path(self.embedded_data_dir))
+
+    @property
+    def renew_interval_s(self) -> float:
+        return self.claim_idle_ms / 4000
+
+
+def add_redis_arguments(parser) -> None:
+    """The worker's flags that map onto `RedisConfig`."""
+    redis = RedisConfig()
+    group = parser.add_argument_group("queue")
+    group.add_argument("--redis-url", default=redis.url,
+                       help="default: $REDIS_URL, else an embedded Valkey server on --embedded-port")
+    group.add_argument("--embedded-port", type=int, default=redis.embedded_port,
+                       help="port of the embedded Valkey server used when no URL is given (default: %(default)s)")
+    group.add_argument("--embedded-data-dir", type=Path, default=redis.embedded_data_dir,
+                       help="the embedded server's data directory (default: %(default)s)")
+    group.add_argument("--consumer", default=redis.consumer,
+                       help="this worker's stable name in the consumer group (default: %(default)s)")
+    group.add_argument("--requests-stream", default=redis.requests_stream)
+    group.add_argument("--dead-letter-stream", default=redis.dead_letter_stream)
+    group.add_argument("--control-stream", default=redis.control_stream)
+    group.add_argument("--shutdown-grace-s", type=float, default=redis.shutdown_grace_s,
+                       help="on SIGINT/SIGTERM, time to finish in-flight requests before leaving them pending (default: %(default)s)")
+    group.add_argument("--claim-idle-ms", type=int, default=redis.claim_idle_ms,
+                       help="lease: take over entries whose worker stopped renewing them this long ago (default: %(default)s)")
+    group.add_argument("--reply-ttl-s", type=int, default=redis.reply_ttl_s,
+                       help="reply streams expire this long after their last event (default: %(default)s)")
+    group.add_argument("--reply-prefix", action="append", dest="reply_prefixes",
+                       help=f"a key prefix reply_to may use (repeatable; default: {' '.join(redis.reply_prefixes)})")
+    group.add_argument("--cancel-ttl-s", type=int, default=redis.cancel_ttl_s,
+                       help="how long a cancel is remembered (default: %(default)s)")
+    group.add_argument("--dead-letter-max-len", type=int, default=redis.dead_letter_max_len,
+                       help="approximate cap on the dead-letter stream (default: %(default)s)")
+    group.add_argument("--control-max-len", type=int, default=redis.control_max_len,
+                       help="approximate cap on the control stream (default: %(default)s)")
+
+
+def redis_config_from_args(args, url: str) -> RedisConfig:
+    """`url` is the resolved server (the flag, or the embedded server's address)."""
+    return RedisConfig(
+        url=url, embedded_port=args.embedded_port, embedded_data_dir=args.embedded_data_dir,
+        consumer=args.consumer, requests_stream=args.requests_stream, dead_letter_stream=args.dead_letter_stream,
+        control_stream=args.control_stream, shutdown_grace_s=args.shutdown_grace_s,
+        claim_idle_ms=args.claim_idle_ms, reply_ttl_s=args.reply_ttl_s,
+        reply_prefixes=tuple(args.reply_prefixes or RedisConfig().reply_prefixes), cancel_ttl_s=args.cancel_ttl_s,
+        dead_letter_max_len=args.dead_letter_max_len, control_max_len=args.control_max_len,
+    )
 
 
 LOG_FORMATS = ("auto", "json", "console")

@@ -3,20 +3,41 @@
 Queue semantics:
 - a worker reads under a stable consumer name; on start it first re-reads its own
   pending entries (delivered to it before a restart, never acked), then new ones;
-- entries left pending longer than `claim_idle_ms` by any consumer (a dead worker) are
-  taken over with XAUTOCLAIM;
+- every entry a worker holds is on a lease: `renew` resets its idle time (XCLAIM
+  JUSTID, only where this consumer still owns it) every `claim_idle_ms / 4`, so an entry
+  waiting in a long backlog is never mistaken for a dead worker's;
+- entries idle longer than `claim_idle_ms` (their worker stopped renewing: it died or
+  hangs) are taken over with XAUTOCLAIM; ids the caller already holds are skipped;
 - the caller asks for at most as many entries as it can take (backpressure), so idle
   workers get the rest;
-- an entry is acked once its final event is published; an entry delivered more than
-  `max_deliveries` times, or one that cannot be decoded, goes to the dead-letter stream
-  with its error, and is acked there.
+- an entry is acked and deleted in one transaction once its final event is published
+  (Redis keeps no finished prompt); an entry that cannot be served goes to the capped
+  dead-letter stream with its error, and is acked and deleted there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from redis.exceptions import ResponseError
+
+from service.config import RedisConfig
+
+# Resets the idle time of the entries this consumer still owns; returns the ids it no
+# longer owns (taken over by another worker, or deleted). One round trip for them all.
+RENEW = """
+local lost = {}
+for i = 3, #ARGV do
+  local row = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
+  if row and row[2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
 
 
 @dataclass(frozen=True)
@@ -27,15 +48,15 @@ class Entry:
 
 
 class JobReader:
-    def __init__(self, redis, stream: str, group: str, consumer: str, dead_letter_stream: str,
-                 claim_idle_ms: int, max_deliveries: int) -> None:
+    def __init__(self, redis, config: RedisConfig) -> None:
         self.redis = redis  # a redis.asyncio.Redis whose socket timeout exceeds any BLOCK
-        self.stream = stream
-        self.group = group
-        self.consumer = consumer
-        self.dead_letter_stream = dead_letter_stream
-        self.claim_idle_ms = claim_idle_ms
-        self.max_deliveries = max_deliveries
+        self.stream = config.requests_stream
+        self.group = config.group
+        self.consumer = config.consumer
+        self.dead_letter_stream = config.dead_letter_stream
+        self.dead_letter_max_len = config.dead_letter_max_len
+        self.claim_idle_ms = config.claim_idle_ms
+        self._renew = redis.register_script(RENEW)
         self._own_pending_done = False
 
     async def ensure_group(self) -> None:
@@ -45,18 +66,19 @@ class JobReader:
             if "BUSYGROUP" not in str(error):
                 raise
 
-    async def read(self, count: int, block_ms: int) -> list[Entry]:
-        """Up to `count` entries: this consumer's own pending ones first (once, after a
-        restart), then entries idle past `claim_idle_ms`, then new ones (waiting up to
-        `block_ms` for them)."""
+    async def read(self, count: int, block_ms: int, held: Collection[str] = ()) -> list[Entry]:
+        """Up to `count` entries not in `held`: this consumer's own pending ones first
+        (once, after a restart), then entries whose lease ran out, then new ones (waiting
+        up to `block_ms` for them)."""
         if count <= 0:
             return []
         if not self._own_pending_done:
-            entries = await self._read_group("0", count, block_ms=None)
+            entries = await self._read_group("0", count + len(held), block_ms=None)
+            entries = [(entry_id, fields) for entry_id, fields in entries if _text(entry_id) not in held]
             if len(entries) < count:
                 self._own_pending_done = True  # everything it had is in hand
             if entries:
-                return await self._with_deliveries(entries)
+                return await self._with_deliveries(entries[:count])
         try:
             _, claimed, _ = await self.redis.xautoclaim(
                 self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
@@ -65,23 +87,42 @@ class JobReader:
             if "NOGROUP" not in str(error):
                 raise
             claimed = []
-        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields]  # deleted entries come back empty
+        # Deleted entries come back empty; an id in hand only missed a renewal.
+        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
         if claimed:
             return await self._with_deliveries(claimed)
         # A new entry is on its first delivery: no need to ask Redis.
         return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
 
+    async def renew(self, entry_ids: Collection[str]) -> list[str]:
+        """Keep the leases of `entry_ids`; returns those this consumer no longer owns."""
+        if not entry_ids:
+            return []
+        try:
+            lost = await self._renew(keys=[self.stream], args=[self.group, self.consumer, *entry_ids])
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            await self.ensure_group()  # a Redis restarted without persistence lost it: keep serving
+            return []
+        return [_text(entry_id) for entry_id in lost]
+
     async def ack(self, entry_id: str) -> None:
-        await self.redis.xack(self.stream, self.group, entry_id)
+        """Done with the entry: ack it and delete it, in one transaction."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(self.stream, self.group, entry_id)
+            pipe.xdel(self.stream, entry_id)
+            await pipe.execute()
 
     async def dead_letter(self, entry: Entry, code: str, message: str) -> None:
-        """Park the entry, with why, on the dead-letter stream, and ack it here."""
+        """Park the entry, with why, on the dead-letter stream; ack and delete it here."""
         record = {"entry_id": entry.entry_id, "stream": self.stream, "code": code, "message": message,
                   "deliveries": str(entry.deliveries), "consumer": self.consumer}
-        record.update({f"field:{_text(k)}": v for k, v in entry.fields.items()})
+        record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.dead_letter_stream, record)
+            pipe.xadd(self.dead_letter_stream, record, maxlen=self.dead_letter_max_len, approximate=True)
             pipe.xack(self.stream, self.group, entry.entry_id)
+            pipe.xdel(self.stream, entry.entry_id)
             await pipe.execute()
 
     async def _read_group(self, start: str, count: int, block_ms: int | None) -> list[tuple[str, dict]]:
@@ -96,8 +137,6 @@ class JobReader:
         return [(entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries if fields]
 
     async def _with_deliveries(self, entries: list[tuple]) -> list[Entry]:
-        if not entries:
-            return []
         ids = [_text(entry_id) for entry_id, _ in entries]
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry_id in ids:  # one round trip for all of them
@@ -107,6 +146,5 @@ class JobReader:
         return [Entry(entry_id, fields, n) for entry_id, (_, fields), n in zip(ids, entries, deliveries)]
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
+def _text(value, errors: str = "strict") -> str:
+    return value.decode(errors=errors) if isinstance(value, bytes) else value

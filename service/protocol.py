@@ -19,6 +19,7 @@ from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinalEvent, SamplingPara
 PROTOCOL_VERSION = 1
 REQUESTS_STREAM = "inflight:requests"
 CONTROL_STREAM = "inflight:control"
+REPLY_PREFIX = "inflight:out:"
 # Largest accepted entry: prompt, messages and everything else together.
 MAX_ENTRY_BYTES = 1 << 20
 MAX_ID_CHARS = 200
@@ -31,7 +32,7 @@ FLAT_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 def reply_stream(request_id: str) -> str:
     """The default reply stream; `{id}` is a Redis Cluster hash tag, so all of one
     request's keys live in one slot."""
-    return f"inflight:out:{{{request_id}}}"
+    return f"{REPLY_PREFIX}{{{request_id}}}"
 
 
 class ProtocolError(ValueError):
@@ -59,8 +60,9 @@ class Job:
     reply_to: str
 
 
-def decode_job(entry_id: str, fields: dict) -> Job:
-    """A request-stream entry (field names and values as bytes or str) -> a `Job`."""
+def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (REPLY_PREFIX,)) -> Job:
+    """A request-stream entry (field names and values as bytes or str) -> a `Job`.
+    `reply_to` must start with one of `reply_prefixes`."""
     entry_id = _text(entry_id, "entry id")
     raw = {_text(k, "field name"): v for k, v in fields.items()}
     size = sum(len(k) + len(v if isinstance(v, (bytes, str)) else b"") for k, v in raw.items())
@@ -77,8 +79,9 @@ def decode_job(entry_id: str, fields: dict) -> Job:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_ID_CHARS:
         raise ProtocolError("invalid_field", f"id must be a non-empty string of at most {MAX_ID_CHARS} characters")
     reply_to = values.get("reply_to", reply_stream(request_id))
-    if not isinstance(reply_to, str) or not reply_to:
-        raise ProtocolError("invalid_field", "reply_to must be a non-empty string", request_id)
+    if not isinstance(reply_to, str) or not reply_to.startswith(reply_prefixes):
+        raise ProtocolError("invalid_field", f"reply_to must be a key starting with {' or '.join(reply_prefixes)}",
+                            request_id)
 
     def fail(code: str, message: str) -> ProtocolError:
         return ProtocolError(code, message, request_id, reply_to)

@@ -1,26 +1,79 @@
-"""Writes a request's events to its reply stream (docs/protocol.md, "Replies").
+"""Writes a request's events to its reply stream (docs/protocol.md, "Replies"), fenced by
+an owner key so that two workers never both write one stream.
 
-Each event is one XADD; the stream's TTL is refreshed in the same round trip, so a
-reply stream nobody reads expires `ttl_s` after its last event. Token events carry a
-`seq` that counts from 0 without gaps; `next_seq` reads where a stream left off, so a
-worker that takes over a request continues the numbering instead of repeating it.
+A reply stream belongs to one job. Its owner key, `<reply_to>:owner`, names that job's
+request-stream entry and the worker serving it. A worker first `claim`s the stream:
+- nothing there yet: the stream is this job's;
+- the key names this job's entry (a takeover, or this worker restarted): it becomes the
+  new owner, and gets back what the stream already holds, to continue from;
+- the key names another entry, or the stream exists without one: another job owns it
+  (`duplicate_id`); this job writes nothing there.
+Every write then checks the owner key in the same script as the XADD, so a worker that
+lost the job (paused, partitioned, slow) is refused on its next write, and stops. Both
+keys share a hash slot (the owner key only appends to the stream's name), as a Redis
+Cluster script requires.
 
 Entry ids are derived from the event, not the clock: token `seq` is `<seq + 1>-0`, and
-the final event after n tokens is `<n>-1`. So writing an event is idempotent: when the
-connection drops, the write is retried (with backoff) until Redis answers, and a retry
-of a write that had in fact landed is refused by Redis as "equal or smaller" and taken
-as done. No event is lost or written twice.
+the final event after n tokens is `<n>-1`. So a write is idempotent: one retried after
+a dropped connection that had in fact landed is refused by Redis as "equal or smaller"
+and taken as done. Each write refreshes both keys' TTL, so a stream nobody reads expires
+`ttl_s` after its last event.
 """
 
 from __future__ import annotations
 
-import asyncio
+import os
+from dataclasses import dataclass
 
 import msgpack
-from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from service.protocol import done_fields, error_fields, token_fields
 from workers.request import FinalEvent
+
+# KEYS: reply stream, owner key. ARGV: the job's entry id, the owner value, TTL seconds.
+# Returns {1, entries already there} when the stream is this job's, {0} when not.
+CLAIM = """
+local held = redis.call('GET', KEYS[2])
+if held then
+  if string.sub(held, 1, string.len(ARGV[1]) + 1) ~= ARGV[1] .. ' ' then return {0} end
+elseif redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('TYPE', KEYS[1])['ok'] ~= 'stream' then
+    return redis.error_reply('WRONGTYPE reply_to holds a value that is not a stream')
+  end
+  return {0}
+end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+if not held then return {1, {}} end
+return {1, redis.call('XRANGE', KEYS[1], '-', '+')}
+"""
+
+# KEYS: reply stream, owner key. ARGV: the owner value, the entry id, TTL seconds, then
+# field, value, ... Returns 1 when written (or already written), 0 when not the owner.
+FENCED_ADD = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+local added = redis.pcall('XADD', KEYS[1], ARGV[2], unpack(ARGV, 4))
+if type(added) == 'table' and added['err'] then
+  if not string.find(added['err'], 'equal or smaller', 1, true) then return added end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+class LeaseLost(Exception):
+    """Another worker serves this job now; this one must stop writing and generating."""
+
+
+def owner_key(reply_to: str) -> str:
+    return f"{reply_to}:owner"
+
+
+@dataclass(frozen=True)
+class Claim:
+    owned: bool  # False: another job owns the stream (duplicate id or reply_to)
+    token_ids: list[int]  # already published, in seq order (a takeover continues after them)
+    finished: bool  # a final event is already there: nothing is left to do
 
 
 class ReplyPublisher:
@@ -28,50 +81,49 @@ class ReplyPublisher:
         self.redis = redis  # a redis.asyncio.Redis
         self.ttl_s = ttl_s
         self.worker = worker  # named on done events: which consumer finished the request
+        self.incarnation = os.urandom(6).hex()  # two processes under one name still differ
+        self._claim = redis.register_script(CLAIM)
+        self._add = redis.register_script(FENCED_ADD)
 
-    async def token(self, reply_to: str, seq: int, text: str, token_ids) -> None:
-        await self._add(reply_to, f"{seq + 1}-0", token_fields(seq, text, token_ids))
+    def owner(self, entry_id: str) -> str:
+        return f"{entry_id} {self.worker} {self.incarnation}"
 
-    async def done(self, reply_to: str, event: FinalEvent, num_tokens: int) -> None:
-        """The final event, after `num_tokens` token events."""
-        await self._add(reply_to, f"{num_tokens}-1", done_fields(event, self.worker))
-
-    async def error(self, reply_to: str, code: str, message: str, num_tokens: int = 0) -> None:
-        await self._add(reply_to, f"{num_tokens}-1", error_fields(code, message))
-
-    async def published(self, reply_to: str) -> tuple[list[int], bool]:
-        """What `reply_to` already holds: the token ids in seq order, and whether a final
-        (done or error) event ended it."""
+    async def claim(self, reply_to: str, entry_id: str) -> Claim:
+        """Take `reply_to` for the job in entry `entry_id` (see the module docstring)."""
+        reply = await self._claim(keys=[reply_to, owner_key(reply_to)],
+                                  args=[entry_id, self.owner(entry_id), self.ttl_s])
+        if not reply[0]:
+            return Claim(False, [], False)
         token_ids: list[int] = []
         finished = False
-        for _, fields in await self.redis.xrange(reply_to):
+        for _, fields in _pairs(reply[1]):
             data = msgpack.unpackb(fields[b"data"])
             if data["type"] == "token":
                 token_ids.extend(data["token_ids"])
             else:
                 finished = True
-        return token_ids, finished
+        return Claim(True, token_ids, finished)
 
-    async def next_seq(self, reply_to: str) -> int:
-        """The seq the next token event on `reply_to` should carry (0 for a new stream)."""
-        for _, fields in await self.redis.xrevrange(reply_to, count=16):
-            if fields.get(b"type") == b"token":
-                return msgpack.unpackb(fields[b"data"])["seq"] + 1
-        return 0
+    async def token(self, reply_to: str, entry_id: str, seq: int, text: str, token_ids) -> None:
+        await self._write(reply_to, entry_id, f"{seq + 1}-0", token_fields(seq, text, token_ids))
 
-    async def _add(self, reply_to: str, entry_id: str, fields: dict) -> None:
-        delay = 0.05
-        while True:
-            try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.xadd(reply_to, fields, id=entry_id)
-                    pipe.expire(reply_to, self.ttl_s)
-                    await pipe.execute()
-                return
-            except ResponseError as error:
-                if "equal or smaller" in str(error):
-                    return  # an earlier try landed
-                raise
-            except (ConnectionError, TimeoutError):
-                await asyncio.sleep(delay)  # Redis is away: keep the event, try again
-                delay = min(delay * 2, 2.0)
+    async def done(self, reply_to: str, entry_id: str, event: FinalEvent, num_tokens: int) -> None:
+        """The final event, after `num_tokens` token events."""
+        await self._write(reply_to, entry_id, f"{num_tokens}-1", done_fields(event, self.worker))
+
+    async def error(self, reply_to: str, entry_id: str, code: str, message: str, num_tokens: int = 0) -> None:
+        await self._write(reply_to, entry_id, f"{num_tokens}-1", error_fields(code, message))
+
+    async def _write(self, reply_to: str, entry_id: str, event_id: str, fields: dict) -> None:
+        """One fenced XADD; raises `LeaseLost` when this worker no longer owns the stream."""
+        flat = [part for pair in fields.items() for part in pair]
+        written = await self._add(keys=[reply_to, owner_key(reply_to)],
+                                  args=[self.owner(entry_id), event_id, self.ttl_s, *flat])
+        if not written:
+            raise LeaseLost(reply_to)
+
+
+def _pairs(flat_entries):
+    """XRANGE as returned inside a script: [[id, [field, value, ...]], ...]."""
+    for entry_id, flat in flat_entries:
+        yield entry_id, dict(zip(flat[::2], flat[1::2]))

@@ -2,18 +2,24 @@
 
 The event loop (asyncio, uvloop in production) does the Redis I/O; the engine steps in
 its own thread (`AsyncEngine`), so reads and publishes never wait for a forward pass.
-It claims at most `capacity` jobs at a time (backpressure: idle workers get the rest),
-publishes every event on the request's reply stream, and acks an entry once its final
-event is published. An entry that cannot be served gets an `error` reply when its reply
-stream can be named, and always a dead-letter record.
+It holds at most `capacity` jobs at a time (backpressure: idle workers get the rest),
+each in a task of its own, and keeps their leases alive while it holds them. Each job:
+1. is decoded (a bad one gets an `error` reply when its reply stream can be named, and
+   always a dead letter);
+2. claims its reply stream (`ReplyPublisher.claim`): a stream that belongs to another
+   job makes this one a `duplicate_id` dead letter;
+3. is cancelled without running if the control stream asked for it, or continues where
+   a reply stream already stops (a takeover): the published tokens become part of the
+   prompt, `max_tokens` shrinks by their number, and `seq` goes on from the last one;
+4. streams its events through fenced writes, and is acked and deleted once its final
+   event is written. A worker that lost the job (its lease ran out and another worker
+   took it over) is refused on its next write, or told by its next lease renewal, and
+   stops generating it.
+A Redis error that concerns one job (WRONGTYPE, NOPERM, OOM) fails that job only.
 
-Failover: an entry delivered before (its worker died) continues from what its reply
-stream already holds: the tokens there become part of the prompt, `max_tokens` shrinks
-by their number, and `seq` goes on from the last one, so a reader sees every `seq` once.
-A stop string split across the takeover point is not detected.
-
-Cancellation: every worker follows the control stream; `XADD inflight:control * type
-cancel id <request id>` ends that request (finish_reason `cancelled`) wherever it runs.
+Stopping: when `stop` is set the worker claims nothing more, finishes what it holds
+within `shutdown_grace_s`, and leaves the rest pending (unacked) for another worker;
+`run` returns the request ids it left. Redis being away does not stretch the stop.
 
 Observability: the engine's observer feeds `Metrics` after every step; the worker adds
 each request's outcome and timings as it ends, and polls Redis for the ingest lag. Each
@@ -23,23 +29,42 @@ served request logs one summary line, with its id and priority bound as context.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import structlog
-from redis.exceptions import AuthenticationError, ConnectionError, RedisError, TimeoutError
+from redis.exceptions import RedisError
 
+from service.cancels import CancelRegistry, stream_id
 from service.config import RedisConfig
 from service.ingest import Entry, JobReader
 from service.metrics import Metrics
-from service.protocol import ProtocolError, decode_job
-from service.publish import ReplyPublisher
+from service.protocol import Job, ProtocolError, decode_job
+from service.publish import LeaseLost, ReplyPublisher
+from service.retry import is_transient, retrying
 from service.structured_logging import bind_request, log_request_finished
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
 from workers.model_loader import encode_prompt
-from workers.request import FinalEvent, FinishReason, InvalidRequest, Timings, Usage
+from workers.request import FinalEvent, FinishReason, Timings, Usage
 
 log = structlog.get_logger("inflight.worker")
+
+T = TypeVar("T")
+# Dead-letter codes of requests the engine ended itself (`Metrics.observe_finished`).
+ENGINE_ERRORS = ("invalid_request", "internal_error")
+# How long cancelled tasks and the engine get to wind down once the grace period is over.
+WIND_DOWN_S = 2.0
+
+
+@dataclass
+class Held:
+    """A request-stream entry this worker holds, and the task serving it."""
+
+    task: asyncio.Task
+    request_id: str | None = None  # known once the entry is decoded
+    submitted: bool = False  # in the engine, under the entry id
 
 
 class Worker:
@@ -51,168 +76,261 @@ class Worker:
         engine.observer = self.metrics.observe_step
         self.ingest_poll_s = ingest_poll_s
         self.log_prompts = log_prompts  # prompts and outputs in the summary line: opt-in
-        self.reader = JobReader(redis, config.requests_stream, config.group, config.consumer,
-                                config.dead_letter_stream, config.claim_idle_ms, config.max_deliveries)
+        self.reader = JobReader(redis, config)
         self.publisher = ReplyPublisher(redis, config.reply_ttl_s, config.consumer)
+        self.cancels = CancelRegistry(config.cancel_ttl_s)
         self.redis = redis
         # Enough queued work to keep the batcher full, no more.
         self.capacity = 2 * engine.config.scheduler.max_running_requests
-        self.serving: dict[str, asyncio.Task] = {}
+        self.held: dict[str, Held] = {}  # by entry id
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Serve until `stop` is set; then finish what is in hand within the grace period
-        and leave the rest pending, for another worker to continue."""
-        await _retrying(self.reader.ensure_group)
+    async def run(self, stop: asyncio.Event) -> list[str]:
+        """Serve until `stop` is set; then finish what is in hand within the grace period.
+        Returns the ids of the requests left pending, for another worker to continue."""
+        if not await _unless_stopped(stop, self._prepare):
+            return []
         async with self.front:
-            control = asyncio.create_task(self._follow_control(stop), name="control")
-            lag = asyncio.create_task(self._poll_ingest_lag(stop), name="ingest-lag")
-            while not stop.is_set():
-                room = self.capacity - len(self.serving)
-                if room <= 0:
-                    await asyncio.wait(list(self.serving.values()), return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                entries = await _retrying(lambda: self.reader.read(room, self.config.block_ms))
-                for entry in entries:
-                    await self._start(entry)
-            if self.serving:
-                _, unfinished = await asyncio.wait(list(self.serving.values()), timeout=self.config.shutdown_grace_s)
-                for task in unfinished:
-                    task.cancel()  # no final event, no ack: the entry stays pending
-                if unfinished:
-                    await asyncio.wait(unfinished)
-                while self.front.engine.has_unfinished():  # the engine drops what was cancelled
-                    await asyncio.sleep(0.01)
-            control.cancel()
-            lag.cancel()
-
-    async def _follow_control(self, stop: asyncio.Event) -> None:
-        last = "$"  # only what is sent from now on
-        while not stop.is_set():
-            reply = await _retrying(lambda: self.redis.xread({self.config.control_stream: last},
-                                                             block=self.config.block_ms))
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    request_id = fields.get(b"id", b"").decode(errors="replace")
-                    if fields.get(b"type") == b"cancel" and request_id in self.serving:
-                        self.front.cancel(request_id)
-
-    async def _poll_ingest_lag(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+            background = [asyncio.create_task(self._follow_control(), name="control"),
+                          asyncio.create_task(self._renew_leases(), name="leases"),
+                          asyncio.create_task(self._housekeeping(), name="housekeeping")]
             try:
-                await self.metrics.poll_ingest(self.redis, self.config.requests_stream, self.config.group,
-                                               self.config.dead_letter_stream)
-            except RedisError as error:  # the gauges keep their last values; the serving path logs outages
-                log.debug("ingest_lag_poll_failed", error=str(error))
-            await asyncio.sleep(self.ingest_poll_s)
+                await self._claim_until(stop)
+                return await self._drain()
+            finally:
+                for task in background:
+                    task.cancel()
+                await asyncio.wait(background, timeout=WIND_DOWN_S)
 
-    async def _start(self, entry: Entry) -> None:
+    async def _prepare(self) -> bool:
+        await self.reader.ensure_group()
+        await self._load_cancels()
+        return True
+
+    async def _claim_until(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            room = self.capacity - len(self.held)
+            if room <= 0:
+                stopping = asyncio.create_task(stop.wait())
+                await asyncio.wait([stopping, *(h.task for h in self.held.values())],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                continue
+            entries = await _unless_stopped(stop, lambda: self.reader.read(room, self.config.block_ms, self.held))
+            if entries and not await _unless_stopped(stop, self._catch_up_cancels):
+                return  # read but not started: they stay pending, for a restart or another worker
+            for entry in entries or ():
+                self._hold(entry)
+
+    async def _drain(self) -> list[str]:
+        """Give what is held `shutdown_grace_s` to finish; cancel the rest (no final event,
+        no ack: it stays pending) and return the request ids left."""
+        tasks = [held.task for held in self.held.values()]
+        left = []
+        if tasks:
+            _, unfinished = await asyncio.wait(tasks, timeout=self.config.shutdown_grace_s)
+            left = sorted(held.request_id or entry_id for entry_id, held in self.held.items()
+                          if held.task in unfinished)
+            for task in unfinished:
+                task.cancel()
+            if unfinished:
+                await asyncio.wait(unfinished, timeout=WIND_DOWN_S)
+        deadline = asyncio.get_running_loop().time() + WIND_DOWN_S
+        while self.front.engine.has_unfinished() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)  # the engine drops what was cancelled on its next step
+        return left
+
+    # -- one job -----------------------------------------------------------------------
+
+    def _hold(self, entry: Entry) -> None:
+        task = asyncio.create_task(self._handle(entry), name=f"job-{entry.entry_id}")
+        self.held[entry.entry_id] = Held(task)
+        task.add_done_callback(lambda done: self._release(entry.entry_id, done))
+
+    def _release(self, entry_id: str, task: asyncio.Task) -> None:
+        self.held.pop(entry_id, None)
+        if not task.cancelled() and task.exception() is not None:  # never silently
+            log.error("job_task_failed", entry_id=entry_id, exc_info=task.exception())
+
+    async def _handle(self, entry: Entry) -> None:
         try:
-            if entry.deliveries > self.config.max_deliveries:
-                raise ProtocolError("too_many_deliveries", f"delivered {entry.deliveries} times")
-            job = decode_job(entry.entry_id, entry.fields)
-            if job.request_id in self.serving:
-                raise ProtocolError("duplicate_id", f"request id {job.request_id!r} is already being served")
+            job = decode_job(entry.entry_id, entry.fields, self.config.reply_prefixes)
         except ProtocolError as error:
-            self.metrics.observe_outcome("rejected")
             await self._reject(entry, error.code, error.message, error.reply_to, request_id=error.request_id)
             return
-        task = asyncio.create_task(self._serve(entry, job), name=f"serve-{job.request_id}")
-        self.serving[job.request_id] = task
-        task.add_done_callback(lambda _: self.serving.pop(job.request_id, None))
-
-    async def _serve(self, entry: Entry, job) -> None:
+        self.held[entry.entry_id].request_id = job.request_id
         bind_request(job.request_id, job.priority)  # this task's context only
-        deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
-        prompt, params, seq, carried = job.prompt, job.params, 0, 0
-        if entry.deliveries > 1:  # taken over: go on from what is already published
-            published, finished = await _retrying(lambda: self.publisher.published(job.reply_to))
-            if finished:
-                await _retrying(lambda: self.reader.ack(entry.entry_id))
-                return
-            if published:
-                seq = carried = len(published)
-                if seq >= params.max_tokens:
-                    await self._finish_length(entry, job, seq)
-                    return
-                tokenizer = self.front.engine.tokenizer
-                base = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
-                    encode_prompt(tokenizer, prompt)
-                prompt = list(base) + published
-                params = replace(params, max_tokens=params.max_tokens - seq)
         try:
-            stream = self.front.submit(prompt, params, job.request_id, job.priority, deadline)
-        except InvalidRequest as error:
-            self.metrics.observe_outcome("rejected")
-            await self._reject(entry, "duplicate_id", str(error), job.reply_to)
-            return
-        try:
-            await self._publish(entry, job, stream, seq, carried)
-        except asyncio.CancelledError:
-            self.front.cancel(job.request_id)  # shutting down: free its place in the engine
-            raise
+            await self._serve(entry, job)
+        except LeaseLost:
+            log.warning("lease_lost", entry_id=entry.entry_id)  # another worker serves it now
+        except RedisError as error:
+            if is_transient(error):
+                raise
+            log.error("job_redis_error", entry_id=entry.entry_id, error=str(error))
+            await self._reject(entry, "redis_error", str(error), None, request_id=job.request_id)
+        finally:
+            if self.held[entry.entry_id].submitted:
+                self.front.cancel(entry.entry_id)  # a no-op once it has finished
 
-    async def _publish(self, entry: Entry, job, stream, seq: int, carried: int) -> None:
+    async def _serve(self, entry: Entry, job: Job) -> None:
+        claim = await retrying(lambda: self.publisher.claim(job.reply_to, entry.entry_id))
+        if not claim.owned:
+            await self._reject(entry, "duplicate_id", f"{job.reply_to} already holds another job's replies "
+                               "(request ids are unique while their reply stream lives)", None,
+                               request_id=job.request_id)
+            return
+        if claim.finished:  # a worker wrote the final event, then died before acking
+            await retrying(lambda: self.reader.ack(entry.entry_id))
+            return
+        seq = len(claim.token_ids)
+        if entry.deliveries > self.config.max_deliveries:
+            await self._reject(entry, "too_many_deliveries", f"delivered {entry.deliveries} times", job.reply_to,
+                               seq, claimed=True)
+            return
+        if self.cancels.cancels(job.request_id, entry.entry_id):
+            await self._finish_unrun(entry, job, FinishReason.CANCELLED, seq)
+            return
+        if seq >= job.params.max_tokens:  # every token was published before the takeover
+            await self._finish_unrun(entry, job, FinishReason.LENGTH, seq)
+            return
+        prompt, params = job.prompt, job.params
+        if seq:  # taken over: go on from what is already published
+            tokenizer = self.front.engine.tokenizer
+            base = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
+                encode_prompt(tokenizer, prompt)
+            prompt = list(base) + claim.token_ids
+            params = replace(params, max_tokens=params.max_tokens - seq)
+        deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
+        stream = self.front.submit(prompt, params, entry.entry_id, job.priority, deadline)
+        self.held[entry.entry_id].submitted = True
+        await self._publish(entry, job, stream, seq)
+
+    async def _publish(self, entry: Entry, job: Job, stream, seq: int) -> None:
+        carried = seq
         output: list[str] | None = [] if self.log_prompts else None
         async for event in stream:
             if isinstance(event, FinalEvent):
                 self.metrics.observe_finished(event)
                 if output is not None:
                     output.append(event.text)
-                if output is None:
-                    log_request_finished(log, event)
-                else:
                     log_request_finished(log, event, prompt=job.prompt, output="".join(output))
+                else:
+                    log_request_finished(log, event)
                 if event.error:
                     code = "internal_error" if event.error.startswith("model step failed") else "invalid_request"
-                    await self._reject(entry, code, event.error, job.reply_to, seq)
+                    await self._reject(entry, code, event.error, job.reply_to, seq, claimed=True)
                     return
                 if carried:  # usage counts the whole request, not only this worker's part
                     usage = event.usage
                     event = replace(event, usage=Usage(usage.prompt_tokens - carried, usage.completion_tokens + carried))
-                await self.publisher.done(job.reply_to, event, seq)
-                await _retrying(lambda: self.reader.ack(entry.entry_id))
+                await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, seq))
+                await retrying(lambda: self.reader.ack(entry.entry_id))
                 return
-            await self.publisher.token(job.reply_to, seq, event.text, event.token_ids)
+            await retrying(lambda: self.publisher.token(job.reply_to, entry.entry_id, seq, event.text, event.token_ids))
             if output is not None:
                 output.append(event.text)
             seq += 1
 
-    async def _finish_length(self, entry: Entry, job, completion_tokens: int) -> None:
-        """Every token was published before the takeover; only the final event is missing."""
-        event = FinalEvent(job.request_id, FinishReason.LENGTH, Usage(0, completion_tokens), Timings(0.0, None, 0.0, ()))
-        self.metrics.observe_outcome(FinishReason.LENGTH.value)  # no timings: they were the first worker's
-        log.info("request_finished", finish_reason=FinishReason.LENGTH.value, completion_tokens=completion_tokens,
-                 taken_over=True)
-        await self.publisher.done(job.reply_to, event, completion_tokens)
-        await _retrying(lambda: self.reader.ack(entry.entry_id))
+    async def _finish_unrun(self, entry: Entry, job: Job, reason: FinishReason, num_tokens: int) -> None:
+        """The final event of a job that needs no model step: cancelled before it ran, or
+        taken over with every token already published."""
+        event = FinalEvent(job.request_id, reason, Usage(0, num_tokens), Timings(0.0, None, 0.0, ()))
+        self.metrics.observe_outcome(reason.value)
+        log.info("request_finished", finish_reason=reason.value, completion_tokens=num_tokens, ran=False)
+        await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, num_tokens))
+        await retrying(lambda: self.reader.ack(entry.entry_id))
 
     async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None, num_tokens: int = 0,
-                      request_id: str | None = None) -> None:
+                      request_id: str | None = None, claimed: bool = False) -> None:
+        """Dead-letter the entry; first tell its producer on `reply_to`, if this job may
+        write there (`claimed`, or it can claim the stream now)."""
         log.warning("job_dead_lettered", code=code, message=message, entry_id=entry.entry_id,
                     deliveries=entry.deliveries, **({"request_id": request_id} if request_id else {}))
+        if code not in ENGINE_ERRORS:  # the engine's own errors are counted as it ends them
+            self.metrics.observe_outcome("rejected")
         self.metrics.observe_dead_letter(code)
         if reply_to:
-            await self.publisher.error(reply_to, code, message, num_tokens)
-        await _retrying(lambda: self.reader.dead_letter(entry, code, message))
+            try:
+                if claimed or (await retrying(lambda: self.publisher.claim(reply_to, entry.entry_id))).owned:
+                    await retrying(lambda: self.publisher.error(reply_to, entry.entry_id, code, message, num_tokens))
+            except (LeaseLost, RedisError) as error:  # the dead letter still records it
+                if isinstance(error, RedisError) and is_transient(error):
+                    raise
+                log.warning("error_reply_failed", entry_id=entry.entry_id, error=str(error) or type(error).__name__)
+        await retrying(lambda: self.reader.dead_letter(entry, code, message))
+
+    # -- alongside the jobs ------------------------------------------------------------
+
+    async def _renew_leases(self) -> None:
+        """Keep every held entry's lease; stop serving those another worker took over."""
+        while True:
+            await asyncio.sleep(self.config.renew_interval_s)
+            if not self.held:
+                continue
+            try:
+                lost = await self.reader.renew(list(self.held))
+            except RedisError as error:  # the next tick tries again; jobs' own calls log outages
+                log.debug("lease_renewal_failed", error=str(error))
+                continue
+            for entry_id in lost:
+                held = self.held.get(entry_id)
+                if held is not None:
+                    log.warning("lease_lost", entry_id=entry_id, request_id=held.request_id)
+                    held.task.cancel()
+
+    async def _load_cancels(self) -> None:
+        """The cancels of the last `cancel_ttl_s`, from the control stream."""
+        start = self.cancels.window_start()
+        while entries := await self.redis.xrange(self.config.control_stream, min=start, count=1000):
+            self.cancels.add_entries(entries)
+            start = f"({self.cancels.last_id}"
+        self.cancels.last_id = max(self.cancels.last_id, self.cancels.window_start(), key=stream_id)
+
+    async def _catch_up_cancels(self) -> bool:
+        """Take in cancels sent up to now, before starting jobs just read."""
+        entries = await self.redis.xrange(self.config.control_stream, min=f"({self.cancels.last_id}")
+        self._apply_cancels(entries)
+        return True
+
+    async def _follow_control(self) -> None:
+        while True:
+            reply = await retrying(lambda: self.redis.xread({self.config.control_stream: self.cancels.last_id},
+                                                            block=self.config.block_ms, count=1000))
+            for _, entries in reply or []:
+                self._apply_cancels(entries)
+
+    def _apply_cancels(self, entries) -> None:
+        for request_id in self.cancels.add_entries(entries):
+            for entry_id, held in self.held.items():
+                if held.request_id == request_id and held.submitted and self.cancels.cancels(request_id, entry_id):
+                    self.front.cancel(entry_id)
+
+    async def _housekeeping(self) -> None:
+        """Every `ingest_poll_s`: the ingest-lag gauges, and the control stream trimmed to
+        what is remembered."""
+        while True:
+            try:
+                await self.metrics.poll_ingest(self.redis, self.config.requests_stream, self.config.group,
+                                               self.config.dead_letter_stream)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.xtrim(self.config.control_stream, minid=self.cancels.window_start(), approximate=True)
+                    pipe.xtrim(self.config.control_stream, maxlen=self.config.control_max_len, approximate=True)
+                    await pipe.execute()
+            except RedisError as error:  # the gauges keep their last values; the serving path logs outages
+                log.debug("housekeeping_failed", error=str(error))
+            self.cancels.forget_expired()
+            await asyncio.sleep(self.ingest_poll_s)
 
 
-async def _retrying(call):
-    """Run `call()` until Redis answers: a dropped connection or a restart is waited out
-    with backoff, while the engine goes on generating."""
-    delay = 0.05
-    while True:
-        try:
-            result = await call()
-        except AuthenticationError:
-            raise  # wrong credentials do not get better with time
-        except (ConnectionError, TimeoutError) as error:
-            if delay == 0.05:  # once per outage, not once per retry
-                log.warning("redis_unavailable", error=str(error) or type(error).__name__)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
-            continue
-        if delay > 0.05:
-            log.info("redis_recovered")
-        return result
-
+async def _unless_stopped(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | None:
+    """`retrying(call)`, given up (None) as soon as `stop` is set, so an outage never
+    holds a stop up."""
+    attempt = asyncio.create_task(retrying(call))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([attempt, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if attempt.done():
+        return attempt.result()
+    attempt.cancel()
+    await asyncio.wait([attempt], timeout=WIND_DOWN_S)
+    return None

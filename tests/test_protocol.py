@@ -39,8 +39,9 @@ def test_flat_fields_as_redis_cli_writes_them():
 
 def test_flat_messages_and_stop_are_json_or_a_single_stop_string():
     messages = [{"role": "user", "content": "Hi"}]
-    job = decode_job("1-0", flat(id="a", messages=json.dumps(messages), stop='["\\n", "END"]', reply_to="mine"))
-    assert (job.request_id, job.prompt, job.params.stop, job.reply_to) == ("a", messages, ("\n", "END"), "mine")
+    job = decode_job("1-0", flat(id="a", messages=json.dumps(messages), stop='["\\n", "END"]', reply_to="inflight:out:mine"))
+    assert (job.request_id, job.prompt, job.params.stop, job.reply_to) == ("a", messages, ("\n", "END"),
+                                                                           "inflight:out:mine")
     assert decode_job("1-0", flat(prompt="x", stop="END")).params.stop == ("END",)
 
 
@@ -92,6 +93,15 @@ def test_errors_name_the_request_and_its_reply_stream_when_they_can():
     with pytest.raises(ProtocolError) as caught:
         decode_job("4-0", flat(id="c", prompt="a", top_k=-1))
     assert (caught.value.request_id, caught.value.reply_to) == ("c", "inflight:out:{c}")
+
+
+@pytest.mark.parametrize("reply_to", ["inflight:requests", "inflight:control", "other:out:{d}", ""])
+def test_reply_to_is_confined_to_the_allowed_prefixes_and_the_error_is_not_sent_there(reply_to):
+    with pytest.raises(ProtocolError) as caught:
+        decode_job("5-0", flat(id="d", prompt="a", reply_to=reply_to))
+    assert caught.value.code == "invalid_field" and caught.value.reply_to is None
+    assert decode_job("5-0", flat(id="d", prompt="a", reply_to="other:out:{d}"),
+                      reply_prefixes=("inflight:out:", "other:out:")).reply_to == "other:out:{d}"
 
 
 _values = st.one_of(st.binary(max_size=40), st.text(max_size=40).map(str.encode),

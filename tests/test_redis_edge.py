@@ -10,8 +10,9 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from service.config import RedisConfig
 from service.ingest import JobReader
-from service.publish import ReplyPublisher
+from service.publish import LeaseLost, ReplyPublisher, owner_key
 from workers.request import FinalEvent, FinishReason, Timings, Usage
 
 
@@ -30,7 +31,8 @@ async def connect():
 def keys():
     """Fresh stream names for one test; deleted afterwards."""
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-    names = {"stream": f"{prefix}:requests", "dead": f"{prefix}:dead", "reply": f"{prefix}:out:{{r}}"}
+    names = {"stream": f"{prefix}:requests", "dead": f"{prefix}:dead", "reply": f"{prefix}:out:{{r}}",
+             "owner": f"{prefix}:out:{{r}}:owner"}
     yield names
 
     async def cleanup():
@@ -41,8 +43,9 @@ def keys():
     run(cleanup())
 
 
-def reader(client, keys, consumer="w1", claim_idle_ms=60_000, max_deliveries=3) -> JobReader:
-    return JobReader(client, keys["stream"], "inflight", consumer, keys["dead"], claim_idle_ms, max_deliveries)
+def reader(client, keys, consumer="w1", claim_idle_ms=60_000, **config) -> JobReader:
+    return JobReader(client, RedisConfig(requests_stream=keys["stream"], dead_letter_stream=keys["dead"],
+                                         consumer=consumer, claim_idle_ms=claim_idle_ms, **config))
 
 
 def test_two_consumers_split_entries_without_duplicates(keys):
@@ -123,25 +126,97 @@ def test_dead_letter_keeps_the_entry_and_why_and_acks_it(keys):
     assert pending["pending"] == 0
 
 
-def test_replies_are_numbered_idempotent_expire_and_a_successor_continues_the_numbering(keys):
+def test_held_entries_keep_their_lease_and_a_stopped_worker_loses_its_own(keys):
     async def main():
         client = await connect()
-        publisher = ReplyPublisher(client, ttl_s=120)
-        reply = keys["reply"]
-        assert await publisher.next_seq(reply) == 0
-        for seq, text in enumerate(["Hel", "lo"]):
-            await publisher.token(reply, seq, text, [seq])
-        successor_seq = await ReplyPublisher(client, ttl_s=120).next_seq(reply)
-        await publisher.token(reply, 1, "lo", [1])  # a retried write that had landed: no duplicate
-        final = FinalEvent("r", FinishReason.STOP, Usage(2, 2), Timings(0.0, 0.1, 0.2, (0.1, 0.2)))
-        await publisher.done(reply, final, num_tokens=2)
-        entries = await client.xrange(reply)
-        ttl = await client.ttl(reply)
+        a = reader(client, keys, "a", claim_idle_ms=300)
+        await a.ensure_group()
+        for i in range(2):
+            await client.xadd(keys["stream"], {"prompt": f"p{i}"})
+        renewed, abandoned = await a.read(2, block_ms=100)
+        b = reader(client, keys, "b", claim_idle_ms=300)
+        for _ in range(6):  # 600 ms: twice the lease, renewing one entry every 100 ms
+            await asyncio.sleep(0.1)
+            assert await a.renew([renewed.entry_id]) == []
+        claimed = await b.read(5, block_ms=100)
+        lost = await a.renew([renewed.entry_id, abandoned.entry_id])
+        own = await a.read(5, block_ms=100, held={renewed.entry_id})  # its own renewed entry is not new work
         await client.aclose()
-        return successor_seq, entries, ttl
+        return renewed, abandoned, claimed, lost, own
 
-    successor_seq, entries, ttl = run(main())
-    assert successor_seq == 2
+    renewed, abandoned, claimed, lost, own = run(main())
+    assert [e.entry_id for e in claimed] == [abandoned.entry_id]  # only the one nobody renewed
+    assert lost == [abandoned.entry_id]  # a learns it lost that one
+    assert own == []
+
+
+def test_an_acked_entry_is_deleted_and_dead_letters_are_capped(keys):
+    async def main():
+        client = await connect()
+        r = reader(client, keys, dead_letter_max_len=10)
+        await r.ensure_group()
+        for i in range(301):
+            await client.xadd(keys["stream"], {"prompt": f"p{i}"})
+        entries = await r.read(301, block_ms=100)
+        await r.ack(entries[0].entry_id)
+        for entry in entries[1:]:
+            await r.dead_letter(entry, "invalid_field", "bad")
+        left, dead = await client.xlen(keys["stream"]), await client.xlen(keys["dead"])
+        await client.aclose()
+        return left, dead
+
+    left, dead = run(main())
+    assert left == 0  # no finished prompt stays in Redis
+    assert dead < 300  # trimmed (approximately: whole nodes of about 100 entries at a time)
+
+
+def test_replies_are_numbered_idempotent_fenced_and_expire(keys):
+    async def main():
+        client = await connect()
+        first, second = ReplyPublisher(client, ttl_s=120, worker="a"), ReplyPublisher(client, ttl_s=120, worker="b")
+        reply = keys["reply"]
+        claim = await first.claim(reply, "1-1")
+        for seq, text in enumerate(["Hel", "lo"]):
+            await first.token(reply, "1-1", seq, text, [seq])
+        await first.token(reply, "1-1", 1, "lo", [1])  # a retried write that had landed: no duplicate
+        duplicate = await second.claim(reply, "2-2")  # another job with the same reply stream
+        takeover = await second.claim(reply, "1-1")  # the same job, taken over
+        try:
+            await first.token(reply, "1-1", 2, "!", [2])
+            fenced = False
+        except LeaseLost:
+            fenced = True
+        final = FinalEvent("r", FinishReason.STOP, Usage(2, 2), Timings(0.0, 0.1, 0.2, (0.1, 0.2)))
+        await second.done(reply, "1-1", final, num_tokens=2)
+        again = await ReplyPublisher(client, ttl_s=120, worker="c").claim(reply, "1-1")
+        entries = await client.xrange(reply)
+        ttls = await client.ttl(reply), await client.ttl(owner_key(reply))
+        await client.aclose()
+        return claim, duplicate, takeover, fenced, again, entries, ttls
+
+    claim, duplicate, takeover, fenced, again, entries, ttls = run(main())
+    assert claim.owned and claim.token_ids == [] and not claim.finished
+    assert not duplicate.owned
+    assert takeover.owned and takeover.token_ids == [0, 1] and not takeover.finished
+    assert fenced  # the first worker lost the stream and cannot write to it
+    assert again.owned and again.finished
     assert [f[b"type"] for _, f in entries] == [b"token", b"token", b"done"]
     assert [msgpack.unpackb(f[b"data"]).get("seq") for _, f in entries[:2]] == [0, 1]
-    assert 0 < ttl <= 120
+    assert entries[-1][1][b"worker"] == b"b"
+    assert all(0 < ttl <= 120 for ttl in ttls)
+
+
+def test_a_reply_stream_that_is_not_a_stream_is_a_redis_error(keys):
+    from redis.exceptions import ResponseError
+
+    async def main():
+        client = await connect()
+        await client.set(keys["reply"], "not a stream")
+        try:
+            await ReplyPublisher(client, ttl_s=120).claim(keys["reply"], "1-1")
+        except ResponseError as error:
+            return str(error)
+        finally:
+            await client.aclose()
+
+    assert "WRONGTYPE" in run(main())
