@@ -29,8 +29,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -122,17 +120,9 @@ def _worker_argv(url: str, args: argparse.Namespace) -> list[str]:
     argv = ["--redis-url", url, "--kv-memory-mb", str(args.soak_kv_memory_mb), "--swap-memory-mb", "64",
             "--max-running-requests", "8", "--threads", str(threads), "--dtype", args.dtype, "--ingest-poll-s", "1",
             *(["--model", args.model] if args.model else [])]
+    # Reply streams and remembered cancels expire within the run, so Redis's memory can be read after.
     ttl = str(args.soak_reply_ttl_s)
-    known = _worker_flags()
-    for flag in ("--reply-ttl-s", "--cancel-ttl-s"):  # the queue contract of issue 12
-        if flag in known:
-            argv += [flag, ttl]
-    return argv
-
-
-def _worker_flags() -> str:
-    return subprocess.run([sys.executable, "-m", "service.cli", "worker", "--help"], capture_output=True,
-                          text=True, check=True).stdout
+    return argv + ["--reply-ttl-s", ttl, "--cancel-ttl-s", ttl]
 
 
 @dataclass
