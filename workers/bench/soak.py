@@ -336,8 +336,9 @@ class _Soak:
 
     # -- the figures ---------------------------------------------------------------------
 
-    async def _used_memory(self) -> int:
-        return (await _retrying(lambda: self.client.info("memory")))["used_memory"]
+    async def _used_memory(self) -> dict:
+        info = await _retrying(lambda: self.client.info("memory"))
+        return {k: info[k] for k in ("used_memory", "used_memory_dataset", "used_memory_overhead", "used_memory_scripts")}
 
     async def _keys_left(self) -> dict:
         """What Redis still holds, by key pattern (a request id's hash tag as `{*}`)."""
@@ -414,8 +415,11 @@ class _Soak:
             "workers_alive_at_end": alive,
             "rss_kb": {"worker": self.survivor.name, "after_warmup": rss_warm, "end": rss_end,
                        "growth": rss_end / rss_warm - 1},
-            "redis_used_memory": {"before": memory_before, "after": memory_after,
-                                  "growth_bytes": memory_after - memory_before, "keys_left": keys_left},
+            # The keys' share (dataset) apart from the server's own (clients, scripts, buffers).
+            "redis_used_memory": {"before": memory_before["used_memory"], "after": memory_after["used_memory"],
+                                  "growth_bytes": memory_after["used_memory"] - memory_before["used_memory"],
+                                  "dataset_growth_bytes": memory_after["used_memory_dataset"] - memory_before["used_memory_dataset"],
+                                  "info_before": memory_before, "info_after": memory_after, "keys_left": keys_left},
         }
         figures["checks"] = {
             "no_job_lost": figures["jobs"]["lost"] == 0,
@@ -423,7 +427,7 @@ class _Soak:
             "resumed_within_3s": bool(resumed) and len(waits) == len(resumed) and max(waits) <= TARGET_RESUME_S,
             "no_kv_block_leaked": all(v == 0 for v in kv_in_use.values()),
             "rss_growth_under_5pct": figures["rss_kb"]["growth"] < TARGET_RSS_GROWTH,
-            "redis_memory_flat": figures["redis_used_memory"]["growth_bytes"] < FLAT_REDIS_BYTES,
+            "redis_memory_flat": figures["redis_used_memory"]["dataset_growth_bytes"] < FLAT_REDIS_BYTES,
             "malformed_all_dead_lettered": figures["malformed"]["without_dead_letter"] == 0,
             "workers_up": all(alive.values()),
         }
@@ -447,8 +451,8 @@ def format_table(figures: dict) -> str:
         ("KV blocks in use when idle", str(figures["kv_blocks_in_use_at_end"]), "0", "no_kv_block_leaked"),
         ("RSS growth after warm-up", f"{rss['growth']:+.1%} ({rss['after_warmup']} -> {rss['end']} kB)", "< 5%",
          "rss_growth_under_5pct"),
-        ("Redis used_memory", f"{memory['before']} -> {memory['after']} B ({memory['growth_bytes']:+d})", "flat",
-         "redis_memory_flat"),
+        ("Redis used_memory", f"{memory['before']} -> {memory['after']} B ({memory['growth_bytes']:+d}; dataset "
+         f"{memory['dataset_growth_bytes']:+d}; keys left {sorted(memory['keys_left'])})", "flat", "redis_memory_flat"),
         ("malformed without dead letter", f"{figures['malformed']['without_dead_letter']} of {figures['malformed']['sent']}",
          "0", "malformed_all_dead_lettered"),
     ]
