@@ -299,6 +299,7 @@ class _Soak:
     async def _chaos(self, started: float, duration: float) -> None:
         await _sleep_until(started + self.args.soak_warmup_s)
         self.chaos["rss_warm_kb"] = self.survivor.rss_kb()
+        sampler = asyncio.create_task(self._sample_rss(started + duration))
         await _sleep_until(started + REDIS_RESTART_AT * duration)
         down = time.monotonic()
         await asyncio.to_thread(self.server.stop)
@@ -308,6 +309,15 @@ class _Soak:
         await _sleep_until(started + WORKER_KILL_AT * duration)
         self.chaos["worker_kill_at_s"] = time.monotonic() - started
         await self._kill_and_restart(self.killed_worker)
+        await sampler
+
+    async def _sample_rss(self, until: float) -> None:
+        """The survivor's RSS through the run: does it level off or keep growing?"""
+        self.rss_samples: list[tuple[float, int]] = []
+        start = time.monotonic()
+        while time.monotonic() < until:
+            self.rss_samples.append((round(time.monotonic() - start), self.survivor.rss_kb()))
+            await asyncio.sleep(max(1.0, (until - start) / 20))
 
     async def _kill_and_restart(self, worker: WorkerProcess) -> None:
         """SIGKILL the worker while it streams; note where each of its streams stood."""
@@ -370,10 +380,13 @@ class _Soak:
         cancels_ended = Counter(job.cancelled_when for job in jobs if job.cancelled_when and job.final
                                 and job.final.get("finish_reason") == "cancelled")
 
-        resumed = []
+        resumed, per_stream = [], {}
         for key, mark in self.kill.get("streams", {}).items():
-            later = [at for entry, _, at in self.jobs[key].events if entry > mark]
+            job = self.jobs[key]
+            later = [at for entry, _, at in job.events if entry > mark]
             resumed.append(later[0] - self.kill["at"] if later else None)
+            per_stream[job.request_id] = {"next_token_s": resumed[-1],
+                                          "finished_by": (job.final or {}).get("worker")}
         waits = [s for s in resumed if s is not None]
 
         malformed_codes = {entry: self.dead.get(entry) for entry in self.malformed}
@@ -406,6 +419,7 @@ class _Soak:
                 "not_resumed": len(resumed) - len(waits),
                 "next_token_p50_s": percentile(waits, 50) if waits else None,
                 "next_token_max_s": max(waits) if waits else None,
+                "per_stream": per_stream,
                 "worker_restart_s": self.chaos.get("worker_restart_s"),
                 "at_s": self.chaos.get("worker_kill_at_s"),
             },
@@ -414,7 +428,7 @@ class _Soak:
             "kv_blocks_in_use_at_end": kv_in_use,
             "workers_alive_at_end": alive,
             "rss_kb": {"worker": self.survivor.name, "after_warmup": rss_warm, "end": rss_end,
-                       "growth": rss_end / rss_warm - 1},
+                       "growth": rss_end / rss_warm - 1, "samples_after_warmup_s_kb": self.rss_samples},
             # The keys' share (dataset) apart from the server's own (clients, scripts, buffers).
             "redis_used_memory": {"before": memory_before["used_memory"], "after": memory_after["used_memory"],
                                   "growth_bytes": memory_after["used_memory"] - memory_before["used_memory"],
