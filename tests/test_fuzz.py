@@ -7,8 +7,8 @@ junk). An entry the protocol would accept is drawn again: every random entry mus
 on the dead-letter stream with a code. One entry in fifty is a good job (`max_tokens`
 1-4), which must still complete, seqs exact. The worker must stay up throughout.
 
-`INFLIGHT_FUZZ_ENTRIES` sets the count (the CI default is below; the issue's 10,000 is
-`INFLIGHT_FUZZ_ENTRIES=10000`) and `INFLIGHT_FUZZ_SEED` the seed.
+`INFLIGHT_FUZZ_ENTRIES` sets the count (default: the issue's 10,000) and
+`INFLIGHT_FUZZ_SEED` the seed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from workers.bench.processes import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.slow
 
-ENTRIES = int(os.environ.get("INFLIGHT_FUZZ_ENTRIES", "3000"))
+ENTRIES = int(os.environ.get("INFLIGHT_FUZZ_ENTRIES", "10000"))
 SEED = int(os.environ.get("INFLIGHT_FUZZ_SEED", "12"))
 GOOD_EVERY = 50
 STALL_S = 30
