@@ -1,8 +1,9 @@
 """Cancellation anywhere: what the control stream has asked to cancel, remembered.
 
 A producer cancels with `XADD inflight:control * type cancel id <request id>`. The cancel
-applies to every job with that id whose request entry is older than the cancel entry
-(both ids are times on one Redis clock), wherever the job is: running or queued in a
+applies to every job with that id whose request entry is not newer than the cancel entry
+(both ids are times on one Redis clock, in milliseconds: a job submitted in the same
+millisecond as the cancel counts as before it), wherever the job is: running or queued in a
 worker, waiting in the stream, in the middle of a takeover, or not yet read by any worker.
 A job submitted after the cancel is not affected.
 
@@ -47,9 +48,10 @@ class CancelRegistry:
         return cancelled
 
     def cancels(self, request_id: str, job_entry_id: str) -> bool:
-        """Whether a cancel sent after this job was submitted is remembered."""
+        """Whether a cancel sent after this job was submitted (or in the same
+        millisecond) is remembered."""
         cancel = self._cancels.get(request_id)
-        return cancel is not None and stream_id(job_entry_id) < cancel
+        return cancel is not None and stream_id(job_entry_id)[0] <= cancel[0]
 
     def forget_expired(self, now_s: float | None = None) -> None:
         oldest = stream_id(self.window_start(now_s))

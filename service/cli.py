@@ -189,7 +189,10 @@ async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) 
         log.error("redis_credentials_refused", redis=_redacted(config.url), error=str(error))
         return EXIT_CREDENTIALS
     finally:
-        await client.aclose()
+        try:  # closing waits on the sockets: bounded, in case Redis is unreachable
+            await asyncio.wait_for(client.aclose(), timeout=2)
+        except (asyncio.TimeoutError, OSError):
+            pass
         if server is not None:
             server.shutdown()
         log.info("worker_stopped", consumer=config.consumer, drained=not left, pending=left)

@@ -52,8 +52,6 @@ from workers.request import FinalEvent, FinishReason, Timings, Usage
 log = structlog.get_logger("inflight.worker")
 
 T = TypeVar("T")
-# Dead-letter codes of requests the engine ended itself (`Metrics.observe_finished`).
-ENGINE_ERRORS = ("invalid_request", "internal_error")
 # How long cancelled tasks and the engine get to wind down once the grace period is over.
 WIND_DOWN_S = 2.0
 
@@ -155,6 +153,7 @@ class Worker:
         try:
             job = decode_job(entry.entry_id, entry.fields, self.config.reply_prefixes)
         except ProtocolError as error:
+            self.metrics.observe_outcome("rejected")
             await self._reject(entry, error.code, error.message, error.reply_to, request_id=error.request_id)
             return
         self.held[entry.entry_id].request_id = job.request_id
@@ -166,8 +165,10 @@ class Worker:
         except RedisError as error:
             if is_transient(error):
                 raise
-            log.error("job_redis_error", entry_id=entry.entry_id, error=str(error))
-            await self._reject(entry, "redis_error", str(error), None, request_id=job.request_id)
+            message = f"{type(error).__name__}: {error}"  # redis-py keeps the error's code in its class
+            log.error("job_redis_error", entry_id=entry.entry_id, error=message)
+            self.metrics.observe_outcome("rejected")
+            await self._reject(entry, "redis_error", message, None, request_id=job.request_id)
         finally:
             if self.held[entry.entry_id].submitted:
                 self.front.cancel(entry.entry_id)  # a no-op once it has finished
@@ -175,6 +176,7 @@ class Worker:
     async def _serve(self, entry: Entry, job: Job) -> None:
         claim = await retrying(lambda: self.publisher.claim(job.reply_to, entry.entry_id))
         if not claim.owned:
+            self.metrics.observe_outcome("rejected")
             await self._reject(entry, "duplicate_id", f"{job.reply_to} already holds another job's replies "
                                "(request ids are unique while their reply stream lives)", None,
                                request_id=job.request_id)
@@ -184,6 +186,7 @@ class Worker:
             return
         seq = len(claim.token_ids)
         if entry.deliveries > self.config.max_deliveries:
+            self.metrics.observe_outcome("rejected")
             await self._reject(entry, "too_many_deliveries", f"delivered {entry.deliveries} times", job.reply_to,
                                seq, claimed=True)
             return
@@ -246,8 +249,6 @@ class Worker:
         write there (`claimed`, or it can claim the stream now)."""
         log.warning("job_dead_lettered", code=code, message=message, entry_id=entry.entry_id,
                     deliveries=entry.deliveries, **({"request_id": request_id} if request_id else {}))
-        if code not in ENGINE_ERRORS:  # the engine's own errors are counted as it ends them
-            self.metrics.observe_outcome("rejected")
         self.metrics.observe_dead_letter(code)
         if reply_to:
             try:

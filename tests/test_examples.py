@@ -24,7 +24,7 @@ def worker_env():
     requests, dead = f"{prefix}:requests", f"{prefix}:dead"
     worker = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
-         requests, "--dead-letter-stream", dead, "--consumer", "examples-test", "--kv-memory-mb", "128",
+         requests, "--dead-letter-stream", dead, "--control-stream", f"{prefix}:control", "--consumer", "examples-test", "--kv-memory-mb", "128",
          "--swap-memory-mb", "16", "--metrics-port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -32,7 +32,7 @@ def worker_env():
     worker.kill()
     worker.wait()
     client = redis.Redis(host="127.0.0.1", port=6379)
-    client.delete(requests, dead, *client.keys("inflight:out:{shell-*"), *client.keys("inflight:out:{node-*"))
+    client.delete(requests, dead, f"{prefix}:control", *client.keys("inflight:out:{shell-*"), *client.keys("inflight:out:{node-*"))
     client.close()
 
 

@@ -162,6 +162,11 @@ def test_the_exposition_passes_promtool_check_metrics():
     assert result.returncode == 0 and not result.stdout and not result.stderr, result.stdout + result.stderr
 
 
+def private_streams(prefix: str) -> list[str]:
+    return ["--requests-stream", f"{prefix}:requests", "--dead-letter-stream", f"{prefix}:dead",
+            "--control-stream", f"{prefix}:control"]
+
+
 def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits():
     import json
     import socket
@@ -174,7 +179,7 @@ def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits():
         result = subprocess.run(
             [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--metrics-host", "127.0.0.1",
              "--metrics-port", str(port),
-             "--requests-stream", f"inflight:test:{uuid.uuid4().hex[:8]}:requests", "--log-format", "json"],
+             *private_streams(f"inflight:test:{uuid.uuid4().hex[:8]}"), "--log-format", "json"],
             capture_output=True, text=True, timeout=120,
         )
     assert result.returncode == 1

@@ -235,3 +235,171 @@ def test_the_sdk_submits_streams_and_cancels(make_engine):
     assert [e["type"] for e in answer] == ["token"] * (len(answer) - 1) + ["done"]
     assert "Paris" in "".join(e["text"] for e in answer)
     assert cancelled[-1]["type"] == "done" and cancelled[-1]["finish_reason"] == "cancelled"
+
+
+def run_worker(engine, config, scenario, before=None):
+    """Run a worker on `config` while `scenario(client)` plays (after `before(client)`,
+    if given, ran with no worker up); returns the scenario's result, the dead-letter
+    codes, the request stream's length and the ids the worker left, then deletes the
+    test's keys."""
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        if before is not None:
+            await before(client)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(engine, client, config).run(stop))
+        try:
+            result = await scenario(client)
+        finally:
+            stop.set()
+            left = await serving
+        dead = [fields[b"code"].decode() for _, fields in await client.xrange(config.dead_letter_stream)]
+        length = await client.xlen(config.requests_stream)
+        prefix = config.requests_stream.rsplit(":", 1)[0]
+        keys = [key async for key in client.scan_iter(match=f"*{prefix}*")]  # its streams, replies, owner keys
+        await client.delete(*keys)
+        await client.aclose()
+        return result, dead, length, left
+
+    return asyncio.run(main())
+
+
+def test_a_backlog_longer_than_the_lease_is_served_once_and_leaves_nothing_in_redis(make_engine):
+    """More jobs than the worker holds at once, for longer than `claim_idle_ms`: none is
+    mistaken for a dead worker's, every one completes once, and Redis keeps no prompt."""
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = stream_config(prefix, claim_idle_ms=300)
+    engine = make_engine(max_running_requests=2)  # holds 4 at a time
+
+    async def scenario(client):
+        ids = [f"{prefix}-{i}" for i in range(16)]
+        for request_id in ids:
+            await client.xadd(config.requests_stream, {"id": request_id, "prompt": "Count: 1, 2,", "max_tokens": "6",
+                                                       "ignore_eos": "true"})
+        return [await read_replies(client, f"inflight:out:{{{request_id}}}") for request_id in ids]
+
+    replies, dead, length, left = run_worker(engine, config, scenario)
+    for reply in replies:
+        assert [e["type"] for e in reply] == [b"token"] * 6 + [b"done"]
+        assert [int(e["seq"]) for e in reply[:-1]] == list(range(6))
+    assert dead == [] and length == 0 and left == []
+
+
+def test_a_cancel_sent_before_the_job_is_read_ends_it_without_running_it(make_engine):
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = stream_config(prefix)
+    engine = make_engine(max_running_requests=1)  # holds 2 at a time: the rest wait in the stream
+
+    early, queued = f"{prefix}-early", f"{prefix}-queued"
+
+    async def before(client):
+        await client.xadd(config.requests_stream, {"id": early, "prompt": "Count to a thousand:", "max_tokens": "500"})
+        await client.xadd(config.control_stream, {"type": "cancel", "id": early})  # before any worker started
+
+    async def scenario(client):
+        blockers = [f"{prefix}-busy{i}" for i in range(2)]
+        for request_id in blockers:
+            await client.xadd(config.requests_stream, {"id": request_id, "prompt": "Count:", "max_tokens": "40",
+                                                       "ignore_eos": "true"})
+        await client.xadd(config.requests_stream, {"id": queued, "prompt": "Count to a thousand:", "max_tokens": "500"})
+        await client.xadd(config.control_stream, {"type": "cancel", "id": queued})  # waiting in the backlog
+        await client.xadd(config.control_stream, {"type": "cancel", "id": f"{prefix}-unknown"})
+        return [await read_replies(client, f"inflight:out:{{{rid}}}") for rid in (early, queued, *blockers)]
+
+    (early, queued, *blockers), dead, length, _ = run_worker(engine, config, scenario, before)
+    for reply in (early, queued):
+        assert [e["type"] for e in reply] == [b"done"] and reply[0]["finish_reason"] == b"cancelled"
+    assert all(reply[-1]["finish_reason"] == b"length" for reply in blockers)  # cancels of other ids do nothing
+    assert dead == [] and length == 0
+
+
+def test_a_reused_id_is_a_duplicate_and_never_mixes_into_the_first_reply_stream(make_engine):
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = stream_config(prefix)
+    engine = make_engine()
+    job = {"id": f"{prefix}-same", "prompt": "The capital of France is", "max_tokens": "4", "ignore_eos": "true"}
+    reply_to = f"inflight:out:{{{prefix}-same}}"
+
+    async def scenario(client):
+        await client.xadd(config.requests_stream, job)
+        first = await read_replies(client, reply_to)
+        await client.xadd(config.requests_stream, job)  # sequentially, after the first finished
+        await client.xadd(config.requests_stream, {**job, "id": f"{prefix}-twin"})  # concurrently:
+        await client.xadd(config.requests_stream, {**job, "id": f"{prefix}-twin"})  # two at once
+        twin = await read_replies(client, f"inflight:out:{{{prefix}-twin}}")
+        while await client.xlen(config.requests_stream):
+            await asyncio.sleep(0.05)
+        return first, await client.xrange(reply_to), twin, await client.xrange(f"inflight:out:{{{prefix}-twin}}")
+
+    (first, after, twin, twin_after), dead, _, _ = run_worker(engine, config, scenario)
+    assert [e["type"] for e in first] == [b"token"] * 4 + [b"done"]
+    assert [fields for _, fields in after] == [{k.encode(): v for k, v in e.items()} for e in first]  # untouched
+    assert [fields[b"type"] for _, fields in twin_after] == [b"token"] * 4 + [b"done"]  # one job's, once
+    assert dead == ["duplicate_id", "duplicate_id"]
+
+
+def test_reply_to_outside_the_reply_prefix_is_refused_and_a_redis_error_fails_one_job(make_engine):
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = stream_config(prefix)
+    engine = make_engine()
+
+    async def scenario(client):
+        wrong_type = f"inflight:out:{{{prefix}-str}}"
+        await client.set(wrong_type, "a string, not a stream")
+        await client.xadd(config.requests_stream, {"id": f"{prefix}-loop", "prompt": "x",
+                                                   "reply_to": config.requests_stream})
+        await client.xadd(config.requests_stream, {"id": f"{prefix}-str", "prompt": "x", "reply_to": wrong_type})
+        await client.xadd(config.requests_stream, {"id": f"{prefix}-ok", "prompt": "Hi", "max_tokens": "3"})
+        ok = await read_replies(client, f"inflight:out:{{{prefix}-ok}}")
+        while await client.xlen(config.requests_stream):
+            await asyncio.sleep(0.05)
+        return ok, await client.get(wrong_type)
+
+    (ok, untouched), dead, length, _ = run_worker(engine, config, scenario)
+    assert ok[-1]["type"] == b"done"  # the worker kept serving
+    assert sorted(dead) == ["invalid_field", "redis_error"]
+    assert untouched == b"a string, not a stream" and length == 0
+
+
+def test_a_job_whose_reply_stream_is_forbidden_by_the_acl_fails_alone(make_engine, tmp_path):
+    """An ACL user that may not write one job's reply stream (NOPERM): that job is
+    dead-lettered as `redis_error`; the job beside it is served."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--user", "default", "off", "--user", "worker", "on", ">pw", "~inflight:requests", "~inflight:dead",
+         "~inflight:control", "~inflight:out:{ok-*", "&*", "+@all"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)
+    config = RedisConfig(url=f"redis://worker:pw@127.0.0.1:{port}", consumer="w1", block_ms=200)
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=port, username="worker", password="pw", socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(make_engine(), client, config).run(stop))
+        await client.xadd(config.requests_stream, {"id": "no-1", "prompt": "Hi", "max_tokens": "3"})
+        await client.xadd(config.requests_stream, {"id": "ok-1", "prompt": "Hi", "max_tokens": "3"})
+        ok = await read_replies(client, "inflight:out:{ok-1}")
+        while await client.xlen(config.requests_stream):
+            await asyncio.sleep(0.05)
+        dead = await client.xrange(config.dead_letter_stream)
+        stop.set()
+        await serving
+        await client.aclose()
+        return ok, dead
+
+    try:
+        ok, dead = asyncio.run(main())
+    finally:
+        server.kill()
+        server.wait()
+    assert ok[-1]["type"] == b"done"
+    [(_, record)] = dead
+    assert record[b"code"] == b"redis_error" and record[b"message"].startswith(b"NoPermissionError")
