@@ -66,7 +66,7 @@ WORDS = ("the", "sea", "river", "stone", "light", "a", "quiet", "city", "at", "n
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("soak scenario")
     group.add_argument("--soak-minutes", type=float, default=10.0, help="minutes of traffic (default: %(default)s)")
-    # The workers' allocators keep growing for the first minutes of this mix of shapes.
+    # A worker's RSS grows fastest in its first minutes of this traffic.
     group.add_argument("--soak-warmup-s", type=float, default=180.0,
                        help="RSS baseline taken this long into the traffic (default: %(default)s)")
     group.add_argument("--soak-concurrency", type=int, default=40,
