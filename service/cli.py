@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--redis-url", default=redis_defaults.url or embedded_url(redis_defaults.embedded_port),
                         help="default: $REDIS_URL, else the embedded server's address (%(default)s)")
     submit.add_argument("--requests-stream", default=redis_defaults.requests_stream)
+    submit.add_argument("--timeout-s", type=float, default=60.0,
+                        help="give up when no reply arrives for this long, e.g. no worker is running; 0 waits forever (default: %(default)s)")
 
     from workers.bench.main import add_arguments as add_bench_arguments
 
@@ -119,36 +121,58 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from service.sdk import SyncClient
+    from service.sdk import InflightError, SyncClient
 
     text = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
-    with SyncClient(args.redis_url, requests_stream=args.requests_stream) as client:
-        for event in client.generate(**text, max_tokens=args.max_tokens, temperature=args.temperature,
-                                     priority=args.priority):
-            if event["type"] == "token":
-                print(event["text"], end="", flush=True)
-            elif event["type"] == "done":
-                usage, timings = event["usage"], event["timings"]
-                first = timings["first_token_s"]
-                print(event["text"])
-                print(f"({event['finish_reason']}: {usage['completion_tokens']} tokens, first token "
-                      f"{'-' if first is None else f'{first * 1000:.0f} ms'}, total {timings['total_s']:.2f} s)",
-                      file=sys.stderr)
-            else:
-                print(f"error {event['code']}: {event['message']}", file=sys.stderr)
-                return 1
+    streaming = False  # whether the answer so far left the cursor mid-line
+    try:
+        with SyncClient(args.redis_url, requests_stream=args.requests_stream,
+                        reply_timeout_s=args.timeout_s or None) as client:
+            for event in client.generate(**text, max_tokens=args.max_tokens, temperature=args.temperature,
+                                         priority=args.priority):
+                if event["type"] == "token":
+                    print(event["text"], end="", flush=True)
+                    streaming = True
+                elif event["type"] == "done":
+                    usage, timings = event["usage"], event["timings"]
+                    first = timings["first_token_s"]
+                    print(event["text"])
+                    print(f"({event['finish_reason']}: {usage['completion_tokens']} tokens, first token "
+                          f"{'-' if first is None else f'{first * 1000:.0f} ms'}, total {timings['total_s']:.2f} s)",
+                          file=sys.stderr)
+                else:
+                    print(f"error {event['code']}: {event['message']}", file=sys.stderr)
+                    return 1
+    except InflightError as error:  # one line, not a traceback: the server went away or no worker answers
+        if streaming:
+            print(flush=True)
+        print(f"inflight submit: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     return 0
 
 
 async def _worker(args: argparse.Namespace) -> int:
     import contextlib
+    import os
 
-    from service.embedded import embedded_valkey
+    from service.embedded import EmbeddedServerError, embedded_valkey
 
     with contextlib.ExitStack() as stack:
-        url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
+        try:
+            url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
+        except EmbeddedServerError as error:
+            print(f"inflight worker: {error}", file=sys.stderr)
+            return 1
         config = redis_config_from_args(args, url)
-        return await _serve(args, config, embedded=not args.redis_url)
+        status = await _serve(args, config, embedded=not args.redis_url)
+    # Served, logged, and the embedded server stopped: exit now. The interpreter's own
+    # teardown (torch's) would add about a second to a stop bounded by the grace period.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) -> int:

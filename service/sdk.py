@@ -10,12 +10,25 @@
 
 Events are the reply entries' msgpack `data` maps: `{"type": "token", "seq", "text",
 "token_ids"}`, then one `{"type": "done", ...}` or `{"type": "error", "code", "message"}`.
+
+Errors: every method raises only the SDK's own exceptions, each with a one-line message
+fit to show a user (the redis-py error stays as its `__cause__`):
+
+    InflightError          the base; also any other error Redis answers with
+    ├─ ServerUnavailable   Redis cannot be reached, refused the credentials, stopped
+    │                      answering, or the connection was lost
+    └─ ReplyTimeout        no event for the request within `reply_timeout_s` (default
+                           60; None waits forever): no worker serves the stream, or it
+                           stopped; the job stays queued for the next worker
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from urllib.parse import urlsplit
 
 import msgpack
 import redis
@@ -24,6 +37,32 @@ import redis.asyncio as aioredis
 from service.protocol import CONTROL_STREAM, REQUESTS_STREAM, reply_stream
 
 FINAL_TYPES = ("done", "error")
+REPLY_TIMEOUT_S = 60.0
+
+
+class InflightError(Exception):
+    """The base of the SDK's errors."""
+
+
+class ServerUnavailable(InflightError):
+    """Redis cannot be reached, or the connection to it was lost."""
+
+
+class ReplyTimeout(InflightError):
+    """No event arrived for the request within `reply_timeout_s`; the job stays queued."""
+
+
+@contextlib.contextmanager
+def _translated(address: str) -> Iterator[None]:
+    """redis-py's errors as the SDK's, with a message that names the server."""
+    try:
+        yield
+    except redis.AuthenticationError as error:
+        raise ServerUnavailable(f"Redis at {address} refused the credentials: {error}") from error
+    except (redis.ConnectionError, redis.TimeoutError) as error:
+        raise ServerUnavailable(f"Redis at {address} is unavailable: {error}") from error
+    except redis.RedisError as error:
+        raise InflightError(f"Redis at {address}: {error}") from error
 
 
 def job_payload(prompt: str | None, messages: list[dict] | None, request_id: str, **options) -> dict:
@@ -43,32 +82,65 @@ def _replies(reply) -> Iterator[tuple[bytes, dict]]:
 
 
 class _Settings:
-    def __init__(self, redis_class, url: str, requests_stream: str, control_stream: str, block_ms: int) -> None:
-        # The socket timeout must outlast a blocking read.
-        self.redis = redis_class.from_url(url, socket_timeout=block_ms / 1000 + 30)
+    def __init__(self, redis_class, url: str, requests_stream: str, control_stream: str, block_ms: int,
+                 reply_timeout_s: float | None) -> None:
+        # The socket timeout outlasts a blocking read, and no more: a server that stops
+        # answering is noticed within seconds.
+        self.redis = redis_class.from_url(url, socket_timeout=block_ms / 1000 + 10, socket_connect_timeout=5)
+        self.address = urlsplit(url)._replace(netloc=urlsplit(url).netloc.rpartition("@")[2]).geturl()  # no password
         self.requests_stream = requests_stream
         self.control_stream = control_stream
         self.block_ms = block_ms
+        self.reply_timeout_s = reply_timeout_s
+
+    def _quiet_limit(self, request_id: str) -> _QuietLimit:
+        return _QuietLimit(self.reply_timeout_s, self.block_ms, request_id, f"{self.requests_stream} on {self.address}")
+
+
+class _QuietLimit:
+    """How long the next read may block, so that a wait with no event ends after `limit_s`."""
+
+    def __init__(self, limit_s: float | None, block_ms: int, request_id: str, served: str) -> None:
+        self.limit_s, self.block_ms, self.request_id, self.served = limit_s, block_ms, request_id, served
+        self.heard()
+
+    def heard(self) -> None:
+        self.since = time.monotonic()
+
+    def next_block_ms(self) -> int:
+        """The next read's BLOCK; raises ReplyTimeout once the wait is over."""
+        if self.limit_s is None:
+            return self.block_ms
+        left_ms = (self.since + self.limit_s - time.monotonic()) * 1000
+        if left_ms <= 0:
+            raise ReplyTimeout(f"no reply to request {self.request_id} within {self.limit_s:g} s: no worker is "
+                               f"serving {self.served}, or it stopped (the job stays queued)")
+        return max(1, min(self.block_ms, int(left_ms)))
 
 
 class Client(_Settings):
     def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
-                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000) -> None:
-        super().__init__(aioredis.Redis, url, requests_stream, control_stream, block_ms)
+                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000,
+                 reply_timeout_s: float | None = REPLY_TIMEOUT_S) -> None:
+        super().__init__(aioredis.Redis, url, requests_stream, control_stream, block_ms, reply_timeout_s)
 
     async def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      request_id: str | None = None, **options) -> str:
         """Queue a job; returns its request id. Options: max_tokens, temperature, top_p,
         top_k, seed, stop, ignore_eos, priority, deadline_ms, reply_to."""
         request_id = request_id or uuid.uuid4().hex
-        await self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))
+        with _translated(self.address):
+            await self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))
         return request_id
 
     async def events(self, request_id: str, reply_to: str | None = None) -> AsyncIterator[dict]:
         """The request's events in order, ending with its done or error event."""
-        key, last = reply_to or reply_stream(request_id), "0"
+        key, last, quiet = reply_to or reply_stream(request_id), "0", self._quiet_limit(request_id)
         while True:
-            for last, event in _replies(await self.redis.xread({key: last}, block=self.block_ms)):
+            with _translated(self.address):
+                reply = await self.redis.xread({key: last}, block=quiet.next_block_ms())
+            for last, event in _replies(reply):
+                quiet.heard()
                 yield event
                 if event["type"] in FINAL_TYPES:
                     return
@@ -79,7 +151,8 @@ class Client(_Settings):
             yield event
 
     async def cancel(self, request_id: str) -> None:
-        await self.redis.xadd(self.control_stream, {"type": "cancel", "id": request_id})
+        with _translated(self.address):
+            await self.redis.xadd(self.control_stream, {"type": "cancel", "id": request_id})
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -95,19 +168,24 @@ class SyncClient(_Settings):
     """The same, blocking."""
 
     def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
-                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000) -> None:
-        super().__init__(redis.Redis, url, requests_stream, control_stream, block_ms)
+                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000,
+                 reply_timeout_s: float | None = REPLY_TIMEOUT_S) -> None:
+        super().__init__(redis.Redis, url, requests_stream, control_stream, block_ms, reply_timeout_s)
 
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                request_id: str | None = None, **options) -> str:
         request_id = request_id or uuid.uuid4().hex
-        self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))
+        with _translated(self.address):
+            self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))
         return request_id
 
     def events(self, request_id: str, reply_to: str | None = None) -> Iterator[dict]:
-        key, last = reply_to or reply_stream(request_id), "0"
+        key, last, quiet = reply_to or reply_stream(request_id), "0", self._quiet_limit(request_id)
         while True:
-            for last, event in _replies(self.redis.xread({key: last}, block=self.block_ms)):
+            with _translated(self.address):
+                reply = self.redis.xread({key: last}, block=quiet.next_block_ms())
+            for last, event in _replies(reply):
+                quiet.heard()
                 yield event
                 if event["type"] in FINAL_TYPES:
                     return
@@ -117,7 +195,8 @@ class SyncClient(_Settings):
         yield from self.events(request_id, kwargs.get("reply_to"))
 
     def cancel(self, request_id: str) -> None:
-        self.redis.xadd(self.control_stream, {"type": "cancel", "id": request_id})
+        with _translated(self.address):
+            self.redis.xadd(self.control_stream, {"type": "cancel", "id": request_id})
 
     def close(self) -> None:
         self.redis.close()

@@ -52,8 +52,10 @@ from workers.request import FinalEvent, FinishReason, Timings, Usage
 log = structlog.get_logger("inflight.worker")
 
 T = TypeVar("T")
-# How long cancelled tasks and the engine get to wind down once the grace period is over.
-WIND_DOWN_S = 2.0
+# How long cancelled tasks and the engine get, in all, to wind down once the grace
+# period is over (cancelled tasks end at their next await; the engine drops their
+# requests on its next step).
+WIND_DOWN_S = 1.0
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Worker:
         # Enough queued work to keep the batcher full, no more.
         self.capacity = 2 * engine.config.scheduler.max_running_requests
         self.held: dict[str, Held] = {}  # by entry id
+        self._wind_down_until = 0.0  # set when the grace period ends
 
     async def run(self, stop: asyncio.Event) -> list[str]:
         """Serve until `stop` is set; then finish what is in hand within the grace period.
@@ -97,7 +100,7 @@ class Worker:
             finally:
                 for task in background:
                     task.cancel()
-                await asyncio.wait(background, timeout=WIND_DOWN_S)
+                await asyncio.wait(background, timeout=max(self._wind_down_left(), 0.1))
 
     async def _prepare(self) -> bool:
         await self.reader.ensure_group()
@@ -121,21 +124,24 @@ class Worker:
 
     async def _drain(self) -> list[str]:
         """Give what is held `shutdown_grace_s` to finish; cancel the rest (no final event,
-        no ack: it stays pending) and return the request ids left."""
+        no ack: it stays pending) and return the request ids left. Winding down after
+        the grace period takes at most `WIND_DOWN_S` in all."""
         tasks = [held.task for held in self.held.values()]
-        left = []
+        unfinished: set[asyncio.Task] = set()
         if tasks:
             _, unfinished = await asyncio.wait(tasks, timeout=self.config.shutdown_grace_s)
-            left = sorted(held.request_id or entry_id for entry_id, held in self.held.items()
-                          if held.task in unfinished)
-            for task in unfinished:
-                task.cancel()
-            if unfinished:
-                await asyncio.wait(unfinished, timeout=WIND_DOWN_S)
-        deadline = asyncio.get_running_loop().time() + WIND_DOWN_S
-        while self.front.engine.has_unfinished() and asyncio.get_running_loop().time() < deadline:
+        left = sorted(held.request_id or entry_id for entry_id, held in self.held.items() if held.task in unfinished)
+        for task in unfinished:
+            task.cancel()
+        self._wind_down_until = asyncio.get_running_loop().time() + WIND_DOWN_S
+        if unfinished:
+            await asyncio.wait(unfinished, timeout=self._wind_down_left())
+        while self.front.engine.has_unfinished() and self._wind_down_left() > 0:
             await asyncio.sleep(0.01)  # the engine drops what was cancelled on its next step
         return left
+
+    def _wind_down_left(self) -> float:
+        return max(0.0, self._wind_down_until - asyncio.get_running_loop().time())
 
     # -- one job -----------------------------------------------------------------------
 

@@ -5,20 +5,37 @@
 #   docs/examples/redis-cli.sh "The capital of France is"
 #
 # REDIS_URL defaults to the embedded server `make run` starts; INFLIGHT_REQUESTS names
-# the request stream (default inflight:requests).
+# the request stream (default inflight:requests). A server that cannot be reached or
+# goes away, or no reply for INFLIGHT_TIMEOUT_S seconds (default 60: no worker is
+# running), ends it with one line on stderr and exit status 1.
 set -euo pipefail
 url=${REDIS_URL:-redis://127.0.0.1:6399}
 requests=${INFLIGHT_REQUESTS:-inflight:requests}
+timeout_s=${INFLIGHT_TIMEOUT_S:-60}
 prompt=${1:-The capital of France is}
 id=${2:-shell-$(date +%s%N)}
-rcli() { redis-cli -u "$url" -2 --json "$@"; }
+errors=$(mktemp)
+trap 'rm -f "$errors"' EXIT
+# redis-cli, whose failure ends the script with one line that names the server
+# (without its password).
+rcli() {
+  redis-cli --no-auth-warning -u "$url" -2 --json "$@" 2>"$errors" && return
+  echo "Redis at ${url#*@} is unavailable: $(tail -n 1 "$errors")" >&2
+  exit 1
+}
 
 rcli XADD "$requests" '*' id "$id" prompt "$prompt" max_tokens 16 >/dev/null
 reply="inflight:out:{$id}"  # the default reply_to; {…} is a Redis Cluster hash tag
 last=0
+heard=$SECONDS
 while :; do
-  batch=$(rcli XREAD BLOCK 5000 STREAMS "$reply" "$last")
-  [ "$batch" = "null" ] && continue  # nothing new within 5 s
+  if ((SECONDS - heard >= timeout_s)); then
+    echo "no reply to $id within $timeout_s s: no worker is serving $requests, or it stopped (the job stays queued)" >&2
+    exit 1
+  fi
+  batch=$(rcli XREAD BLOCK 1000 STREAMS "$reply" "$last")
+  [ "$batch" = "null" ] && continue  # nothing new within 1 s
+  heard=$SECONDS
   # One JSON object per reply entry: its fields, plus its id.
   while read -r entry; do
     last=$(jq -r .id <<<"$entry")
