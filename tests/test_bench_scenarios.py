@@ -77,3 +77,20 @@ def test_redis_scenario_runs_the_workload_through_a_worker_process_and_in_proces
     # Both paths did the whole workload: every requested token arrived.
     expected = figures["workload"]["total_output_tokens"]
     assert [r["output_tokens"] for r in figures["rounds"]["redis"] + figures["rounds"]["inprocess"]] == [expected] * 2
+
+
+@pytest.mark.slow
+def test_soak_scenario_short_loses_nothing_through_a_redis_restart_and_a_worker_kill(tmp_path):
+    report = bench(tmp_path, "--scenario", "soak", "--soak-minutes", "0.5", "--soak-warmup-s", "6",
+                   "--soak-concurrency", "24", "--soak-max-tokens", "24", "--soak-reply-ttl-s", "10",
+                   "--soak-drain-s", "60", "--seed", "3")
+    soak = report["soak"]
+    assert soak["jobs"]["sent"] > 20 and soak["jobs"]["lost"] == 0
+    assert soak["seqs"] == {"duplicate": 0, "missing": 0, "events_after_final": 0, "usage_mismatch": 0}
+    assert soak["kv_blocks_in_use_at_end"] == {"w1": 0, "w2": 0}
+    assert all(state["requests_in_engine"] == 0 for state in soak["idle_at_end"].values())
+    assert soak["workers_alive_at_end"] == {"w1": True, "w2": True}
+    # The chaos happened: Redis came back, and the killed worker was streaming.
+    assert soak["redis_restart"]["down_s"] is not None and soak["kill"]["streams"] > 0
+    assert soak["kill"]["not_resumed"] == 0
+    assert soak["malformed"]["without_dead_letter"] == 0

@@ -1,9 +1,10 @@
 """`inflight bench`: the engine and its peers on one seeded workload, in one run.
 
 `--scenario` picks what is measured: `throughput` (the default, below), one of the
-scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, or `redis` (the Redis
-edge against in-process), each described in its own module (they run in this process
-and compare the engine with itself).
+scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `redis` (the Redis
+edge against in-process), or `soak` (minutes of mixed traffic on two worker processes,
+with a Redis restart and a worker killed), each described in its own module (they run
+in this process and compare the engine with itself).
 
 For `throughput`, the parent process only orchestrates: each system runs in its own child process
 (`python -m workers.bench --child JOB --out RESULT`) that loads the model itself, so
@@ -31,13 +32,13 @@ from pathlib import Path
 from service.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
-SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis")
+SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "soak")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from workers.bench import priority, scheduler_cost, storm, swap, through_redis
+    from workers.bench import priority, scheduler_cost, soak, storm, swap, through_redis
 
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
-    for scenario in (storm, priority, swap, scheduler_cost, through_redis):
+    for scenario in (storm, priority, swap, scheduler_cost, through_redis, soak):
         scenario.add_arguments(parser)
 
 
@@ -125,7 +126,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from workers.bench import priority, scheduler_cost, storm, swap, through_redis
+    from workers.bench import priority, scheduler_cost, soak, storm, swap, through_redis
     from workers.bench.report import write_json
 
     load_before = os.getloadavg()[0]
@@ -134,6 +135,8 @@ def run_scenario(args: argparse.Namespace) -> dict:
         figures = scheduler_cost.run(args)
     elif args.scenario == "redis":
         figures = through_redis.run(args)  # loads the model on its torch thread
+    elif args.scenario == "soak":
+        figures = soak.run(args)  # worker processes load the model
     else:
         from service.config import ModelConfig
         from workers.bench.workload import allowed_token_ids, special_token_ids

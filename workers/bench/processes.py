@@ -1,0 +1,134 @@
+"""Real processes for the load scenarios and tests: a private `redis-server` that can be
+stopped and started again on the same port and data, and `inflight worker` processes
+that can be killed and restarted under the same consumer name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RedisServer:
+    """A `redis-server` of our own on a free port, append-only file on, in `data_dir`."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / "redis.log", "a") as log:
+            self.process = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                 "--appendonly", "yes" if self.appendonly else "no", "--save", ""],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self._answers():  # also waits out loading the append-only file
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start: {(self.data_dir / 'redis.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """SIGTERM: Redis writes its append-only file out and exits."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=60)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as connection:
+                connection.sendall(b"PING\r\n")
+                return connection.recv(16).startswith(b"+PONG")  # -LOADING while it reads its file
+        except OSError:
+            return False
+
+
+class WorkerProcess:
+    """`python -m service.cli worker` under a fixed consumer name, logging to a file."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.metrics_port = free_port()
+        self.argv = [sys.executable, "-m", "service.cli", "worker", "--consumer", name,
+                     "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1", *argv]
+        self.log_path = Path(log_dir) / f"worker-{name}.log"
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def start(self) -> None:
+        self.starts += 1
+        with open(self.log_path, "a") as log:
+            log.write(f"--- start {self.starts}\n")
+            log.flush()
+            self.process = subprocess.Popen(self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until this start has logged `worker_started` (model loaded, serving)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            this_start = self.log_path.read_text(errors="replace").rsplit(f"--- start {self.starts}\n", 1)[-1]
+            if '"worker_started"' in this_start:
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {self.name} did not start:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def rss_kb(self) -> int:
+        """VmRSS from /proc: what the process holds in memory now."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError(f"no VmRSS for pid {self.pid}")
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """The worker's /metrics as {(name, sorted labels): value}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples}
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]

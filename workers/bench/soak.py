@@ -1,0 +1,515 @@
+"""`inflight bench --scenario soak`: mixed traffic on two worker processes for minutes,
+through a Redis that restarts and past a worker that is SIGKILLed, checked for loss.
+
+Setup: a private `redis-server` (append-only file on, in a temp dir) and two `inflight
+worker` processes, w1 and w2, on the default stream names. This process is the producer
+and reads every reply stream and the dead-letter stream as it goes. For `--soak-minutes`
+it keeps `--soak-concurrency` good jobs outstanding (more than both workers take, so a
+backlog waits in Redis): prompts of varied lengths, greedy and seeded sampling,
+priorities, flat and msgpack entries; a few are cancelled a moment after they are sent
+(while queued or running), and one entry in a hundred is malformed. Chaos, at fixed
+points: Redis is SIGTERMed (it writes its file out) and started again on the same port
+and directory; later w1 is SIGKILLed while it streams and restarted under its name.
+The producer and the readers ride the outage out with backoff; requests are added with
+explicit entry ids, so a retried XADD that had landed is refused, not doubled.
+
+Then it waits for every good job's final event, reads each worker's /metrics, waits the
+reply TTL out and reports: jobs lost, duplicate or missing seqs, time from the SIGKILL
+to the next token of each stream the killed worker was serving, KV blocks in use when
+idle, w2's RSS growth since the warm-up, Redis `used_memory` before and after, and the
+counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+
+from service.config import RedisConfig
+from service.protocol import reply_stream
+from service.sdk import job_payload
+from workers.bench.metrics import percentile
+from workers.bench.processes import RedisServer, WorkerProcess
+
+CONFIG = RedisConfig()
+CANCEL_FRACTION = 0.05
+MALFORMED_FRACTION = 0.01
+# When in the run the chaos strikes, as fractions of the traffic's duration.
+REDIS_RESTART_AT, WORKER_KILL_AT = 0.35, 0.6
+# A stream's events are still read this long after its final event: a second writer
+# would show up there.
+LINGER_S = 10.0
+TARGET_RESUME_S = 3.0
+TARGET_RSS_GROWTH = 0.05
+# What Redis may keep for good after the run: the request stream and the capped
+# dead-letter and control streams, no key of any one request.
+FLAT_REDIS_BYTES = 256 << 10
+WORDS = ("the", "sea", "river", "stone", "light", "a", "quiet", "city", "at", "night", "wind", "over", "old",
+         "roads", "and", "we", "remember", "how", "numbers", "count", "from", "one", "to", "ten", "while",
+         "birds", "sing", "in", "green", "fields", "under", "summer", "rain", "python", "code", "runs", "fast")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("soak scenario")
+    group.add_argument("--soak-minutes", type=float, default=10.0, help="minutes of traffic (default: %(default)s)")
+    # A worker's RSS grows fastest in its first minutes of this traffic.
+    group.add_argument("--soak-warmup-s", type=float, default=180.0,
+                       help="RSS baseline taken this long into the traffic (default: %(default)s)")
+    group.add_argument("--soak-concurrency", type=int, default=40,
+                       help="good jobs outstanding at once (default: %(default)s)")
+    group.add_argument("--soak-max-tokens", type=int, default=48, help="max_tokens drawn in 1..this (default: %(default)s)")
+    group.add_argument("--soak-reply-ttl-s", type=int, default=60,
+                       help="the workers' reply (and cancel) TTL; waited out before Redis memory is read (default: %(default)s)")
+    group.add_argument("--soak-drain-s", type=float, default=180.0,
+                       help="after the traffic, how long jobs may take to end before they count as lost (default: %(default)s)")
+    group.add_argument("--soak-kv-memory-mb", type=int, default=64, help="each worker's KV cache (default: %(default)s)")
+    group.add_argument("--soak-logs", type=Path, default=None, help="keep the workers' and Redis's logs in this folder")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import uvloop
+
+    duration = args.soak_minutes * 60
+    if not 0 < args.soak_warmup_s < REDIS_RESTART_AT * duration:
+        raise SystemExit(f"--soak-warmup-s must end before the Redis restart, {REDIS_RESTART_AT * duration:.0f} s in")
+    with tempfile.TemporaryDirectory(prefix="inflight-soak-") as tmp:
+        try:
+            report = uvloop.run(_run(args, Path(tmp), duration))
+        finally:
+            if args.soak_logs is not None:
+                args.soak_logs.mkdir(parents=True, exist_ok=True)
+                for log in Path(tmp).rglob("*.log"):
+                    shutil.copy(log, args.soak_logs / log.name)
+    print(format_table(report))
+    return report
+
+
+async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
+    server = RedisServer(tmp / "redis")
+    await asyncio.to_thread(server.start)
+    argv = _worker_argv(server.url, args)
+    workers = [WorkerProcess(name, argv, tmp) for name in ("w1", "w2")]
+    client = aioredis.Redis.from_url(server.url, socket_timeout=10)
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            await asyncio.to_thread(worker.wait_ready)
+        return await _Soak(client, server, workers, args).run(duration)
+    finally:
+        for worker in workers:
+            worker.stop()
+        await client.aclose()
+        server.stop()
+
+
+def _worker_argv(url: str, args: argparse.Namespace) -> list[str]:
+    threads = max(1, (os.cpu_count() or 2) // 2)  # two workers share the machine
+    argv = ["--redis-url", url, "--kv-memory-mb", str(args.soak_kv_memory_mb), "--swap-memory-mb", "64",
+            "--max-running-requests", "8", "--threads", str(threads), "--dtype", args.dtype, "--ingest-poll-s", "1",
+            *(["--model", args.model] if args.model else [])]
+    # Reply streams and remembered cancels expire within the run, so Redis's memory can be read after.
+    ttl = str(args.soak_reply_ttl_s)
+    return argv + ["--reply-ttl-s", ttl, "--cancel-ttl-s", ttl]
+
+
+@dataclass
+class _Job:
+    request_id: str
+    reply_to: str
+    entry_id: str = ""
+    # (reply entry id, event, arrival time here), in stream order.
+    events: list[tuple[tuple[int, int], dict, float]] = field(default_factory=list)
+    last_id: str = "0"
+    final: dict | None = None
+    final_at: float | None = None
+    cancelled_when: str | None = None  # queued, running or finished: when the cancel was sent
+
+    @property
+    def tokens(self) -> list[int]:
+        return [event["seq"] for _, event, _ in self.events if event["type"] == "token"]
+
+
+class _Soak:
+    def __init__(self, client, server: RedisServer, workers: list[WorkerProcess], args: argparse.Namespace) -> None:
+        self.client = client
+        self.server = server
+        self.killed_worker, self.survivor = workers
+        self.workers = workers
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.counter = itertools.count()
+        self.jobs: dict[str, _Job] = {}  # good jobs, by reply stream
+        self.by_entry: dict[str, _Job] = {}
+        self.open: set[str] = set()  # reply streams still read
+        self.malformed: dict[str, str] = {}  # entry id -> the code it should be dead-lettered with
+        self.dead: dict[str, str] = {}  # entry id -> code, from the dead-letter stream
+        self.reading = True
+        self.last_entry = (0, 0)
+        self.chaos: dict = {}
+        self.kill: dict = {}
+
+    async def run(self, duration: float) -> dict:
+        memory_before = await self._used_memory()
+        readers = [asyncio.create_task(self._read_replies()), asyncio.create_task(self._read_dead_letters())]
+        started = time.monotonic()
+        chaos = asyncio.create_task(self._chaos(started, duration))
+        await self._produce(started + duration)
+        await chaos
+        traffic_s = time.monotonic() - started
+        drain_deadline = time.monotonic() + self.args.soak_drain_s
+        while any(self.jobs[key].final is None for key in self.open) and time.monotonic() < drain_deadline:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(2)  # the workers' last steps and acks
+        idle = {worker.name: _engine_state(worker.metrics()) for worker in self.workers}
+        rss_end = self.survivor.rss_kb()
+        alive = {worker.name: worker.alive() for worker in self.workers}
+        await asyncio.sleep(self.args.soak_reply_ttl_s + 10)  # let every reply stream expire
+        memory_after = await self._used_memory()
+        keys_left = await self._keys_left()
+        self.reading = False
+        await asyncio.gather(*readers)
+        return self._report(traffic_s, idle, rss_end, alive, memory_before, memory_after, keys_left)
+
+    # -- traffic -------------------------------------------------------------------------
+
+    async def _produce(self, until: float) -> None:
+        cancels = []
+        while time.monotonic() < until:
+            outstanding = sum(1 for key in self.open if self.jobs[key].final is None)
+            if outstanding >= self.args.soak_concurrency:
+                await asyncio.sleep(0.02)
+                continue
+            if self.rng.random() < MALFORMED_FRACTION:
+                await self._send_malformed()
+                continue
+            job = await self._send_job()
+            if self.rng.random() < CANCEL_FRACTION:
+                running = self.rng.random() < 0.5  # else at once, most likely while it waits
+                cancels.append(asyncio.create_task(self._cancel_later(job, running, self.rng.uniform(0, 1))))
+        await asyncio.gather(*cancels)
+
+    async def _send_job(self) -> _Job:
+        rng = self.rng
+        request_id = f"soak-{next(self.counter)}"
+        low, high = rng.choice(((3, 20),) * 6 + ((20, 120),) * 3 + ((120, 300),))
+        text = " ".join(rng.choices(WORDS, k=rng.randint(low, high)))
+        options = {"max_tokens": rng.randint(1, self.args.soak_max_tokens),
+                   "priority": rng.choice((0, 0, 0, 0, -10, -3, 3, 10))}
+        if rng.random() < 0.5:  # seeded sampling; greedy otherwise
+            options.update(temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 31))
+        if rng.random() < 0.5:
+            options["ignore_eos"] = True
+        chat = rng.random() < 0.25
+        prompt, messages = (None, [{"role": "user", "content": text}]) if chat else (text, None)
+        if rng.random() < 0.5:
+            fields = job_payload(prompt, messages, request_id, **options)
+        else:
+            import json
+
+            fields = {"id": request_id, **({"messages": json.dumps(messages)} if chat else {"prompt": prompt}),
+                      **{k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items()}}
+        job = _Job(request_id, reply_stream(request_id))
+        self.jobs[job.reply_to] = job
+        self.open.add(job.reply_to)
+        job.entry_id = await self._add(fields)
+        self.by_entry[job.entry_id] = job
+        return job
+
+    async def _send_malformed(self) -> None:
+        request_id = f"soak-bad-{next(self.counter)}"
+        good = {"id": request_id, "prompt": "The sea is", "max_tokens": "4"}
+        fields, code = self.rng.choice((
+            ({**good, "max_tokens": "many"}, "invalid_type"),
+            ({**good, "colour": "blue"}, "unknown_field"),
+            ({"id": request_id, "max_tokens": "4"}, "missing_field"),
+            # 0xc1 is never valid msgpack.
+            ({"payload": b"\xc1" + self.rng.randbytes(self.rng.randint(0, 64))}, "malformed_payload"),
+            ({**good, "reply_to": f"elsewhere:{request_id}"}, "invalid_field"),
+        ))
+        self.malformed[await self._add(fields)] = code
+
+    async def _add(self, fields: dict) -> str:
+        """XADD with an id of our own, so that a retry of a write that had landed is refused."""
+        ms = max(int(time.time() * 1000), self.last_entry[0])
+        self.last_entry = (ms, self.last_entry[1] + 1 if ms == self.last_entry[0] else 0)
+        entry_id = f"{ms}-{self.last_entry[1]}"
+
+        async def add() -> None:
+            try:
+                await self.client.xadd(CONFIG.requests_stream, fields, id=entry_id)
+            except ResponseError as error:
+                if "equal or smaller" not in str(error):
+                    raise
+
+        await _retrying(add)
+        return entry_id
+
+    async def _cancel_later(self, job: _Job, running: bool, delay: float) -> None:
+        while running and not job.tokens and not job.final:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(delay)
+        job.cancelled_when = "finished" if job.final else "running" if job.tokens else "queued"
+        await _retrying(lambda: self.client.xadd(CONFIG.control_stream, {"type": "cancel", "id": job.request_id}))
+
+    # -- readers -------------------------------------------------------------------------
+
+    async def _read_replies(self) -> None:
+        while self.reading:
+            now = time.monotonic()
+            self.open = {key for key in self.open if (at := self.jobs[key].final_at) is None or now - at < LINGER_S}
+            if not self.open:
+                await asyncio.sleep(0.05)
+                continue
+            streams = {key: self.jobs[key].last_id for key in self.open}
+            reply = await _retrying(lambda: self.client.xread(streams, block=200))
+            arrived = time.monotonic()
+            for key, entries in reply or []:
+                job = self.jobs[key.decode()]
+                for entry_id, fields in entries:
+                    job.last_id = entry_id.decode()
+                    event = msgpack.unpackb(fields[b"data"])
+                    job.events.append((_entry(job.last_id), event, arrived))
+                    if event["type"] != "token" and job.final is None:
+                        job.final, job.final_at = event, arrived
+
+    async def _read_dead_letters(self) -> None:
+        last = "0"
+        while self.reading:
+            reply = await _retrying(lambda: self.client.xread({CONFIG.dead_letter_stream: last}, block=200))
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    self.dead[fields[b"entry_id"].decode()] = fields[b"code"].decode()
+
+    # -- chaos ---------------------------------------------------------------------------
+
+    async def _chaos(self, started: float, duration: float) -> None:
+        await _sleep_until(started + self.args.soak_warmup_s)
+        self.chaos["rss_warm_kb"] = self.survivor.rss_kb()
+        sampler = asyncio.create_task(self._sample_rss(started + duration))
+        await _sleep_until(started + REDIS_RESTART_AT * duration)
+        down = time.monotonic()
+        await asyncio.to_thread(self.server.stop)
+        await asyncio.to_thread(self.server.start)
+        self.chaos["redis_restart_at_s"] = down - started
+        self.chaos["redis_down_s"] = time.monotonic() - down
+        await _sleep_until(started + WORKER_KILL_AT * duration)
+        self.chaos["worker_kill_at_s"] = time.monotonic() - started
+        await self._kill_and_restart(self.killed_worker)
+        await sampler
+
+    async def _sample_rss(self, until: float) -> None:
+        """The survivor's RSS through the run: does it level off or keep growing?"""
+        self.rss_samples: list[list[int]] = []
+        start = time.monotonic()
+        while time.monotonic() < until:
+            self.rss_samples.append([round(time.monotonic() - start), self.survivor.rss_kb()])
+            await asyncio.sleep(max(1.0, (until - start) / 20))
+
+    async def _kill_and_restart(self, worker: WorkerProcess) -> None:
+        """SIGKILL the worker while it streams; note where each of its streams stood."""
+        deadline = time.monotonic() + 30
+        while True:
+            pending = await _retrying(lambda: self.client.xpending_range(
+                CONFIG.requests_stream, CONFIG.group, "-", "+", 1000, consumername=worker.name))
+            held = [self.by_entry.get(row["message_id"].decode()) for row in pending]
+            streaming = [job for job in held if job is not None and job.tokens and job.final is None]
+            if streaming or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        worker.kill()
+        killed_at = time.monotonic()
+        # It is dead: what its streams hold now is all it published.
+        async with self.client.pipeline(transaction=False) as pipe:
+            for job in streaming:
+                pipe.xrevrange(job.reply_to, count=1)
+            last = await pipe.execute()
+        self.kill = {"at": killed_at, "streams": {job.reply_to: _entry(rows[0][0].decode())
+                                                  for job, rows in zip(streaming, last)
+                                                  if rows and rows[0][1][b"type"] == b"token"}}
+        worker.start()
+        await asyncio.to_thread(worker.wait_ready)
+        self.chaos["worker_restart_s"] = time.monotonic() - killed_at
+
+    # -- the figures ---------------------------------------------------------------------
+
+    async def _used_memory(self) -> dict:
+        info = await _retrying(lambda: self.client.info("memory"))
+        keys = await _retrying(self.client.dbsize)  # expired keys not yet reclaimed count here
+        return {"keys": keys} | {k: info[k] for k in ("used_memory", "used_memory_dataset", "used_memory_overhead",
+                                                        "used_memory_scripts")}
+
+    async def _keys_left(self) -> dict:
+        """What Redis still holds, by key pattern (a request id's hash tag as `{*}`)."""
+        keys: dict[str, dict] = {}
+        async for key in self.client.scan_iter(count=1000):
+            pattern = re.sub(r"\{[^}]*\}", "{*}", key.decode(errors="replace"))
+            kind = keys.setdefault(pattern, {"keys": 0, "bytes": 0, "longest_ttl_s": -1})
+            kind["keys"] += 1
+            kind["bytes"] += await self.client.memory_usage(key) or 0
+            kind["longest_ttl_s"] = max(kind["longest_ttl_s"], await self.client.ttl(key))
+        return keys
+
+    def _report(self, traffic_s: float, idle: dict, rss_end: int, alive: dict, memory_before: int,
+                memory_after: int, keys_left: dict) -> dict:
+        jobs = list(self.jobs.values())
+        finals = Counter(job.final["type"] if job.final else "none" for job in jobs)
+        reasons = Counter(job.final["finish_reason"] for job in jobs if job.final and job.final["type"] == "done")
+        errors = Counter(job.final["code"] for job in jobs if job.final and job.final["type"] == "error")
+        duplicate = missing = after_final = usage_mismatch = 0
+        for job in jobs:
+            seqs = job.tokens
+            duplicate += len(seqs) - len(set(seqs))
+            missing += (max(seqs) + 1 - len(set(seqs))) if seqs else 0
+            ends = [i for i, (_, event, _) in enumerate(job.events) if event["type"] != "token"]
+            after_final += len(job.events) - 1 - ends[0] if ends else 0
+            if job.final and job.final["type"] == "done":
+                usage_mismatch += job.final["usage"]["completion_tokens"] != len(set(seqs))
+        cancels = Counter(job.cancelled_when for job in jobs if job.cancelled_when)
+        cancels_ended = Counter(job.cancelled_when for job in jobs if job.cancelled_when and job.final
+                                and job.final.get("finish_reason") == "cancelled")
+
+        resumed, per_stream = [], {}
+        for key, mark in self.kill.get("streams", {}).items():
+            job = self.jobs[key]
+            later = [at for entry, _, at in job.events if entry > mark]
+            resumed.append(later[0] - self.kill["at"] if later else None)
+            per_stream[job.request_id] = {"next_token_s": resumed[-1],
+                                          "finished_by": (job.final or {}).get("worker")}
+        waits = [s for s in resumed if s is not None]
+
+        malformed_codes = {entry: self.dead.get(entry) for entry in self.malformed}
+        good_entries = {job.entry_id for job in jobs}
+        rss_warm = self.chaos["rss_warm_kb"]
+        kv_in_use = {name: state["kv_blocks_used"] for name, state in idle.items()}
+        figures = {
+            "traffic_s": traffic_s,
+            "jobs": {
+                "sent": len(jobs),
+                "completed": reasons["stop"] + reasons["length"],
+                "cancelled": reasons["cancelled"],
+                "finish_reasons": dict(reasons),
+                "errors": dict(errors),
+                "lost": finals["none"],
+            },
+            "cancels_sent": dict(cancels),  # by where the job was when the cancel went out
+            "cancels_that_ended_the_job": dict(cancels_ended),
+            "malformed": {
+                "sent": len(self.malformed),
+                "without_dead_letter": sum(code is None for code in malformed_codes.values()),
+                "wrong_code": sum(code is not None and code != self.malformed[e] for e, code in malformed_codes.items()),
+            },
+            "dead_letters_by_code": dict(Counter(self.dead.values())),
+            "good_jobs_dead_lettered": len(good_entries & self.dead.keys()),
+            "seqs": {"duplicate": duplicate, "missing": missing, "events_after_final": after_final,
+                     "usage_mismatch": usage_mismatch},
+            "kill": {
+                "streams": len(resumed),
+                "not_resumed": len(resumed) - len(waits),
+                "next_token_p50_s": percentile(waits, 50) if waits else None,
+                "next_token_max_s": max(waits) if waits else None,
+                "per_stream": per_stream,
+                "worker_restart_s": self.chaos.get("worker_restart_s"),
+                "at_s": self.chaos.get("worker_kill_at_s"),
+            },
+            "redis_restart": {"at_s": self.chaos.get("redis_restart_at_s"), "down_s": self.chaos.get("redis_down_s")},
+            "idle_at_end": idle,
+            "kv_blocks_in_use_at_end": kv_in_use,
+            "workers_alive_at_end": alive,
+            "rss_kb": {"worker": self.survivor.name, "after_warmup": rss_warm, "end": rss_end,
+                       "growth": rss_end / rss_warm - 1, "samples_after_warmup_s_kb": self.rss_samples},
+            # The keys' share (dataset) apart from the server's own (clients, scripts, buffers).
+            "redis_used_memory": {"before": memory_before["used_memory"], "after": memory_after["used_memory"],
+                                  "growth_bytes": memory_after["used_memory"] - memory_before["used_memory"],
+                                  "dataset_growth_bytes": memory_after["used_memory_dataset"] - memory_before["used_memory_dataset"],
+                                  "info_before": memory_before, "info_after": memory_after, "keys_left": keys_left},
+        }
+        figures["checks"] = {
+            "no_job_lost": figures["jobs"]["lost"] == 0,
+            "seqs_exact": duplicate == missing == after_final == 0,
+            "resumed_within_3s": bool(resumed) and len(waits) == len(resumed) and max(waits) <= TARGET_RESUME_S,
+            "no_kv_block_leaked": all(v == 0 for v in kv_in_use.values()),
+            "rss_growth_under_5pct": figures["rss_kb"]["growth"] < TARGET_RSS_GROWTH,
+            # used_memory itself also moves with the server's own buffers and scripts.
+            "redis_memory_flat": sum(k["bytes"] for k in keys_left.values()) < FLAT_REDIS_BYTES
+                                 and not any("{" in pattern for pattern in keys_left),
+            "malformed_all_dead_lettered": figures["malformed"]["without_dead_letter"] == 0,
+            "workers_up": all(alive.values()),
+        }
+        return figures
+
+
+def format_table(figures: dict) -> str:
+    """The checks, one line each: measured against the target."""
+    jobs, seqs, kill = figures["jobs"], figures["seqs"], figures["kill"]
+    memory, rss = figures["redis_used_memory"], figures["rss_kb"]
+
+    def seconds(value) -> str:
+        return "-" if value is None else f"{value:.2f} s"
+
+    rows = [
+        ("jobs lost", f"{jobs['lost']} of {jobs['sent']}", "0", "no_job_lost"),
+        ("duplicate / missing seqs", f"{seqs['duplicate']} / {seqs['missing']} ({seqs['events_after_final']} after final)",
+         "0 / 0", "seqs_exact"),
+        ("kill to next token p50 / max", f"{seconds(kill['next_token_p50_s'])} / {seconds(kill['next_token_max_s'])} "
+         f"({kill['streams']} streams, {kill['not_resumed']} not resumed)", "<= 3 s", "resumed_within_3s"),
+        ("KV blocks in use when idle", str(figures["kv_blocks_in_use_at_end"]), "0", "no_kv_block_leaked"),
+        ("RSS growth after warm-up", f"{rss['growth']:+.1%} ({rss['after_warmup']} -> {rss['end']} kB)", "< 5%",
+         "rss_growth_under_5pct"),
+        ("Redis used_memory", f"{memory['before']} -> {memory['after']} B ({memory['growth_bytes']:+d}); keys left "
+         f"{ {k: v['bytes'] for k, v in memory['keys_left'].items()} }", "flat: no request's key left",
+         "redis_memory_flat"),
+        ("malformed without dead letter", f"{figures['malformed']['without_dead_letter']} of {figures['malformed']['sent']}",
+         "0", "malformed_all_dead_lettered"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"soak: {figures['traffic_s']:.0f} s of traffic; {jobs['completed']} completed, {jobs['cancelled']} cancelled, "
+             f"errors {jobs['errors']}, dead letters {figures['dead_letters_by_code']}"]
+    for name, measured, target, check in rows:
+        lines.append(f"  {'ok ' if figures['checks'][check] else 'FAIL'} {name:<{width}}  {measured}  (target {target})")
+    return "\n".join(lines)
+
+
+def _engine_state(metrics: dict) -> dict:
+    """KV blocks in use (both pools) and requests in the engine, from a worker's /metrics."""
+    def total(name: str, **match) -> float:
+        return sum(value for (metric, labels), value in metrics.items()
+                   if metric == name and all(dict(labels).get(k) == v for k, v in match.items()))
+
+    return {"kv_blocks_used": int(total("inflight_kv_cache_blocks", state="used")),
+            "requests_in_engine": int(total("inflight_scheduler_requests"))}
+
+
+def _entry(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+async def _sleep_until(moment: float) -> None:
+    await asyncio.sleep(max(0.0, moment - time.monotonic()))
+
+
+async def _retrying(call):
+    """Redis is away (restarting, loading its file): wait with backoff and try again."""
+    delay = 0.05
+    while True:
+        try:
+            return await call()
+        except (ConnectionError, TimeoutError):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
