@@ -7,7 +7,9 @@ Queue semantics:
   JUSTID, only where this consumer still owns it) every `claim_idle_ms / 4`, so an entry
   waiting in a long backlog is never mistaken for a dead worker's;
 - entries idle longer than `claim_idle_ms` (their worker stopped renewing: it died or
-  hangs) are taken over with XAUTOCLAIM; ids the caller already holds are skipped;
+  hangs) are taken over with XAUTOCLAIM; ids the caller already holds are skipped. After
+  Redis was unreachable, a worker takes nothing over for one lease period: every live
+  worker was cut off too, and gets that long to renew its own;
 - the caller asks for at most as many entries as it can take (backpressure), so idle
   workers get the rest;
 - an entry is acked and deleted in one transaction once its final event is published
@@ -17,10 +19,11 @@ Queue semantics:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from service.config import RedisConfig
 
@@ -58,6 +61,7 @@ class JobReader:
         self.claim_idle_ms = config.claim_idle_ms
         self._renew = redis.register_script(RENEW)
         self._own_pending_done = False
+        self._takeovers_from = 0.0  # monotonic time; later after an outage
 
     async def ensure_group(self) -> None:
         try:
@@ -79,20 +83,33 @@ class JobReader:
                 self._own_pending_done = True  # everything it had is in hand
             if entries:
                 return await self._with_deliveries(entries[:count])
-        try:
-            _, claimed, _ = await self.redis.xautoclaim(
-                self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
-            )
-        except ResponseError as error:
-            if "NOGROUP" not in str(error):
+        claimed = []
+        if time.monotonic() >= self._takeovers_from:
+            try:
+                _, claimed, _ = await self.redis.xautoclaim(
+                    self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
+                )
+            except ResponseError as error:
+                if "NOGROUP" not in str(error):
+                    raise
+            except (ConnectionError, TimeoutError):
+                self.outage_seen()
                 raise
-            claimed = []
         # Deleted entries come back empty; an id in hand only missed a renewal.
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
         if claimed:
             return await self._with_deliveries(claimed)
         # A new entry is on its first delivery: no need to ask Redis.
-        return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
+        try:
+            entries = await self._read_group(">", count, block_ms)
+        except (ConnectionError, TimeoutError):
+            self.outage_seen()
+            raise
+        return [Entry(_text(entry_id), fields, 1) for entry_id, fields in entries]
+
+    def outage_seen(self) -> None:
+        """Redis was unreachable: hold takeovers back for one lease period."""
+        self._takeovers_from = time.monotonic() + self.claim_idle_ms / 1000
 
     async def renew(self, entry_ids: Collection[str]) -> list[str]:
         """Keep the leases of `entry_ids`; returns those this consumer no longer owns."""

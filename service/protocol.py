@@ -228,5 +228,5 @@ def _unpack(payload) -> dict:
 def _json(text: str, name: str, fail):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nesting deeper than the parser's stack
         raise fail("invalid_type", f"{name} must be JSON in the flat form") from None

@@ -163,6 +163,11 @@ class Worker:
             self.metrics.observe_outcome("rejected")
             await self._reject(entry, error.code, error.message, error.reply_to, request_id=error.request_id)
             return
+        except Exception as error:  # a decoder bug must not leave an entry redelivered forever
+            log.exception("job_undecodable", entry_id=entry.entry_id)
+            self.metrics.observe_outcome("rejected")
+            await self._reject(entry, "internal_error", f"could not decode the entry: {type(error).__name__}", None)
+            return
         self.held[entry.entry_id].request_id = job.request_id
         bind_request(job.request_id, job.priority)  # this task's context only
         try:
@@ -211,7 +216,9 @@ class Worker:
             prompt = list(base) + claim.token_ids
             params = replace(params, max_tokens=params.max_tokens - seq)
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
-        stream = self.front.submit(prompt, params, entry.entry_id, job.priority, deadline)
+        # A taken-over stream keeps its submission time, so it goes ahead of newer jobs.
+        arrived_at = stream_id(entry.entry_id)[0] / 1000 if seq else None
+        stream = self.front.submit(prompt, params, entry.entry_id, job.priority, deadline, arrived_at)
         self.held[entry.entry_id].submitted = True
         await self._publish(entry, job, stream, seq)
 
@@ -281,15 +288,28 @@ class Worker:
 
     async def _renew_leases(self) -> None:
         """Keep every held entry's lease; stop serving those another worker took over."""
+        loop = asyncio.get_running_loop()
+        renewed_at = loop.time()
         while True:
             await asyncio.sleep(self.config.renew_interval_s)
             if not self.held:
+                renewed_at = loop.time()
                 continue
-            try:
-                lost = await self.reader.renew(list(self.held))
-            except RedisError as error:  # the next tick tries again; jobs' own calls log outages
-                log.debug("lease_renewal_failed", error=str(error))
-                continue
+            lost = None
+            while lost is None:
+                try:
+                    lost = await self.reader.renew(list(self.held))
+                except RedisError as error:
+                    if not is_transient(error):  # e.g. an ACL without XCLAIM: say so, keep trying
+                        log.error("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
+                        await asyncio.sleep(self.config.renew_interval_s)
+                        continue
+                    self.reader.outage_seen()  # Redis away: try again soon, the lease is running out
+                    await asyncio.sleep(0.05)
+            late = loop.time() - renewed_at
+            renewed_at = loop.time()
+            if late > self.config.claim_idle_ms / 2000:  # other workers may have taken jobs over
+                log.warning("lease_renewal_late", seconds=round(late, 2), held=len(self.held))
             for entry_id in lost:
                 held = self.held.get(entry_id)
                 if held is not None and not held.settling:  # not lost: acked while the renewal ran

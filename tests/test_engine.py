@@ -258,3 +258,16 @@ def test_a_failing_step_observer_does_not_stop_generation(make_engine, expected,
     engine.add_request("r", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
     assert run_to_completion(engine)["r"][0] == want
     assert "the step observer failed" in caplog.text
+
+
+def test_a_request_that_arrived_earlier_elsewhere_keeps_its_place_in_the_queue(make_engine):
+    """A job taken over from a worker that died arrived long ago: it goes ahead of the
+    requests that arrived after it, even when it reaches this engine last."""
+    import time
+
+    engine = make_engine(max_running_requests=1)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    results = run_to_completion(engine, {0: [("new-1", "Hello", params), ("new-2", "Hello", params),
+                                             ("taken-over", "Hello", params, 0, None, time.time() - 60)]})
+    assert list(results) == ["taken-over", "new-1", "new-2"]  # finished in the order they started
+    assert results["taken-over"][1].timings.queue_s >= 60  # its timings count from its first arrival

@@ -95,6 +95,12 @@ def test_errors_name_the_request_and_its_reply_stream_when_they_can():
     assert (caught.value.request_id, caught.value.reply_to) == ("c", "inflight:out:{c}")
 
 
+def test_json_nested_deeper_than_the_parser_can_go_is_an_invalid_type():
+    with pytest.raises(ProtocolError) as caught:
+        decode_job("6-0", flat(id="e", messages="[" * 100_000))
+    assert caught.value.code == "invalid_type" and caught.value.reply_to == "inflight:out:{e}"
+
+
 @pytest.mark.parametrize("reply_to", ["inflight:requests", "inflight:control", "other:out:{d}", ""])
 def test_reply_to_is_confined_to_the_allowed_prefixes_and_the_error_is_not_sent_there(reply_to):
     with pytest.raises(ProtocolError) as caught:

@@ -62,15 +62,16 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = DEFAULT_PRIORITY,
         deadline: float | None = None,
+        arrived_at: float | None = None,
     ) -> RequestStream:
         """Queue a request now; iterate the returned stream for its events.
 
-        `priority` and `deadline` are as in `Engine.add_request`. Raises
+        `priority`, `deadline` and `arrived_at` are as in `Engine.add_request`. Raises
         `InvalidRequest` only for an id that is already live; any other bad input
         arrives as the stream's single, final error event.
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params, priority, deadline)
+        self.engine.add_request(request_id, prompt, params, priority, deadline, arrived_at)
         stream = RequestStream(self, request_id)
         self._queues[request_id] = stream.queue
         self._wakeup.set()

@@ -139,16 +139,22 @@ class Engine:
         params: SamplingParams,
         priority: int = DEFAULT_PRIORITY,
         deadline: float | None = None,
+        arrived_at: float | None = None,
     ) -> None:
         """Queue a request. Bad input does not raise: the request's only event is an error.
 
         `priority` is an integer in [PRIORITY_MIN, PRIORITY_MAX], higher first.
         `deadline` is a wall-clock time (`time.time()` seconds): a request not finished
         by then ends with finish_reason `deadline`, keeping the tokens it produced.
+        `arrived_at` (a `time.time()` in the past) is when a request that waited
+        elsewhere first arrived, e.g. a job taken over from a worker that died: it keeps
+        its place in the queue's order, and its timings count from then.
         A request id that is already live raises `InvalidRequest`, since an error
         event under that id would end the other request's stream.
         """
         arrival = time.perf_counter()
+        if arrived_at is not None and math.isfinite(arrived_at):
+            arrival -= max(0.0, time.time() - arrived_at)
         with self._lock:
             if request_id in self._known_ids:
                 raise InvalidRequest(f"request id {request_id!r} is already in use")
