@@ -82,7 +82,8 @@ async def _run(args: argparse.Namespace) -> dict:
 
     with _redis_server(args.redis_url) as url:
         client = aioredis.Redis.from_url(url, socket_timeout=30)
-        prefix = f"inflight:bench:{uuid.uuid4().hex[:8]}"
+        run_id = uuid.uuid4().hex[:8]  # request ids are unique while their reply streams live
+        prefix = f"inflight:bench:{run_id}"
         worker = _start_worker(url, prefix, args)
         try:
             async with AsyncEngine(engine) as front:
@@ -93,13 +94,13 @@ async def _run(args: argparse.Namespace) -> dict:
                 for round_ in range(args.redis_rounds):
                     order = ("inprocess", "redis") if round_ % 2 == 0 else ("redis", "inprocess")
                     for name in order:
-                        tagged = {f"{k}-{name}-{round_}": v for k, v in prompts.items()}
+                        tagged = {f"{run_id}-{k}-{name}-{round_}": v for k, v in prompts.items()}
                         runs[name].append(summarize(await paths[name].generate(tagged), 0.0))
                 ttft = {"inprocess": [], "redis": []}
                 for i, prompt in enumerate(short_prompts):
                     order = ("inprocess", "redis") if i % 2 == 0 else ("redis", "inprocess")
                     for name in order:
-                        times = await paths[name].generate({f"ttft-{i}-{name}": (prompt, 1)})
+                        times = await paths[name].generate({f"{run_id}-ttft-{i}-{name}": (prompt, 1)})
                         ttft[name].append(next(iter(times.values()))[0])
         finally:
             worker.terminate()
@@ -152,6 +153,10 @@ class _InProcess:
         return dict(zip(streams, results))
 
 
+# A worker that stopped answering (or a job dead-lettered) fails the run instead of hanging it.
+QUIET_LIMIT_S = 120.0
+
+
 class _ThroughRedis:
     def __init__(self, client, prefix: str) -> None:
         self.client = client
@@ -167,8 +172,13 @@ class _ThroughRedis:
         times: dict[str, list[float]] = {rid: [] for rid in prompts}
         last = {reply_stream(rid): "0" for rid in prompts}
         owner = {reply_stream(rid): rid for rid in prompts}
+        quiet_since = time.perf_counter()
         while last:
             reply = await self.client.xread(last, block=5000)
+            if not reply and time.perf_counter() - quiet_since > QUIET_LIMIT_S:
+                raise RuntimeError(f"through Redis, no reply for {QUIET_LIMIT_S:.0f} s (see {self.requests_stream}'s "
+                                   "dead letters)")
+            quiet_since = time.perf_counter()
             now = time.perf_counter() - t0
             for key, entries in reply or []:
                 key = key.decode()
@@ -181,7 +191,8 @@ class _ThroughRedis:
                         raise RuntimeError(f"through Redis, {owner[key]} failed: {event['message']}")
                     else:
                         del last[key]
-        await self.client.delete(*[reply_stream(rid) for rid in prompts])
+        await self.client.delete(*[reply_stream(rid) for rid in prompts],
+                                 *[f"{reply_stream(rid)}:owner" for rid in prompts])
         return times
 
 
