@@ -74,6 +74,13 @@ class JobReader:
         """Up to `count` entries not in `held`: this consumer's own pending ones first
         (once, after a restart), then entries whose lease ran out, then new ones (waiting
         up to `block_ms` for them)."""
+        try:
+            return await self._read(count, block_ms, held)
+        except (ConnectionError, TimeoutError):
+            self.outage_seen()
+            raise
+
+    async def _read(self, count: int, block_ms: int, held: Collection[str]) -> list[Entry]:
         if count <= 0:
             return []
         if not self._own_pending_done:
@@ -92,20 +99,12 @@ class JobReader:
             except ResponseError as error:
                 if "NOGROUP" not in str(error):
                     raise
-            except (ConnectionError, TimeoutError):
-                self.outage_seen()
-                raise
         # Deleted entries come back empty; an id in hand only missed a renewal.
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
         if claimed:
             return await self._with_deliveries(claimed)
         # A new entry is on its first delivery: no need to ask Redis.
-        try:
-            entries = await self._read_group(">", count, block_ms)
-        except (ConnectionError, TimeoutError):
-            self.outage_seen()
-            raise
-        return [Entry(_text(entry_id), fields, 1) for entry_id, fields in entries]
+        return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
 
     def outage_seen(self) -> None:
         """Redis was unreachable: hold takeovers back for one lease period."""

@@ -22,6 +22,7 @@ from redis.exceptions import (
     ConnectionError,
     NoPermissionError,
     ReadOnlyError,
+    RedisError,
     TimeoutError,
     TryAgainError,
 )
@@ -48,8 +49,8 @@ async def retrying(call: Callable[[], Awaitable[T]]) -> T:
     while True:
         try:
             result = await call()
-        except TRANSIENT as error:
-            if isinstance(error, FATAL):
+        except RedisError as error:
+            if not is_transient(error):
                 raise
             _stop_if_cancelled()
             if delay == FIRST_DELAY_S:  # once per outage, not once per retry

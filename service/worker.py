@@ -89,7 +89,8 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> list[str]:
         """Serve until `stop` is set; then finish what is in hand within the grace period.
         Returns the ids of the requests left pending, for another worker to continue."""
-        if not await _unless_stopped(stop, self._prepare):
+        await _unless_stopped(stop, self._prepare)
+        if stop.is_set():
             return []
         async with self.front:
             background = [asyncio.create_task(self._follow_control(), name="control"),
@@ -103,10 +104,9 @@ class Worker:
                     task.cancel()
                 await asyncio.wait(background, timeout=max(self._wind_down_left(), 0.1))
 
-    async def _prepare(self) -> bool:
+    async def _prepare(self) -> None:
         await self.reader.ensure_group()
         await self._load_cancels()
-        return True
 
     async def _claim_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -118,9 +118,11 @@ class Worker:
                 stopping.cancel()
                 continue
             entries = await _unless_stopped(stop, lambda: self.reader.read(room, self.config.block_ms, self.held))
-            if entries and not await _unless_stopped(stop, self._catch_up_cancels):
-                return  # read but not started: they stay pending, for a restart or another worker
-            for entry in entries or ():
+            if entries:
+                await _unless_stopped(stop, self._catch_up_cancels)
+            if stop.is_set():
+                return  # anything read but not started stays pending, for a restart or another worker
+            for entry in entries:
                 self._hold(entry)
 
     async def _drain(self) -> list[str]:
@@ -324,11 +326,10 @@ class Worker:
             start = f"({self.cancels.last_id}"
         self.cancels.last_id = max(self.cancels.last_id, self.cancels.window_start(), key=stream_id)
 
-    async def _catch_up_cancels(self) -> bool:
+    async def _catch_up_cancels(self) -> None:
         """Take in cancels sent up to now, before starting jobs just read."""
         entries = await self.redis.xrange(self.config.control_stream, min=f"({self.cancels.last_id}")
         self._apply_cancels(entries)
-        return True
 
     async def _follow_control(self) -> None:
         while True:
@@ -361,8 +362,8 @@ class Worker:
 
 
 async def _unless_stopped(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | None:
-    """`retrying(call)`, given up (None) as soon as `stop` is set, so an outage never
-    holds a stop up."""
+    """`retrying(call)`, given up as soon as `stop` is set (then None; callers check
+    `stop`), so an outage never holds a stop up."""
     attempt = asyncio.create_task(retrying(call))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait([attempt, stopping], return_when=asyncio.FIRST_COMPLETED)
