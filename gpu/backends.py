@@ -5,10 +5,10 @@ float32 cache where g++ builds it; the torch reference (`TorchAttentionBackend`)
 
 from __future__ import annotations
 
-from gpu import cuda_source
+from gpu.cuda import source as cuda_source
 from gpu.attention import AttentionBackend
-from gpu.cpu_attention import CpuAttentionBackend, kernel_applies
-from gpu.cupy_kernels import cupy_available
+from gpu.cpu.attention import CpuAttentionBackend, kernel_applies
+from gpu.cuda.cupy_kernels import cupy_available
 from gpu.kv_cache import PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 
@@ -23,7 +23,7 @@ def kernels_apply(kv_cache: PagedKVCache) -> bool:
 
 def select_backend(kv_cache: PagedKVCache) -> AttentionBackend:
     if kernels_apply(kv_cache):
-        from gpu.cupy_attention import CupyAttentionBackend
+        from gpu.cuda.attention import CupyAttentionBackend
 
         return CupyAttentionBackend(kv_cache)
     if kernel_applies(kv_cache):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu import cuda_source
+from gpu.cuda import source as cuda_source
 from gpu.kv_cache import PagedKVCache
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.attention import SequenceSlice  # noqa: E402
-from gpu.cupy_attention import CupyAttentionBackend  # noqa: E402
+from gpu.cuda.attention import CupyAttentionBackend  # noqa: E402
 from gpu.kv_cache import KVShape, PagedKVCache  # noqa: E402
 
 

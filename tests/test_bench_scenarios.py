@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from workers.bench.main import add_arguments, run
+from bench.main import add_arguments, run
 
 
 def bench(tmp_path, *argv: str) -> dict:

@@ -1,4 +1,4 @@
-"""The CPU decode kernel (`gpu/kernels/cpu_paged_decode.cpp`) matches the torch reference,
+"""The CPU decode kernel (`gpu/cpu/kernels/cpu_paged_decode.cpp`) matches the torch reference,
 is what a float32 CPU engine runs on, and is never required: without g++ the engine
 stays on the torch reference."""
 
@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
-from gpu import native_build
+from gpu.cpu import native_build
 from gpu.backends import select_backend
-from gpu.cpu_attention import CpuAttentionBackend, cpu_kernel, load_kernel
+from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel, load_kernel
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 from tests.attention_cases import (

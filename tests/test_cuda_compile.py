@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from cupy.cuda import nvrtc
 
-from gpu import cuda_source
+from gpu.cuda import source as cuda_source
 
 ARCHITECTURES = ["sm_80", "sm_90"]
 # What cupy's RawModule adds to our options on its way to NVRTC (cupy/cuda/compiler.py);

@@ -237,7 +237,7 @@ def test_a_live_request_id_cannot_be_reused(make_engine):
 
 
 def test_bfloat16_engine_serves_with_a_bfloat16_cache(make_engine):
-    from service.config import ModelConfig
+    from workers.config import ModelConfig
     from workers.model_loader import load_model
 
     engine = make_engine(load_model(ModelConfig(dtype="bfloat16")))

@@ -88,7 +88,7 @@ def fleet(tmp_path):
 
 @pytest.fixture(scope="module")
 def greedy_tokens(smollm2):
-    from service.config import CacheConfig, EngineConfig, ModelConfig
+    from workers.config import CacheConfig, EngineConfig, ModelConfig
     from workers.engine import Engine
 
     engine = Engine(smollm2, EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_memory_bytes=64 << 20)))

@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from service.protocol import decode_job
-from workers.bench.processes import RedisServer, WorkerProcess
+from bench.processes import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import torch
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from gpu.torch_attention import TorchAttentionBackend
-from service.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.attention_cases import (
     BLOCK_SIZES,
     DTYPES,
@@ -31,13 +31,13 @@ CUDA = torch.device("cuda")
 
 @pytest.fixture(scope="module")
 def kernels():
-    from gpu.cupy_kernels import CupyKernels
+    from gpu.cuda.cupy_kernels import CupyKernels
 
     return CupyKernels(CUDA)
 
 
 def backend(cache, kernels, partition_size=None):
-    from gpu.cupy_attention import CupyAttentionBackend
+    from gpu.cuda.attention import CupyAttentionBackend
 
     return CupyAttentionBackend(cache, kernels, partition_size=partition_size)
 
@@ -90,7 +90,7 @@ def test_swap_round_trip_through_pinned_memory(kernels, dtype):
 def test_greedy_generation_equals_the_torch_backend():
     """The bundled SmolLM2 (9 heads over 3 KV heads, head_dim 64) on the GPU, with chunked
     prompts and a cache small enough to force swaps: the same tokens on both backends."""
-    from gpu.cupy_attention import CupyAttentionBackend
+    from gpu.cuda.attention import CupyAttentionBackend
     from workers.engine import Engine
     from workers.model_loader import load_model
     from workers.request import SamplingParams

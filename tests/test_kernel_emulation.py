@@ -1,6 +1,6 @@
 """The CUDA kernels, run on the CPU emulation, match the torch reference.
 
-The emulation (`gpu/emulator`) compiles the very `.cu` program text that NVRTC gets,
+The emulation (`tests/cuda_emulator`) compiles the very `.cu` program text that NVRTC gets,
 runs each CUDA thread as a host thread, and `CupyAttentionBackend` drives it exactly
 as it drives the GPU. float32 matches to rounding; float16 to atol 1e-3 (rtol 1e-3);
 bfloat16 to atol 1e-3, rtol 1.6e-2.
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpu.attention import SequenceSlice
-from gpu.cupy_attention import CupyAttentionBackend
-from gpu.emulator import EmulatedKernels
+from gpu.cuda.attention import CupyAttentionBackend
+from tests.cuda_emulator import EmulatedKernels
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from tests.attention_cases import (

@@ -15,7 +15,7 @@ import safetensors
 import torch
 from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
 
-from service.config import ModelConfig
+from workers.config import ModelConfig
 from workers.model_loader import BUNDLED_GGUF, bundled_gguf_path, encode_prompt, load_model
 from workers.request import InvalidRequest
 

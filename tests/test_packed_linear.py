@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from workers.packed_linear import PackedLinear, _packs, can_pack, pack_linears
+from gpu.cpu.packed_linear import PackedLinear, _packs, can_pack, pack_linears
 
 BF16_PACKS = pytest.mark.skipif(not _packs(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 here")
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.config import SchedulerConfig
+from workers.config import SchedulerConfig
 from workers.block_manager import BlockAllocator, blocks_needed
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, RequestStatus, SamplingParams
 from workers.scheduler import Scheduler, StepPlan

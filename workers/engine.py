@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from service.config import EngineConfig
+from workers.config import EngineConfig
 from workers.block_manager import BlockAllocator, blocks_needed
 from workers.detokenizer import IncrementalDetokenizer
 from workers.model_loader import LoadedModel, encode_prompt, load_model

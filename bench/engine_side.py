@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from workers.bench.workload import Workload
+from bench.workload import Workload
 from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 

@@ -1,5 +1,5 @@
 // Element-wise model operations fused into one pass each, for the CPU forward
-// (`workers/cpu_fusions.py`). Rows are split over torch's OpenMP team when there are
+// (`gpu/cpu/fusions.py`). Rows are split over torch's OpenMP team when there are
 // enough of them to pay for waking it. Arithmetic in fp32, as HF's modules do it.
 #include <cmath>
 #include <cstdint>

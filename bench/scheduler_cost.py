@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from service.config import SchedulerConfig
-from workers.bench.metrics import percentile
+from workers.config import SchedulerConfig
+from bench.metrics import percentile
 from workers.block_manager import BlockAllocator
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, SamplingParams
 from workers.scheduler import Scheduler, StepPlan

@@ -1,10 +1,10 @@
 """The CUDA kernels as NVRTC sees them: source files, compile options and every
 template instantiation (by name expression), with each kernel's parameter list.
 
-This is the one place that turns `gpu/kernels/*.cu` plus template arguments into what
-gets compiled. The worker's `cupy.RawModule` loading (`gpu/cupy_kernels.py`), the
+This is the one place that turns `gpu/cuda/kernels/*.cu` plus template arguments into what
+gets compiled. The worker's `cupy.RawModule` loading (`gpu/cuda/cupy_kernels.py`), the
 NVRTC compile check (`tests/test_cuda_compile.py`) and the CPU emulation
-(`gpu/emulator/`) all read it, so they build the same kernels.
+(`tests/cuda_emulator/`) all read it, so they build the same kernels.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ import argparse
 import gc
 import random
 
-from service.config import EngineConfig, ModelConfig, SchedulerConfig
-from workers.bench.drive import Driver, random_prompts
-from workers.bench.metrics import inter_token_latencies, percentile
+from workers.config import EngineConfig, ModelConfig, SchedulerConfig
+from bench.drive import Driver, random_prompts
+from bench.metrics import inter_token_latencies, percentile
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """Builds C++ into a shared library with g++, once per source and flags, cached on disk.
 
 Used by the CPU kernels (`load_cpu_library`: decode attention, fused element-wise ops)
-and the CPU emulation of the CUDA kernels (`gpu.emulator`). The cache key covers the
+and the CPU emulation of the CUDA kernels (`tests.cuda_emulator`). The cache key covers the
 source, the flags and, for builds tuned to this CPU (`-march=native`), the CPU's model
 and feature flags, so a cache directory shared between machines never hands one machine
 another's instructions.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 _log = logging.getLogger("inflight.native")
 
-# The CPU kernels (`gpu/kernels/cpu_*.cpp`): built for this CPU, with OpenMP (torch's own
+# The CPU kernels (`gpu/cpu/kernels/cpu_*.cpp`): built for this CPU, with OpenMP (torch's own
 # runtime once loaded into this process, which already has torch's libgomp).
 KERNELS = Path(__file__).parent / "kernels"
 CPU_HEADERS = (KERNELS / "cpu_vector_math.h",)
@@ -75,7 +75,7 @@ def build_shared_library(prefix: str, source: str, flags: tuple[str, ...], inclu
 
 
 def load_cpu_library(name: str, flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL:
-    """`gpu/kernels/{name}.cpp`, built with `flags` unless cached, and loaded (raises
+    """`gpu/cpu/kernels/{name}.cpp`, built with `flags` unless cached, and loaded (raises
     `OSError` or `subprocess.CalledProcessError` if it cannot be)."""
     source = (KERNELS / f"{name}.cpp").read_text()
     return ctypes.CDLL(str(build_shared_library(name, source, flags, CPU_HEADERS)))

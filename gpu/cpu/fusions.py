@@ -10,7 +10,7 @@ and Mistral (the classes are named, so another architecture's variant, such as G
 - the MLP's gate and up projections as one linear of twice the width (one call, one
   pass over the activations), then SiLU of the first half times the second in one pass.
 
-The one-pass operations are C++ (`gpu/kernels/cpu_fused_ops.cpp`, built for this CPU
+The one-pass operations are C++ (`gpu/cpu/kernels/cpu_fused_ops.cpp`, built for this CPU
 like the decode kernel); where it cannot be built they fall back to torch
 (`F.rms_norm`, `F.silu` and a multiply), which computes the same to rounding.
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
+from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
 GATED_MLPS = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}

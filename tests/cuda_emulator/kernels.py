@@ -1,9 +1,9 @@
 """Builds the kernels for the host and launches them like the GPU would.
 
 The shared library holds one `extern "C"` entry per instantiation in
-`gpu.cuda_source`, each taking a launch's grid, block and `void**` arguments (the
+`gpu.cuda.source`, each taking a launch's grid, block and `void**` arguments (the
 convention of cuLaunchKernel). It is built with g++ once per source hash and cached.
-`EmulatedKernels.launch` has the signature of `gpu.cupy_kernels.CupyKernels.launch`,
+`EmulatedKernels.launch` has the signature of `gpu.cuda.cupy_kernels.CupyKernels.launch`,
 so the attention backend runs unchanged on either.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from gpu import cuda_source
-from gpu.cuda_source import Instantiation
-from gpu.native_build import build_shared_library
+from gpu.cuda import source as cuda_source
+from gpu.cuda.source import Instantiation
+from gpu.cpu.native_build import build_shared_library
 
 HEADER = Path(__file__).parent / "cuda_emulation.h"
 CXX_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-w")

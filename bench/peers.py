@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from workers.bench.workload import Workload
+from bench.workload import Workload
 
 # transformers CB takes -1 as "no EOS" (RequestState keeps only ids >= 0).
 NO_EOS = -1

@@ -1,11 +1,11 @@
-"""The CUDA attention backend: the kernels of `gpu/kernels/paged_attention.cu` behind
+"""The CUDA attention backend: the kernels of `gpu/cuda/kernels/paged_attention.cu` behind
 the engine's `AttentionBackend` interface, loaded with cupy (NVRTC).
 
 Per layer: one launch writes the new K/V into their slots; one decode launch covers
 every request with a single new token (plus a reduce launch when contexts are split
 into partitions); one prefill launch covers every prompt chunk. `prepare` builds the
 index tensors once per step. The kernels come from `CupyKernels` on a GPU; the tests
-hand in `gpu.emulator.EmulatedKernels` instead, which runs the same source on the
+hand in `tests.cuda_emulator.EmulatedKernels` instead, which runs the same source on the
 CPU, so this class is checked without a GPU too.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu import cuda_source
+from gpu.cuda import source as cuda_source
 from gpu.attention import AttentionBackend, SequenceSlice
 from gpu.kv_cache import PagedKVCache
 
@@ -76,7 +76,7 @@ class CupyAttentionBackend(AttentionBackend):
             raise ValueError(f"partition_size must be in 1..{cuda_source.MAX_PARTITION}")
         self.device = kv_cache.blocks.device
         if kernels is None:
-            from gpu.cupy_kernels import CupyKernels
+            from gpu.cuda.cupy_kernels import CupyKernels
 
             kernels = CupyKernels(self.device)
         self.kernels = kernels

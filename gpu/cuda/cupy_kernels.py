@@ -2,7 +2,7 @@
 current stream.
 
 Arguments are torch tensors (passed by address: no copies, no conversion) and plain
-numbers, typed by each kernel's parameter list in `gpu.cuda_source`. A pinned host
+numbers, typed by each kernel's parameter list in `gpu.cuda.source`. A pinned host
 tensor is passed by its device-side (mapped) address, which is how the swap kernel
 reaches the host pool.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu import cuda_source
-from gpu.cuda_source import Instantiation
+from gpu.cuda import source as cuda_source
+from gpu.cuda.source import Instantiation
 
 _NUMPY_TYPES = {"i32": np.int32, "i64": np.int64, "f32": np.float32, "ptr": np.uint64}
 

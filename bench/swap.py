@@ -13,8 +13,8 @@ import gc
 import random
 
 from gpu.kv_cache import KVShape
-from service.config import CacheConfig, EngineConfig, ModelConfig
-from workers.bench.drive import Driver, random_prompts
+from workers.config import CacheConfig, EngineConfig, ModelConfig
+from bench.drive import Driver, random_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 // Shared by every kernel: 64-bit offsets, the 16-bit float types, and fp32 conversion.
 //
 // The 16-bit floats are carried as their bits and converted with one PTX instruction
-// each, so NVRTC needs no CUDA headers. The CPU emulation (gpu/emulator) defines the
+// each, so NVRTC needs no CUDA headers. The CPU emulation (tests/cuda_emulator) defines the
 // same conversion functions in software, bit for bit, and sets CUDA_EMULATION.
 #ifndef INFLIGHT_COMMON_CUH
 #define INFLIGHT_COMMON_CUH

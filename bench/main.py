@@ -7,7 +7,7 @@ with a Redis restart and a worker killed), each described in its own module (the
 in this process and compare the engine with itself).
 
 For `throughput`, the parent process only orchestrates: each system runs in its own child process
-(`python -m workers.bench --child JOB --out RESULT`) that loads the model itself, so
+(`python -m bench --child JOB --out RESULT`) that loads the model itself, so
 peak RSS is per system and one system's allocations cannot slow another. Order:
 
 1. `prepare`: loads the model (warming the converted-weights cache, so no measured
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from service.config import DTYPES
+from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
 SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "soak")
@@ -38,7 +38,7 @@ DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from workers.bench import priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import priority, scheduler_cost, soak, storm, swap, through_redis
 
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
@@ -64,9 +64,9 @@ def run(args: argparse.Namespace) -> dict:
     """Run the benchmark as `args` asks; prints a table, writes JSON/PNG, returns the report."""
     if args.scenario != "throughput":
         return run_scenario(args)
-    from workers.bench.metrics import summarize
-    from workers.bench.report import build_report, format_table, write_json, write_png
-    from workers.bench.workload import Workload
+    from bench.metrics import summarize
+    from bench.report import build_report, format_table, write_json, write_png
+    from bench.workload import Workload
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
@@ -126,8 +126,8 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from workers.bench import priority, scheduler_cost, soak, storm, swap, through_redis
-    from workers.bench.report import write_json
+    from bench import priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench.report import write_json
 
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -138,8 +138,8 @@ def run_scenario(args: argparse.Namespace) -> dict:
     elif args.scenario == "soak":
         figures = soak.run(args)  # worker processes load the model
     else:
-        from service.config import ModelConfig
-        from workers.bench.workload import allowed_token_ids, special_token_ids
+        from workers.config import ModelConfig
+        from bench.workload import allowed_token_ids, special_token_ids
         from workers.model_loader import load_model
 
         loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
@@ -169,7 +169,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
 
 def _engine_figures(children: _Children) -> dict:
     """The engine's run, then the ceiling replay of its step schedule."""
-    from workers.bench.metrics import summarize
+    from bench.metrics import summarize
 
     engine = children.run("engine")
     steps = engine["steps"]
@@ -193,7 +193,7 @@ def _engine_figures(children: _Children) -> dict:
 
 def _continuous_figures(children: _Children, sweep: list[int]) -> dict:
     """One child per max_batch_tokens value; the best by output tok/s, with the whole sweep."""
-    from workers.bench.metrics import summarize
+    from bench.metrics import summarize
 
     runs = {}
     for max_batch_tokens in sweep:
@@ -236,7 +236,7 @@ class _Children:
         started = time.perf_counter()
         with open(f"{stem}.log", "w") as log:
             code = subprocess.call(
-                [sys.executable, "-m", "workers.bench", "--child", f"{stem}.job.json", "--out", f"{stem}.out.json"],
+                [sys.executable, "-m", "bench", "--child", f"{stem}.job.json", "--out", f"{stem}.out.json"],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         if code != 0:
@@ -251,10 +251,10 @@ def run_child(job_path: Path, out_path: Path) -> None:
     import torch
     import transformers
 
-    from service.config import EngineConfig, ModelConfig
-    from workers.bench import engine_side, peers
-    from workers.bench.metrics import peak_rss_mb
-    from workers.bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
+    from workers.config import EngineConfig, ModelConfig
+    from bench import engine_side, peers
+    from bench.metrics import peak_rss_mb
+    from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
     from workers.model_loader import load_model
 
     job = json.loads(Path(job_path).read_text())

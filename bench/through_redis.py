@@ -34,11 +34,12 @@ from pathlib import Path
 import msgpack
 import redis.asyncio as aioredis
 
-from service.config import EngineConfig, ModelConfig, RedisConfig
+from service.config import RedisConfig
 from service.protocol import reply_stream
 from service.sdk import job_payload
-from workers.bench.metrics import percentile, summarize
-from workers.bench.workload import make_workload
+from workers.config import EngineConfig, ModelConfig
+from bench.metrics import percentile, summarize
+from bench.workload import make_workload
 from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _load(args: argparse.Namespace):
     """The model, the engine and the prompt vocabulary, built on the torch thread as in the worker."""
-    from workers.bench.workload import allowed_token_ids, special_token_ids
+    from bench.workload import allowed_token_ids, special_token_ids
     from workers.engine import Engine
     from workers.model_loader import load_model
 

