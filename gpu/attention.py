@@ -40,6 +40,10 @@ class SequenceSlice:
 
 
 class AttentionBackend(ABC):
+    # The CUDA kernels' launcher (`CupyKernels`, or the tests' emulation) when this
+    # backend runs them; the host KV pool then swaps blocks with the same kernels.
+    kernels = None
+
     def __init__(self, kv_cache: PagedKVCache) -> None:
         self.kv_cache = kv_cache
 

@@ -16,7 +16,6 @@ import msgpack
 
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinalEvent, SamplingParams
 
-PROTOCOL_VERSION = 1
 REQUESTS_STREAM = "inflight:requests"
 CONTROL_STREAM = "inflight:control"
 REPLY_PREFIX = "inflight:out:"

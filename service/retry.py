@@ -43,9 +43,14 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, TRANSIENT) and not isinstance(error, FATAL)
 
 
-async def retrying(call: Callable[[], Awaitable[T]]) -> T:
-    """`await call()` until Redis answers; see the module docstring for what is retried."""
+async def retrying(call: Callable[[], Awaitable[T]], max_delay_s: float = MAX_DELAY_S,
+                   on_outage: Callable[[], None] | None = None) -> T:
+    """`await call()` until Redis answers; see the module docstring for what is retried.
+
+    Waits between tries double from FIRST_DELAY_S up to `max_delay_s` (a caller racing
+    a lease keeps it short). `on_outage` is called at every failed try."""
     delay = FIRST_DELAY_S
+    failed = False
     while True:
         try:
             result = await call()
@@ -53,12 +58,15 @@ async def retrying(call: Callable[[], Awaitable[T]]) -> T:
             if not is_transient(error):
                 raise
             _stop_if_cancelled()
-            if delay == FIRST_DELAY_S:  # once per outage, not once per retry
+            if on_outage is not None:
+                on_outage()
+            if not failed:  # once per outage, not once per retry
                 log.warning("redis_unavailable", error=str(error) or type(error).__name__)
+                failed = True
             await asyncio.sleep(delay)
-            delay = min(delay * 2, MAX_DELAY_S)
+            delay = min(delay * 2, max_delay_s)
             continue
-        if delay > FIRST_DELAY_S:
+        if failed:
             log.info("redis_recovered")
         return result
 

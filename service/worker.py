@@ -9,8 +9,8 @@ each in a task of its own, and keeps their leases alive while it holds them. Eac
 2. claims its reply stream (`ReplyPublisher.claim`): a stream that belongs to another
    job makes this one a `duplicate_id` dead letter;
 3. is cancelled without running if the control stream asked for it, or continues where
-   a reply stream already stops (a takeover): the published tokens become part of the
-   prompt, `max_tokens` shrinks by their number, and `seq` goes on from the last one;
+   a reply stream already stops (a takeover): the engine resumes the request from the
+   published tokens (`resumed_output_ids`), and `seq` goes on from the last one;
 4. streams its events through fenced writes, and is acked and deleted once its final
    event is written. A worker that lost the job (its lease ran out and another worker
    took it over) is refused on its next write, or told by its next lease renewal, and
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
@@ -46,7 +46,6 @@ from service.retry import is_transient, retrying
 from service.structured_logging import bind_request, log_request_finished
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
-from workers.model_loader import encode_prompt
 from workers.request import FinalEvent, FinishReason, Timings, Usage
 
 log = structlog.get_logger("inflight.worker")
@@ -56,6 +55,8 @@ T = TypeVar("T")
 # period is over (cancelled tasks end at their next await; the engine drops their
 # requests on its next step).
 WIND_DOWN_S = 1.0
+# How often a lease renewal is tried while Redis is away.
+RENEW_RETRY_S = 0.05
 
 
 @dataclass
@@ -210,22 +211,15 @@ class Worker:
         if seq >= job.params.max_tokens:  # every token was published before the takeover
             await self._finish_unrun(entry, job, FinishReason.LENGTH, seq)
             return
-        prompt, params = job.prompt, job.params
-        if seq:  # taken over: go on from what is already published
-            tokenizer = self.front.engine.tokenizer
-            base = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else \
-                encode_prompt(tokenizer, prompt)
-            prompt = list(base) + claim.token_ids
-            params = replace(params, max_tokens=params.max_tokens - seq)
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
         # A taken-over stream keeps its submission time, so it goes ahead of newer jobs.
         arrived_at = stream_id(entry.entry_id)[0] / 1000 if seq else None
-        stream = self.front.submit(prompt, params, entry.entry_id, job.priority, deadline, arrived_at)
+        stream = self.front.submit(job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at,
+                                   resumed_output_ids=claim.token_ids)
         self.held[entry.entry_id].submitted = True
         await self._publish(entry, job, stream, seq)
 
     async def _publish(self, entry: Entry, job: Job, stream, seq: int) -> None:
-        carried = seq
         output: list[str] | None = [] if self.log_prompts else None
         async for event in stream:
             if isinstance(event, FinalEvent):
@@ -235,13 +229,9 @@ class Worker:
                     log_request_finished(log, event, prompt=job.prompt, output="".join(output))
                 else:
                     log_request_finished(log, event)
-                if event.error:
-                    code = "internal_error" if event.error.startswith("model step failed") else "invalid_request"
-                    await self._reject(entry, code, event.error, job.reply_to, seq, claimed=True)
+                if event.error_code is not None:
+                    await self._reject(entry, event.error_code.value, event.error, job.reply_to, seq, claimed=True)
                     return
-                if carried:  # usage counts the whole request, not only this worker's part
-                    usage = event.usage
-                    event = replace(event, usage=Usage(usage.prompt_tokens - carried, usage.completion_tokens + carried))
                 await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, seq))
                 await self._ack(entry)
                 return
@@ -297,17 +287,12 @@ class Worker:
             if not self.held:
                 renewed_at = loop.time()
                 continue
-            lost = None
-            while lost is None:
-                try:
-                    lost = await self.reader.renew(list(self.held))
-                except RedisError as error:
-                    if not is_transient(error):  # e.g. an ACL without XCLAIM: say so, keep trying
-                        log.error("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
-                        await asyncio.sleep(self.config.renew_interval_s)
-                        continue
-                    self.reader.outage_seen()  # Redis away: try again soon, the lease is running out
-                    await asyncio.sleep(0.05)
+            try:  # Redis away: try again soon, the lease is running out
+                lost = await retrying(lambda: self.reader.renew(list(self.held)), max_delay_s=RENEW_RETRY_S,
+                                      on_outage=self.reader.outage_seen)
+            except RedisError as error:  # e.g. an ACL without XCLAIM: say so, try again next round
+                log.error("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
+                continue
             late = loop.time() - renewed_at
             renewed_at = loop.time()
             if late > self.config.claim_idle_ms / 2000:  # other workers may have taken jobs over

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import run_to_completion
-from workers.request import FinishReason, InvalidRequest, SamplingParams
+from workers.request import ErrorCode, FinishReason, InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -222,6 +222,7 @@ def test_bad_input_fails_only_that_request(make_engine, expected):
     for name, *_ in BAD_INPUTS:
         token_ids, final, _ = results[name]
         assert final.finish_reason is FinishReason.ERROR, name
+        assert final.error_code is ErrorCode.INVALID_REQUEST, name
         assert final.error and token_ids == [], name
     assert results["good"][0] == want
 
@@ -271,3 +272,42 @@ def test_a_request_that_arrived_earlier_elsewhere_keeps_its_place_in_the_queue(m
                                              ("taken-over", "Hello", params, 0, None, time.time() - 60)]})
     assert list(results) == ["taken-over", "new-1", "new-2"]  # finished in the order they started
     assert results["taken-over"][1].timings.queue_s >= 60  # its timings count from its first arrival
+
+
+def test_a_resumed_request_continues_exactly_where_the_published_tokens_stop(make_engine, expected):
+    """A takeover: another worker published the first tokens, this engine recomputes
+    them with the prompt and produces exactly the rest; usage counts the whole request."""
+    engine = make_engine()
+    prompt_ids, want = expected["p3"]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    engine.add_request("resumed", prompt_ids, params, resumed_output_ids=want[:7])
+    token_ids, final, _ = run_to_completion(engine)["resumed"]
+    assert token_ids == want[7:]
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt_ids), len(want))
+
+
+@pytest.mark.parametrize("resumed", [[-1], [10**9], list(range(MAX_TOKENS))], ids=["negative", "beyond vocab", "all of max_tokens"])
+def test_resumed_output_that_cannot_be_continued_is_an_invalid_request(make_engine, resumed):
+    engine = make_engine()
+    engine.add_request("r", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=resumed)
+    _, final, _ = run_to_completion(engine)["r"]
+    assert final.error_code is ErrorCode.INVALID_REQUEST
+
+
+def test_a_failed_model_step_fails_the_requests_it_ran_with_internal_error_and_the_engine_goes_on(
+        make_engine, expected):
+    engine = make_engine()
+    execute = engine.runner.execute
+
+    def failing_once(plan):
+        engine.runner.execute = execute  # the next step runs normally
+        raise RuntimeError("device lost")
+
+    engine.add_request("hit", "Hello", SamplingParams(max_tokens=5))
+    engine.runner.execute = failing_once
+    _, final, _ = run_to_completion(engine)["hit"]
+    assert final.finish_reason is FinishReason.ERROR and final.error_code is ErrorCode.INTERNAL_ERROR
+    assert "device lost" in final.error
+    prompt_ids, want = expected["p1"]
+    engine.add_request("after", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    assert run_to_completion(engine)["after"][0] == want

@@ -1,9 +1,11 @@
-"""The scheduler, driven by a simulated runner: no model, no tensors.
+"""The scheduler, driven by a simulated model: no model, no tensors.
 
-The simulated runner keeps a fake KV cache: every device and host block holds the
-tags of the tokens written into it, and swaps copy those tags. So the tests see
-whether a request's context survives preemption and swapping, not only whether the
-block counts add up.
+The simulated model stands in for the runner and the sampler only: it keeps a fake KV
+cache (every device and host block holds the tags of the tokens written into it, and
+swaps copy those tags) and samples a fixed token. Everything else is the scheduler's
+own code: `schedule` plans, `update_from_output` moves requests on and retires them.
+So the tests see whether a request's context survives preemption and swapping, not
+only whether the block counts add up.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 
 from workers.config import SchedulerConfig
 from workers.block_manager import BlockAllocator, blocks_needed
-from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, RequestStatus, SamplingParams
+from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus, SamplingParams
 from workers.scheduler import Scheduler, StepPlan
 
 BLOCK = 4
@@ -28,22 +30,29 @@ def make(num_blocks=64, host_blocks=0, **config) -> Scheduler:
     return Scheduler(SchedulerConfig(**config), BlockAllocator(num_blocks), BLOCK, host)
 
 
+SAMPLED = 7  # the token the simulated model always samples
+EOS = 2
+
+
 def request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,
-            deadline: float | None = None) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), arrival,
-                   priority, deadline)
+            deadline: float | None = None, stop_token_ids: frozenset[int] = frozenset({EOS})) -> Request:
+    return Request(rid, list(range(10, prompt_len + 10)), SamplingParams(max_tokens=max_tokens), arrival,
+                   priority, deadline, stop_token_ids=stop_token_ids)
 
 
 class FakeRunner:
-    """Runs plans against a fake KV cache of token tags, as the engine would."""
+    """Runs plans against a fake KV cache of token tags, samples SAMPLED for every chunk
+    that samples, and hands the output to the scheduler, as the engine does."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self.device: dict[int, dict[int, str]] = {}  # block -> {offset: "request:position"}
         self.host: dict[int, dict[int, str]] = {}
+        self.written: dict[str, dict[int, int]] = {}  # request -> {position: token id}
 
     def step(self, plan: StepPlan) -> list[Request]:
-        """Swap, check each chunk's cached context, write its tokens, sample, retire."""
+        """Swap, check each chunk's cached context, write its tokens, sample; returns the
+        requests the scheduler retired."""
         outgoing = {d: dict(self.device.get(d, {})) for d, _ in plan.swap_out}
         for d, h in plan.swap_out:
             self.host[h] = outgoing[d]
@@ -52,23 +61,16 @@ class FakeRunner:
             self.device[d] = incoming[h]
         self.scheduler.swaps_done(plan)
         for chunk in plan.chunks:
-            r = chunk.request
+            rid, blocks = chunk.request.request_id, chunk.block_ids
             for pos in range(chunk.start):  # everything before the chunk must be cached, intact
-                got = self.device.get(r.block_ids[pos // BLOCK], {}).get(pos % BLOCK)
-                assert got == f"{r.request_id}:{pos}", f"{r.request_id} lost position {pos}: {got}"
-            for pos in range(chunk.start, chunk.start + chunk.num_tokens):
-                self.device.setdefault(r.block_ids[pos // BLOCK], {})[pos % BLOCK] = f"{r.request_id}:{pos}"
-        for chunk in plan.chunks:
-            chunk.request.num_computed += chunk.num_tokens
-        finished = []
-        for chunk in plan.chunks:
-            r = chunk.request
-            if chunk.samples:
-                r.output_token_ids.append(7)
-                if len(r.output_token_ids) >= r.params.max_tokens:
-                    self.scheduler.finish(r)
-                    finished.append(r)
-        return finished
+                got = self.device.get(blocks[pos // BLOCK], {}).get(pos % BLOCK)
+                assert got == f"{rid}:{pos}:{self.written[rid][pos]}", f"{rid} lost position {pos}: {got}"
+            for pos, token in enumerate(chunk.token_ids, chunk.start):
+                self.device.setdefault(blocks[pos // BLOCK], {})[pos % BLOCK] = f"{rid}:{pos}:{token}"
+                self.written.setdefault(rid, {})[pos] = token
+        sampled = [SAMPLED for chunk in plan.chunks if chunk.samples]
+        took = self.scheduler.update_from_output(plan, sampled)
+        return [r for r in took if r.status is RequestStatus.FINISHED]
 
 
 def run(s: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list[StepPlan]:
@@ -199,10 +201,8 @@ def test_aging_a_request_is_never_overtaken_by_one_arriving_more_than_the_bound_
     old = request("old", 2, max_tokens=1, priority=PRIORITY_MIN, arrival=0.0)
     within = request("within", 2, max_tokens=1, priority=PRIORITY_MAX, arrival=bound - 1)
     later = request("later", 2, max_tokens=1, priority=PRIORITY_MAX, arrival=bound + 1)
-    s.add(later)
-    s.add(old)
-    s.add(within)
-    assert [r.request_id for r in s.queued()] == ["within", "old", "later"]
+    plans = run(s, [later, old, within])
+    assert [c.request.request_id for plan in plans for c in plan.chunks if c.start == 0] == ["within", "old", "later"]
 
 
 def test_a_sustained_stream_of_urgent_work_cannot_starve_a_low_priority_request():
@@ -232,12 +232,13 @@ def test_deadlines_expire_queued_and_running_requests():
     FakeRunner(s).step(s.schedule())
     assert s.expired(2.9) == []
     assert s.expired(3.0) == [queued]
-    s.finish(queued)
+    s.finish(queued, FinishReason.DEADLINE)
     assert s.expired(10.0) == [running]
-    s.finish(running)
+    s.finish(running, FinishReason.DEADLINE)
     assert s.expired(100.0) == []
     assert s.allocator.num_free == s.allocator.num_blocks
-    assert s.num_waiting == 1 and s.queued() == [forever]
+    assert s.num_waiting == 1 and not s.running
+    assert run(s, [])[0].chunks[0].request is forever
 
 
 # -- preemption and swapping -------------------------------------------------------------
@@ -318,7 +319,7 @@ def test_cancelling_a_swapped_request_frees_its_host_blocks():
     while s.num_swapped == 0:
         runner.step(s.schedule())
     victim = next(r for r in (a, b) if r.status is RequestStatus.SWAPPED)
-    s.finish(victim)
+    s.finish(victim, FinishReason.CANCELLED)
     assert s.host_allocator.num_free == 8 and s.num_swapped == 0
     while s.has_unfinished():
         runner.step(s.schedule())
@@ -376,10 +377,10 @@ def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_ho
             s.add(r)
         for r in cancels.pop(step, []):
             if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
-                s.finish(r)
+                s.finish(r, FinishReason.CANCELLED)
                 ended[r.request_id] = "cancelled"
         for r in s.expired(now):
-            s.finish(r)
+            s.finish(r, FinishReason.DEADLINE)
             ended[r.request_id] = "deadline"
         if not arrivals and not s.has_unfinished():
             break
@@ -420,3 +421,60 @@ def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_ho
                 if ended[a.request_id] == "finished":
                     assert first_start[a.request_id] <= first_start[b.request_id], (a.request_id, b.request_id)
 
+
+
+# -- after the step ----------------------------------------------------------------------
+
+
+def test_update_from_output_moves_requests_on_and_retires_at_max_tokens():
+    s = make(max_batch_tokens=64)
+    a, b = request("a", 6, max_tokens=2), request("b", 3, max_tokens=1)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [(c.request.request_id, c.token_ids, c.samples, c.is_decode) for c in plan.chunks] == [
+        ("a", (10, 11, 12, 13, 14, 15), True, False), ("b", (10, 11, 12), True, False)]
+    took = s.update_from_output(plan, [40, 41])
+    assert took == [a, b]
+    assert (a.num_computed, a.output_token_ids, a.status) == (6, [40], RequestStatus.RUNNING)
+    assert (b.output_token_ids, b.status, b.finish_reason) == ([41], RequestStatus.FINISHED, FinishReason.LENGTH)
+    assert not b.block_ids and s.running == [a]
+    plan = s.schedule()
+    assert [(c.token_ids, c.start, c.is_decode) for c in plan.chunks] == [((40,), 6, True)]
+    s.update_from_output(plan, [42])
+    assert a.finish_reason is FinishReason.LENGTH and not s.has_unfinished()
+    assert s.allocator.num_free == s.allocator.num_blocks
+
+
+def test_a_stop_token_retires_the_request_and_a_prompt_chunk_that_does_not_sample_takes_no_token():
+    s = make(max_batch_tokens=64, max_prefill_chunk=4)
+    r = request("r", 6, max_tokens=10)
+    s.add(r)
+    plan = s.schedule()
+    assert [c.samples for c in plan.chunks] == [False]  # 4 of 6 prompt tokens
+    assert s.update_from_output(plan, []) == [] and r.num_computed == 4 and not r.output_token_ids
+    plan = s.schedule()
+    s.update_from_output(plan, [EOS])
+    assert (r.output_token_ids, r.finish_reason, r.status) == ([EOS], FinishReason.STOP, RequestStatus.FINISHED)
+
+
+def test_update_from_output_refuses_a_token_count_that_does_not_match_the_plan():
+    s = make()
+    s.add(request("r", 3))
+    plan = s.schedule()
+    with pytest.raises(ValueError):
+        s.update_from_output(plan, [])
+
+
+def test_a_resumed_request_recomputes_its_published_output_then_decodes_after_it():
+    s = make(max_batch_tokens=64)
+    r = request("r", 3, max_tokens=4)
+    r.output_token_ids = [50, 51]  # published by a worker that died
+    s.add(r)
+    plan = s.schedule()
+    assert [(c.token_ids, c.samples) for c in plan.chunks] == [((10, 11, 12, 50, 51), True)]
+    s.update_from_output(plan, [52])
+    plan = s.schedule()
+    assert [(c.token_ids, c.start, c.is_decode) for c in plan.chunks] == [((52,), 5, True)]
+    s.update_from_output(plan, [53])
+    assert r.output_token_ids == [50, 51, 52, 53] and r.finish_reason is FinishReason.LENGTH

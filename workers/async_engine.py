@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -63,15 +63,17 @@ class AsyncEngine:
         priority: int = DEFAULT_PRIORITY,
         deadline: float | None = None,
         arrived_at: float | None = None,
+        resumed_output_ids: Sequence[int] = (),
     ) -> RequestStream:
         """Queue a request now; iterate the returned stream for its events.
 
-        `priority`, `deadline` and `arrived_at` are as in `Engine.add_request`. Raises
+        `priority`, `deadline`, `arrived_at` and `resumed_output_ids` are as in
+        `Engine.add_request`. Raises
         `InvalidRequest` only for an id that is already live; any other bad input
         arrives as the stream's single, final error event.
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params, priority, deadline, arrived_at)
+        self.engine.add_request(request_id, prompt, params, priority, deadline, arrived_at, resumed_output_ids)
         stream = RequestStream(self, request_id)
         self._queues[request_id] = stream.queue
         self._wakeup.set()

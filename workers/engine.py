@@ -1,13 +1,15 @@
 """The engine: add requests, cancel them, and step.
 
-One `step()` reads as schedule → run → sample → postprocess:
+One `step()` reads as schedule → run → sample → update:
 the scheduler picks this step's tokens, the model runner runs one forward over them,
 the sampler draws a token for every request that reached the end of its known
-tokens, and finished requests are retired at once, their blocks freed.
+tokens, and the scheduler moves each request on and retires the finished ones, their
+blocks freed at once. The engine turns what changed into events (detokenized text,
+stop strings, timings).
 
 `add_request` and `cancel` may be called from another thread than `step` (the async
-front end steps in a worker thread): they only validate and post to an inbox that
-the next step drains.
+front end steps in a worker thread): they only validate and post a command
+(`AddRequest`, `CancelRequest`, `FailRequest`) to an inbox that the next step drains.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ from workers.model_loader import LoadedModel, encode_prompt, load_model
 from workers.model_runner import ModelRunner
 from workers.request import (
     DEFAULT_PRIORITY,
+    ErrorCode,
     Event,
     FinalEvent,
     FinishReason,
@@ -99,6 +101,27 @@ class _Live:
     generator: torch.Generator | None
 
 
+# The commands `add_request` and `cancel` post for the stepping thread.
+@dataclass(frozen=True)
+class AddRequest:
+    live: _Live
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FailRequest:
+    """A request refused at `add_request`: its only event is this error."""
+
+    event: FinalEvent
+
+
+Command = AddRequest | CancelRequest | FailRequest
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
@@ -115,10 +138,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.host_allocator)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
-        self.step_records: deque[StepRecord] = deque(maxlen=1 << 16)
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()  # guards the inbox and the set of known ids
-        self._inbox: list[_Live | str | FinalEvent] = []  # new requests, ids to cancel, errors
+        self._inbox: list[Command] = []
         self._known_ids: set[str] = set()
         # Called at the end of every step, in the stepping thread; must be quick.
         self.observer: Callable[[EngineStats], None] | None = None
@@ -140,6 +162,7 @@ class Engine:
         priority: int = DEFAULT_PRIORITY,
         deadline: float | None = None,
         arrived_at: float | None = None,
+        resumed_output_ids: Sequence[int] = (),
     ) -> None:
         """Queue a request. Bad input does not raise: the request's only event is an error.
 
@@ -149,6 +172,10 @@ class Engine:
         `arrived_at` (a `time.time()` in the past) is when a request that waited
         elsewhere first arrived, e.g. a job taken over from a worker that died: it keeps
         its place in the queue's order, and its timings count from then.
+        `resumed_output_ids` are output tokens another worker already produced for this
+        request: they count towards `max_tokens` and `usage.completion_tokens`, are
+        recomputed with the prompt, and generation goes on after them (their text is
+        not emitted again; stop strings are matched in the new text only).
         A request id that is already live raises `InvalidRequest`, since an error
         event under that id would end the other request's stream.
         """
@@ -161,6 +188,7 @@ class Engine:
             self._known_ids.add(request_id)
         try:
             prompt_ids = self._validate(prompt, params)
+            resumed = self._validate_resumed(resumed_output_ids, params)
             validate_priority(priority)
             if deadline is not None and (
                 isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
@@ -168,16 +196,19 @@ class Engine:
                 raise InvalidRequest(f"deadline must be a unix time in seconds, got {deadline!r}")
         except InvalidRequest as error:
             empty = Request(request_id, [], params, arrival)
-            self._post(self._final(empty, FinishReason.ERROR, error=str(error)))
+            self._post(FailRequest(self._final(empty, FinishReason.ERROR, error=str(error),
+                                                  error_code=ErrorCode.INVALID_REQUEST)))
             return
         # The engine's clock is perf_counter: carry the deadline over to it.
         local_deadline = None if deadline is None else arrival + (deadline - time.time())
-        request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop)
-        self._post(_Live(request, detokenizer, make_generator(params.seed)))
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline,
+                          output_token_ids=resumed, stop_token_ids=frozenset(stop_ids))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + resumed, params.stop)
+        self._post(AddRequest(_Live(request, detokenizer, make_generator(params.seed))))
 
     def cancel(self, request_id: str) -> None:
-        self._post(request_id)
+        self._post(CancelRequest(request_id))
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -186,8 +217,6 @@ class Engine:
     def step(self) -> list[Event]:
         self._queue_s, self._first_token_s, self._inter_token_s = [], [], []
         events, record = self._step()
-        if record is not None:
-            self.step_records.append(record)
         if self.observer is not None:
             try:
                 self.observer(self.stats(record))
@@ -224,6 +253,7 @@ class Engine:
         num_swapped_out = sum(1 for r in plan.preempted if r.status is RequestStatus.SWAPPED)
         num_decode = plan.num_decode_tokens
         sampling = [c.request for c in plan.chunks if c.samples]
+        first_scheduled = [c.request for c in plan.chunks if c.request.scheduled_time is None]
         try:
             try:
                 output = self.runner.execute(plan)
@@ -241,16 +271,14 @@ class Engine:
             failed = {id(r): r for r in [c.request for c in plan.chunks] + swapping}
             for request in failed.values():
                 if request.status is not RequestStatus.FINISHED:
-                    events.append(self._retire(request, FinishReason.ERROR, error=message))
+                    events.append(self._retire(request, FinishReason.ERROR, message, ErrorCode.INTERNAL_ERROR))
             return events, None
         now = time.perf_counter()
-        for chunk in plan.chunks:
-            chunk.request.num_computed += chunk.num_tokens
-            if chunk.request.scheduled_time is None:
-                chunk.request.scheduled_time = started
-                self._queue_s.append(started - chunk.request.arrival_time)
-        for request, token_id in zip(sampling, token_ids):
-            events.extend(self._append_token(request, token_id, now))
+        for request in first_scheduled:
+            request.scheduled_time = started
+            self._queue_s.append(started - request.arrival_time)
+        for request in self.scheduler.update_from_output(plan, token_ids):
+            events.extend(self._token_events(request, now))
         record = StepRecord(
             plan.num_tokens - num_decode,
             num_decode,
@@ -302,53 +330,65 @@ class Engine:
             )
         return prompt_ids
 
-    def _post(self, item: _Live | str | FinalEvent) -> None:
+    def _validate_resumed(self, output_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in output_ids):
+            raise InvalidRequest(f"resumed output token ids must be in [0, {self.vocab_size})")
+        if len(output_ids) >= params.max_tokens:
+            raise InvalidRequest(f"{len(output_ids)} resumed output tokens leave none of max_tokens ({params.max_tokens})")
+        return list(output_ids)
+
+    def _post(self, command: Command) -> None:
         with self._lock:
-            self._inbox.append(item)
+            self._inbox.append(command)
 
     def _drain_inbox(self) -> list[Event]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         events: list[Event] = []
-        for item in inbox:
-            if isinstance(item, _Live):
-                self._live[item.request.request_id] = item
-                self.scheduler.add(item.request)
-            elif isinstance(item, FinalEvent):
-                self._forget(item.request_id)
-                events.append(item)
-            elif item in self._live:
-                events.append(self._retire(self._live[item].request, FinishReason.CANCELLED))
+        for command in inbox:
+            match command:
+                case AddRequest(live):
+                    self._live[live.request.request_id] = live
+                    self.scheduler.add(live.request)
+                case FailRequest(event):
+                    self._forget(event.request_id)
+                    events.append(event)
+                case CancelRequest(request_id) if request_id in self._live:
+                    events.append(self._retire(self._live[request_id].request, FinishReason.CANCELLED))
         return events
 
-    def _append_token(self, request: Request, token_id: int, now: float) -> list[Event]:
+    def _token_events(self, request: Request, now: float) -> list[Event]:
+        """The events of the token `request` just took: its text, and its end if the
+        scheduler retired it or its text reached a stop string."""
         if request.first_token_time is None:
             request.first_token_time = now
             self._first_token_s.append(now - request.arrival_time)
         else:
             self._inter_token_s.append(now - request.token_times[-1])
-        request.output_token_ids.append(token_id)
         request.token_times.append(now)
-        params = request.params
-        live = self._live[request.request_id]
-        stop_token = token_id in params.stop_token_ids or (
-            token_id in self.eos_token_ids and not params.ignore_eos
-        )
-        text = "" if stop_token else live.detokenizer.push([token_id])
+        token_id = request.output_token_ids[-1]
+        detokenizer = self._live[request.request_id].detokenizer
+        stop_token = token_id in request.stop_token_ids
+        text = "" if stop_token else detokenizer.push([token_id])
         events: list[Event] = [TokenEvent(request.request_id, (token_id,), text)]
-        if stop_token or live.detokenizer.stopped:
+        if request.status is RequestStatus.FINISHED:
+            events.append(self._final_event(request))
+        elif detokenizer.stopped:
             events.append(self._retire(request, FinishReason.STOP))
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_context:
-            events.append(self._retire(request, FinishReason.LENGTH))
         return events
 
-    def _retire(self, request: Request, reason: FinishReason, error: str | None = None) -> FinalEvent:
-        live = self._live[request.request_id]
-        tail = "" if live.detokenizer.stopped or error else live.detokenizer.flush()
-        self.scheduler.finish(request)
-        request.finish_reason = reason
+    def _retire(self, request: Request, reason: FinishReason, error: str | None = None,
+                error_code: ErrorCode | None = None) -> FinalEvent:
+        self.scheduler.finish(request, reason)
+        return self._final_event(request, error, error_code)
+
+    def _final_event(self, request: Request, error: str | None = None,
+                     error_code: ErrorCode | None = None) -> FinalEvent:
+        """The final event of a request the scheduler has retired; the engine forgets it."""
+        detokenizer = self._live[request.request_id].detokenizer
+        tail = "" if detokenizer.stopped or error else detokenizer.flush()
         self._forget(request.request_id)
-        return self._final(request, reason, text=tail, error=error)
+        return self._final(request, request.finish_reason, tail, error, error_code)
 
     def _forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
@@ -356,7 +396,8 @@ class Engine:
             self._known_ids.discard(request_id)
 
     @staticmethod
-    def _final(request: Request, reason: FinishReason, text: str = "", error: str | None = None) -> FinalEvent:
+    def _final(request: Request, reason: FinishReason, text: str = "", error: str | None = None,
+               error_code: ErrorCode | None = None) -> FinalEvent:
         now = time.perf_counter()
         arrival = request.arrival_time
         return FinalEvent(
@@ -371,6 +412,7 @@ class Engine:
             ),
             text=text,
             error=error,
+            error_code=error_code,
         )
 
 

@@ -52,8 +52,7 @@ class ModelRunner:
         )
         self.backend = backend_class(self.kv_cache) if backend_class else select_backend(self.kv_cache)
         # With the CUDA kernels, swaps are kernel launches too.
-        kernels = getattr(self.backend, "kernels", None)
-        self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, kernels)
+        self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, self.backend.kernels)
 
     @property
     def num_host_blocks(self) -> int:
@@ -72,10 +71,9 @@ class ModelRunner:
         sequences: list[SequenceSlice] = []
         sample_rows: list[int] = []
         for chunk in plan.chunks:
-            request = chunk.request
             end = chunk.start + chunk.num_tokens
-            sequences.append(SequenceSlice(len(token_ids), chunk.num_tokens, end, request.block_ids))
-            token_ids.extend(request.token_slice(chunk.start, end))
+            sequences.append(SequenceSlice(len(token_ids), chunk.num_tokens, end, chunk.block_ids))
+            token_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, end))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)

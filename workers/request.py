@@ -75,6 +75,13 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a request ended in error; the values are the protocol's error codes."""
+
+    INVALID_REQUEST = "invalid_request"  # bad input: this request only
+    INTERNAL_ERROR = "internal_error"  # the model step that ran it failed
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holding no KV blocks (new, or preempted to recompute)
     RUNNING = "running"  # holding device KV blocks
@@ -86,9 +93,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """A request as the engine tracks it: tokens, progress and KV blocks.
 
-    `num_computed` counts tokens whose K/V are in the cache; the scheduler moves it
-    forward, so prefill is `num_computed < len(prompt_token_ids)`. Times are
-    `time.perf_counter()` seconds.
+    The scheduler owns its state: `num_computed` counts tokens whose K/V are in the
+    cache, and `Scheduler.update_from_output` moves it forward and appends each sampled
+    token, so prefill is `num_computed < len(prompt_token_ids)`. Output tokens may be
+    there from the start: a request resumed from another worker's published tokens
+    recomputes them with its prompt. Times are `time.perf_counter()` seconds.
     """
 
     request_id: str
@@ -98,6 +107,8 @@ class Request:
     priority: int = DEFAULT_PRIORITY
     deadline: float | None = None  # finish by then (perf_counter clock), or end with DEADLINE
     output_token_ids: list[int] = field(default_factory=list)
+    # The sampled tokens that end it: its stop_token_ids, and EOS unless ignore_eos.
+    stop_token_ids: frozenset[int] = frozenset()
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)  # device KV blocks, in token order
     host_block_ids: list[int] = field(default_factory=list)  # host KV blocks while SWAPPED
@@ -168,7 +179,8 @@ class FinalEvent:
     usage: Usage
     timings: Timings
     text: str = ""  # any text held back (e.g. a partial stop-string match) that is now final
-    error: str | None = None
+    error: str | None = None  # with finish_reason ERROR: what went wrong, for the client
+    error_code: ErrorCode | None = None  # with finish_reason ERROR
 
 
 Event = TokenEvent | FinalEvent

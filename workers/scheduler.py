@@ -37,6 +37,11 @@ A request is never swapped back in during the step that swapped it out.
 **Swaps** are listed in the plan as (device block, host block) pairs, to be copied
 before the step's forward: all swap-outs, then all swap-ins. The host blocks a
 swap-in reads are freed when the runner reports the copies made (`swaps_done`).
+
+**After the step** the scheduler owns what changed: `update_from_output` moves each
+chunk's request past the tokens it ran, appends the sampled tokens, and retires the
+requests that reached a stop token or max_tokens. The engine retires the rest through
+`finish` (stop strings, cancels, deadlines, a failed step).
 """
 
 from __future__ import annotations
@@ -48,27 +53,29 @@ from dataclasses import dataclass, field
 
 from workers.config import SchedulerConfig
 from workers.block_manager import BlockAllocator, blocks_needed
-from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, RequestStatus
+from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, from position `start`, run in this step."""
+    """Tokens [start, start + len(token_ids)) of `request`, run in this step.
+
+    Facts fixed when the step was planned, for the runner and the sampler: the request
+    itself moves on only in `Scheduler.update_from_output`.
+    """
 
     request: Request
     start: int
-    num_tokens: int
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # the request's device KV blocks, in token order
+    samples: bool  # reaches the request's last known token: a new token is sampled
+    is_decode: bool  # the one token a decoding request runs
 
     @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the request's last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.request.is_decoding
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -137,7 +144,7 @@ class Scheduler:
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
 
-    def finish(self, request: Request) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
         """Retire a request (finished, cancelled, expired or failed); free all its blocks at once."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -149,6 +156,7 @@ class Scheduler:
             self.host_allocator.free(request.host_block_ids)
             request.host_block_ids = []
         request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
 
     def expired(self, now: float) -> list[Request]:
         """Unfinished requests whose deadline is at or before `now` (the caller retires them)."""
@@ -163,6 +171,24 @@ class Scheduler:
         """The runner has made the plan's copies: the host blocks swapped in are free again."""
         if plan.swap_in:
             self.host_allocator.free([host for host, _ in plan.swap_in])
+
+    def update_from_output(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
+        """The step ran `plan`: its chunks' K/V are cached now, and `sampled_token_ids`
+        holds one token per sampling chunk, in plan order. Moves each request on and
+        retires those that reached a stop token or max_tokens (`finish_reason` set).
+        Returns the requests that took a token, in plan order."""
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        sampled = [chunk.request for chunk in plan.chunks if chunk.samples]
+        if len(sampled) != len(sampled_token_ids):
+            raise ValueError(f"{len(sampled)} chunks sample, got {len(sampled_token_ids)} tokens")
+        for request, token_id in zip(sampled, sampled_token_ids):
+            request.output_token_ids.append(token_id)
+            if token_id in request.stop_token_ids:
+                self.finish(request, FinishReason.STOP)
+            elif len(request.output_token_ids) >= request.params.max_tokens:
+                self.finish(request, FinishReason.LENGTH)
+        return sampled
 
     def has_unfinished(self) -> bool:
         return bool(self._num_queued or self.running)
@@ -190,10 +216,6 @@ class Scheduler:
                 oldest = request.arrival_time
         return Census(dict(running), dict(waiting), dict(swapped), oldest)
 
-    def queued(self) -> list[Request]:
-        """Queued requests in the order they would start."""
-        return [r for _, r in sorted(self._queue, key=lambda e: e[0]) if r.status in QUEUED]
-
     # -- the step plan -------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
@@ -216,7 +238,7 @@ class Scheduler:
             decoding = sorted(decoding, key=lambda r: r.queue_key)[:cap]
         for request in decoding:
             if request.status is RequestStatus.RUNNING and self._grow(request, request.num_computed + 1, plan):
-                plan.chunks.append(ScheduledChunk(request, request.num_computed, 1))
+                plan.chunks.append(self._chunk(request, 1))
 
     def _plan_prefills(self, plan: StepPlan) -> None:
         """2. Prompt chunks under the prefill sub-budget; swap-ins and admissions in queue order."""
@@ -246,7 +268,7 @@ class Scheduler:
                     self._dequeue()
                     self._swap_in(request, plan)
                     self._grow(request, request.num_computed + 1, plan, may_preempt=False)
-                    plan.chunks.append(ScheduledChunk(request, request.num_computed, 1))
+                    plan.chunks.append(self._chunk(request, 1))
                     num_decodes += 1
                     budget = min(budget, config.max_batch_tokens - plan.num_tokens)
                     continue
@@ -280,8 +302,16 @@ class Scheduler:
         n = self._largest_chunk(request, budget)
         if n:
             self._allocate(request, request.num_computed + n)
-            plan.chunks.append(ScheduledChunk(request, request.num_computed, n))
+            plan.chunks.append(self._chunk(request, n))
         return n
+
+    @staticmethod
+    def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:
+        """The request's next `num_tokens` tokens; its blocks must already hold them."""
+        start = request.num_computed
+        end = start + num_tokens
+        return ScheduledChunk(request, start, tuple(request.token_slice(start, end)), tuple(request.block_ids),
+                              samples=end == request.num_tokens, is_decode=num_tokens == 1 and request.is_decoding)
 
     def _grow(self, request: Request, num_tokens: int, plan: StepPlan, may_preempt: bool = True) -> bool:
         """Give `request` blocks for `num_tokens` tokens, preempting victims if needed.
