@@ -2,8 +2,8 @@
 
 The scheduler alone, no model: 256 requests decoding and 1,000 waiting (mixed
 priorities), a KV pool large enough for all of them. Each decision is timed; between
-decisions, an untimed simulated step advances every scheduled request as the engine
-would. Reported: the median and p99 decision time.
+decisions, an untimed simulated step samples a token for every chunk that samples and
+hands it to the scheduler, as the engine does. Reported: the median and p99 decision time.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from workers.config import SchedulerConfig
 from bench.metrics import percentile
 from workers.block_manager import BlockAllocator
+from workers.config import SchedulerConfig
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, SamplingParams
 from workers.scheduler import Scheduler, StepPlan
 
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> dict:
     for i in range(running):
         scheduler.add(Request(f"run-{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 0.0))
     while scheduler.num_waiting or any(not r.is_decoding for r in scheduler.running):
-        _advance(scheduler.schedule())
+        _advance(scheduler, scheduler.schedule())
     for i in range(waiting):
         priority = PRIORITY_MIN + i % span
         scheduler.add(Request(f"wait-{i}", [1] * 32, SamplingParams(max_tokens=16), 1.0 + i * 1e-3, priority))
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> dict:
         plan = scheduler.schedule()
         times.append(time.perf_counter() - started)
         assert plan.num_decode_tokens == running, "every running request decodes"
-        _advance(plan)
+        _advance(scheduler, plan)
     return {
         "running": running,
         "waiting": scheduler.num_waiting,
@@ -59,10 +59,6 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def _advance(plan: StepPlan) -> None:
-    """What the engine does after the forward: computed tokens move on, a token is sampled."""
-    for chunk in plan.chunks:
-        chunk.request.num_computed += chunk.num_tokens
-    for chunk in plan.chunks:
-        if chunk.samples:
-            chunk.request.output_token_ids.append(7)
+def _advance(scheduler: Scheduler, plan: StepPlan) -> None:
+    """What the engine does after the forward: a token for every chunk that samples."""
+    scheduler.update_from_output(plan, [7 for chunk in plan.chunks if chunk.samples])

@@ -50,6 +50,7 @@ import heapq
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from workers.config import SchedulerConfig
 from workers.block_manager import BlockAllocator, blocks_needed
@@ -58,12 +59,12 @@ from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, R
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """Tokens [start, start + len(token_ids)) of `request`, run in this step.
 
     Facts fixed when the step was planned, for the runner and the sampler: the request
-    itself moves on only in `Scheduler.update_from_output`.
+    itself moves on only in `Scheduler.update_from_output`. (A named tuple: one is
+    built per request per step, and it builds several times faster than a dataclass.)
     """
 
     request: Request
@@ -238,7 +239,7 @@ class Scheduler:
             decoding = sorted(decoding, key=lambda r: r.queue_key)[:cap]
         for request in decoding:
             if request.status is RequestStatus.RUNNING and self._grow(request, request.num_computed + 1, plan):
-                plan.chunks.append(self._chunk(request, 1))
+                plan.chunks.append(self._decode_chunk(request))
 
     def _plan_prefills(self, plan: StepPlan) -> None:
         """2. Prompt chunks under the prefill sub-budget; swap-ins and admissions in queue order."""
@@ -268,7 +269,7 @@ class Scheduler:
                     self._dequeue()
                     self._swap_in(request, plan)
                     self._grow(request, request.num_computed + 1, plan, may_preempt=False)
-                    plan.chunks.append(self._chunk(request, 1))
+                    plan.chunks.append(self._decode_chunk(request))
                     num_decodes += 1
                     budget = min(budget, config.max_batch_tokens - plan.num_tokens)
                     continue
@@ -306,12 +307,18 @@ class Scheduler:
         return n
 
     @staticmethod
+    def _decode_chunk(request: Request) -> ScheduledChunk:
+        """The one token a decoding request runs: the one it sampled last."""
+        return ScheduledChunk(request, request.num_computed, (request.output_token_ids[-1],),
+                              tuple(request.block_ids), True, True)
+
+    @staticmethod
     def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:
-        """The request's next `num_tokens` tokens; its blocks must already hold them."""
+        """The request's next `num_tokens` prompt tokens; its blocks must already hold them."""
         start = request.num_computed
         end = start + num_tokens
         return ScheduledChunk(request, start, tuple(request.token_slice(start, end)), tuple(request.block_ids),
-                              samples=end == request.num_tokens, is_decode=num_tokens == 1 and request.is_decoding)
+                              end == request.num_tokens, False)
 
     def _grow(self, request: Request, num_tokens: int, plan: StepPlan, may_preempt: bool = True) -> bool:
         """Give `request` blocks for `num_tokens` tokens, preempting victims if needed.
