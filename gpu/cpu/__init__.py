@@ -1,0 +1,3 @@
+"""The CPU path: C++ kernels (`kernels/*.cpp`) built with g++ for this CPU and cached
+(`native_build.py`), the paged decode attention that uses them (`attention.py`), fused
+norms and MLPs (`fusions.py`) and oneDNN linears with packed weights (`packed_linear.py`)."""
