@@ -24,7 +24,8 @@ bench: $(INSTALLED)
 install: $(INSTALLED)
 
 # On a machine with a CUDA GPU (where pip's torch==2.13.0 is a CUDA build): the kernels'
-# device checks and bandwidth benchmark (ops/gpu-check.sh, under 5 minutes).
+# device checks and bandwidth benchmark (ops/gpu-check.sh, sized to fit in 5 minutes;
+# not yet timed on a GPU, see docs/benchmarks.md).
 gpu-check: $(INSTALLED)
 	$(PYTHON) -m pip install -q -e '.[gpu]'
 	PYTHON=$(PYTHON) ops/gpu-check.sh

@@ -60,7 +60,7 @@ def write_png(report: dict, path: Path) -> None:
             _labelled_bars(ax, [i + offset for i in x], values, width, color, fmt, label=q)
         ax.set_title(f"{metric.upper()} p50/p99 ({unit}, lower is better)")
         ax.legend()
-    # An ITL p99 can be 100x its p50 (a long prefill step between two decodes).
+    # An ITL p99 can be orders of magnitude above its p50 (a long prefill step between two decodes).
     axes[2].set_yscale("log")
     axes[2].set_title("ITL p50/p99 (ms, log scale, lower is better)")
 

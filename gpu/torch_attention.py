@@ -51,7 +51,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, kv_cache) -> None:
         super().__init__(kv_cache)
         # Gathers land in buffers kept across calls: a fresh multi-MB tensor per gather
-        # costs page faults that, measured on the dev CPU, made the copy ~10x slower.
+        # pays page faults on every call, which slowed the copy many times over (see
+        # docs/benchmarks.md, "The CPU kernels").
         self._workspaces: dict[str, torch.Tensor] = {}
 
     def prepare(self, sequences: Sequence[SequenceSlice], num_tokens: int) -> TorchMetadata:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: the kernels' correctness sweep and an end-to-end greedy
 # generation on the device (pytest -m gpu), then the decode-attention bandwidth
-# benchmark. Under 5 minutes. Every part runs; the exit status is non-zero if any failed.
+# benchmark. Sized to fit in 5 minutes (not yet timed on a GPU: docs/benchmarks.md).
+# Every part runs; the exit status is non-zero if any failed.
 #   make gpu-check   (or ops/gpu-check.sh in a venv with a CUDA build of torch and the gpu and dev extras)
 set -uo pipefail
 cd "$(dirname "$0")/.."

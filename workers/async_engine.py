@@ -8,8 +8,8 @@ That thread is the process's one torch thread: build the engine there too
 (`await on_torch_thread(Engine.from_config, config)`). libgomp keeps an OpenMP team
 for each thread that starts parallel work; once two threads own one, there are more
 OpenMP threads than cores (on a 2-core machine) and libgomp stops spinning between
-parallel regions. Measured on the dev machine: an engine loaded on the main thread and
-stepped on another took 1.6x as long per step as one loaded and stepped on one thread.
+parallel regions, so an engine loaded on one thread and stepped on another runs every
+step slower than one loaded and stepped on one thread (see docs/benchmarks.md).
 """
 
 from __future__ import annotations

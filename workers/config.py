@@ -69,9 +69,9 @@ class SchedulerConfig:
     max_batch_tokens: int = 512
     # Prompt tokens one step may process, all requests together: what bounds a step's
     # cost, and so the inter-token latency of running requests, when prompts flood in.
-    # Lower protects running streams more and costs throughput: on the 2-core dev CPU a
-    # step's cost grows almost linearly with its tokens, so each prompt token added to a
-    # step of decodes slows those streams (see `inflight bench --scenario storm`).
+    # Lower protects running streams more and costs throughput: a step's cost grows
+    # with its tokens, so each prompt token added to a step of decodes slows those
+    # streams (`inflight bench --scenario storm`; figures in docs/benchmarks.md).
     max_prefill_tokens: int = 128
     # Decode tokens one step may process (one per decoding request).
     max_decode_tokens: int = 256

@@ -1,9 +1,10 @@
 """Load the model and tokenizer the engine serves, and turn prompts into token ids.
 
 A model comes from a Hugging Face directory or hub id, or from a .gguf file. Transformers
-dequantizes a GGUF on every load (tens of seconds) and cannot save the result, so the
+dequantizes a GGUF on every load, which is slow, and cannot save the result, so the
 first load writes the dequantized weights, config and tokenizer to a plain Hugging Face
-folder under `ModelConfig.cache_dir`; later starts load that folder in about a second.
+folder under `ModelConfig.cache_dir`; later starts load that folder, which is much
+quicker (start-up times in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def _convert_gguf(gguf: Path, dtype_name: str, folder: Path) -> None:
         with _progress_bars():
             if float32_folder.is_dir():
                 # The float32 cache holds exactly the dequantized values: casting it gives
-                # the same weights as converting the GGUF again, in seconds instead of ~30.
+                # the same weights as converting the GGUF again, and is much quicker.
                 model, tokenizer = _load_folder(str(float32_folder), torch.float32, "sdpa")
             else:
                 print(f"Converting {gguf.name} (once; cached in {folder})", file=sys.stderr)

@@ -12,7 +12,8 @@ from workers.request import SamplingParams
 # Temperatures this small are argmax in all but name, and dividing by them overflows float32.
 _GREEDY_BELOW = 1e-5
 # How many of the best tokens to rank when looking for a top-p nucleus; rows whose nucleus
-# is wider sort their whole vocabulary instead (a top-k of 256 is ~30x cheaper on CPU).
+# is wider sort their whole vocabulary instead. Ranking a few candidates is much cheaper
+# than sorting the whole vocabulary on CPU (see docs/benchmarks.md).
 _NUCLEUS_CANDIDATES = 256
 
 

@@ -2,9 +2,9 @@
 place (`gpu/cpu/kernels/cpu_paged_decode.cpp`), prompt chunks on the torch reference.
 
 The torch reference gathers each decode's blocks into a padded batch and reads them
-again, which on a CPU costs about as much as the attention itself: decode attention is
-bound by memory, and it moves the context three times instead of once. The kernel
-reads every K and V row of a context once, for all the query heads that share it.
+again: decode attention is bound by memory, and the gather moves the context three times
+instead of once. The kernel reads every K and V row of a context once, for all the
+query heads that share it (figures in docs/benchmarks.md, "The CPU kernels").
 
 The library is built with g++ for this CPU on first use and cached
 (`gpu.cpu.native_build`); where it cannot be built, or for dtypes other than float32,

@@ -3,9 +3,8 @@
 `torch.nn.functional.linear` on CPU goes to a BLAS sgemm that re-reads the weight in
 its plain layout at every call. oneDNN with the weight reordered once into its blocked
 layout runs the same products faster, most of all at the small row counts of decode
-steps: on the 2-core dev machine, 1.3-1.6x for the layer projections at 35 rows and
-2.3x for SmolLM2's 49k-row LM head (measured with `torch.ops.mkldnn._linear_pointwise`
-against `F.linear`). The results agree with `F.linear` to float rounding.
+steps, where re-reading the plain weight dominates (figures in docs/benchmarks.md, "The
+CPU kernels"). The results agree with `F.linear` to float rounding.
 """
 
 from __future__ import annotations
