@@ -167,7 +167,7 @@ async def _worker(args: argparse.Namespace) -> int:
             return 1
         status = await _serve(worker_config_from_args(args, url), embedded=not args.redis_url)
     # Served, logged, and the embedded server stopped: exit now. The interpreter's own
-    # teardown (torch's) would add about a second to a stop bounded by the grace period.
+    # teardown (torch's) would only lengthen a stop bounded by the grace period.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
