@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -28,23 +29,27 @@ class RedisServer:
 
     `args` go to redis-server as they are (e.g. `--user` lines of an ACL); when the
     default user is off, `username` and `password` are what the readiness check logs in
-    with, and go into `url`. `start()` returns once the server answers PING (so also
-    once it has loaded its data); it may be stopped or killed and started again, on the
-    same port and the same data."""
+    with, and go into `url`. With `tls_ca` (the CA's certificate file; the server's
+    certificate and key go in `args`), the port speaks TLS only. `start()` returns once
+    the server answers PING (so also once it has loaded its data); it may be stopped or
+    killed and started again, on the same port and the same data."""
 
     def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, args: tuple[str, ...] = (),
-                 username: str | None = None, password: str | None = None) -> None:
+                 username: str | None = None, password: str | None = None, tls_ca: Path | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
         self.args = tuple(args)
         self.username = username
         self.password = password
+        self.tls_ca = tls_ca
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         login = f"{self.username or ''}:{self.password}@" if self.password is not None else ""
+        if self.tls_ca is not None:
+            return f"rediss://{login}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls_ca}"
         return f"redis://{login}127.0.0.1:{self.port}"
 
     @property
@@ -54,9 +59,10 @@ class RedisServer:
     def start(self, timeout_s: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.data_dir / "redis.log"
+        ports = ["--port", str(self.port)] if self.tls_ca is None else ["--port", "0", "--tls-port", str(self.port)]
         with open(log_path, "a") as log:
             self.process = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", str(self.data_dir),
                  "--appendonly", "yes" if self.appendonly else "no", "--save", "", *self.args],
                 stdout=log, stderr=subprocess.STDOUT,
             )
@@ -90,7 +96,7 @@ class RedisServer:
     def _answers(self) -> bool:
         login = () if self.password is None else (_command("AUTH", self.username or "default", self.password),)
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as connection:
+            with self._connect() as connection:
                 connection.sendall(b"".join(login) + _command("PING"))
                 replies = b""
                 while replies.count(b"\r\n") < len(login) + 1:
@@ -101,6 +107,13 @@ class RedisServer:
                 return replies.split(b"\r\n")[len(login)].startswith(b"+PONG")  # -LOADING while it reads its file
         except OSError:
             return False
+
+
+    def _connect(self) -> socket.socket:
+        connection = socket.create_connection(("127.0.0.1", self.port), timeout=1)
+        if self.tls_ca is None:
+            return connection
+        return ssl.create_default_context(cafile=str(self.tls_ca)).wrap_socket(connection, server_hostname="127.0.0.1")
 
 
 def _command(*parts: str) -> bytes:
