@@ -1,4 +1,5 @@
-"""Drives an engine step by step and timestamps what comes out, for the scenario benches.
+"""Drives an engine step by step and timestamps what comes out: the one "step until done"
+loop of the scenario benches and the tests, and a recorder of what each step did.
 
 Times are seconds after the driver's t0 (`time.perf_counter()`), taken when the `step()`
 that produced an event returns, as a caller of the engine would see it.
@@ -8,51 +9,118 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 
+class StepRecorder:
+    """The `StepRecord` of every step that ran something, from the engine's observer hook.
+
+    The engine has one observer slot: attaching chains to whatever observer is already
+    there (a worker's metrics), which still sees every step. Records are appended in the
+    stepping thread; iterating takes a snapshot, so another thread may read while the
+    engine steps.
+    """
+
+    def __init__(self, engine=None) -> None:
+        self._records: list = []
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine) -> StepRecorder:
+        previous = engine.observer
+
+        def observe(stats) -> None:
+            if stats.step is not None:
+                self._records.append(stats.step)
+            if previous is not None:
+                previous(stats)
+
+        engine.observer = observe
+        return self
+
+    def clear(self) -> None:
+        self._records = []
+
+    def __iter__(self) -> Iterator:
+        return iter(list(self._records))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index):
+        return self._records[index]
+
+
 class Driver:
-    def __init__(self, engine) -> None:
+    """Steps an engine, keeping each request's token ids, token times, text and final event.
+
+    With `raise_errors` (the benches), a request that ends in an error stops the run;
+    without it (the tests of bad input), its final event is kept like any other.
+    """
+
+    def __init__(self, engine, t0: float | None = None, raise_errors: bool = True) -> None:
         self.engine = engine
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.raise_errors = raise_errors
         self.arrivals: dict[str, float] = {}
         self.token_times: dict[str, list[float]] = {}
-        self.finals: dict[str, FinalEvent] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.texts: dict[str, str] = {}
+        self.finals: dict[str, FinalEvent] = {}  # in the order the requests finished
         self.num_steps = 0
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def add(self, request_id: str, prompt_ids: list[int], output_len: int, priority: int = 0,
-            ignore_eos: bool = True) -> None:
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos)
+    def submit(self, request_id: str, *arguments, **options) -> None:
+        """`engine.add_request(request_id, *arguments, **options)`, its arrival noted."""
         self.arrivals[request_id] = self.now()
         self.token_times[request_id] = []
-        self.engine.add_request(request_id, prompt_ids, params, priority=priority)
+        self.engine.add_request(request_id, *arguments, **options)
 
-    def step(self) -> None:
+    def add(self, request_id: str, prompt_ids: list[int], output_len: int, priority: int = 0,
+            ignore_eos: bool = True) -> None:
+        """A greedy request for exactly `output_len` tokens (unless `ignore_eos` is off)."""
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos)
+        self.submit(request_id, prompt_ids, params, priority=priority)
+
+    def step(self) -> list:
         events = self.engine.step()
         self.num_steps += 1
         now = self.now()
         for event in events:
+            request_id = event.request_id
+            self.texts[request_id] = self.texts.get(request_id, "") + event.text
             if isinstance(event, TokenEvent):
-                self.token_times[event.request_id].extend([now] * len(event.token_ids))
+                self.token_times.setdefault(request_id, []).extend([now] * len(event.token_ids))
+                self.tokens.setdefault(request_id, []).extend(event.token_ids)
             elif isinstance(event, FinalEvent):
-                if event.error:
-                    raise RuntimeError(f"request {event.request_id} failed: {event.error}")
-                self.finals[event.request_id] = event
+                if event.error and self.raise_errors:
+                    raise RuntimeError(f"request {request_id} failed: {event.error}")
+                self.finals[request_id] = event
+        return events
 
     def run_until(self, done: Callable[[], bool], max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
             if done():
                 return
             self.step()
-        raise RuntimeError("the scenario did not reach its end")
+        raise RuntimeError(f"the run did not reach its end within {max_steps} steps")
 
-    def drain(self) -> None:
-        self.run_until(lambda: not self.engine.has_unfinished())
+    def drain(self, arrivals: dict[int, list[tuple]] | None = None, max_steps: int = 1_000_000) -> None:
+        """Step until no request is left; `arrivals[n]` lists `submit` arguments to add
+        just before the n-th step of this drain (so requests can arrive mid-run)."""
+        pending = dict(arrivals or {})
+        first_step = self.num_steps
+
+        def done() -> bool:
+            for arguments in pending.pop(self.num_steps - first_step, []):
+                self.submit(*arguments)
+            return not pending and not self.engine.has_unfinished()
+
+        self.run_until(done, max_steps)
 
     def first_token_s(self, request_id: str) -> float | None:
         """Time to first token, from the request's arrival."""
@@ -62,4 +130,3 @@ class Driver:
 
 def random_prompts(rng: random.Random, count: int, length: tuple[int, int], vocab_ids: list[int]) -> list[list[int]]:
     return [[rng.choice(vocab_ids) for _ in range(rng.randint(*length))] for _ in range(count)]
-

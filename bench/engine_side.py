@@ -7,8 +7,8 @@ import time
 
 import torch
 
+from bench.drive import Driver, StepRecorder
 from bench.workload import Workload
-from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 
 def run_engine(loaded, workload: Workload, config) -> dict:
@@ -20,9 +20,10 @@ def run_engine(loaded, workload: Workload, config) -> dict:
     from workers.engine import Engine  # here, so the peers run even where the engine cannot import
 
     engine = Engine(loaded, config)
+    steps_done = StepRecorder(engine)
     warmup = workload.requests[0]
     _drain(engine, {"warmup": (warmup.prompt_ids[:8], 2)}, time.perf_counter())
-    engine.step_records.clear()  # the schedule and overhead cover the measured run only
+    steps_done.clear()  # the schedule and overhead cover the measured run only
 
     t0 = time.perf_counter()
     token_times = _drain(engine, {r.request_id: (r.prompt_ids, r.output_len) for r in workload.requests}, t0)
@@ -31,7 +32,7 @@ def run_engine(loaded, workload: Workload, config) -> dict:
         if got != request.output_len:
             raise RuntimeError(f"engine: {request.request_id} produced {got} tokens, expected {request.output_len}")
 
-    steps = [{"num_tokens": s.num_tokens, "forward_s": s.forward_s, "step_s": s.step_s} for s in engine.step_records]
+    steps = [{"num_tokens": s.num_tokens, "forward_s": s.forward_s, "step_s": s.step_s} for s in steps_done]
     forward_s = sum(s["forward_s"] for s in steps)
     step_s = sum(s["step_s"] for s in steps)
     return {
@@ -49,19 +50,11 @@ def run_engine(loaded, workload: Workload, config) -> dict:
 
 def _drain(engine, requests: dict[str, tuple[list[int], int]], t0: float) -> dict[str, list[float]]:
     """Add `{id: (prompt, output_len)}` and step until done: each request's token times after t0."""
+    drive = Driver(engine, t0=t0)
     for request_id, (prompt_ids, output_len) in requests.items():
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        engine.add_request(request_id, prompt_ids, params)
-    token_times: dict[str, list[float]] = {request_id: [] for request_id in requests}
-    while engine.has_unfinished():
-        events = engine.step()
-        now = time.perf_counter() - t0
-        for event in events:
-            if isinstance(event, TokenEvent):
-                token_times[event.request_id].extend([now] * len(event.token_ids))
-            elif isinstance(event, FinalEvent) and event.error:
-                raise RuntimeError(f"engine: request {event.request_id} failed: {event.error}")
-    return token_times
+        drive.add(request_id, prompt_ids, output_len)
+    drive.drain()
+    return {request_id: drive.token_times[request_id] for request_id in requests}
 
 
 @torch.inference_mode()

@@ -33,7 +33,7 @@ from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
 SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "soak")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 

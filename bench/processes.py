@@ -1,19 +1,20 @@
 """Real processes for the load scenarios and tests: a private `redis-server` that can be
-stopped and started again on the same port and data, and `inflight worker` processes
-that can be killed and restarted under the same consumer name."""
+stopped (or killed) and started again on the same port and data, and `inflight worker`
+processes that can be killed and restarted under the same consumer name."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]  # bench/ sits at the root
 
 
 def free_port() -> int:
@@ -23,45 +24,102 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A `redis-server` of our own on a free port, append-only file on, in `data_dir`."""
+    """A `redis-server` of our own on a free port, writing into `data_dir` (its log,
+    and its append-only file when `appendonly`).
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True) -> None:
+    `args` go to redis-server as they are (e.g. `--user` lines of an ACL); when the
+    default user is off, `username` and `password` are what the readiness check logs in
+    with, and go into `url`. With `tls_ca` (the CA's certificate file; the server's
+    certificate and key go in `args`), the port speaks TLS only. `start()` returns once
+    the server answers PING (so also once it has loaded its data); it may be stopped or
+    killed and started again, on the same port and the same data."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, args: tuple[str, ...] = (),
+                 username: str | None = None, password: str | None = None, tls_ca: Path | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.args = tuple(args)
+        self.username = username
+        self.password = password
+        self.tls_ca = tls_ca
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        login = f"{self.username or ''}:{self.password}@" if self.password is not None else ""
+        if self.tls_ca is not None:
+            return f"rediss://{login}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls_ca}"
+        return f"redis://{login}127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / "redis.log", "a") as log:
+        log_path = self.data_dir / "redis.log"
+        ports = ["--port", str(self.port)] if self.tls_ca is None else ["--port", "0", "--tls-port", str(self.port)]
+        with open(log_path, "a") as log:
             self.process = subprocess.Popen(
-                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-                 "--appendonly", "yes" if self.appendonly else "no", "--save", ""],
+                ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                 "--appendonly", "yes" if self.appendonly else "no", "--save", "", *self.args],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout_s
         while not self._answers():  # also waits out loading the append-only file
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start: {(self.data_dir / 'redis.log').read_text()[-2000:]}")
+                self.kill()
+                raise RuntimeError(f"redis-server did not start on port {self.port}: {log_path.read_text()[-2000:]}")
             time.sleep(0.05)
 
     def stop(self) -> None:
         """SIGTERM: Redis writes its append-only file out and exits."""
-        if self.process is not None and self.process.poll() is None:
+        if self.running:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=60)
 
+    def kill(self) -> None:
+        """SIGKILL: gone at once, as in a crash; nothing is written out."""
+        if self.running:
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait(timeout=60)
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill()
+
     def _answers(self) -> bool:
+        login = () if self.password is None else (_command("AUTH", self.username or "default", self.password),)
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as connection:
-                connection.sendall(b"PING\r\n")
-                return connection.recv(16).startswith(b"+PONG")  # -LOADING while it reads its file
+            with self._connect() as connection:
+                connection.sendall(b"".join(login) + _command("PING"))
+                replies = b""
+                while replies.count(b"\r\n") < len(login) + 1:
+                    chunk = connection.recv(256)
+                    if not chunk:
+                        return False
+                    replies += chunk
+                return replies.split(b"\r\n")[len(login)].startswith(b"+PONG")  # -LOADING while it reads its file
         except OSError:
             return False
+
+
+    def _connect(self) -> socket.socket:
+        connection = socket.create_connection(("127.0.0.1", self.port), timeout=1)
+        if self.tls_ca is None:
+            return connection
+        return ssl.create_default_context(cafile=str(self.tls_ca)).wrap_socket(connection, server_hostname="127.0.0.1")
+
+
+def _command(*parts: str) -> bytes:
+    """One command in RESP, as redis-cli sends it."""
+    encoded = [part.encode() for part in parts]
+    return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in encoded)
 
 
 class WorkerProcess:

@@ -64,27 +64,13 @@ def make_engine(smollm2):
 
 def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = None, max_steps: int = 10_000):
     """Step until idle; `arrivals[step]` lists `add_request` arguments (request_id, prompt,
-    params[, priority, deadline]) added before that step.
+    params[, priority, deadline, arrived_at]) added before that step.
 
-    Returns {request_id: (token_ids, final_event, text)}.
+    Returns {request_id: (token_ids, final_event, text)}, in the order the requests finished.
     """
-    from workers.request import FinalEvent
+    from bench.drive import Driver
 
-    arrivals = dict(arrivals or {})
-    results: dict[str, tuple[list[int], object, str]] = {}
-    tokens: dict[str, list[int]] = {}
-    texts: dict[str, str] = {}
-    for step in range(max_steps):
-        for arguments in arrivals.pop(step, []):
-            engine.add_request(*arguments)
-        if not arrivals and not engine.has_unfinished():
-            break
-        for event in engine.step():
-            texts[event.request_id] = texts.get(event.request_id, "") + event.text
-            if isinstance(event, FinalEvent):
-                results[event.request_id] = (tokens.pop(event.request_id, []), event, texts.pop(event.request_id))
-            else:
-                tokens.setdefault(event.request_id, []).extend(event.token_ids)
-    else:
-        raise AssertionError("engine did not finish")
-    return results
+    driver = Driver(engine, raise_errors=False)  # bad input is a final event the test looks at
+    driver.drain(arrivals, max_steps)
+    return {request_id: (driver.tokens.get(request_id, []), final, driver.texts.get(request_id, ""))
+            for request_id, final in driver.finals.items()}

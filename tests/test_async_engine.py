@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
+from tests.waiting import eventually
 from workers.async_engine import AsyncEngine
 from workers.request import FinalEvent, FinishReason, SamplingParams, TokenEvent
 
@@ -32,28 +34,28 @@ def test_concurrent_requests_each_get_their_own_ordered_stream(make_engine):
 
 
 def test_the_event_loop_stays_free_while_the_model_steps(make_engine):
-    """A 5 ms timer ticks many times per model step: the forward runs off the loop.
-    (Were the step on the loop, the timer could fire at most once per step.)"""
+    """The step runs off the loop: in the middle of a step (its observer, which runs in
+    the stepping thread) the loop still runs a callback the step waits for. Were the step
+    on the loop, the loop could not run it and the wait could only time out."""
     engine = make_engine()
+    answered = threading.Event()
+    waits: list[bool] = []
 
     async def main():
-        ticks = 0
+        loop = asyncio.get_running_loop()
 
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.005)
-                ticks += 1
+        def observer(stats):
+            if stats.step is not None and not waits:
+                loop.call_soon_threadsafe(answered.set)
+                waits.append(answered.wait(timeout=10))
 
+        engine.observer = observer
         async with AsyncEngine(engine) as front:
-            task = asyncio.create_task(ticker())
-            events = await collect(front.submit("Tell me about the moon.", SamplingParams(max_tokens=24)))
-            task.cancel()
-        return ticks, events
+            return await collect(front.submit("Tell me about the moon.", SamplingParams(max_tokens=24)))
 
-    ticks, events = asyncio.run(main())
+    events = asyncio.run(main())
     assert isinstance(events[-1], FinalEvent)
-    assert ticks > 3 * len(engine.step_records)
+    assert waits == [True]
 
 
 def test_leaving_the_stream_early_cancels_the_request(make_engine):
@@ -63,10 +65,7 @@ def test_leaving_the_stream_early_cancels_the_request(make_engine):
         async with AsyncEngine(engine) as front:
             async for event in front.generate("Write a long essay about rivers.", SamplingParams(max_tokens=200)):
                 break
-            for _ in range(100):  # the cancel lands at the next step
-                if not engine.has_unfinished():
-                    break
-                await asyncio.sleep(0.02)
+            await eventually(lambda: not engine.has_unfinished(), 30, "the cancel to land at the next step")
 
     asyncio.run(main())
     assert not engine.has_unfinished()

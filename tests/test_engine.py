@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.drive import Driver, StepRecorder
 from tests.conftest import run_to_completion
+from tests.waiting import wait_until
 from workers.request import ErrorCode, FinishReason, InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -47,6 +49,7 @@ def test_greedy_batch_equals_generate_alone(make_engine, expected, chunk):
     """Prompts of different lengths arriving at staggered steps, prefilled in chunks,
     each produce exactly the tokens `generate` gives for that prompt alone."""
     engine = make_engine(max_batch_tokens=96, max_prefill_chunk=chunk)
+    steps = StepRecorder(engine)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     arrivals: dict[int, list[tuple]] = {}
     for i, (request_id, (prompt_ids, _)) in enumerate(expected.items()):
@@ -56,7 +59,7 @@ def test_greedy_batch_equals_generate_alone(make_engine, expected, chunk):
         got, final, _ = results[request_id]
         assert got == want, f"{request_id} with chunk {chunk}"
         assert final.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
-    assert max(r.num_tokens for r in engine.step_records) <= 96
+    assert max(r.num_tokens for r in steps) <= 96
 
 
 BLOCK_BYTES = 16 * 46080  # one block of 16 tokens of SmolLM2's K/V in float32
@@ -67,11 +70,11 @@ def test_preempted_requests_produce_the_same_tokens(make_engine, expected, swap)
     """A KV pool too small for everyone forces preemption: requests swapped out to the
     host pool and back in, or recomputed, still produce exactly their greedy tokens."""
     engine = make_engine(kv_memory_bytes=8 * BLOCK_BYTES, swap_memory_bytes=(64 << 20) if swap else 0)
+    records = StepRecorder(engine)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     chosen = ["p1", "p3", "p8", "p6"]
     arrivals = {0: [(rid, expected[rid][0], params) for rid in chosen]}
     results = run_to_completion(engine, arrivals)
-    records = engine.step_records
     assert sum(r.num_preempted for r in records) > 0
     swapped_out = sum(r.num_blocks_swapped_out for r in records)
     swapped_in = sum(r.num_blocks_swapped_in for r in records)
@@ -97,17 +100,22 @@ def test_deadlines_end_waiting_and_running_requests(make_engine, expected):
     import time
 
     engine = make_engine(max_running_requests=1)
+    deadline = time.time() + 1.0
     engine.add_request("late", expected["p1"][0], SamplingParams(max_tokens=5), 0, time.time() - 1)
-    engine.add_request("runs", expected["p3"][0], SamplingParams(max_tokens=500, ignore_eos=True), 0,
-                       time.time() + 1.0)
+    engine.add_request("runs", expected["p3"][0], SamplingParams(max_tokens=500, ignore_eos=True), 0, deadline)
     engine.add_request("queued", expected["p2"][0], SamplingParams(max_tokens=500), 0, time.time() + 0.5)
     engine.add_request("after", expected["p2"][0], SamplingParams(max_tokens=3), 0)
-    results = run_to_completion(engine)
-    assert results["late"][1].finish_reason is FinishReason.DEADLINE and results["late"][0] == []
-    assert results["queued"][1].finish_reason is FinishReason.DEADLINE and results["queued"][0] == []
-    tokens, final, _ = results["runs"]
-    assert final.finish_reason is FinishReason.DEADLINE and 0 < len(tokens) < 500
-    assert results["after"][1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    drive = Driver(engine, raise_errors=False)
+    drive.run_until(lambda: "runs" in drive.tokens, max_steps=100)  # running: its first token is out
+    # No step until both deadlines have passed: "runs" cannot reach 500 tokens by then,
+    # however fast the machine, and "queued" is still waiting behind it.
+    wait_until(lambda: time.time() > deadline, 10, "the deadlines to pass")
+    drive.drain()
+    finals, tokens = drive.finals, drive.tokens
+    assert finals["late"].finish_reason is FinishReason.DEADLINE and "late" not in tokens
+    assert finals["queued"].finish_reason is FinishReason.DEADLINE and "queued" not in tokens
+    assert finals["runs"].finish_reason is FinishReason.DEADLINE and 0 < len(tokens["runs"]) < 500
+    assert finals["after"].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
 def test_text_events_concatenate_to_the_decoded_output(make_engine, smollm2):
@@ -178,8 +186,9 @@ def test_cancel_frees_the_request_at_once(make_engine):
     engine = make_engine()
     engine.add_request("long", "Count from one to a thousand:", SamplingParams(max_tokens=200))
     engine.add_request("other", "Hello", SamplingParams(max_tokens=5))
-    for _ in range(3):
-        engine.step()
+    drive = Driver(engine)
+    drive.run_until(lambda: "long" in drive.tokens, max_steps=50)  # running: its first token is out
+    assert any(r.request_id == "long" for r in engine.scheduler.running)
     engine.cancel("long")
     events = engine.step()
     finals = {e.request_id: e for e in events if hasattr(e, "finish_reason")}

@@ -188,6 +188,7 @@ def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kern
     over 3 KV heads, head_dim 64) with prompts in chunks of 8 and a cache of 3 blocks, so
     a request is swapped out and back in by the copy kernel. Greedy tokens are the same
     as on the torch backend. (Kept short: every emulated launch of 30 layers costs.)"""
+    from bench.drive import StepRecorder
     from gpu.torch_attention import TorchAttentionBackend
     from tests.conftest import run_to_completion
     from workers.request import SamplingParams
@@ -198,12 +199,13 @@ def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kern
     results, swapped = {}, {}
     for name in ("emulated", "torch"):
         engine = make_engine(kv_memory_bytes=3 * block_bytes, max_prefill_chunk=8)
+        steps = StepRecorder(engine)
         if name == "emulated":
             engine.runner.backend = CupyAttentionBackend(engine.runner.kv_cache, kernels)
             engine.runner.host_pool.kernels = kernels
         assert isinstance(engine.runner.backend, CupyAttentionBackend if name == "emulated" else TorchAttentionBackend)
         arrivals = {0: [(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]}
         results[name] = {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
-        swapped[name] = any(record.num_blocks_swapped_in for record in engine.step_records)
+        swapped[name] = any(record.num_blocks_swapped_in for record in steps)
     assert results["emulated"] == results["torch"]
     assert swapped == {"emulated": True, "torch": True}

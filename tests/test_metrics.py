@@ -60,7 +60,8 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     first = seen[0].census
     assert sum(first.running.values()) + sum(first.waiting.values()) + sum(first.swapped.values()) == 3
     records = [s.step for s in seen if s.step is not None]
-    assert records == list(engine.step_records)
+    assert len(records) == steps  # every step had work: the last one sampled the last token
+    assert sum(r.num_sampled for r in records) == 3 * 24  # each token sampled once, recomputation or not
     assert all(s.device_blocks_used <= s.device_blocks_total == 4 and s.host_blocks_total == 2 for s in seen)
     preempted = sum(r.num_preempted for r in records)
     assert preempted > 0

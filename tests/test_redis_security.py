@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from bench.processes import RedisServer
 from service.sdk import SyncClient
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def make_certificates(directory: Path) -> None:
@@ -41,18 +34,14 @@ def make_certificates(directory: Path) -> None:
 def secured_redis(tmp_path):
     """A private redis-server that speaks only TLS and only to the ACL user `inflight`."""
     make_certificates(tmp_path)
-    port = free_port()
-    server = subprocess.Popen(
-        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
-         "--tls-cert-file", "server.pem", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.pem",
-         "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
-         "--user", "default", "off", "--user", "inflight", "on", ">s3cret", "~inflight:*", "&*", "+@all"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    time.sleep(0.5)
-    yield f"rediss://inflight:s3cret@127.0.0.1:{port}/0?ssl_ca_certs={tmp_path / 'ca.pem'}"
-    server.kill()
-    server.wait()
+    server = RedisServer(tmp_path / "redis", appendonly=False, username="inflight", password="s3cret",
+                         tls_ca=tmp_path / "ca.pem",
+                         args=("--tls-cert-file", str(tmp_path / "server.pem"), "--tls-key-file", str(tmp_path / "server.key"),
+                               "--tls-ca-cert-file", str(tmp_path / "ca.pem"), "--tls-auth-clients", "no",
+                               "--user", "default", "off", "--user", "inflight", "on", ">s3cret", "~inflight:*", "&*",
+                               "+@all"))
+    with server:
+        yield server.url
 
 
 def start_worker(redis_url: str) -> subprocess.Popen:

@@ -4,80 +4,57 @@ credentials and permissions are never retried, and a cancellation always ends th
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
-import time
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from structlog.testing import capture_logs
 
+from bench.processes import RedisServer
 from service.retry import retrying
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class PrivateRedis:
-    """A redis-server the test starts and stops; `limited` may only touch `allowed:*`."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--user", "limited", "on", ">secret", "~allowed:*", "+@all"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-
-    def client(self, **login) -> aioredis.Redis:
-        return aioredis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, **login)
+from tests.waiting import eventually
 
 
 @pytest.fixture
-def server():
-    server = PrivateRedis()
+def server(tmp_path):
+    """A redis-server the test starts (not yet started); `limited` may only touch `allowed:*`."""
+    server = RedisServer(tmp_path, appendonly=False, args=("--user", "limited", "on", ">secret", "~allowed:*", "+@all"))
     yield server
-    server.stop()
+    server.kill()
+
+
+def client(server: RedisServer, **login) -> aioredis.Redis:
+    return aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=5, **login)
+
+
+def outages_logged(logs: list[dict]) -> int:
+    return sum(1 for entry in logs if entry["event"] == "redis_unavailable")
 
 
 def test_an_outage_is_waited_out_until_redis_answers(server):
     async def main():
-        client = server.client()
-        call = asyncio.create_task(retrying(lambda: client.set("allowed:k", "v")))
-        await asyncio.sleep(0.5)  # refused connections, retried with backoff
-        assert not call.done()
-        server.start()
-        await asyncio.wait_for(call, timeout=10)
-        value = await client.get("allowed:k")
-        await client.aclose()
-        return value
+        redis_client = client(server)
+        with capture_logs() as logs:
+            call = asyncio.create_task(retrying(lambda: redis_client.set("allowed:k", "v")))
+            await eventually(lambda: outages_logged(logs) == 1, 10, "the call to meet a refused connection")
+            assert not call.done()  # refused, and retrying with backoff
+            await asyncio.to_thread(server.start)
+            await asyncio.wait_for(call, timeout=10)
+        value = await redis_client.get("allowed:k")
+        await redis_client.aclose()
+        return value, logs
 
-    assert asyncio.run(main()) == b"v"
+    value, logs = asyncio.run(main())
+    assert value == b"v"
+    assert [entry["event"] for entry in logs] == ["redis_unavailable", "redis_recovered"]  # once per outage
 
 
 def test_wrong_credentials_and_missing_permissions_are_never_retried(server):
     server.start()
 
     async def main():
-        wrong = server.client(username="limited", password="wrong")
-        limited = server.client(username="limited", password="secret")
+        wrong = client(server, username="limited", password="wrong")
+        limited = client(server, username="limited", password="secret")
         with pytest.raises(AuthenticationError):
             await asyncio.wait_for(retrying(lambda: wrong.ping()), timeout=5)
         with pytest.raises(NoPermissionError):
@@ -92,17 +69,28 @@ def test_wrong_credentials_and_missing_permissions_are_never_retried(server):
 
 
 def test_a_cancelled_call_stops_retrying_at_once(server):
-    """Redis away: a task retrying a call ends as soon as it is cancelled."""
+    """Redis away: a task retrying a call ends as soon as it is cancelled, whether the
+    cancel finds it inside redis-py's own connection attempts or in our backoff."""
     async def main():
-        client = server.client()
-        loops = [asyncio.create_task(retrying(lambda: client.xread({"allowed:s": "$"}, block=200)))
-                 for _ in range(5)]
-        await asyncio.sleep(0.3)
-        for task in loops:
-            task.cancel()
-        done, pending = await asyncio.wait(loops, timeout=2)
-        await client.aclose()
-        return done, pending
+        redis_client = client(server)
+        with capture_logs() as logs:
+            def loop():
+                return asyncio.create_task(retrying(lambda: redis_client.xread({"allowed:s": "$"}, block=200)))
+
+            connecting = [loop() for _ in range(5)]
+            backing_off = [loop() for _ in range(5)]
+            await asyncio.sleep(0)  # every task runs into its first connection attempt
+            for task in connecting:
+                task.cancel()
+            done_connecting, pending_connecting = await asyncio.wait(connecting, timeout=2)
+            assert outages_logged(logs) == 0  # a cancelled call never reports an outage
+            await eventually(lambda: outages_logged(logs) == 5, 30, "the other tasks to meet the outage")
+            assert not any(task.done() for task in backing_off)  # all retrying
+            for task in backing_off:
+                task.cancel()
+            done, pending = await asyncio.wait(backing_off, timeout=2)
+        await redis_client.aclose()
+        return done_connecting | done, pending_connecting | pending
 
     done, pending = asyncio.run(main())
-    assert not pending and all(task.cancelled() for task in done)
+    assert not pending and len(done) == 10 and all(task.cancelled() for task in done)

@@ -21,18 +21,14 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.processes import RedisServer, free_port
 from service.embedded import embedded_valkey
 from service.sdk import Client, ReplyTimeout, ServerUnavailable, SyncClient
+from tests.waiting import wait_until
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
 BANNER_END = "Stop with Ctrl-C"
 LONG = "1000"  # tokens: a request that no grace period in these tests lets finish
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def gone(pid: int, within_s: float = 3.0) -> bool:
@@ -46,13 +42,6 @@ def gone(pid: int, within_s: float = 3.0) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def worker_argv(*options: str, grace_s: float = 30) -> list[str]:
@@ -146,33 +135,15 @@ def terminal():
         session.close()
 
 
-class PrivateRedis:
-    """A redis-server of one test's own, on a free port; `kill()` takes it away."""
-
-    def __init__(self, directory: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                         "--appendonly", "no", "--dir", str(directory)], stdout=subprocess.DEVNULL)
-        try:
-            wait_for(lambda: _pings(self.port), 10, "redis-server")
-        except AssertionError:
-            self.kill()
-            raise
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
 @pytest.fixture
 def private_redis(tmp_path):
-    server = PrivateRedis(tmp_path)
-    yield server
-    server.kill()
+    """A redis-server of one test's own, on a free port; `kill()` takes it away."""
+    with RedisServer(tmp_path / "redis", appendonly=False) as server:
+        yield server
+
+
+def connect(server: RedisServer) -> redis.Redis:
+    return redis.Redis(port=server.port, socket_timeout=5)
 
 
 def _pings(port: int) -> bool:
@@ -203,7 +174,7 @@ def test_ctrl_c_finishes_the_request_in_flight_through_the_embedded_server_then_
     server_pid = _server_pid(port)
     request_id = f"short-{uuid.uuid4().hex[:6]}"
     queue(client, request_id, "12")
-    wait_for(lambda: len(reply_types(client, request_id)) >= 1, 60, "the first token")
+    wait_until(lambda: len(reply_types(client, request_id)) >= 1, 60, "the first token")
 
     worker.ctrl_c()  # SIGINT to the terminal's foreground process group: the worker, not its server
     status = worker.process.wait(timeout=30 + 2)
@@ -222,7 +193,7 @@ def test_ctrl_c_leaves_what_the_grace_period_cannot_finish_pending_for_a_restart
     server_pid = _server_pid(port)
     request_id = f"long-{uuid.uuid4().hex[:6]}"
     entry = queue(client, request_id, LONG)
-    wait_for(lambda: len(reply_types(client, request_id)) >= 1, 60, "the first token")
+    wait_until(lambda: len(reply_types(client, request_id)) >= 1, 60, "the first token")
     client.close()
 
     worker.ctrl_c()
@@ -248,11 +219,11 @@ def test_a_second_ctrl_c_exits_at_once_and_the_embedded_server_goes_too(terminal
     server_pid = _server_pid(port)
     request_id = f"long-{uuid.uuid4().hex[:6]}"
     entry = queue(client, request_id, LONG)
-    wait_for(lambda: len(reply_types(client, request_id)) >= 2, 60, "the first tokens")
+    wait_until(lambda: len(reply_types(client, request_id)) >= 2, 60, "the first tokens")
     client.close()
 
     worker.ctrl_c()
-    time.sleep(0.5)  # draining now, with 30 s of grace
+    worker.expect("worker_stopping", 10)  # draining now, with 30 s of grace
     worker.ctrl_c()
     pressed = time.monotonic()
     status = worker.process.wait(timeout=10)
@@ -278,13 +249,13 @@ def test_sigterm_while_redis_is_down_exits_within_the_grace_period(private_redis
         worker = subprocess.Popen(worker_argv("--redis-url", private_redis.url, "--consumer", "outage", grace_s=grace_s),
                                   stdout=output, stderr=subprocess.STDOUT, env=environment())
     try:
-        client = private_redis.client()
+        client = connect(private_redis)
         request_id = f"long-{uuid.uuid4().hex[:6]}"
         queue(client, request_id, LONG)
-        wait_for(lambda: len(reply_types(client, request_id)) >= 2, 120, "the first tokens")
+        wait_until(lambda: len(reply_types(client, request_id)) >= 2, 120, "the first tokens")
         client.close()
         private_redis.kill()
-        time.sleep(0.5)  # the worker meets the outage
+        wait_until(lambda: "redis_unavailable" in log.read_text(), 30, "the worker to meet the outage")
 
         worker.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -350,10 +321,10 @@ def submit_argv(url: str, stream: str, *options: str) -> list[str]:
 
 
 def test_submit_says_in_one_line_that_the_server_went_away(private_redis):
-    client = private_redis.client()
+    client = connect(private_redis)
     submit = subprocess.Popen(submit_argv(private_redis.url, "inflight:requests", "--timeout-s", "30"),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: client.xlen("inflight:requests") == 1, 30, "the job")
+    wait_until(lambda: client.xlen("inflight:requests") == 1, 30, "the job")
     private_redis.kill()
     _, errors = submit.communicate(timeout=15)
 
@@ -389,7 +360,7 @@ def test_ctrl_c_on_a_waiting_submit_exits_130_without_a_traceback(terminal):
     client = redis.Redis(port=6379)
     try:
         submit = terminal(submit_argv("redis://127.0.0.1:6379", stream, "--timeout-s", "30"))
-        wait_for(lambda: client.xlen(stream) == 1, 30, "the job")
+        wait_until(lambda: client.xlen(stream) == 1, 30, "the job")
         submit.ctrl_c()
         status = submit.process.wait(timeout=10)
     finally:
@@ -414,9 +385,18 @@ def _collect_async(url: str, stream: str, timeout_s: float | None) -> list[dict]
 
 @pytest.mark.parametrize("collect", [_collect_sync, _collect_async], ids=["SyncClient", "Client"])
 def test_the_sdk_raises_server_unavailable_when_the_server_goes_away(collect, private_redis):
-    threading.Timer(0.5, private_redis.kill).start()  # while it waits for events
+    watcher = connect(private_redis)
+
+    def kill_once_submitted() -> None:
+        wait_until(lambda: watcher.xlen("inflight:requests") == 1, 30, "the job")
+        private_redis.kill()  # while it waits for events
+
+    killer = threading.Thread(target=kill_once_submitted)
+    killer.start()
     with pytest.raises(ServerUnavailable, match=f"^Redis at {private_redis.url} is unavailable: "):
         collect(private_redis.url, "inflight:requests", None)
+    killer.join()
+    watcher.close()
     with pytest.raises(ServerUnavailable, match="Error 111 connecting"):  # and before it could submit
         collect(private_redis.url, "inflight:requests", None)
 
@@ -443,10 +423,10 @@ def example_argv(name: str) -> tuple[list[str], Path]:
 @pytest.mark.parametrize("example", ["redis-cli", "node"])
 def test_an_example_says_in_one_line_that_the_server_went_away(example, private_redis):
     argv, cwd = example_argv(example)
-    client = private_redis.client()
+    client = connect(private_redis)
     run = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, "REDIS_URL": private_redis.url, "INFLIGHT_REQUESTS": "inflight:requests"})
-    wait_for(lambda: client.xlen("inflight:requests") == 1, 30, "the job")
+    wait_until(lambda: client.xlen("inflight:requests") == 1, 30, "the job")
     private_redis.kill()
     _, errors = run.communicate(timeout=15)
     assert run.returncode == 1

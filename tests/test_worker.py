@@ -10,9 +10,12 @@ import msgpack
 import pytest
 import redis.asyncio as aioredis
 
+from bench.drive import StepRecorder
+from bench.processes import RedisServer
 from service.config import RedisConfig
 from service.worker import Worker
 from tests.conftest import run_to_completion
+from tests.waiting import eventually, stream_reaches
 from workers.request import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -90,11 +93,9 @@ def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
         client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(engine, client, config).run(stop))
-        await asyncio.sleep(0.3)  # the control reader starts from new entries only
         await client.xadd(config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:",
                                                    "max_tokens": "2000"})
-        while not await client.xlen(reply_to):
-            await asyncio.sleep(0.05)
+        await stream_reaches(client, reply_to, 1)  # running: its first token is out
         await client.xadd(config.control_stream, {"type": "cancel", "id": f"{prefix}-long"})
         replies = await read_replies(client, reply_to)
         stop.set()
@@ -120,8 +121,7 @@ def test_shutdown_after_the_grace_period_leaves_unfinished_requests_pending(make
         serving = asyncio.create_task(Worker(engine, client, config).run(stop))
         await client.xadd(config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:",
                                                    "max_tokens": "2000"})
-        while not await client.xlen(reply_to):
-            await asyncio.sleep(0.05)
+        await stream_reaches(client, reply_to, 1)  # running: its first token is out
         stop.set()
         await serving
         replies = await client.xrange(reply_to)
@@ -138,51 +138,35 @@ def test_shutdown_after_the_grace_period_leaves_unfinished_requests_pending(make
 def test_the_worker_rides_out_dropped_connections_and_a_redis_restart(make_engine, tmp_path):
     """A private Redis (AOF on) whose connections are killed and which is restarted
     mid-stream: the request still completes with every seq exactly once."""
-    import socket
-    import subprocess
-    import time
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = ["redis-server", "--port", str(port), "--dir", str(tmp_path), "--appendonly", "yes",
-               "--save", "", "--bind", "127.0.0.1"]
-
-    def start_server():
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-                return server
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError("redis-server did not start")
-
-    server = start_server()
-    config = RedisConfig(url=f"redis://127.0.0.1:{port}", consumer="w1", block_ms=200)
+    server = RedisServer(tmp_path)  # append-only file on: a restart finds the streams again
+    server.start()
+    config = RedisConfig(url=server.url, consumer="w1", block_ms=200)
     engine = make_engine()
     reply_to = "inflight:out:{faults}"
 
     async def main():
-        nonlocal server
-        client = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+        client = aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(engine, client, config).run(stop))
+        steps = StepRecorder(engine)  # after the worker's metrics, which it chains to
+
+        def sampled() -> int:
+            return sum(record.num_sampled for record in steps)
+
         await client.xadd(config.requests_stream, {"id": "faults", "prompt": "Count to a thousand:",
                                                    "max_tokens": "160"})
-        while await client.xlen(reply_to) < 10:
-            await asyncio.sleep(0.05)
+        await stream_reaches(client, reply_to, 10)
         await client.client_kill_filter(_type="normal", skipme=False)  # every connection dropped
-        await asyncio.sleep(0.5)
-        watcher = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
-        while await watcher.xlen(reply_to) < 40:
-            await asyncio.sleep(0.05)
+        watcher = aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
+        await stream_reaches(watcher, reply_to, 40)  # the worker reconnected and goes on publishing
         await watcher.aclose()
-        server.terminate()  # a clean shutdown writes the AOF
-        server.wait(timeout=30)
-        await asyncio.sleep(1.0)  # generation goes on while Redis is away
-        server = start_server()
-        watcher = aioredis.Redis(host="127.0.0.1", port=port, socket_timeout=30)
+        await asyncio.to_thread(server.stop)  # a clean shutdown writes the AOF
+        before = sampled()
+        assert before < 160
+        await eventually(lambda: sampled() >= min(before + 5, 160), 60,
+                         "generation to go on while Redis is away")
+        await asyncio.to_thread(server.start)
+        watcher = aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
         replies = await read_replies(watcher, reply_to)
         stop.set()
         await serving
@@ -194,8 +178,7 @@ def test_the_worker_rides_out_dropped_connections_and_a_redis_restart(make_engin
     try:
         replies, pending = asyncio.run(main())
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.kill()
     tokens = [e for e in replies if e["type"] == b"token"]
     assert [int(e["seq"]) for e in tokens] == list(range(len(tokens)))
     assert replies[-1]["type"] == b"done" and int(replies[-1]["completion_tokens"]) == len(tokens)
@@ -213,7 +196,6 @@ def test_the_sdk_submits_streams_and_cancels(make_engine):
         redis_client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(engine, redis_client, config).run(stop))
-        await asyncio.sleep(0.3)
         async with Client(requests_stream=config.requests_stream, control_stream=config.control_stream,
                           block_ms=200) as client:
             answer = [e async for e in client.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -235,6 +217,11 @@ def test_the_sdk_submits_streams_and_cancels(make_engine):
     assert [e["type"] for e in answer] == ["token"] * (len(answer) - 1) + ["done"]
     assert "Paris" in "".join(e["text"] for e in answer)
     assert cancelled[-1]["type"] == "done" and cancelled[-1]["finish_reason"] == "cancelled"
+
+
+async def requests_drained(client, config: RedisConfig) -> bool:
+    """Every job on the request stream settled (acked and deleted, or dead-lettered)."""
+    return await client.xlen(config.requests_stream) == 0
 
 
 def run_worker(engine, config, scenario, before=None):
@@ -328,8 +315,7 @@ def test_a_reused_id_is_a_duplicate_and_never_mixes_into_the_first_reply_stream(
         await client.xadd(config.requests_stream, {**job, "id": f"{prefix}-twin"})  # concurrently:
         await client.xadd(config.requests_stream, {**job, "id": f"{prefix}-twin"})  # two at once
         twin = await read_replies(client, f"inflight:out:{{{prefix}-twin}}")
-        while await client.xlen(config.requests_stream):
-            await asyncio.sleep(0.05)
+        await eventually(lambda: requests_drained(client, config), 60, "every job to be settled")
         return first, await client.xrange(reply_to), twin, await client.xrange(f"inflight:out:{{{prefix}-twin}}")
 
     (first, after, twin, twin_after), dead, _, _ = run_worker(engine, config, scenario)
@@ -352,8 +338,7 @@ def test_reply_to_outside_the_reply_prefix_is_refused_and_a_redis_error_fails_on
         await client.xadd(config.requests_stream, {"id": f"{prefix}-str", "prompt": "x", "reply_to": wrong_type})
         await client.xadd(config.requests_stream, {"id": f"{prefix}-ok", "prompt": "Hi", "max_tokens": "3"})
         ok = await read_replies(client, f"inflight:out:{{{prefix}-ok}}")
-        while await client.xlen(config.requests_stream):
-            await asyncio.sleep(0.05)
+        await eventually(lambda: requests_drained(client, config), 60, "every job to be settled")
         return ok, await client.get(wrong_type)
 
     (ok, untouched), dead, length, _ = run_worker(engine, config, scenario)
@@ -365,20 +350,12 @@ def test_reply_to_outside_the_reply_prefix_is_refused_and_a_redis_error_fails_on
 def test_a_job_whose_reply_stream_is_forbidden_by_the_acl_fails_alone(make_engine, tmp_path):
     """An ACL user that may not write one job's reply stream (NOPERM): that job is
     dead-lettered as `redis_error`; the job beside it is served."""
-    import socket
-    import subprocess
-    import time
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--user", "default", "off", "--user", "worker", "on", ">pw", "~inflight:requests", "~inflight:dead",
-         "~inflight:control", "~inflight:out:{ok-*", "&*", "+@all"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(0.5)
-    config = RedisConfig(url=f"redis://worker:pw@127.0.0.1:{port}", consumer="w1", block_ms=200)
+    server = RedisServer(tmp_path, appendonly=False, username="worker", password="pw",
+                         args=("--user", "default", "off", "--user", "worker", "on", ">pw", "~inflight:requests",
+                               "~inflight:dead", "~inflight:control", "~inflight:out:{ok-*", "&*", "+@all"))
+    server.start()
+    port = server.port
+    config = RedisConfig(url=server.url, consumer="w1", block_ms=200)
 
     async def main():
         client = aioredis.Redis(host="127.0.0.1", port=port, username="worker", password="pw", socket_timeout=30)
@@ -387,8 +364,7 @@ def test_a_job_whose_reply_stream_is_forbidden_by_the_acl_fails_alone(make_engin
         await client.xadd(config.requests_stream, {"id": "no-1", "prompt": "Hi", "max_tokens": "3"})
         await client.xadd(config.requests_stream, {"id": "ok-1", "prompt": "Hi", "max_tokens": "3"})
         ok = await read_replies(client, "inflight:out:{ok-1}")
-        while await client.xlen(config.requests_stream):
-            await asyncio.sleep(0.05)
+        await eventually(lambda: requests_drained(client, config), 60, "every job to be settled")
         dead = await client.xrange(config.dead_letter_stream)
         stop.set()
         await serving
@@ -399,7 +375,6 @@ def test_a_job_whose_reply_stream_is_forbidden_by_the_acl_fails_alone(make_engin
         ok, dead = asyncio.run(main())
     finally:
         server.kill()
-        server.wait()
     assert ok[-1]["type"] == b"done"
     [(_, record)] = dead
     assert record[b"code"] == b"redis_error" and record[b"message"].startswith(b"NoPermissionError")
