@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.waiting import wait_until
+
 pytestmark = pytest.mark.slow
 
 
@@ -88,9 +90,15 @@ def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams
 
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=60) == 0
-        time.sleep(0.5)
-        with pytest.raises(redis.ConnectionError):  # the embedded server went with its worker
-            redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()
+
+        def server_gone() -> bool:
+            try:
+                redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=1).ping()
+            except redis.ConnectionError:
+                return True
+            return False
+
+        wait_until(server_gone, 5, "the embedded server to go with its worker")
         assert (tmp_path / "valkey").is_dir()
     finally:
         worker.kill()

@@ -167,7 +167,7 @@ def test_random_entries_each_get_a_dead_letter_while_good_jobs_complete_and_the_
         last = "0"
         waiting_for = {e for e, good in expected.items() if good is None}
         progress = time.monotonic()
-        # Answers come at hundreds a second: a long silence means some never will.
+        # Answers come steadily while the worker lives: a long silence means some never will.
         while waiting_for - dead.keys() and time.monotonic() - progress < STALL_S and worker.alive():
             for _, rows in client.xread({DEAD: last}, count=1000, block=500) or []:
                 progress = time.monotonic()

@@ -31,7 +31,7 @@ from tests.attention_cases import (
 
 @pytest.fixture(scope="module")
 def kernels() -> EmulatedKernels:
-    return EmulatedKernels()  # built with g++ once per source hash (~10 s), then cached
+    return EmulatedKernels()  # built with g++ once per source hash, then cached
 
 
 def backend(step, kernels, partition_size=None) -> CupyAttentionBackend:

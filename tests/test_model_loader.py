@@ -1,7 +1,7 @@
 """The model loader: the bundled GGUF, its conversion cache, dtypes, HF folders, prompts.
 
-Converting the GGUF takes ~25 s, so one session fixture converts it once into a
-temporary cache and the tests below share it.
+Converting the GGUF is slow, so one session fixture converts it once into a temporary
+cache and the tests below share it.
 """
 
 import copy
