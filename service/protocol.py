@@ -81,6 +81,10 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
     if not isinstance(reply_to, str) or not reply_to.startswith(reply_prefixes):
         raise ProtocolError("invalid_field", f"reply_to must be a key starting with {' or '.join(reply_prefixes)}",
                             request_id)
+    if ("{" in reply_to or "}" in reply_to) and not hash_tag(reply_to):
+        # Its owner key could not share its Redis Cluster slot.
+        raise ProtocolError("invalid_field", "braces in reply_to (or in the id it defaults to) must enclose a "
+                            "Redis Cluster hash tag, as in inflight:out:{job-1}", request_id)
 
     def fail(code: str, message: str) -> ProtocolError:
         return ProtocolError(code, message, request_id, reply_to)
@@ -194,6 +198,14 @@ def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
 def error_fields(code: str, message: str) -> dict[str, str | bytes]:
     return {"type": "error", "code": code, "message": message,
             "data": msgpack.packb({"type": "error", "code": code, "message": message})}
+
+
+def hash_tag(key: str) -> str:
+    """The part of `key` that Redis Cluster hashes when it is not the whole key: the text
+    between the first `{` and the next `}`, if not empty ("" when there is none)."""
+    start = key.find("{")
+    end = key.find("}", start + 1)
+    return key[start + 1:end] if start >= 0 and end > start + 1 else ""
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from service.protocol import done_fields, error_fields, token_fields
+from service.protocol import done_fields, error_fields, hash_tag, token_fields
 from workers.request import FinalEvent
 
 # KEYS: reply stream, owner key. ARGV: the job's entry id, the owner value, TTL seconds.
@@ -66,7 +66,9 @@ class LeaseLost(Exception):
 
 
 def owner_key(reply_to: str) -> str:
-    return f"{reply_to}:owner"
+    """`<reply_to>:owner`, in the reply stream's hash slot: a `reply_to` without a hash
+    tag is wrapped in one (`{<reply_to>}:owner`), as a Redis Cluster script needs."""
+    return f"{reply_to}:owner" if hash_tag(reply_to) else f"{{{reply_to}}}:owner"
 
 
 @dataclass(frozen=True)

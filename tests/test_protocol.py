@@ -183,3 +183,16 @@ def redis_client():
     client.ping()  # a real server: .ci/run starts one if none answers
     yield client
     client.close()
+
+
+@pytest.mark.parametrize("fields", [flat(prompt="a", reply_to="inflight:out:{}x"), {b"id": b"}", b"prompt": b"a"}],
+                         ids=["reply_to with empty braces", "an id of a lone brace"])
+def test_braces_in_reply_to_must_enclose_a_hash_tag_so_its_owner_key_shares_the_slot(fields):
+    with pytest.raises(ProtocolError) as caught:
+        decode_job("3-0", fields)
+    assert caught.value.code == "invalid_field" and "hash tag" in caught.value.message
+
+
+def test_reply_streams_with_or_without_a_hash_tag_are_accepted():
+    assert decode_job("3-0", flat(prompt="a", reply_to="inflight:out:plain")).reply_to == "inflight:out:plain"
+    assert decode_job("3-0", {b"id": b"a{b}c", b"prompt": b"a"}).reply_to == "inflight:out:{a{b}c}"

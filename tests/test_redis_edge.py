@@ -220,3 +220,12 @@ def test_a_reply_stream_that_is_not_a_stream_is_a_redis_error(keys):
             await client.aclose()
 
     assert "WRONGTYPE" in run(main())
+
+
+def test_an_owner_key_shares_its_reply_streams_hash_slot():
+    from redis.crc import key_slot
+
+    for reply_to in ("inflight:out:{job-1}", "inflight:out:plain", "inflight:out:{a}{b}", "inflight:out:}{x}"):
+        assert key_slot(owner_key(reply_to).encode()) == key_slot(reply_to.encode()), reply_to
+    assert owner_key("inflight:out:{job-1}") == "inflight:out:{job-1}:owner"
+    assert owner_key("inflight:out:plain") == "{inflight:out:plain}:owner"
