@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # the engine module pulls in torch; the metrics need only its
 # Latencies from a millisecond to ten minutes: a decode step on a GPU to a long queue.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 1.5,
                    2.5, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Reply writes land within a millisecond on a quiet local Redis; a slow one shows in steps.
+PUBLISH_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -63,6 +65,10 @@ class Metrics:
                                           buckets=LATENCY_BUCKETS, registry=registry)
         self.queue_time = Histogram("inflight_queue_time_seconds", "From arrival to first being scheduled.",
                                     buckets=LATENCY_BUCKETS, registry=registry)
+        self.publish_lag = Histogram("inflight_publish_lag_seconds",
+                                     "From the end of the step that produced a reply stream's oldest unwritten "
+                                     "event to its write landing in Redis (one observation per stream and round trip).",
+                                     buckets=PUBLISH_LAG_BUCKETS, registry=registry)
 
         # -- scheduler state (after each step) ----------------------------------------
         self.scheduler_requests = Gauge("inflight_scheduler_requests",
@@ -172,10 +178,13 @@ class Metrics:
         first-token and inter-token latencies were observed as they happened (`observe_step`)."""
         self.requests.labels(event.finish_reason.value).inc()
         self.prompt_tokens.inc(event.usage.prompt_tokens)
-        self.generation_tokens.inc(event.usage.completion_tokens)
+        self.generation_tokens.inc(len(event.timings.token_times))  # here: not those resumed from another worker
         if event.finish_reason is FinishReason.ERROR and not event.timings.token_times:
             return  # rejected by the engine's validation: it never queued, there is nothing to time
         self.request_duration.observe(event.timings.total_s)
+
+    def observe_publish_lag(self, seconds: float) -> None:
+        self.publish_lag.observe(seconds)
 
     def observe_outcome(self, outcome: str) -> None:
         """A request that ended without the engine's timings: "rejected" (it never reached

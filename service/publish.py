@@ -16,16 +16,23 @@ Cluster script requires.
 Entry ids are derived from the event, not the clock: token `seq` is `<seq + 1>-0`, and
 the final event after n tokens is `<n>-1`. So a write is idempotent: one retried after
 a dropped connection that had in fact landed is refused by Redis as "equal or smaller"
-and taken as done. Each write refreshes both keys' TTL, so a stream nobody reads expires
-`ttl_s` after its last event.
+and taken as done, and a pipeline that partly landed can be sent again whole.
+
+`append` is the hot path: the events of many streams (everything one engine step, or a
+few, produced) in one pipelined round trip, one script call per stream. A write sets
+both keys' TTL only when asked to (`Append.refresh_ttl`): at a stream's first and final
+events, and at a bounded rate in between (`service/outbox.py`), so a stream nobody reads
+expires `ttl_s` after its final event, and never while it is still being written.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
+from redis.exceptions import NoScriptError, RedisError
 
 from service.protocol import done_fields, error_fields, hash_tag, token_fields
 from workers.request import FinalEvent
@@ -61,6 +68,28 @@ return 1
 """
 
 
+# KEYS: reply stream, owner key. ARGV: the owner value, TTL seconds (0: leave the TTLs
+# as they are), then per entry: its id, its field count n, and n field/value pairs.
+# Returns 1 when written (entries already there count as written), 0 when not the owner.
+FENCED_APPEND = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+local i = 3
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 1])
+  local added = redis.pcall('XADD', KEYS[1], ARGV[i], unpack(ARGV, i + 2, i + 1 + 2 * n))
+  if type(added) == 'table' and added['err'] then
+    if not string.find(added['err'], 'equal or smaller', 1, true) then return added end
+  end
+  i = i + 2 + 2 * n
+end
+if ARGV[2] ~= '0' then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[2])
+end
+return 1
+"""
+
+
 class LeaseLost(Exception):
     """Another worker serves this job now; this one must stop writing and generating."""
 
@@ -69,6 +98,16 @@ def owner_key(reply_to: str) -> str:
     """`<reply_to>:owner`, in the reply stream's hash slot: a `reply_to` without a hash
     tag is wrapped in one (`{<reply_to>}:owner`), as a Redis Cluster script needs."""
     return f"{reply_to}:owner" if hash_tag(reply_to) else f"{{{reply_to}}}:owner"
+
+
+@dataclass(frozen=True)
+class Append:
+    """Events for one reply stream, in order: (entry id, fields) pairs."""
+
+    reply_to: str
+    entry_id: str  # the job's request-stream entry: whose owner value fences the write
+    events: Sequence[tuple[str, dict]]
+    refresh_ttl: bool
 
 
 @dataclass(frozen=True)
@@ -86,6 +125,7 @@ class ReplyPublisher:
         self.incarnation = os.urandom(6).hex()  # two processes under one name still differ
         self._claim = redis.register_script(CLAIM)
         self._add = redis.register_script(FENCED_ADD)
+        self._append_sha = redis.register_script(FENCED_APPEND).sha
 
     def owner(self, entry_id: str) -> str:
         return f"{entry_id} {self.worker} {self.incarnation}"
@@ -105,6 +145,28 @@ class ReplyPublisher:
             else:
                 finished = True
         return Claim(True, token_ids, finished)
+
+    async def append(self, appends: Sequence[Append]) -> list[bool | RedisError]:
+        """Write every `Append` in one pipelined round trip. Per append: True when written,
+        False when this worker no longer owns the stream, or the error Redis answered for
+        that stream alone (WRONGTYPE, OOM). Raises when Redis cannot be reached (then the
+        whole call may be retried: the writes are idempotent)."""
+        replies = await self._append_pipelined(appends)
+        if any(isinstance(reply, NoScriptError) for reply in replies):
+            # First use, or the server restarted and forgot it: EVALSHA in a pipeline
+            # does not load its script.
+            await self.redis.script_load(FENCED_APPEND)
+            replies = await self._append_pipelined(appends)
+        return [reply if isinstance(reply, RedisError) else bool(reply) for reply in replies]
+
+    async def _append_pipelined(self, appends: Sequence[Append]) -> list:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for append in appends:
+                args = [self.owner(append.entry_id), self.ttl_s if append.refresh_ttl else 0]
+                for event_id, fields in append.events:
+                    args += (event_id, len(fields), *[part for pair in fields.items() for part in pair])
+                pipe.evalsha(self._append_sha, 2, append.reply_to, owner_key(append.reply_to), *args)
+            return await pipe.execute(raise_on_error=False)
 
     async def token(self, reply_to: str, entry_id: str, seq: int, text: str, token_ids) -> None:
         await self._write(reply_to, entry_id, f"{seq + 1}-0", token_fields(seq, text, token_ids))

@@ -11,8 +11,9 @@ each in a task of its own, and keeps their leases alive while it holds them. Eac
 3. is cancelled without running if the control stream asked for it, or continues where
    a reply stream already stops (a takeover): the engine resumes the request from the
    published tokens (`resumed_output_ids`), and `seq` goes on from the last one;
-4. streams its events through fenced writes, and is acked and deleted once its final
-   event is written. A worker that lost the job (its lease ran out and another worker
+4. has its events written by the outbox (`service/outbox.py`: every step's events in
+   one pipelined round trip, each stream's writes fenced), and is acked and deleted once
+   its final event has landed. A worker that lost the job (its lease ran out and another worker
    took it over) is refused on its next write, or told by its next lease renewal, and
    stops generating it.
 A Redis error that concerns one job (WRONGTYPE, NOPERM, OOM) fails that job only.
@@ -40,6 +41,7 @@ from service.cancels import CancelRegistry, stream_id
 from service.config import RedisConfig
 from service.ingest import Entry, JobReader
 from service.metrics import Metrics
+from service.outbox import ReplyOutbox
 from service.protocol import Job, ProtocolError, decode_job
 from service.publish import LeaseLost, ReplyPublisher
 from service.retry import is_transient, retrying
@@ -72,7 +74,6 @@ class Held:
 class Worker:
     def __init__(self, engine: Engine, redis, config: RedisConfig, metrics: Metrics | None = None,
                  ingest_poll_s: float = 5.0, log_prompts: bool = False) -> None:
-        self.front = AsyncEngine(engine)
         self.config = config
         self.metrics = metrics or Metrics(engine.config.scheduler)
         engine.observer = self.metrics.observe_step
@@ -80,6 +81,8 @@ class Worker:
         self.log_prompts = log_prompts  # prompts and outputs in the summary line: opt-in
         self.reader = JobReader(redis, config)
         self.publisher = ReplyPublisher(redis, config.reply_ttl_s, config.consumer)
+        self.outbox = ReplyOutbox(self.publisher, self.metrics.observe_publish_lag)
+        self.front = AsyncEngine(engine, self.outbox.on_events)
         self.cancels = CancelRegistry(config.cancel_ttl_s)
         self.redis = redis
         # Enough queued work to keep the batcher full, no more.
@@ -94,7 +97,8 @@ class Worker:
         if stop.is_set():
             return []
         async with self.front:
-            background = [asyncio.create_task(self._follow_control(), name="control"),
+            background = [asyncio.create_task(self.outbox.run(), name="outbox"),
+                          asyncio.create_task(self._follow_control(), name="control"),
                           asyncio.create_task(self._renew_leases(), name="leases"),
                           asyncio.create_task(self._housekeeping(), name="housekeeping")]
             try:
@@ -185,6 +189,7 @@ class Worker:
             self.metrics.observe_outcome("rejected")
             await self._reject(entry, "redis_error", message, None, request_id=job.request_id)
         finally:
+            self.outbox.close(entry.entry_id)
             if self.held[entry.entry_id].submitted:
                 self.front.cancel(entry.entry_id)  # a no-op once it has finished
 
@@ -214,31 +219,22 @@ class Worker:
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
         # A taken-over stream keeps its submission time, so it goes ahead of newer jobs.
         arrived_at = stream_id(entry.entry_id)[0] / 1000 if seq else None
-        stream = self.front.submit(job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at,
-                                   resumed_output_ids=claim.token_ids)
+        published = self.outbox.open(entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts)
+        self.front.enqueue(job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at,
+                           resumed_output_ids=claim.token_ids)
         self.held[entry.entry_id].submitted = True
-        await self._publish(entry, job, stream, seq)
-
-    async def _publish(self, entry: Entry, job: Job, stream, seq: int) -> None:
-        output: list[str] | None = [] if self.log_prompts else None
-        async for event in stream:
-            if isinstance(event, FinalEvent):
-                self.metrics.observe_finished(event)
-                if output is not None:
-                    output.append(event.text)
-                    log_request_finished(log, event, prompt=job.prompt, output="".join(output))
-                else:
-                    log_request_finished(log, event)
-                if event.error_code is not None:
-                    await self._reject(entry, event.error_code.value, event.error, job.reply_to, seq, claimed=True)
-                    return
-                await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, seq))
-                await self._ack(entry)
-                return
-            await retrying(lambda: self.publisher.token(job.reply_to, entry.entry_id, seq, event.text, event.token_ids))
-            if output is not None:
-                output.append(event.text)
-            seq += 1
+        outcome = await published
+        event = outcome.final
+        self.metrics.observe_finished(event)
+        if outcome.text is not None:
+            log_request_finished(log, event, prompt=job.prompt, output=outcome.text)
+        else:
+            log_request_finished(log, event)
+        if event.error_code is not None:
+            await self._reject(entry, event.error_code.value, event.error, job.reply_to, outcome.num_tokens,
+                               claimed=True)
+            return
+        await self._ack(entry)
 
     async def _finish_unrun(self, entry: Entry, job: Job, reason: FinishReason, num_tokens: int) -> None:
         """The final event of a job that needs no model step: cancelled before it ran, or

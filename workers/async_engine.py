@@ -35,8 +35,11 @@ async def on_torch_thread(fn: Callable[..., T], *args) -> T:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_events: Callable[[list[Event]], None] | None = None) -> None:
+        """`on_events`, when given, receives each step's events of the requests queued with
+        `enqueue`, all at once, on the event loop (a publisher that batches per step)."""
         self.engine = engine
+        self.on_events = on_events
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -73,11 +76,24 @@ class AsyncEngine:
         arrives as the stream's single, final error event.
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params, priority, deadline, arrived_at, resumed_output_ids)
+        self.enqueue(prompt, params, request_id, priority, deadline, arrived_at, resumed_output_ids)
         stream = RequestStream(self, request_id)
         self._queues[request_id] = stream.queue
-        self._wakeup.set()
         return stream
+
+    def enqueue(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = DEFAULT_PRIORITY,
+        deadline: float | None = None,
+        arrived_at: float | None = None,
+        resumed_output_ids: Sequence[int] = (),
+    ) -> None:
+        """Queue a request whose events go to `on_events`, with the rest of their step's."""
+        self.engine.add_request(request_id, prompt, params, priority, deadline, arrived_at, resumed_output_ids)
+        self._wakeup.set()
 
     async def generate(
         self,
@@ -108,10 +124,15 @@ class AsyncEngine:
                 await self._wakeup.wait()
                 continue
             events = await on_torch_thread(self.engine.step)
+            unrouted = []
             for event in events:
                 queue = self._queues.get(event.request_id)
                 if queue is not None:
                     queue.put_nowait(event)
+                else:
+                    unrouted.append(event)
+            if unrouted and self.on_events is not None:
+                self.on_events(unrouted)
 
 
 class RequestStream:

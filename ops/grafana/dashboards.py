@@ -45,6 +45,8 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
         ("Inter-token latency", "s", quantiles("inflight_inter_token_latency_seconds"), "Between consecutive tokens."),
         ("End-to-end latency", "s", quantiles("inflight_request_duration_seconds"), "Arrival to final event."),
         ("Queue time", "s", quantiles("inflight_queue_time_seconds"), "Arrival to first scheduled."),
+        ("Publish lag", "s", quantiles("inflight_publish_lag_seconds"),
+         "From the step that produced a reply event to its write landing in Redis."),
     ]),
     ("Queues", [
         ("Requests by state and priority", "short", [
