@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import msgpack
 from redis.exceptions import NoScriptError, RedisError
 
-from service.protocol import done_fields, error_fields, hash_tag, token_fields
+from service.protocol import done_fields, error_fields, hash_tag
 from workers.request import FinalEvent
 
 # KEYS: reply stream, owner key. ARGV: the job's entry id, the owner value, TTL seconds.
@@ -53,20 +53,6 @@ redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
 if not held then return {1, {}} end
 return {1, redis.call('XRANGE', KEYS[1], '-', '+')}
 """
-
-# KEYS: reply stream, owner key. ARGV: the owner value, the entry id, TTL seconds, then
-# field, value, ... Returns 1 when written (or already written), 0 when not the owner.
-FENCED_ADD = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-local added = redis.pcall('XADD', KEYS[1], ARGV[2], unpack(ARGV, 4))
-if type(added) == 'table' and added['err'] then
-  if not string.find(added['err'], 'equal or smaller', 1, true) then return added end
-end
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-redis.call('EXPIRE', KEYS[2], ARGV[3])
-return 1
-"""
-
 
 # KEYS: reply stream, owner key. ARGV: the owner value, TTL seconds (0: leave the TTLs
 # as they are), then per entry: its id, its field count n, and n field/value pairs.
@@ -124,7 +110,6 @@ class ReplyPublisher:
         self.worker = worker  # named on done events: which consumer finished the request
         self.incarnation = os.urandom(6).hex()  # two processes under one name still differ
         self._claim = redis.register_script(CLAIM)
-        self._add = redis.register_script(FENCED_ADD)
         self._append_sha = redis.register_script(FENCED_APPEND).sha
 
     def owner(self, entry_id: str) -> str:
@@ -168,9 +153,6 @@ class ReplyPublisher:
                 pipe.evalsha(self._append_sha, 2, append.reply_to, owner_key(append.reply_to), *args)
             return await pipe.execute(raise_on_error=False)
 
-    async def token(self, reply_to: str, entry_id: str, seq: int, text: str, token_ids) -> None:
-        await self._write(reply_to, entry_id, f"{seq + 1}-0", token_fields(seq, text, token_ids))
-
     async def done(self, reply_to: str, entry_id: str, event: FinalEvent, num_tokens: int) -> None:
         """The final event, after `num_tokens` token events."""
         await self._write(reply_to, entry_id, f"{num_tokens}-1", done_fields(event, self.worker))
@@ -179,10 +161,10 @@ class ReplyPublisher:
         await self._write(reply_to, entry_id, f"{num_tokens}-1", error_fields(code, message))
 
     async def _write(self, reply_to: str, entry_id: str, event_id: str, fields: dict) -> None:
-        """One fenced XADD; raises `LeaseLost` when this worker no longer owns the stream."""
-        flat = [part for pair in fields.items() for part in pair]
-        written = await self._add(keys=[reply_to, owner_key(reply_to)],
-                                  args=[self.owner(entry_id), event_id, self.ttl_s, *flat])
+        """One fenced event; raises `LeaseLost` when this worker no longer owns the stream."""
+        written, = await self.append([Append(reply_to, entry_id, [(event_id, fields)], refresh_ttl=True)])
+        if isinstance(written, RedisError):
+            raise written
         if not written:
             raise LeaseLost(reply_to)
 

@@ -12,7 +12,8 @@ import redis.asyncio as aioredis
 
 from service.config import RedisConfig
 from service.ingest import JobReader
-from service.publish import LeaseLost, ReplyPublisher, owner_key
+from service.protocol import token_fields
+from service.publish import Append, ReplyPublisher, owner_key
 from workers.request import FinalEvent, FinishReason, Timings, Usage
 
 
@@ -170,24 +171,26 @@ def test_an_acked_entry_is_deleted_and_dead_letters_are_capped(keys):
     assert dead < 300  # trimmed (approximately: whole nodes of about 100 entries at a time)
 
 
+def tokens(reply: str, seqs_and_texts) -> Append:
+    """Token events of the job in entry 1-1, as the outbox sends them."""
+    return Append(reply, "1-1", [(f"{seq + 1}-0", token_fields(seq, text, [seq])) for seq, text in seqs_and_texts],
+                  refresh_ttl=True)
+
+
 def test_replies_are_numbered_idempotent_fenced_and_expire(keys):
     async def main():
         client = await connect()
         first, second = ReplyPublisher(client, ttl_s=120, worker="a"), ReplyPublisher(client, ttl_s=120, worker="b")
         reply = keys["reply"]
         claim = await first.claim(reply, "1-1")
-        for seq, text in enumerate(["Hel", "lo"]):
-            await first.token(reply, "1-1", seq, text, [seq])
-        await first.token(reply, "1-1", 1, "lo", [1])  # a retried write that had landed: no duplicate
+        assert await first.append([tokens(reply, [(0, "Hel"), (1, "lo")])]) == [True]
+        # A retried write that had landed, with one more token: no duplicate.
+        assert await first.append([tokens(reply, [(1, "lo"), (2, "!")])]) == [True]
         duplicate = await second.claim(reply, "2-2")  # another job with the same reply stream
         takeover = await second.claim(reply, "1-1")  # the same job, taken over
-        try:
-            await first.token(reply, "1-1", 2, "!", [2])
-            fenced = False
-        except LeaseLost:
-            fenced = True
+        fenced = await first.append([tokens(reply, [(3, "?")])]) == [False]
         final = FinalEvent("r", FinishReason.STOP, Usage(2, 2), Timings(0.0, 0.1, 0.2, (0.1, 0.2)))
-        await second.done(reply, "1-1", final, num_tokens=2)
+        await second.done(reply, "1-1", final, num_tokens=3)
         again = await ReplyPublisher(client, ttl_s=120, worker="c").claim(reply, "1-1")
         entries = await client.xrange(reply)
         ttls = await client.ttl(reply), await client.ttl(owner_key(reply))
@@ -197,11 +200,11 @@ def test_replies_are_numbered_idempotent_fenced_and_expire(keys):
     claim, duplicate, takeover, fenced, again, entries, ttls = run(main())
     assert claim.owned and claim.token_ids == [] and not claim.finished
     assert not duplicate.owned
-    assert takeover.owned and takeover.token_ids == [0, 1] and not takeover.finished
+    assert takeover.owned and takeover.token_ids == [0, 1, 2] and not takeover.finished
     assert fenced  # the first worker lost the stream and cannot write to it
     assert again.owned and again.finished
-    assert [f[b"type"] for _, f in entries] == [b"token", b"token", b"done"]
-    assert [msgpack.unpackb(f[b"data"]).get("seq") for _, f in entries[:2]] == [0, 1]
+    assert [f[b"type"] for _, f in entries] == [b"token", b"token", b"token", b"done"]
+    assert [msgpack.unpackb(f[b"data"]).get("seq") for _, f in entries[:3]] == [0, 1, 2]
     assert entries[-1][1][b"worker"] == b"b"
     assert all(0 < ttl <= 120 for ttl in ttls)
 
