@@ -2,7 +2,7 @@
 
 `--scenario` picks what is measured: `throughput` (the default, below), one of the
 scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `redis` (the Redis
-edge against in-process), or `soak` (minutes of mixed traffic on two worker processes,
+edge against in-process), `edge` (the Redis edge alone at GPU token rates), or `soak` (minutes of mixed traffic on two worker processes,
 with a Redis restart and a worker killed), each described in its own module (they run
 in this process and compare the engine with itself).
 
@@ -32,13 +32,13 @@ from pathlib import Path
 from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
-SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "soak")
+SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "edge", "soak")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench import priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, priority, scheduler_cost, soak, storm, swap, through_redis
 
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
-    for scenario in (storm, priority, swap, scheduler_cost, through_redis, soak):
+    for scenario in (storm, priority, swap, scheduler_cost, through_redis, edge, soak):
         scenario.add_arguments(parser)
 
 
@@ -126,7 +126,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from bench import priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, priority, scheduler_cost, soak, storm, swap, through_redis
     from bench.report import write_json
 
     load_before = os.getloadavg()[0]
@@ -135,6 +135,8 @@ def run_scenario(args: argparse.Namespace) -> dict:
         figures = scheduler_cost.run(args)
     elif args.scenario == "redis":
         figures = through_redis.run(args)  # loads the model on its torch thread
+    elif args.scenario == "edge":
+        figures = edge.run(args)  # a stub engine: no model
     elif args.scenario == "soak":
         figures = soak.run(args)  # worker processes load the model
     else:

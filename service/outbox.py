@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from service.protocol import done_fields, token_fields
+from service.protocol import done_fields, token_data
 from service.publish import Append, LeaseLost, ReplyPublisher
 from service.retry import retrying
 from workers.request import Event, FinalEvent
@@ -54,9 +54,10 @@ class _Stream:
     entry_id: str
     seq: int  # the next token's seq
     result: asyncio.Future
-    waiting: list[tuple[str, dict]] = field(default_factory=list)  # (entry id, fields) not yet sent
+    waiting: list[bytes] = field(default_factory=list)  # token events not yet sent, as msgpack
     oldest: float = 0.0  # when the oldest waiting event's step ended (monotonic)
     final: FinalEvent | None = None
+    final_waiting: tuple[str, dict] | None = None  # a done event not yet sent: (entry id, fields)
     final_sent: bool = False
     refreshed_at: float | None = None  # last TTL refresh (monotonic); None: never written
     text: list[str] | None = None
@@ -92,14 +93,14 @@ class ReplyOutbox:
             stream = self._streams.get(event.request_id)
             if stream is None or stream.final is not None:
                 continue
-            if not stream.waiting:
+            if not stream.waiting and stream.final_waiting is None:
                 stream.oldest = now
             if isinstance(event, FinalEvent):
                 stream.final = event
                 if event.error_code is None:
-                    stream.waiting.append((f"{stream.seq}-1", done_fields(event, self.publisher.worker)))
+                    stream.final_waiting = (f"{stream.seq}-1", done_fields(event, self.publisher.worker))
             else:
-                stream.waiting.append((f"{stream.seq + 1}-0", token_fields(stream.seq, event.text, event.token_ids)))
+                stream.waiting.append(token_data(stream.seq, event.text, event.token_ids))
                 stream.seq += 1
             if stream.text is not None:
                 stream.text.append(event.text)
@@ -127,23 +128,25 @@ class ReplyOutbox:
                 continue
             refresh = (stream.refreshed_at is None or now - stream.refreshed_at >= self._refresh_s
                        or stream.final is not None)
-            batch.append((stream, stream.waiting, stream.oldest, stream.final is not None, refresh))
-            appends.append(Append(stream.reply_to, stream.entry_id, stream.waiting, refresh))
-            stream.waiting = []
+            append = Append(stream.reply_to, stream.entry_id, stream.waiting, stream.final_waiting, refresh)
+            batch.append((stream, stream.oldest, stream.final is not None))
+            appends.append(append)
+            stream.waiting, stream.final_waiting = [], None
         if not batch:
             return
-        to_write = [append for append in appends if append.events]
+        to_write = [append for append in appends if append.tokens or append.final]
         replies = await retrying(lambda: self.publisher.append(to_write)) if to_write else []
         landed = time.monotonic()
         replies = iter(replies)
-        for (stream, events, oldest, final, refresh), append in zip(batch, appends):
-            reply = next(replies) if events else True
+        for (stream, oldest, final), append in zip(batch, appends):
+            writes = bool(append.tokens or append.final)
+            reply = next(replies) if writes else True
             if stream.result.done():
                 continue  # closed while the pipeline was in flight
             if reply is True:
-                if events:
+                if writes:
                     self.observe_lag(landed - oldest)
-                if refresh:
+                if append.refresh_ttl:
                     stream.refreshed_at = landed
                 if final:
                     stream.final_sent = True

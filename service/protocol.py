@@ -162,11 +162,16 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
 # -- replies ---------------------------------------------------------------------------
 
 
+def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int]) -> bytes:
+    """A token event's `data`: the event as msgpack. The worker sends only this; the
+    write script derives the readable fields (`token_fields`) from it."""
+    return msgpack.packb({"type": "token", "seq": seq, "text": text, "token_ids": list(token_ids)})
+
+
 def token_fields(seq: int, text: str, token_ids: tuple[int, ...] | list[int]) -> dict[str, str | bytes]:
-    """One token event: readable fields plus the same data as msgpack in `data`."""
-    data = {"type": "token", "seq": seq, "text": text, "token_ids": list(token_ids)}
+    """One token event's entry: readable fields plus the same data as msgpack in `data`."""
     return {"type": "token", "seq": str(seq), "text": text, "token_ids": " ".join(map(str, token_ids)),
-            "data": msgpack.packb(data)}
+            "data": token_data(seq, text, token_ids)}
 
 
 def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:

@@ -32,7 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
-from redis.exceptions import NoScriptError, RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from service.protocol import done_fields, error_fields, hash_tag
 from workers.request import FinalEvent
@@ -54,26 +56,49 @@ if not held then return {1, {}} end
 return {1, redis.call('XRANGE', KEYS[1], '-', '+')}
 """
 
-# KEYS: reply stream, owner key. ARGV: the owner value, TTL seconds (0: leave the TTLs
-# as they are), then per entry: its id, its field count n, and n field/value pairs.
-# Returns 1 when written (entries already there count as written), 0 when not the owner.
+# KEYS: each stream's reply stream and owner key, in pairs. ARGV[1]: msgpack, one entry
+# per stream: {owner value, TTL seconds (0: leave the TTLs), token events as their
+# msgpack `data`, the final event's entry id or "", its field/value pairs}. Each token is
+# written with its readable fields at entry id <seq + 1>-0. Returns per stream: 1 when
+# written (entries already there count as written), 0 when this worker is not the owner,
+# or the error Redis gave for that stream. Many streams in one call, each token one
+# msgpack string: packing commands and arguments is most of a publisher's cost.
 FENCED_APPEND = """
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
-local i = 3
-while i <= #ARGV do
-  local n = tonumber(ARGV[i + 1])
-  local added = redis.pcall('XADD', KEYS[1], ARGV[i], unpack(ARGV, i + 2, i + 1 + 2 * n))
-  if type(added) == 'table' and added['err'] then
-    if not string.find(added['err'], 'equal or smaller', 1, true) then return added end
+local function failed(added)
+  if type(added) == 'table' and added['err'] and not string.find(added['err'], 'equal or smaller', 1, true) then
+    return added['err']
   end
-  i = i + 2 + 2 * n
 end
-if ARGV[2] ~= '0' then
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
-  redis.call('EXPIRE', KEYS[2], ARGV[2])
+local streams = cmsgpack.unpack(ARGV[1])
+local results = {}
+for s = 1, #streams do
+  local stream, owner, spec = KEYS[2 * s - 1], KEYS[2 * s], streams[s]
+  local result = 1
+  if redis.call('GET', owner) ~= spec[1] then
+    result = 0
+  else
+    for _, data in ipairs(spec[3]) do
+      local token = cmsgpack.unpack(data)
+      local error = failed(redis.pcall('XADD', stream, string.format('%d-0', token['seq'] + 1), 'type', 'token',
+        'seq', string.format('%d', token['seq']), 'text', token['text'],
+        'token_ids', table.concat(token['token_ids'], ' '), 'data', data))
+      if error then result = error; break end
+    end
+    if result == 1 and spec[4] ~= '' then
+      local error = failed(redis.pcall('XADD', stream, spec[4], unpack(spec[5])))
+      if error then result = error end
+    end
+    if result == 1 and spec[2] ~= 0 then
+      redis.call('EXPIRE', stream, spec[2])
+      redis.call('EXPIRE', owner, spec[2])
+    end
+  end
+  results[s] = result
 end
-return 1
+return results
 """
+# Streams per script call: one call holds Redis for its whole length.
+STREAMS_PER_CALL = 128
 
 
 class LeaseLost(Exception):
@@ -88,11 +113,13 @@ def owner_key(reply_to: str) -> str:
 
 @dataclass(frozen=True)
 class Append:
-    """Events for one reply stream, in order: (entry id, fields) pairs."""
+    """Events for one reply stream, in order: token events as their msgpack `data`
+    (`service.protocol.token_data`), then maybe the final event as (entry id, fields)."""
 
     reply_to: str
     entry_id: str  # the job's request-stream entry: whose owner value fences the write
-    events: Sequence[tuple[str, dict]]
+    tokens: Sequence[bytes]
+    final: tuple[str, dict] | None
     refresh_ttl: bool
 
 
@@ -111,6 +138,7 @@ class ReplyPublisher:
         self.incarnation = os.urandom(6).hex()  # two processes under one name still differ
         self._claim = redis.register_script(CLAIM)
         self._append_sha = redis.register_script(FENCED_APPEND).sha
+        self.cluster = isinstance(redis, RedisCluster)
 
     def owner(self, entry_id: str) -> str:
         return f"{entry_id} {self.worker} {self.incarnation}"
@@ -136,21 +164,45 @@ class ReplyPublisher:
         False when this worker no longer owns the stream, or the error Redis answered for
         that stream alone (WRONGTYPE, OOM). Raises when Redis cannot be reached (then the
         whole call may be retried: the writes are idempotent)."""
-        replies = await self._append_pipelined(appends)
+        calls = self._calls(appends)
+        replies = await self._append_pipelined(calls, appends)
         if any(isinstance(reply, NoScriptError) for reply in replies):
             # First use, or the server restarted and forgot it: EVALSHA in a pipeline
             # does not load its script.
             await self.redis.script_load(FENCED_APPEND)
-            replies = await self._append_pipelined(appends)
-        return [reply if isinstance(reply, RedisError) else bool(reply) for reply in replies]
+            replies = await self._append_pipelined(calls, appends)
+        results: dict[int, bool | RedisError] = {}
+        for call, reply in zip(calls, replies):
+            if isinstance(reply, RedisError):  # the whole call failed, e.g. OOM
+                results.update((index, reply) for index in call)
+                continue
+            for index, result in zip(call, reply):
+                results[index] = ResponseError(result.decode(errors="replace")) if isinstance(result, bytes) \
+                    else bool(result)
+        return [results[index] for index in range(len(appends))]
 
-    async def _append_pipelined(self, appends: Sequence[Append]) -> list:
+    def _calls(self, appends: Sequence[Append]) -> list[list[int]]:
+        """The appends' indices, grouped into script calls: every key of one call must
+        lie in one hash slot on a Redis Cluster; any mix will do on a single server."""
+        groups: dict[int, list[int]] = {}
+        for index, append in enumerate(appends):
+            slot = key_slot(append.reply_to.encode()) if self.cluster else 0
+            groups.setdefault(slot, []).append(index)
+        return [group[start:start + STREAMS_PER_CALL] for group in groups.values()
+                for start in range(0, len(group), STREAMS_PER_CALL)]
+
+    async def _append_pipelined(self, calls: list[list[int]], appends: Sequence[Append]) -> list:
         async with self.redis.pipeline(transaction=False) as pipe:
-            for append in appends:
-                args = [self.owner(append.entry_id), self.ttl_s if append.refresh_ttl else 0]
-                for event_id, fields in append.events:
-                    args += (event_id, len(fields), *[part for pair in fields.items() for part in pair])
-                pipe.evalsha(self._append_sha, 2, append.reply_to, owner_key(append.reply_to), *args)
+            for call in calls:
+                keys, specs = [], []
+                for index in call:
+                    append = appends[index]
+                    keys += (append.reply_to, owner_key(append.reply_to))
+                    event_id, fields = append.final or ("", {})
+                    specs.append((self.owner(append.entry_id), self.ttl_s if append.refresh_ttl else 0,
+                                  append.tokens, event_id, [part for pair in fields.items() for part in pair]))
+                # The old msgpack format (no bin, no str8), the one Redis's Lua cmsgpack reads.
+                pipe.evalsha(self._append_sha, len(keys), *keys, msgpack.packb(specs, use_bin_type=False))
             return await pipe.execute(raise_on_error=False)
 
     async def done(self, reply_to: str, entry_id: str, event: FinalEvent, num_tokens: int) -> None:
@@ -162,7 +214,7 @@ class ReplyPublisher:
 
     async def _write(self, reply_to: str, entry_id: str, event_id: str, fields: dict) -> None:
         """One fenced event; raises `LeaseLost` when this worker no longer owns the stream."""
-        written, = await self.append([Append(reply_to, entry_id, [(event_id, fields)], refresh_ttl=True)])
+        written, = await self.append([Append(reply_to, entry_id, (), (event_id, fields), refresh_ttl=True)])
         if isinstance(written, RedisError):
             raise written
         if not written:

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from service.config import RedisConfig
 from service.ingest import JobReader
-from service.protocol import token_fields
+from service.protocol import token_data, token_fields
 from service.publish import Append, ReplyPublisher, owner_key
 from workers.request import FinalEvent, FinishReason, Timings, Usage
 
@@ -173,7 +173,7 @@ def test_an_acked_entry_is_deleted_and_dead_letters_are_capped(keys):
 
 def tokens(reply: str, seqs_and_texts) -> Append:
     """Token events of the job in entry 1-1, as the outbox sends them."""
-    return Append(reply, "1-1", [(f"{seq + 1}-0", token_fields(seq, text, [seq])) for seq, text in seqs_and_texts],
+    return Append(reply, "1-1", [token_data(seq, text, [seq]) for seq, text in seqs_and_texts], None,
                   refresh_ttl=True)
 
 
@@ -232,3 +232,26 @@ def test_an_owner_key_shares_its_reply_streams_hash_slot():
         assert key_slot(owner_key(reply_to).encode()) == key_slot(reply_to.encode()), reply_to
     assert owner_key("inflight:out:{job-1}") == "inflight:out:{job-1}:owner"
     assert owner_key("inflight:out:plain") == "{inflight:out:plain}:owner"
+
+
+def test_the_write_script_gives_token_entries_exactly_the_fields_the_protocol_defines(keys):
+    """The worker sends a token as its msgpack `data` alone; the script derives the
+    readable fields. They must be byte for byte what `token_fields` says."""
+    cases = [(0, "Hello", [15496]), (1, "", [220]), (2, " é 🙂\n", [1, 2, 3]), (3, "a b", []), (123456, "x", [0])]
+
+    async def main():
+        client = await connect()
+        publisher = ReplyPublisher(client, ttl_s=120, worker="a")
+        reply = keys["reply"]
+        await publisher.claim(reply, "1-1")
+        data = [token_data(*case) for case in cases]
+        assert await publisher.append([Append(reply, "1-1", data, None, refresh_ttl=True)]) == [True]
+        entries = await client.xrange(reply)
+        await client.aclose()
+        return entries
+
+    entries = run(main())
+    for (entry_id, fields), (seq, text, token_ids) in zip(entries, cases, strict=True):
+        want = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in token_fields(seq, text, token_ids).items()}
+        assert entry_id == f"{seq + 1}-0".encode() and fields == want
+        assert list(fields) == list(want)  # in the same order too

@@ -118,21 +118,32 @@ class AsyncEngine:
         self._wakeup.set()
 
     async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        running: asyncio.Future | None = None  # the step in flight on the torch thread
         while True:
+            if running is None:
+                self._wakeup.clear()
+                if not self.engine.has_unfinished():
+                    await self._wakeup.wait()
+                    continue
+                running = loop.run_in_executor(_TORCH_THREAD, self.engine.step)
+            events = await running
+            # The next step starts before this one's events are handed on, so the model
+            # never waits for them to be published.
             self._wakeup.clear()
-            if not self.engine.has_unfinished():
-                await self._wakeup.wait()
-                continue
-            events = await on_torch_thread(self.engine.step)
-            unrouted = []
-            for event in events:
-                queue = self._queues.get(event.request_id)
-                if queue is not None:
-                    queue.put_nowait(event)
-                else:
-                    unrouted.append(event)
-            if unrouted and self.on_events is not None:
-                self.on_events(unrouted)
+            running = loop.run_in_executor(_TORCH_THREAD, self.engine.step) if self.engine.has_unfinished() else None
+            self._hand_on(events)
+
+    def _hand_on(self, events: list[Event]) -> None:
+        unrouted = []
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait(event)
+            else:
+                unrouted.append(event)
+        if unrouted and self.on_events is not None:
+            self.on_events(unrouted)
 
 
 class RequestStream:

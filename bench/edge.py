@@ -1,0 +1,238 @@
+"""`inflight bench --scenario edge`: the Redis edge alone, at GPU token rates.
+
+A stub engine (no model math) runs every request it holds each step, emitting one token
+per request per step, and sleeps a fixed step time (`--edge-step-ms`; 0 steps as fast
+as it can). It runs behind the real worker (`service.worker.Worker`: claiming, leases,
+the outbox, fenced writes, acks) against a private redis-server started here. Each
+row: `streams` jobs of `--edge-tokens` tokens, all queued at once, the worker holding
+them all.
+
+Reported per row:
+- `events_per_s`: token events landed per second, first step to last ack;
+- `publish_lag_p50_ms` / `p99`: from the end of a step to its events landing (the
+  outbox's own measure, one sample per stream and round trip);
+- `worker_cpu_ms_per_1k_events` and `redis_cpu_ms_per_1k_events`: CPU time of this
+  process (worker, stub engine and event loop) and of redis-server;
+- `redis_bytes_per_token`: Redis memory the finished reply streams hold, per token event.
+
+`--edge-baseline` adds the same rows for the publishing this replaced: every event its
+own awaited round trip, from one task per stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import uvloop
+
+from bench.metrics import percentile
+from bench.processes import RedisServer
+from service.config import LoggingConfig, RedisConfig
+from service.metrics import Metrics
+from service.outbox import Published, ReplyOutbox
+from service.protocol import done_fields, token_data
+from service.publish import Append, LeaseLost
+from service.sdk import job_payload
+from service.structured_logging import configure_logging
+from service.worker import Worker
+from workers.config import EngineConfig, SchedulerConfig
+from workers.request import FinalEvent, FinishReason, Timings, TokenEvent, Usage
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("edge scenario")
+    group.add_argument("--edge-streams", default="64,256,1024", help="concurrent streams per row (comma-separated)")
+    group.add_argument("--edge-step-ms", type=float, default=5.0, help="stub step time; 0 = as fast as possible")
+    group.add_argument("--edge-tokens", type=int, default=200, help="tokens per job")
+    group.add_argument("--edge-baseline", action="store_true",
+                       help="also run each row with per-event round trips (the publishing this replaced)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    configure_logging(LoggingConfig(format="json", level="warning"))  # a line per job would be the cost measured
+    streams = [int(n) for n in args.edge_streams.split(",") if n.strip()]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="inflight-edge-") as data, \
+            RedisServer(Path(data), appendonly=False) as server:
+        for publishing in ("per_step", "per_event") if args.edge_baseline else ("per_step",):
+            for count in streams:
+                row = uvloop.run(_row(server, count, args.edge_tokens, args.edge_step_ms / 1000, publishing))
+                print(f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s, lag p50 "
+                      f"{row['publish_lag_p50_ms']:.2f} ms p99 {row['publish_lag_p99_ms']:.2f} ms", flush=True)
+                rows.append(row)
+    return {"step_ms": args.edge_step_ms, "tokens_per_job": args.edge_tokens, "rows": rows}
+
+
+async def _row(server: RedisServer, count: int, tokens: int, step_s: float, publishing: str) -> dict:
+    import redis.asyncio as aioredis
+
+    run_id = uuid.uuid4().hex[:8]
+    config = RedisConfig(url=server.url, requests_stream=f"edge:{run_id}:requests",
+                         control_stream=f"edge:{run_id}:control", dead_letter_stream=f"edge:{run_id}:dead",
+                         consumer="edge", block_ms=100)
+    client = aioredis.Redis.from_url(server.url, socket_timeout=30, max_connections=4 * count + 64)
+    await client.flushall()
+    memory_before = (await client.info("memory"))["used_memory"]
+    engine = StubEngine(count, step_s)
+    lags: list[float] = []
+    metrics = Metrics(engine.config.scheduler)
+    worker = Worker(engine, client, config, metrics, ingest_poll_s=3600)
+    if publishing == "per_event":
+        worker.outbox = PerEventOutbox(worker.publisher)
+        worker.front.on_events = worker.outbox.on_events
+    worker.outbox.observe_lag = lags.append
+
+    async with client.pipeline(transaction=False) as pipe:
+        for i in range(count):
+            pipe.xadd(config.requests_stream, job_payload("x", None, f"{run_id}-{i}", max_tokens=tokens))
+        await pipe.execute()
+    stop = asyncio.Event()
+    serving = asyncio.create_task(worker.run(stop))
+    redis_cpu_before, cpu_before = _process_cpu_s(server.process.pid), time.process_time()
+    while await client.xlen(config.requests_stream):  # every job acked and deleted
+        await asyncio.sleep(0.01)
+    finished = time.perf_counter()
+    redis_cpu, cpu = _process_cpu_s(server.process.pid) - redis_cpu_before, time.process_time() - cpu_before
+    memory_after = (await client.info("memory"))["used_memory"]
+    stop.set()
+    await serving
+    await client.aclose()
+    events = count * tokens
+    elapsed = finished - engine.first_step_at
+    return {
+        "publishing": publishing,
+        "streams": count,
+        "events": events,
+        "events_per_s": events / elapsed,
+        "publish_lag_p50_ms": percentile(lags, 50) * 1000,
+        "publish_lag_p99_ms": percentile(lags, 99) * 1000,
+        "round_trips_per_step": len(lags) / count / max(engine.steps, 1),
+        "steps": engine.steps,
+        "worker_cpu_ms_per_1k_events": cpu / events * 1e6,
+        "redis_cpu_ms_per_1k_events": redis_cpu / events * 1e6,
+        "redis_bytes_per_token": (memory_after - memory_before) / (events + count),
+    }
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class StubEngine:
+    """What the worker needs of an engine, with no model: each step, every request it
+    holds takes one token (the step sleeping `step_s`, as a GPU step would take)."""
+
+    def __init__(self, max_running: int, step_s: float) -> None:
+        self.config = EngineConfig(scheduler=SchedulerConfig(max_running_requests=max_running,
+                                                             max_decode_tokens=max_running,
+                                                             max_batch_tokens=max(512, max_running)))
+        self.observer = None
+        self.step_s = step_s
+        self.steps = 0
+        self.first_step_at = 0.0
+        self._lock = threading.Lock()
+        self._added: list[tuple[str, int]] = []
+        self._cancelled: set[str] = set()
+        self._running: dict[str, list[int]] = {}  # request id -> [tokens made, tokens wanted]
+
+    def add_request(self, request_id, prompt, params, priority=0, deadline=None, arrived_at=None,
+                    resumed_output_ids=()) -> None:
+        with self._lock:
+            self._added.append((request_id, params.max_tokens - len(resumed_output_ids)))
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self._added or self._running)
+
+    def step(self) -> list:
+        with self._lock:
+            for request_id, wanted in self._added:
+                self._running[request_id] = [0, wanted]
+            self._added.clear()
+            cancelled, self._cancelled = self._cancelled, set()
+        if not self.steps:
+            self.first_step_at = time.perf_counter()
+        self.steps += 1
+        if self.step_s:
+            time.sleep(self.step_s)
+        events = []
+        for request_id in list(self._running):
+            made, wanted = self._running[request_id]
+            if request_id in cancelled:
+                del self._running[request_id]
+                events.append(_final(request_id, FinishReason.CANCELLED, made))
+                continue
+            events.append(TokenEvent(request_id, (made % 1000,), "x"))
+            self._running[request_id][0] = made = made + 1
+            if made == wanted:
+                del self._running[request_id]
+                events.append(_final(request_id, FinishReason.LENGTH, made))
+        return events
+
+
+def _final(request_id: str, reason: FinishReason, tokens: int) -> FinalEvent:
+    return FinalEvent(request_id, reason, Usage(1, tokens), Timings(0.0, 0.0, 0.0, (0.0,) * tokens))
+
+
+class PerEventOutbox(ReplyOutbox):
+    """The publishing this scenario compares with: every event its own awaited round
+    trip, one task per stream, in order."""
+
+    def __init__(self, publisher) -> None:
+        super().__init__(publisher)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._writers: dict[str, asyncio.Task] = {}
+
+    def open(self, request_id, reply_to, entry_id, seq, keep_text=False):
+        future = asyncio.get_running_loop().create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._writers[request_id] = asyncio.create_task(self._write(queue, future, reply_to, entry_id, seq))
+        return future
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        writer = self._writers.pop(request_id, None)
+        if writer is not None and not writer.done():
+            writer.cancel()
+
+    def on_events(self, events) -> None:
+        now = time.monotonic()
+        for event in events:
+            queue = self._queues.get(event.request_id)
+            if queue is not None:
+                queue.put_nowait((now, event))
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()  # the writers do the work
+
+    async def _write(self, queue, future, reply_to, entry_id, seq) -> None:
+        while True:
+            produced, event = await queue.get()
+            final = isinstance(event, FinalEvent)
+            if final:
+                append = Append(reply_to, entry_id, (), (f"{seq}-1", done_fields(event, self.publisher.worker)), True)
+            else:
+                append = Append(reply_to, entry_id, (token_data(seq, event.text, event.token_ids),), None, True)
+            written, = await self.publisher.append([append])
+            if written is not True:
+                future.set_exception(LeaseLost(reply_to) if written is False else written)
+                return
+            self.observe_lag(time.monotonic() - produced)
+            if final:
+                future.set_result(Published(event, seq, None))
+                return
+            seq += 1
