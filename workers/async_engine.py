@@ -43,6 +43,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
+        self._closing = False
         self._ids = itertools.count()
 
     async def __aenter__(self) -> AsyncEngine:
@@ -50,6 +51,7 @@ class AsyncEngine:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self._closing = True  # the torch thread stops after its current step
         if self._loop_task is not None:
             self._loop_task.cancel()
             try:
@@ -119,20 +121,21 @@ class AsyncEngine:
 
     async def _step_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        running: asyncio.Future | None = None  # the step in flight on the torch thread
         while True:
-            if running is None:
-                self._wakeup.clear()
-                if not self.engine.has_unfinished():
-                    await self._wakeup.wait()
-                    continue
-                running = loop.run_in_executor(_TORCH_THREAD, self.engine.step)
-            events = await running
-            # The next step starts before this one's events are handed on, so the model
-            # never waits for them to be published.
             self._wakeup.clear()
-            running = loop.run_in_executor(_TORCH_THREAD, self.engine.step) if self.engine.has_unfinished() else None
-            self._hand_on(events)
+            if not self.engine.has_unfinished():
+                await self._wakeup.wait()
+                continue
+            await loop.run_in_executor(_TORCH_THREAD, self._step_while_busy, loop)
+
+    def _step_while_busy(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the torch thread: steps back to back while there is work, each step's events
+        sent to the event loop as they are made. The next step never waits for the loop
+        to hand the last one's events on (or for anything else the loop is doing)."""
+        while not self._closing and self.engine.has_unfinished():
+            events = self.engine.step()
+            if events:
+                loop.call_soon_threadsafe(self._hand_on, events)
 
     def _hand_on(self, events: list[Event]) -> None:
         unrouted = []
