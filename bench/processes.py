@@ -1,6 +1,7 @@
 """Real processes for the load scenarios and tests: a private `redis-server` that can be
-stopped (or killed) and started again on the same port and data, and `inflight worker`
-processes that can be killed and restarted under the same consumer name."""
+stopped (or killed) and started again on the same port and data, a private Redis Cluster
+of three masters, and `inflight worker` processes that can be killed and restarted under
+the same consumer name."""
 
 from __future__ import annotations
 
@@ -114,6 +115,73 @@ class RedisServer:
         if self.tls_ca is None:
             return connection
         return ssl.create_default_context(cafile=str(self.tls_ca)).wrap_socket(connection, server_hostname="127.0.0.1")
+
+
+class RedisClusterServers:
+    """A Redis Cluster of `masters` redis-servers of our own (no replicas, no persistence),
+    each in a folder of its own under `data_dir`, joined by `redis-cli --cluster create`.
+    `start()` returns once every node says `cluster_state:ok`; `url` is the
+    `redis+cluster://` URL of the first node (the client finds the others)."""
+
+    def __init__(self, data_dir: Path, masters: int = 3) -> None:
+        self.nodes = [RedisServer(Path(data_dir) / f"node-{i}", appendonly=False,
+                                  args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                        "--cluster-node-timeout", "5000"))
+                      for i in range(masters)]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    @property
+    def ports(self) -> list[int]:
+        return [node.port for node in self.nodes]
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        try:
+            for node in self.nodes:
+                node.start(timeout_s)
+            created = subprocess.run(
+                ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, text=True, timeout=timeout_s,
+            )
+            if created.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]}{created.stderr[-2000:]}")
+            deadline = time.monotonic() + timeout_s
+            while not all(self._state_ok(port) for port in self.ports):  # the nodes agree by gossip
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster on {self.ports} did not reach cluster_state:ok")
+                time.sleep(0.05)
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+    def __enter__(self) -> RedisClusterServers:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill()
+
+    @staticmethod
+    def _state_ok(port: int) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as connection:
+                connection.sendall(_command("CLUSTER", "INFO"))
+                reply = b""
+                while b"cluster_state:" not in reply or not reply.endswith(b"\r\n"):
+                    chunk = connection.recv(4096)
+                    if not chunk:
+                        return False
+                    reply += chunk
+                return b"cluster_state:ok" in reply
+        except OSError:
+            return False
 
 
 def _command(*parts: str) -> bytes:
