@@ -117,6 +117,20 @@ class RedisServer:
         return ssl.create_default_context(cafile=str(self.tls_ca)).wrap_socket(connection, server_hostname="127.0.0.1")
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000) exists and is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+
+
 class RedisClusterServers:
     """A Redis Cluster of `masters` redis-servers of our own (no replicas, no persistence),
     each in a folder of its own under `data_dir`, joined by `redis-cli --cluster create`.
@@ -124,7 +138,7 @@ class RedisClusterServers:
     `redis+cluster://` URL of the first node (the client finds the others)."""
 
     def __init__(self, data_dir: Path, masters: int = 3) -> None:
-        self.nodes = [RedisServer(Path(data_dir) / f"node-{i}", appendonly=False,
+        self.nodes = [RedisServer(Path(data_dir) / f"node-{i}", port=free_cluster_port(), appendonly=False,
                                   args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                         "--cluster-node-timeout", "5000"))
                       for i in range(masters)]
