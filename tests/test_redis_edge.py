@@ -229,3 +229,32 @@ def test_an_owner_key_shares_its_reply_streams_hash_slot():
         assert key_slot(owner_key(reply_to).encode()) == key_slot(reply_to.encode()), reply_to
     assert owner_key("inflight:out:{job-1}") == "inflight:out:{job-1}:owner"
     assert owner_key("inflight:out:plain") == "{inflight:out:plain}:owner"
+
+
+def test_a_dead_letter_is_written_before_its_entry_is_acked(tmp_path):
+    """On a Redis Cluster the dead-letter stream and the request stream may be on two
+    shards, so dead-lettering is two steps: if the second (XACK and XDEL) fails, here for
+    want of the XACK permission, the dead letter is already written and the entry is
+    still pending, to be dead-lettered again: a duplicate at worst, never a loss."""
+    from redis.exceptions import NoPermissionError
+
+    from bench.processes import RedisServer
+
+    names = {"stream": "inflight:test:requests", "dead": "inflight:test:dead"}
+    with RedisServer(tmp_path, appendonly=False, username="w", password="pw",
+                     args=("--user", "default", "off", "--user", "w", "on", ">pw", "~*", "&*", "+@all",
+                           "-xack")) as server:
+        async def main():
+            client = aioredis.Redis(port=server.port, username="w", password="pw", socket_timeout=30)
+            jobs = reader(client, names)
+            await jobs.ensure_group()
+            await client.xadd(names["stream"], {"prompt": "p", "colour": "blue"})
+            [entry] = await jobs.read(1, block_ms=100)
+            with pytest.raises(NoPermissionError):
+                await jobs.dead_letter(entry, "unknown_field", "colour")
+            [(_, letter)] = await client.xrange(names["dead"])
+            assert letter[b"entry_id"] == entry.entry_id.encode() and letter[b"code"] == b"unknown_field"
+            assert (await client.xpending(names["stream"], "inflight"))["pending"] == 1
+            await client.aclose()
+
+        run(main())
