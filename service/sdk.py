@@ -11,8 +11,9 @@
 Events are the reply entries' msgpack `data` maps: `{"type": "token", "seq", "text",
 "token_ids"}`, then one `{"type": "done", ...}` or `{"type": "error", "code", "message"}`.
 
-Errors: every method raises only the SDK's own exceptions, each with a one-line message
-fit to show a user (the redis-py error stays as its `__cause__`):
+Errors: every method (and, for a Redis Cluster, SyncClient's constructor, which finds
+the cluster's nodes at once) raises only the SDK's own exceptions, each with a one-line
+message fit to show a user (the redis-py error stays as its `__cause__`):
 
     InflightError          the base; also any other error Redis answers with
     ├─ ServerUnavailable   Redis cannot be reached, refused the credentials, stopped
@@ -86,11 +87,11 @@ def _replies(reply) -> Iterator[tuple[bytes, dict]]:
 
 
 class _Settings:
-    def __init__(self, connect, url: str, requests_stream: str, control_stream: str, block_ms: int,
+    def __init__(self, make_client, url: str, requests_stream: str, control_stream: str, block_ms: int,
                  reply_timeout_s: float | None) -> None:
         self.address = urlsplit(url)._replace(netloc=urlsplit(url).netloc.rpartition("@")[2]).geturl()  # no password
         with _translated(self.address):  # a blocking cluster client reaches a node as it is built
-            self.redis = connect(url, block_ms=block_ms, socket_connect_timeout=5)
+            self.redis = make_client(url, block_ms=block_ms, socket_connect_timeout=5)
         self.requests_stream = requests_stream
         self.control_stream = control_stream
         self.block_ms = block_ms

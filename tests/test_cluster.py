@@ -224,3 +224,29 @@ def test_a_killed_workers_jobs_are_taken_over_with_exact_tokens(fleet, greedy_to
     assert all(fleet.events(r)[-1]["worker"] == "b" for r in victims)
     assert fleet.client.xlen(fleet.stream) == 0 and fleet.client.xlen(fleet.dead) == 0
 
+
+
+@pytest.mark.slow
+def test_a_worker_and_the_sdk_reach_a_cluster_over_tls_as_an_acl_user(tmp_path, greedy_tokens):
+    from tests.test_redis_security import make_certificates
+
+    make_certificates(tmp_path)
+    secured = ("--tls-cert-file", str(tmp_path / "server.pem"), "--tls-key-file", str(tmp_path / "server.key"),
+               "--tls-ca-cert-file", str(tmp_path / "ca.pem"), "--tls-auth-clients", "no", "--tls-cluster", "yes",
+               "--user", "default", "off", "--user", "inflight", "on", ">s3cret", "~*", "&*", "+@all",
+               "--masteruser", "inflight", "--masterauth", "s3cret")
+    with RedisClusterServers(tmp_path / "cluster", args=secured, username="inflight", password="s3cret",
+                             tls_ca=tmp_path / "ca.pem") as cluster:
+        assert cluster.url.startswith("rediss+cluster://inflight:s3cret@")
+        fleet = Fleet(tmp_path, cluster.url)
+        try:
+            fleet.start("secure")
+            fleet.wait_until_serving("secure")
+            with SyncClient(cluster.url, requests_stream=fleet.stream) as client:
+                events = list(client.generate(PROMPT, max_tokens=8))
+            assert [t for e in events[:-1] for t in e["token_ids"]] == greedy_tokens[:8]
+            with pytest.raises(ServerUnavailable, match="refused the credentials"):
+                SyncClient(cluster.url.replace("s3cret", "not-the-password"))
+            assert "s3cret" not in fleet.log("secure") and "rediss+cluster://inflight:***@" in fleet.log("secure")
+        finally:
+            fleet.close()
