@@ -30,13 +30,17 @@ class Fleet:
         self.client = connect_sync(url, socket_timeout=30)
         self.logs = Path(log_dir)
         self.workers: dict[str, WorkerProcess] = {}
-        self.request_ids: list[str] = []
+        self.request_ids: list[str] = []  # submitted: deleted at the end
+        self._issued = 0
 
     def start(self, name: str) -> WorkerProcess:
         worker = self.workers.get(name) or WorkerProcess(name, [
             "--redis-url", self.url, "--requests-stream", self.stream, "--dead-letter-stream", self.dead,
             "--control-stream", self.control, "--kv-memory-mb", "64", "--swap-memory-mb", "16",
-            "--max-running-requests", "4", "--log-format", "json"], self.logs)
+            "--max-running-requests", "4", "--log-format", "json",
+            # Workers share the machine's cores: one torch thread each, or their OpenMP
+            # teams outnumber the cores and every step slows down many times over.
+            "--threads", "1"], self.logs)
         self.workers[name] = worker
         worker.start()
         return worker
@@ -73,8 +77,9 @@ class Fleet:
         return ids
 
     def new_ids(self, count: int) -> list[str]:
-        start = len(self.request_ids)
-        return [f"{self.prefix}-{i}" for i in range(start, start + count)]
+        """Request ids never handed out before by this fleet."""
+        self._issued += count
+        return [f"{self.prefix}-{i}" for i in range(self._issued - count, self._issued)]
 
     def close(self) -> None:
         for worker in self.workers.values():
