@@ -171,6 +171,9 @@ def test_a_bad_job_is_dead_lettered_with_its_code(fleet):
     assert (error["type"], error["code"]) == ("error", "unknown_field")
     wait_until(lambda: fleet.client.xlen(fleet.stream) == 0, 30, "the bad entry acked and deleted")
     assert all(fleet.workers[name].alive() for name in ("a", "b"))
+    # The workers' ingest poll (XINFO GROUPS, XPENDING and XLEN, on two shards) sees it.
+    wait_until(lambda: fleet.workers["a"].metrics().get(("inflight_dead_letter_stream_entries", ()), 0) >= 1, 30,
+               "worker a's dead-letter gauge to count it")
 
 
 @pytest.mark.slow
