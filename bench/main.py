@@ -2,8 +2,11 @@
 
 `--scenario` picks what is measured: `throughput` (the default, below), one of the
 scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `redis` (the Redis
-edge against in-process), `edge` (the Redis edge alone at GPU token rates), or `soak` (minutes of mixed traffic on two worker processes,
-with a Redis restart and a worker killed), each described in its own module (they run
+edge against in-process), `edge` (the Redis edge alone at GPU token rates, a stub engine
+behind the real worker), `soak` (minutes of mixed traffic on two worker processes, with a
+Redis restart and a worker killed), or `intake` (the request-stream commands of each job
+against one redis-server: what one Redis Cluster shard can take in), each described in
+its own module (they run
 in this process and compare the engine with itself).
 
 For `throughput`, the parent process only orchestrates: each system runs in its own child process
@@ -32,13 +35,13 @@ from pathlib import Path
 from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
-SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "edge", "soak")
+SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "edge", "soak", "intake")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench import edge, priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, intake, priority, scheduler_cost, soak, storm, swap, through_redis
 
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
@@ -56,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
-    for scenario in (storm, priority, swap, scheduler_cost, through_redis, edge, soak):
+    for scenario in (storm, priority, swap, scheduler_cost, through_redis, edge, soak, intake):
         scenario.add_arguments(parser)
 
 
@@ -126,7 +129,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from bench import edge, priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, intake, priority, scheduler_cost, soak, storm, swap, through_redis
     from bench.report import write_json
 
     load_before = os.getloadavg()[0]
@@ -139,6 +142,8 @@ def run_scenario(args: argparse.Namespace) -> dict:
         figures = edge.run(args)  # a stub engine: no model
     elif args.scenario == "soak":
         figures = soak.run(args)  # worker processes load the model
+    elif args.scenario == "intake":
+        figures = intake.run(args)  # no model: Redis only
     else:
         from workers.config import ModelConfig
         from bench.workload import allowed_token_ids, special_token_ids

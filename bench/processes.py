@@ -1,6 +1,7 @@
 """Real processes for the load scenarios and tests: a private `redis-server` that can be
-stopped (or killed) and started again on the same port and data, and `inflight worker`
-processes that can be killed and restarted under the same consumer name."""
+stopped (or killed) and started again on the same port and data, a private Redis Cluster
+of three masters, and `inflight worker` processes that can be killed and restarted under
+the same consumer name."""
 
 from __future__ import annotations
 
@@ -109,11 +110,108 @@ class RedisServer:
             return False
 
 
+    def info(self, *command: str) -> bytes:
+        """The raw reply to one command whose answer is a bulk string (INFO, CLUSTER INFO),
+        logged in as the readiness check is."""
+        login = () if self.password is None else (_command("AUTH", self.username or "default", self.password),)
+        with self._connect() as connection:
+            connection.sendall(b"".join(login) + _command(*command))
+            reply = b""
+            while True:
+                lines = reply.split(b"\r\n")
+                answer = lines[len(login):]
+                if len(answer) >= 2 and answer[0].startswith(b"$") and len(b"\r\n".join(answer[1:])) >= int(answer[0][1:]):
+                    return b"\r\n".join(answer[1:])
+                if answer and answer[0].startswith(b"-"):
+                    return answer[0]
+                chunk = connection.recv(4096)
+                if not chunk:
+                    return reply
+                reply += chunk
+
     def _connect(self) -> socket.socket:
         connection = socket.create_connection(("127.0.0.1", self.port), timeout=1)
         if self.tls_ca is None:
             return connection
         return ssl.create_default_context(cafile=str(self.tls_ca)).wrap_socket(connection, server_hostname="127.0.0.1")
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000) exists and is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+
+
+class RedisClusterServers:
+    """A Redis Cluster of `masters` redis-servers of our own (no replicas, no persistence),
+    each in a folder of its own under `data_dir`, joined by `redis-cli --cluster create`.
+    `start()` returns once every node says `cluster_state:ok`; `url` is the
+    `redis+cluster://` URL of the first node (the client finds the others)."""
+
+    def __init__(self, data_dir: Path, masters: int = 3, args: tuple[str, ...] = (), username: str | None = None,
+                 password: str | None = None, tls_ca: Path | None = None) -> None:
+        cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")
+        self.nodes = [RedisServer(Path(data_dir) / f"node-{i}", port=free_cluster_port(), appendonly=False,
+                                  args=(*cluster, *args), username=username, password=password, tls_ca=tls_ca)
+                      for i in range(masters)]
+        self.username, self.password, self.tls_ca = username, password, tls_ca
+
+    @property
+    def url(self) -> str:
+        """The first node's URL as `redis+cluster://` (`rediss+cluster://` over TLS)."""
+        return self.nodes[0].url.replace("redis://", "redis+cluster://").replace("rediss://", "rediss+cluster://")
+
+    @property
+    def ports(self) -> list[int]:
+        return [node.port for node in self.nodes]
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        try:
+            for node in self.nodes:
+                node.start(timeout_s)
+            login = [] if self.password is None else ["--user", self.username or "default", "--pass", self.password]
+            tls = [] if self.tls_ca is None else ["--tls", "--cacert", str(self.tls_ca)]
+            created = subprocess.run(
+                ["redis-cli", *login, *tls, "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, text=True, timeout=timeout_s,
+            )
+            if created.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]}{created.stderr[-2000:]}")
+            deadline = time.monotonic() + timeout_s
+            while not all(self._state_ok(node) for node in self.nodes):  # the nodes agree by gossip
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster on {self.ports} did not reach cluster_state:ok")
+                time.sleep(0.05)
+        except BaseException:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        for node in self.nodes:
+            node.kill()
+
+    def __enter__(self) -> RedisClusterServers:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill()
+
+    @staticmethod
+    def _state_ok(node: RedisServer) -> bool:
+        try:
+            return b"cluster_state:ok" in node.info("CLUSTER", "INFO")
+        except OSError:
+            return False
 
 
 def _command(*parts: str) -> bytes:

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from service.config import RedisConfig
+from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
 from bench.metrics import percentile
@@ -103,7 +103,7 @@ async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
     await asyncio.to_thread(server.start)
     argv = _worker_argv(server.url, args)
     workers = [WorkerProcess(name, argv, tmp) for name in ("w1", "w2")]
-    client = aioredis.Redis.from_url(server.url, socket_timeout=10)
+    client = connect(server.url, socket_timeout=10)
     try:
         for worker in workers:
             worker.start()

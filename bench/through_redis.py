@@ -32,9 +32,9 @@ import uuid
 from pathlib import Path
 
 import msgpack
-import redis.asyncio as aioredis
 
 from service.config import RedisConfig
+from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
 from workers.config import EngineConfig, ModelConfig
@@ -82,7 +82,7 @@ async def _run(args: argparse.Namespace) -> dict:
                      for _ in range(args.ttft_pairs)]
 
     with _redis_server(args.redis_url) as url:
-        client = aioredis.Redis.from_url(url, socket_timeout=30)
+        client = connect(url, socket_timeout=30)
         run_id = uuid.uuid4().hex[:8]  # request ids are unique while their reply streams live
         prefix = f"inflight:bench:{run_id}"
         worker = _start_worker(url, prefix, args)

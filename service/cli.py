@@ -174,10 +174,10 @@ async def _worker(args: argparse.Namespace) -> int:
 
 
 async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
-    import redis.asyncio as aioredis
     import structlog
     from redis.exceptions import AuthenticationError
 
+    from service.connect import connect
     from service.metrics import Metrics, start_metrics_server
     from service.structured_logging import configure_logging
     from service.worker import Worker
@@ -198,8 +198,7 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     engine = await on_torch_thread(Engine.from_config, engine_config)  # where it will step
     if stop.is_set():  # told to stop while loading
         return 0
-    # The socket timeout must outlast a blocking read (redis-py's default of 5 s would not).
-    client = aioredis.Redis.from_url(config.url, socket_timeout=config.block_ms / 1000 + 10)
+    client = connect(config.url, block_ms=config.block_ms)  # a cluster client for a redis+cluster:// URL
     log.info("worker_started", consumer=config.consumer, stream=config.requests_stream, redis=_redacted(config.url),
              embedded=embedded, metrics_port=metrics_config.port or None, kv_blocks=engine.allocator.num_blocks)
     if embedded:

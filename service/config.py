@@ -18,8 +18,9 @@ from workers.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, Sched
 class RedisConfig:
     # The server jobs and replies go through: $REDIS_URL, e.g. redis://127.0.0.1:6379,
     # redis://user:password@host:6379/0 (AUTH/ACL) or
-    # rediss://host:6380?ssl_ca_certs=/path/ca.pem (TLS). Empty: an embedded Valkey
-    # server (service/embedded.py) on 127.0.0.1:embedded_port.
+    # rediss://host:6380?ssl_ca_certs=/path/ca.pem (TLS), or a Redis Cluster through one
+    # of its nodes, redis+cluster://host:7000 (service/connect.py). Empty: an embedded
+    # Valkey server (service/embedded.py) on 127.0.0.1:embedded_port.
     url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", ""))
     embedded_port: int = 6399
     # Where the embedded server keeps its append-only file (queued jobs survive restarts).

@@ -14,7 +14,14 @@ Queue semantics:
   workers get the rest;
 - an entry is acked and deleted in one transaction once its final event is published
   (Redis keeps no finished prompt); an entry that cannot be served goes to the capped
-  dead-letter stream with its error, and is acked and deleted there.
+  dead-letter stream with its error, and is then acked and deleted. Those are two steps:
+  on a Redis Cluster the two streams may live on different shards, where no transaction
+  spans them. The dead letter is written first, so a crash between the steps leaves the
+  entry pending, to be dead-lettered again: at worst a duplicate dead letter, never a
+  lost one.
+
+Every command names one key (or keys of one hash slot), so it all works the same on a
+Redis Cluster, where the request stream is one key on one shard.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ class Entry:
 
 class JobReader:
     def __init__(self, redis, config: RedisConfig) -> None:
-        self.redis = redis  # a redis.asyncio.Redis whose socket timeout exceeds any BLOCK
+        self.redis = redis  # a redis.asyncio Redis or RedisCluster whose socket timeout exceeds any BLOCK
         self.stream = config.requests_stream
         self.group = config.group
         self.consumer = config.consumer
@@ -131,15 +138,13 @@ class JobReader:
             await pipe.execute()
 
     async def dead_letter(self, entry: Entry, code: str, message: str) -> None:
-        """Park the entry, with why, on the dead-letter stream; ack and delete it here."""
+        """Park the entry, with why, on the dead-letter stream; then ack and delete it here
+        (two steps: see the module docstring)."""
         record = {"entry_id": entry.entry_id, "stream": self.stream, "code": code, "message": message,
                   "deliveries": str(entry.deliveries), "consumer": self.consumer}
         record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.dead_letter_stream, record, maxlen=self.dead_letter_max_len, approximate=True)
-            pipe.xack(self.stream, self.group, entry.entry_id)
-            pipe.xdel(self.stream, entry.entry_id)
-            await pipe.execute()
+        await self.redis.xadd(self.dead_letter_stream, record, maxlen=self.dead_letter_max_len, approximate=True)
+        await self.ack(entry.entry_id)
 
     async def _read_group(self, start: str, count: int, block_ms: int | None) -> list[tuple[str, dict]]:
         try:

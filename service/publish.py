@@ -37,6 +37,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from service.protocol import done_fields, error_fields, hash_tag
+from service.retry import is_transient
 from workers.request import FinalEvent
 
 # KEYS: reply stream, owner key. ARGV: the job's entry id, the owner value, TTL seconds.
@@ -167,10 +168,13 @@ class ReplyPublisher:
         calls = self._calls(appends)
         replies = await self._append_pipelined(calls, appends)
         if any(isinstance(reply, NoScriptError) for reply in replies):
-            # First use, or the server restarted and forgot it: EVALSHA in a pipeline
-            # does not load its script.
+            # First use, or a server (a cluster node) restarted and forgot it: EVALSHA in a
+            # pipeline does not load its script. SCRIPT LOAD reaches every cluster master.
             await self.redis.script_load(FENCED_APPEND)
             replies = await self._append_pipelined(calls, appends)
+        for reply in replies:
+            if isinstance(reply, RedisError) and is_transient(reply):
+                raise reply  # a node away: the caller retries the whole append
         results: dict[int, bool | RedisError] = {}
         for call, reply in zip(calls, replies):
             if isinstance(reply, RedisError):  # the whole call failed, e.g. OOM
@@ -202,7 +206,9 @@ class ReplyPublisher:
                     specs.append((self.owner(append.entry_id), self.ttl_s if append.refresh_ttl else 0,
                                   append.tokens, event_id, [part for pair in fields.items() for part in pair]))
                 # The old msgpack format (no bin, no str8), the one Redis's Lua cmsgpack reads.
-                pipe.evalsha(self._append_sha, len(keys), *keys, msgpack.packb(specs, use_bin_type=False))
+                # execute_command: a cluster pipeline refuses pipe.evalsha, and routes this by its keys.
+                pipe.execute_command("EVALSHA", self._append_sha, len(keys), *keys,
+                                     msgpack.packb(specs, use_bin_type=False))
             return await pipe.execute(raise_on_error=False)
 
     async def done(self, reply_to: str, entry_id: str, event: FinalEvent, num_tokens: int) -> None:

@@ -1,8 +1,9 @@
 """The one retry policy for every Redis call the worker makes.
 
 - Redis away (connection refused or dropped, a timeout, a server still loading its data
-  after a restart, a replica promoted mid-failover): waited out with backoff, logged once
-  per outage, and once more when Redis is back.
+  after a restart, a replica promoted mid-failover, a Redis Cluster that is down or
+  re-forming): waited out with backoff, logged once per outage, and once more when Redis
+  is back.
 - Wrong credentials and missing ACL permissions: never retried; time does not fix them.
 - Any other error reply (WRONGTYPE, OOM, a script error): raised to the caller, which
   fails the one request it concerns.
@@ -19,6 +20,7 @@ from typing import TypeVar
 import structlog
 from redis.exceptions import (
     AuthenticationError,
+    ClusterDownError,
     ConnectionError,
     NoPermissionError,
     ReadOnlyError,
@@ -35,7 +37,7 @@ FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 2.0
 # Errors that mean "Redis is away for now". AuthenticationError is a ConnectionError in
 # redis-py, so it is excluded explicitly below.
-TRANSIENT = (ConnectionError, TimeoutError, ReadOnlyError, TryAgainError)
+TRANSIENT = (ConnectionError, TimeoutError, ReadOnlyError, TryAgainError, ClusterDownError)
 FATAL = (AuthenticationError, NoPermissionError)
 
 

@@ -1,6 +1,6 @@
 """The Python producer SDK: submit jobs, read their events, cancel them (docs/protocol.md).
 
-    client = Client("redis://127.0.0.1:6379")                 # asyncio
+    client = Client("redis://127.0.0.1:6379")                 # asyncio; redis+cluster://host:port for a cluster
     async for event in client.generate("Hello", max_tokens=16):
         print(event["text"], end="")
 
@@ -11,8 +11,9 @@
 Events are the reply entries' msgpack `data` maps: `{"type": "token", "seq", "text",
 "token_ids"}`, then one `{"type": "done", ...}` or `{"type": "error", "code", "message"}`.
 
-Errors: every method raises only the SDK's own exceptions, each with a one-line message
-fit to show a user (the redis-py error stays as its `__cause__`):
+Errors: every method (and, for a Redis Cluster, SyncClient's constructor, which finds
+the cluster's nodes at once) raises only the SDK's own exceptions, each with a one-line
+message fit to show a user (the redis-py error stays as its `__cause__`):
 
     InflightError          the base; also any other error Redis answers with
     ├─ ServerUnavailable   Redis cannot be reached, refused the credentials, stopped
@@ -32,8 +33,9 @@ from urllib.parse import urlsplit
 
 import msgpack
 import redis
-import redis.asyncio as aioredis
+from redis.exceptions import RedisClusterException
 
+from service.connect import as_redis_error, connect, connect_sync
 from service.protocol import CONTROL_STREAM, REQUESTS_STREAM, reply_stream
 
 FINAL_TYPES = ("done", "error")
@@ -56,7 +58,10 @@ class ReplyTimeout(InflightError):
 def _translated(address: str) -> Iterator[None]:
     """redis-py's errors as the SDK's, with a message that names the server."""
     try:
-        yield
+        try:
+            yield
+        except RedisClusterException as error:  # a cluster client's own; the redis-py error behind it
+            raise as_redis_error(error) from error
     except redis.AuthenticationError as error:
         raise ServerUnavailable(f"Redis at {address} refused the credentials: {error}") from error
     except (redis.ConnectionError, redis.TimeoutError) as error:
@@ -82,12 +87,11 @@ def _replies(reply) -> Iterator[tuple[bytes, dict]]:
 
 
 class _Settings:
-    def __init__(self, redis_class, url: str, requests_stream: str, control_stream: str, block_ms: int,
+    def __init__(self, make_client, url: str, requests_stream: str, control_stream: str, block_ms: int,
                  reply_timeout_s: float | None) -> None:
-        # The socket timeout outlasts a blocking read, and no more: a server that stops
-        # answering is noticed within seconds.
-        self.redis = redis_class.from_url(url, socket_timeout=block_ms / 1000 + 10, socket_connect_timeout=5)
         self.address = urlsplit(url)._replace(netloc=urlsplit(url).netloc.rpartition("@")[2]).geturl()  # no password
+        with _translated(self.address):  # a blocking cluster client reaches a node as it is built
+            self.redis = make_client(url, block_ms=block_ms, socket_connect_timeout=5)
         self.requests_stream = requests_stream
         self.control_stream = control_stream
         self.block_ms = block_ms
@@ -122,7 +126,7 @@ class Client(_Settings):
     def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
                  control_stream: str = CONTROL_STREAM, block_ms: int = 1000,
                  reply_timeout_s: float | None = REPLY_TIMEOUT_S) -> None:
-        super().__init__(aioredis.Redis, url, requests_stream, control_stream, block_ms, reply_timeout_s)
+        super().__init__(connect, url, requests_stream, control_stream, block_ms, reply_timeout_s)
 
     async def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      request_id: str | None = None, **options) -> str:
@@ -170,7 +174,7 @@ class SyncClient(_Settings):
     def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
                  control_stream: str = CONTROL_STREAM, block_ms: int = 1000,
                  reply_timeout_s: float | None = REPLY_TIMEOUT_S) -> None:
-        super().__init__(redis.Redis, url, requests_stream, control_stream, block_ms, reply_timeout_s)
+        super().__init__(connect_sync, url, requests_stream, control_stream, block_ms, reply_timeout_s)
 
     def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                request_id: str | None = None, **options) -> str:

@@ -74,3 +74,11 @@ def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = 
     driver.drain(arrivals, max_steps)
     return {request_id: (driver.tokens.get(request_id, []), final, driver.texts.get(request_id, ""))
             for request_id, final in driver.finals.items()}
+
+
+@pytest.fixture(scope="session")
+def greedy_tokens(smollm2) -> list[int]:
+    """The fleet job's greedy tokens (tests/fleet.py), from one uninterrupted run."""
+    from tests.fleet import greedy_reference
+
+    return greedy_reference(smollm2)

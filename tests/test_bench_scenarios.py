@@ -112,3 +112,11 @@ def test_soak_scenario_short_loses_nothing_through_a_redis_restart_and_a_worker_
     assert soak["redis_restart"]["down_s"] is not None and soak["kill"]["streams"] > 0
     assert soak["kill"]["not_resumed"] == 0
     assert soak["malformed"]["without_dead_letter"] == 0
+
+
+def test_intake_scenario_reports_what_one_redis_shard_takes_in(tmp_path):
+    report = bench(tmp_path, "--scenario", "intake", "--intake-jobs", "1000", "--intake-renewals", "2")
+    intake = report["intake"]
+    assert intake["jobs"] == 1000 and intake["renewals_per_job"] == 2
+    assert finite_positive(intake["jobs_per_s"]) and finite_positive(intake["redis_cpu_us_per_job"])
+    assert intake["shard_jobs_per_s_at_one_core"] == pytest.approx(1e6 / intake["redis_cpu_us_per_job"])

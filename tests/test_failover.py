@@ -5,104 +5,25 @@ and one final event."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
-import uuid
 
-import msgpack
 import pytest
-import redis
 
-from tests.conftest import run_to_completion
-from workers.request import SamplingParams
+from tests.fleet import Fleet, assert_well_formed
 
 pytestmark = pytest.mark.slow
-
-PROMPT = "List the numbers from 1 to 300, comma separated:"
-MAX_TOKENS = 80
-
-
-class Fleet:
-    """Worker processes on private streams of the shared Redis."""
-
-    def __init__(self, tmp_path) -> None:
-        self.prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-        self.stream, self.dead = f"{self.prefix}:requests", f"{self.prefix}:dead"
-        self.control = f"{self.prefix}:control"
-        self.client = redis.Redis(host="127.0.0.1", port=6379)
-        self.logs = tmp_path
-        self.workers: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str) -> subprocess.Popen:
-        self.workers[name] = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379",
-             "--requests-stream", self.stream, "--dead-letter-stream", self.dead, "--control-stream", self.control,
-             "--consumer", name, "--kv-memory-mb", "64", "--swap-memory-mb", "16", "--max-running-requests", "4",
-             "--metrics-port", "0", "--log-format", "json"],
-            stdout=open(self.logs / f"{name}.log", "w"), stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        return self.workers[name]
-
-    def wait_until_serving(self, name: str, timeout_s: float = 120) -> None:
-        deadline = time.time() + timeout_s
-        while "worker_started" not in (self.logs / f"{name}.log").read_text():
-            assert time.time() < deadline and self.workers[name].poll() is None, self.log(name)
-            time.sleep(0.1)
-
-    def log(self, name: str) -> str:
-        return (self.logs / f"{name}.log").read_text()
-
-    def reply(self, request_id: str) -> str:
-        return f"inflight:out:{{{request_id}}}"
-
-    def owner(self, request_id: str) -> str | None:
-        value = self.client.get(f"{self.reply(request_id)}:owner")
-        return value.decode().split()[1] if value else None
-
-    def events(self, request_id: str) -> list[dict]:
-        return [msgpack.unpackb(fields[b"data"]) for _, fields in self.client.xrange(self.reply(request_id))]
-
-    def close(self, request_ids) -> None:
-        for worker in self.workers.values():
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGCONT)
-                worker.kill()
-            worker.wait()
-        self.client.delete(self.stream, self.dead, self.control, *(self.reply(r) for r in request_ids),
-                           *(f"{self.reply(r)}:owner" for r in request_ids))
-        self.client.close()
 
 
 @pytest.fixture
 def fleet(tmp_path):
     fleet = Fleet(tmp_path)
-    ids: list[str] = []
-    fleet.request_ids = ids
     yield fleet
-    fleet.close(ids)
-
-
-@pytest.fixture(scope="module")
-def greedy_tokens(smollm2):
-    from workers.config import CacheConfig, EngineConfig, ModelConfig
-    from workers.engine import Engine
-
-    engine = Engine(smollm2, EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_memory_bytes=64 << 20)))
-    results = run_to_completion(engine, {0: [("ref", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]})
-    return results["ref"][0]
+    fleet.close()
 
 
 def submit(fleet: Fleet, count: int) -> list[str]:
-    ids = [f"{fleet.prefix}-{i}" for i in range(count)]
-    fleet.request_ids.extend(ids)
-    for request_id in ids:
-        fleet.client.xadd(fleet.stream, {"id": request_id, "prompt": PROMPT, "max_tokens": str(MAX_TOKENS),
-                                         "ignore_eos": "true"})
-    return ids
+    return fleet.submit(fleet.new_ids(count))
 
 
 def wait_for(condition, timeout_s: float = 120, poll_s: float = 0.02):
@@ -110,14 +31,6 @@ def wait_for(condition, timeout_s: float = 120, poll_s: float = 0.02):
     while not condition():
         assert time.time() < deadline, "timed out"
         time.sleep(poll_s)
-
-
-def assert_well_formed(events: list[dict], greedy: list[int]) -> None:
-    tokens = [e for e in events if e["type"] == "token"]
-    assert [e["seq"] for e in tokens] == list(range(len(tokens)))  # every seq once, in order
-    assert [t for e in tokens for t in e["token_ids"]] == greedy  # as if never interrupted
-    assert [e["type"] for e in events[len(tokens):]] == ["done"]
-    assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
 
 
 def test_a_killed_workers_jobs_resume_on_the_live_worker_within_seconds(fleet, greedy_tokens):
@@ -130,7 +43,7 @@ def test_a_killed_workers_jobs_resume_on_the_live_worker_within_seconds(fleet, g
     victims = [r for r in ids if fleet.owner(r) == "a"]
     assert victims, "both workers should hold jobs"
     published = {r: fleet.client.xlen(fleet.reply(r)) for r in victims}
-    fleet.workers["a"].send_signal(signal.SIGKILL)
+    fleet.workers["a"].process.send_signal(signal.SIGKILL)
     killed = time.time()
     resumed = {}
     while len(resumed) < len(victims):
@@ -154,14 +67,14 @@ def test_a_paused_worker_that_lost_its_job_stops_writing_when_it_wakes(fleet, gr
     fleet.wait_until_serving("a")
     [request_id] = submit(fleet, 1)
     wait_for(lambda: fleet.client.xlen(fleet.reply(request_id)) >= 3)
-    fleet.workers["a"].send_signal(signal.SIGSTOP)  # paused mid-stream, not dead
+    fleet.workers["a"].process.send_signal(signal.SIGSTOP)  # paused mid-stream, not dead
     fleet.start("b")
     wait_for(lambda: fleet.owner(request_id) == "b", timeout_s=120)
     wait_for(lambda: fleet.client.xlen(fleet.reply(request_id)) >= 20)
-    fleet.workers["a"].send_signal(signal.SIGCONT)  # it wakes up believing it still serves the job
+    fleet.workers["a"].process.send_signal(signal.SIGCONT)  # it wakes up believing it still serves the job
     wait_for(lambda: fleet.events(request_id)[-1]["type"] == "done")
     time.sleep(1.0)  # anything a still wrote would be there by now
     assert_well_formed(fleet.events(request_id), greedy_tokens)
     assert fleet.events(request_id)[-1]["worker"] == "b"
     wait_for(lambda: "lease_lost" in fleet.log("a"), timeout_s=10)
-    assert fleet.workers["a"].poll() is None  # it goes on serving other jobs
+    assert fleet.workers["a"].process.poll() is None  # it goes on serving other jobs

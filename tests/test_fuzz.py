@@ -21,8 +21,8 @@ from collections import Counter
 
 import msgpack
 import pytest
-import redis
 
+from service.connect import connect_sync
 from service.protocol import decode_job
 from bench.processes import RedisServer, WorkerProcess
 
@@ -149,7 +149,7 @@ def test_random_entries_each_get_a_dead_letter_while_good_jobs_complete_and_the_
     server.start()
     worker = WorkerProcess("fuzz", ["--redis-url", server.url, "--kv-memory-mb", "64", "--swap-memory-mb", "0",
                                     "--max-running-requests", "8"], tmp_path)
-    client = redis.Redis.from_url(server.url, socket_timeout=30)
+    client = connect_sync(server.url, socket_timeout=30)
     try:
         client.set(WRONG_TYPE_KEY, "a string")
         worker.start()

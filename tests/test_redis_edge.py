@@ -255,3 +255,32 @@ def test_the_write_script_gives_token_entries_exactly_the_fields_the_protocol_de
         want = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in token_fields(seq, text, token_ids).items()}
         assert entry_id == f"{seq + 1}-0".encode() and fields == want
         assert list(fields) == list(want)  # in the same order too
+
+
+def test_a_dead_letter_is_written_before_its_entry_is_acked(tmp_path):
+    """On a Redis Cluster the dead-letter stream and the request stream may be on two
+    shards, so dead-lettering is two steps: if the second (XACK and XDEL) fails, here for
+    want of the XACK permission, the dead letter is already written and the entry is
+    still pending, to be dead-lettered again: a duplicate at worst, never a loss."""
+    from redis.exceptions import NoPermissionError
+
+    from bench.processes import RedisServer
+
+    names = {"stream": "inflight:test:requests", "dead": "inflight:test:dead"}
+    with RedisServer(tmp_path, appendonly=False, username="w", password="pw",
+                     args=("--user", "default", "off", "--user", "w", "on", ">pw", "~*", "&*", "+@all",
+                           "-xack")) as server:
+        async def main():
+            client = aioredis.Redis(port=server.port, username="w", password="pw", socket_timeout=30)
+            jobs = reader(client, names)
+            await jobs.ensure_group()
+            await client.xadd(names["stream"], {"prompt": "p", "colour": "blue"})
+            [entry] = await jobs.read(1, block_ms=100)
+            with pytest.raises(NoPermissionError):
+                await jobs.dead_letter(entry, "unknown_field", "colour")
+            [(_, letter)] = await client.xrange(names["dead"])
+            assert letter[b"entry_id"] == entry.entry_id.encode() and letter[b"code"] == b"unknown_field"
+            assert (await client.xpending(names["stream"], "inflight"))["pending"] == 1
+            await client.aclose()
+
+        run(main())

@@ -1,0 +1,117 @@
+"""`inflight bench --scenario intake`: how many jobs per second one Redis shard can take in.
+
+The request stream, the control stream and the dead-letter stream are one key each, so on
+a Redis Cluster all job intake goes through the shard that holds them (reply streams
+spread over the others). This scenario issues, against a private `redis-server`, the
+request-stream commands of each job and nothing else (no model, no reply streams):
+
+- the producer's XADD (a chat job of about 200 bytes);
+- the worker's reads through the real `JobReader`: XREADGROUP of up to `--intake-batch`
+  entries, with the XAUTOCLAIM look for expired leases before each, and the XRANGE of the
+  control stream that follows every non-empty read;
+- `--intake-renewals` lease renewals (the RENEW script over the entries held; a job is
+  renewed every `claim_idle_ms / 4`, 0.5 s by default, while it runs);
+- the ack: XACK and XDEL in one transaction.
+
+Producers and workers run as asyncio tasks with connections of their own. The Python
+client is usually the bottleneck, not Redis, so the figure that sizes a shard is Redis's
+own CPU time per job (utime + stime of the server process, from /proc): one core's worth
+of it, `1 / cpu_per_job`, is what the shard can take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+
+from bench.processes import RedisServer
+from service.config import RedisConfig
+from service.connect import connect
+from service.ingest import JobReader
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("intake scenario")
+    group.add_argument("--intake-jobs", type=int, default=20000, help="jobs to take in (default: %(default)s)")
+    group.add_argument("--intake-producers", type=int, default=4, help="producer tasks (default: %(default)s)")
+    group.add_argument("--intake-workers", type=int, default=4, help="worker readers (default: %(default)s)")
+    group.add_argument("--intake-batch", type=int, default=8,
+                       help="entries one worker read asks for (default: %(default)s)")
+    group.add_argument("--intake-renewals", type=int, default=4,
+                       help="lease renewals per job: its run time / 0.5 s (default: %(default)s)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import uvloop
+
+    with tempfile.TemporaryDirectory(prefix="inflight-intake-") as tmp:
+        with RedisServer(Path(tmp), appendonly=False) as server:
+            return uvloop.run(_run(args, server))
+
+
+async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
+    prefix = f"inflight:bench:intake:{uuid.uuid4().hex[:8]}"
+    config = RedisConfig(url=server.url, requests_stream=f"{prefix}:requests", control_stream=f"{prefix}:control",
+                         dead_letter_stream=f"{prefix}:dead")
+    producers = [connect(server.url, socket_timeout=30) for _ in range(args.intake_producers)]
+    readers = []
+    for i in range(args.intake_workers):
+        client = connect(server.url, block_ms=config.block_ms)
+        readers.append(JobReader(client, dataclasses.replace(config, consumer=f"w{i}")))
+    await readers[0].ensure_group()
+    await producers[0].xadd(config.control_stream, {"type": "cancel", "id": "none"})  # a control stream to read
+    job = {"payload": msgpack.packb({"id": "", "messages": [{"role": "user", "content": "x" * 160}],
+                                     "max_tokens": 64})}
+    left = {"produce": args.intake_jobs, "ack": args.intake_jobs}
+
+    async def produce(client) -> None:
+        while left["produce"] > 0:
+            left["produce"] -= 1
+            await client.xadd(config.requests_stream, {**job, "id": uuid.uuid4().hex})
+
+    async def work(reader: JobReader) -> None:
+        while left["ack"] > 0:
+            entries = await reader.read(args.intake_batch, 100)
+            if not entries:
+                continue
+            await reader.redis.xrange(config.control_stream, min="(0-1")  # the worker's catch-up on cancels
+            ids = [entry.entry_id for entry in entries]
+            for _ in range(args.intake_renewals):
+                await reader.renew(ids)
+            for entry_id in ids:
+                await reader.ack(entry_id)
+            left["ack"] -= len(ids)
+
+    cpu_before = _cpu_s(server.process.pid)
+    started = time.perf_counter()
+    await asyncio.gather(*(produce(client) for client in producers), *(work(reader) for reader in readers))
+    elapsed = time.perf_counter() - started
+    cpu = _cpu_s(server.process.pid) - cpu_before
+    for client in [*producers, *(reader.redis for reader in readers)]:
+        await client.aclose()
+    cpu_per_job = cpu / args.intake_jobs
+    return {
+        "jobs": args.intake_jobs,
+        "elapsed_s": elapsed,
+        "jobs_per_s": args.intake_jobs / elapsed,
+        "redis_cpu_s": cpu,
+        "redis_cpu_busy": cpu / elapsed,  # of one core
+        "redis_cpu_us_per_job": cpu_per_job * 1e6,
+        "shard_jobs_per_s_at_one_core": 1 / cpu_per_job if cpu_per_job else float("inf"),
+        "batch": args.intake_batch,
+        "renewals_per_job": args.intake_renewals,
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    """User plus system CPU seconds of a process, from /proc/<pid>/stat."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

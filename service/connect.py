@@ -1,0 +1,94 @@
+"""The one place a Redis URL becomes a client (README, "Connecting to Redis").
+
+    redis://host:6379/0, rediss://...          one server: redis.Redis
+    redis+cluster://host:7000, rediss+cluster://...
+                                               a Redis Cluster, found from that seed node:
+                                               redis-py's RedisCluster, which routes each
+                                               command to the shard holding its key
+
+Everything else in the URL (user, password, `ssl_ca_certs` and the other query options)
+means what it means for one server, and applies to every node of a cluster.
+
+`block_ms` is the longest BLOCK the client will be used for: its socket timeout then
+outlasts that (redis-py's default of 5 s would cut a blocking read short), and no more,
+so a server that stops answering is noticed within seconds.
+
+A cluster client that cannot reach any seed node, or finds slots uncovered, raises the
+underlying redis-py error (ConnectionError, AuthenticationError, ClusterDownError)
+rather than redis-py's RedisClusterException, so the retry policy (`service/retry.py`)
+and the SDK's error translation treat a cluster as they treat one server.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.cluster
+import redis.cluster
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, ResponseError
+
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+# How much longer than its longest BLOCK a blocking reader's socket waits for a reply.
+BLOCK_MARGIN_S = 10.0
+
+
+def is_cluster(url: str) -> bool:
+    return urlsplit(url).scheme.lower() in CLUSTER_SCHEMES
+
+
+def connect(url: str, *, block_ms: int | None = None, **kwargs):
+    """An asyncio client for `url`: `redis.asyncio.Redis`, or a `RedisCluster`."""
+    kwargs = _with_timeout(block_ms, kwargs)
+    if is_cluster(url):
+        # Unbounded per node, as a single server's pool is: the asyncio cluster client's
+        # default of 100 would fail a worker's writes (MaxConnectionsError) whenever more
+        # of its jobs than that publish to one shard at once.
+        kwargs.setdefault("max_connections", 2**31)
+        return _AsyncCluster.from_url(_seed_url(url), **kwargs)
+    return aioredis.Redis.from_url(url, **kwargs)
+
+
+def connect_sync(url: str, *, block_ms: int | None = None, **kwargs):
+    """A blocking client for `url`: `redis.Redis`, or a `redis.cluster.RedisCluster`
+    (which reaches a seed node as it is built, so this may raise a ConnectionError)."""
+    kwargs = _with_timeout(block_ms, kwargs)
+    if is_cluster(url):
+        try:
+            return redis.cluster.RedisCluster.from_url(_seed_url(url), **kwargs)
+        except RedisClusterException as error:
+            raise as_redis_error(error) from error
+    return redis.Redis.from_url(url, **kwargs)
+
+
+def as_redis_error(error: RedisClusterException) -> RedisError:
+    """The redis-py error behind a RedisClusterException: what the retry policy and the
+    SDK know how to judge."""
+    if isinstance(error.__cause__, RedisError):
+        return error.__cause__  # e.g. no seed node reachable, or credentials refused
+    if "not enabled" in str(error):  # a plain server behind a cluster URL: not transient
+        return ResponseError(f"{error}: use redis:// (or rediss://) for a single server")
+    return ClusterDownError(str(error))  # slots not (yet) covered: the cluster is forming or failing over
+
+
+def _seed_url(url: str) -> str:
+    parts = urlsplit(url)
+    return parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme.lower()]).geturl()
+
+
+def _with_timeout(block_ms: int | None, kwargs: dict) -> dict:
+    if block_ms is None:
+        return kwargs
+    return {"socket_timeout": block_ms / 1000 + BLOCK_MARGIN_S, **kwargs}
+
+
+class _AsyncCluster(redis.asyncio.cluster.RedisCluster):
+    """RedisCluster whose (re)discovery of the cluster raises plain redis-py errors. It
+    discovers lazily: on the first command, and again after a node failed."""
+
+    async def initialize(self, *args, **kwargs):
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as error:
+            raise as_redis_error(error) from error
