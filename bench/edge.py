@@ -13,9 +13,10 @@ Reported per row:
   outbox's own measure, one sample per stream and round trip);
 - `worker_cpu_ms_per_1k_events` and `redis_cpu_ms_per_1k_events`: CPU time of this
   process (worker, stub engine and event loop) and of redis-server;
-- `redis_bytes_per_token`: Redis memory the finished reply streams hold, per token event.
+- `redis_bytes_per_token`: Redis memory the finished reply streams hold, per token event;
+- `streams_per_round_trip`: how many streams' events one round trip carried, on average.
 
-`--edge-baseline` adds the same rows for the publishing this replaced: every event its
+`--edge-cluster` runs the rows on a private 3-master Redis Cluster instead. `--edge-baseline` adds the same rows for the publishing this replaced: every event its
 own awaited round trip, from one task per stream.
 """
 
@@ -30,11 +31,13 @@ import time
 import uuid
 from pathlib import Path
 
+import redis
 import uvloop
 
 from bench.metrics import percentile
-from bench.processes import RedisServer
+from bench.processes import RedisClusterServers, RedisServer
 from service.config import LoggingConfig, RedisConfig
+from service.connect import connect
 from service.metrics import Metrics
 from service.outbox import Published, ReplyOutbox
 from service.protocol import done_fields, token_data
@@ -51,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--edge-streams", default="64,256,1024", help="concurrent streams per row (comma-separated)")
     group.add_argument("--edge-step-ms", type=float, default=5.0, help="stub step time; 0 = as fast as possible")
     group.add_argument("--edge-tokens", type=int, default=200, help="tokens per job")
+    group.add_argument("--edge-cluster", action="store_true", help="on a private 3-master Redis Cluster")
     group.add_argument("--edge-baseline", action="store_true",
                        help="also run each row with per-event round trips (the publishing this replaced)")
 
@@ -60,26 +64,29 @@ def run(args: argparse.Namespace) -> dict:
     streams = [int(n) for n in args.edge_streams.split(",") if n.strip()]
     rows = []
     with tempfile.TemporaryDirectory(prefix="inflight-edge-") as data, \
-            RedisServer(Path(data), appendonly=False) as server:
+            (RedisClusterServers(Path(data)) if args.edge_cluster else RedisServer(Path(data), appendonly=False)) \
+            as servers:
         for publishing in ("per_step", "per_event") if args.edge_baseline else ("per_step",):
             for count in streams:
-                row = uvloop.run(_row(server, count, args.edge_tokens, args.edge_step_ms / 1000, publishing))
+                row = uvloop.run(_row(servers, count, args.edge_tokens, args.edge_step_ms / 1000, publishing))
                 print(f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s, lag p50 "
                       f"{row['publish_lag_p50_ms']:.2f} ms p99 {row['publish_lag_p99_ms']:.2f} ms", flush=True)
                 rows.append(row)
-    return {"step_ms": args.edge_step_ms, "tokens_per_job": args.edge_tokens, "rows": rows}
+    return {"step_ms": args.edge_step_ms, "tokens_per_job": args.edge_tokens, "cluster": args.edge_cluster,
+            "rows": rows}
 
 
-async def _row(server: RedisServer, count: int, tokens: int, step_s: float, publishing: str) -> dict:
-    import redis.asyncio as aioredis
-
+async def _row(servers, count: int, tokens: int, step_s: float, publishing: str) -> dict:
+    nodes = getattr(servers, "nodes", [servers])
     run_id = uuid.uuid4().hex[:8]
-    config = RedisConfig(url=server.url, requests_stream=f"edge:{run_id}:requests",
+    config = RedisConfig(url=servers.url, requests_stream=f"edge:{run_id}:requests",
                          control_stream=f"edge:{run_id}:control", dead_letter_stream=f"edge:{run_id}:dead",
                          consumer="edge", block_ms=100)
-    client = aioredis.Redis.from_url(server.url, socket_timeout=30, max_connections=4 * count + 64)
-    await client.flushall()
-    memory_before = (await client.info("memory"))["used_memory"]
+    client = connect(servers.url, block_ms=config.block_ms)
+    for node in nodes:
+        with redis.Redis(port=node.port) as plain:
+            plain.flushall()
+    memory_before = _used_memory(nodes)
     engine = StubEngine(count, step_s)
     lags: list[float] = []
     metrics = Metrics(engine.config.scheduler)
@@ -88,6 +95,14 @@ async def _row(server: RedisServer, count: int, tokens: int, step_s: float, publ
         worker.outbox = PerEventOutbox(worker.publisher)
         worker.front.on_events = worker.outbox.on_events
     worker.outbox.observe_lag = lags.append
+    streams_written: list[int] = []  # per round trip
+    append = worker.publisher.append
+
+    async def counted_append(appends):
+        streams_written.append(len(appends))
+        return await append(appends)
+
+    worker.publisher.append = counted_append
 
     async with client.pipeline(transaction=False) as pipe:
         for i in range(count):
@@ -95,12 +110,12 @@ async def _row(server: RedisServer, count: int, tokens: int, step_s: float, publ
         await pipe.execute()
     stop = asyncio.Event()
     serving = asyncio.create_task(worker.run(stop))
-    redis_cpu_before, cpu_before = _process_cpu_s(server.process.pid), time.process_time()
+    redis_cpu_before, cpu_before = _redis_cpu_s(nodes), time.process_time()
     while await client.xlen(config.requests_stream):  # every job acked and deleted
         await asyncio.sleep(0.01)
     finished = time.perf_counter()
-    redis_cpu, cpu = _process_cpu_s(server.process.pid) - redis_cpu_before, time.process_time() - cpu_before
-    memory_after = (await client.info("memory"))["used_memory"]
+    redis_cpu, cpu = _redis_cpu_s(nodes) - redis_cpu_before, time.process_time() - cpu_before
+    memory_after = _used_memory(nodes)
     stop.set()
     await serving
     await client.aclose()
@@ -113,7 +128,7 @@ async def _row(server: RedisServer, count: int, tokens: int, step_s: float, publ
         "events_per_s": events / elapsed,
         "publish_lag_p50_ms": percentile(lags, 50) * 1000,
         "publish_lag_p99_ms": percentile(lags, 99) * 1000,
-        "round_trips_per_step": len(lags) / count / max(engine.steps, 1),
+        "streams_per_round_trip": sum(streams_written) / len(streams_written),
         "steps": engine.steps,
         "worker_cpu_ms_per_1k_events": cpu / events * 1e6,
         "redis_cpu_ms_per_1k_events": redis_cpu / events * 1e6,
@@ -121,10 +136,21 @@ async def _row(server: RedisServer, count: int, tokens: int, step_s: float, publ
     }
 
 
-def _process_cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _redis_cpu_s(nodes) -> float:
+    """User plus system CPU seconds of the redis-server processes (Linux /proc)."""
+    total = 0.0
+    for node in nodes:
+        fields = Path(f"/proc/{node.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _used_memory(nodes) -> int:
+    total = 0
+    for node in nodes:
+        with redis.Redis(port=node.port) as plain:
+            total += plain.info("memory")["used_memory"]
+    return total
 
 
 class StubEngine:

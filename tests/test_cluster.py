@@ -12,11 +12,11 @@ from collections import defaultdict
 
 import pytest
 import redis
-from redis.exceptions import NoScriptError
 
 from bench.processes import REPO_ROOT, RedisClusterServers, free_port
 from service.connect import connect, connect_sync
-from service.publish import FENCED_ADD, owner_key
+from service.protocol import token_data
+from service.publish import Append, ReplyPublisher, owner_key
 from service.sdk import Client, ServerUnavailable, SyncClient
 from tests.fleet import PROMPT, Fleet, assert_well_formed
 from tests.waiting import wait_until
@@ -57,45 +57,38 @@ def local_keys(port: int) -> set[str]:
         return {key.decode() for key in node.scan_iter(match="inflight:*", count=1000)}
 
 
-def test_pipelined_fenced_writes_route_by_key_and_recover_from_noscript(cluster):
-    """How a publisher pipelines one step's fenced writes on a cluster: EVALSHA through
-    `execute_command` (the pipeline's `evalsha` method is refused in cluster mode), which
-    routes each call by its keys to the reply stream's shard; `raise_on_error=False`, so
-    a node that lost its scripts (NOSCRIPT) fails only its own writes, which go again
-    once SCRIPT LOAD has put the script on every master. Writes carry their entry ids, so
-    going again cannot duplicate one that landed."""
+def test_one_append_writes_every_shard_and_recovers_from_noscript(cluster):
+    """The worker's per-step write on a cluster: `ReplyPublisher.append` groups the
+    streams by hash slot into script calls, the cluster pipeline routes each to its
+    shard, and a node that lost its scripts (NOSCRIPT, as after a restart without
+    persistence) gets them again, with nothing written twice."""
     streams = [f"inflight:out:{{pipelined-{i}}}" for i in range(12)]
 
-    async def step(client, sha: str, seq: int) -> list:
-        async with client.pipeline(transaction=False) as pipe:
-            for stream in streams:
-                pipe.execute_command("EVALSHA", sha, 2, stream, owner_key(stream), "me", f"{seq + 1}-0", 60,
-                                     "type", "token")
-            return await pipe.execute(raise_on_error=False)
+    def step(seq: int) -> list[Append]:
+        return [Append(stream, f"{i}-0", [token_data(seq, f"t{seq}", [seq])], None, refresh_ttl=True)
+                for i, stream in enumerate(streams)]
 
-    async def scenario() -> tuple[list, list, list, list]:
+    async def scenario() -> tuple[list, list, list, list, set]:
         client = connect(cluster.url, block_ms=500)
         try:
-            for stream in streams:
-                await client.set(owner_key(stream), "me")
-            sha = await client.script_load(FENCED_ADD)  # SCRIPT LOAD goes to every master
-            first = await step(client, sha, 0)
+            publisher = ReplyPublisher(client, ttl_s=60, worker="w")
+            for i, stream in enumerate(streams):
+                assert (await publisher.claim(stream, f"{i}-0")).owned
+            first = await publisher.append(step(0))
             with redis.Redis(port=client.get_node_from_key(streams[0]).port) as node:
-                node.script_flush()  # as a restart without persistence would
-            second = await step(client, sha, 1)
-            assert await client.script_load(FENCED_ADD) == sha
-            again = await step(client, sha, 1)
+                node.script_flush()
+            second = await publisher.append(step(1))
+            again = await publisher.append(step(1))  # a retried step that had landed
             lengths = [await client.xlen(stream) for stream in streams]
-            return first, second, again, lengths
+            shards = {client.get_node_from_key(stream).port for stream in streams}
+            await client.delete(*streams, *[owner_key(stream) for stream in streams])
+            return first, second, again, lengths, shards
         finally:
             await client.aclose()
 
-    first, second, again, lengths = asyncio.run(scenario())
-    assert first == [1] * len(streams)
-    lost = [isinstance(result, NoScriptError) for result in second]
-    assert any(lost) and not all(lost)  # only the flushed node's streams
-    assert all(result == 1 for result, missing in zip(second, lost) if not missing)
-    assert again == [1] * len(streams)  # the ones that landed are refused as duplicates: done
+    first, second, again, lengths, shards = asyncio.run(scenario())
+    assert len(shards) > 1  # the streams spread over the shards
+    assert first == second == again == [True] * len(streams)
     assert lengths == [2] * len(streams)
 
 
