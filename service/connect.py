@@ -41,11 +41,11 @@ def is_cluster(url: str) -> bool:
 def connect(url: str, *, block_ms: int | None = None, **kwargs):
     """An asyncio client for `url`: `redis.asyncio.Redis`, or a `RedisCluster`."""
     kwargs = _with_timeout(block_ms, kwargs)
+    # Unbounded (per node): redis-py's asyncio default of 100 fails commands with
+    # MaxConnectionsError whenever more of a worker's jobs than that talk to Redis at once
+    # (claims when hundreds of jobs arrive together).
+    kwargs.setdefault("max_connections", 2**31)
     if is_cluster(url):
-        # Unbounded per node, as a single server's pool is: the asyncio cluster client's
-        # default of 100 would fail a worker's writes (MaxConnectionsError) whenever more
-        # of its jobs than that publish to one shard at once.
-        kwargs.setdefault("max_connections", 2**31)
         return _AsyncCluster.from_url(_seed_url(url), **kwargs)
     return aioredis.Redis.from_url(url, **kwargs)
 
