@@ -58,7 +58,6 @@ class _Stream:
     oldest: float = 0.0  # when the oldest waiting event's step ended (monotonic)
     final: FinalEvent | None = None
     final_waiting: tuple[str, dict] | None = None  # a done event not yet sent: (entry id, fields)
-    final_sent: bool = False
     refreshed_at: float | None = None  # last TTL refresh (monotonic); None: never written
     text: list[str] | None = None
 
@@ -124,7 +123,7 @@ class ReplyOutbox:
         now = time.monotonic()
         batch, appends = [], []
         for stream in self._streams.values():
-            if stream.result.done() or not (stream.waiting or (stream.final and not stream.final_sent)):
+            if stream.result.done() or not (stream.waiting or stream.final):  # done: its final has landed
                 continue
             refresh = (stream.refreshed_at is None or now - stream.refreshed_at >= self._refresh_s
                        or stream.final is not None)
@@ -149,7 +148,6 @@ class ReplyOutbox:
                 if append.refresh_ttl:
                     stream.refreshed_at = landed
                 if final:
-                    stream.final_sent = True
                     text = None if stream.text is None else "".join(stream.text)
                     num_tokens = stream.seq
                     stream.result.set_result(Published(stream.final, num_tokens, text))

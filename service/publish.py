@@ -27,6 +27,7 @@ expires `ttl_s` after its final event, and never while it is still being written
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,6 +107,7 @@ class LeaseLost(Exception):
     """Another worker serves this job now; this one must stop writing and generating."""
 
 
+@functools.lru_cache(maxsize=1 << 16)  # asked again for every stream at every step
 def owner_key(reply_to: str) -> str:
     """`<reply_to>:owner`, in the reply stream's hash slot: a `reply_to` without a hash
     tag is wrapped in one (`{<reply_to>}:owner`), as a Redis Cluster script needs."""

@@ -16,6 +16,7 @@ from redis.exceptions import ResponseError
 from bench.processes import RedisServer
 from service.outbox import ReplyOutbox
 from service.publish import LeaseLost, ReplyPublisher, owner_key
+from tests.waiting import stream_reaches
 from workers.request import FinalEvent, FinishReason, Timings, TokenEvent, Usage
 
 
@@ -99,13 +100,11 @@ def test_ttl_is_set_at_the_first_and_final_writes_and_not_on_every_token(prefix)
         (request_id, (reply_to, future)), = jobs.items()
         flusher = asyncio.create_task(outbox.run())
         outbox.on_events([token(request_id, 0)])
-        while await client.xlen(reply_to) < 1:
-            await asyncio.sleep(0.001)
+        await stream_reaches(client, reply_to, 1)
         assert 990 < await client.ttl(reply_to) <= 1000  # the first write set it
         await client.expire(reply_to, 500)
         outbox.on_events([token(request_id, 1)])
-        while await client.xlen(reply_to) < 2:
-            await asyncio.sleep(0.001)
+        await stream_reaches(client, reply_to, 2)
         assert await client.ttl(reply_to) <= 500  # a token within the refresh interval leaves it
         outbox.on_events([done(request_id, 2)])
         await future

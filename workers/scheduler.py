@@ -70,7 +70,9 @@ class ScheduledChunk(NamedTuple):
     request: Request
     start: int
     token_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]  # the request's device KV blocks, in token order
+    # The request's device KV blocks, in token order: its own list, not a copy (planning
+    # appends to it only in a later step, so it holds still while this one runs).
+    block_ids: list[int]
     samples: bool  # reaches the request's last known token: a new token is sampled
     is_decode: bool  # the one token a decoding request runs
 
@@ -310,14 +312,14 @@ class Scheduler:
     def _decode_chunk(request: Request) -> ScheduledChunk:
         """The one token a decoding request runs: the one it sampled last."""
         return ScheduledChunk(request, request.num_computed, (request.output_token_ids[-1],),
-                              tuple(request.block_ids), True, True)
+                              request.block_ids, True, True)
 
     @staticmethod
     def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:
         """The request's next `num_tokens` prompt tokens; its blocks must already hold them."""
         start = request.num_computed
         end = start + num_tokens
-        return ScheduledChunk(request, start, tuple(request.token_slice(start, end)), tuple(request.block_ids),
+        return ScheduledChunk(request, start, tuple(request.token_slice(start, end)), request.block_ids,
                               end == request.num_tokens, False)
 
     def _grow(self, request: Request, num_tokens: int, plan: StepPlan, may_preempt: bool = True) -> bool:
