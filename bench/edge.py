@@ -1,14 +1,21 @@
 """`inflight bench --scenario edge`: the Redis edge alone, at GPU token rates.
 
 A stub engine (no model math) runs every request it holds each step, emitting one token
-per request per step, and sleeps a fixed step time (`--edge-step-ms`; 0 steps as fast
-as it can). It runs behind the real worker (`service.worker.Worker`: claiming, leases,
+per request per step, at a fixed step time (`--edge-step-ms`; 0 steps as fast as it
+can). The steps keep a fixed schedule, as an open-loop load generator does: step n ends
+n step times after the first began, so a sleep that wakes late (by about 0.1 ms on the
+machines measured) does not lower the rate offered, and a step that starts late is
+followed by shorter ones until the schedule is met again. `offered_events_per_s` is what
+the stub made, measured; `events_per_s` what landed. It runs behind the real worker (`service.worker.Worker`: claiming, leases,
 the outbox, fenced writes, acks) against a private redis-server started here. Each
 row: `streams` jobs of `--edge-tokens` tokens, all queued at once, the worker holding
 them all.
 
 Reported per row:
 - `events_per_s`: token events landed per second, first step to last ack;
+- `sustained_events_per_s`: the same in the steady state, between the round trips that
+  land the first 10% and the first 90% of the events;
+- `offered_events_per_s`: token events the stub made per second, first step to last;
 - `publish_lag_p50_ms` / `p99`: from the end of a step to its events landing (the
   outbox's own measure, one sample per stream and round trip);
 - `worker_cpu_ms_per_1k_events` and `redis_cpu_ms_per_1k_events`: CPU time of this
@@ -86,7 +93,8 @@ def _run(args: argparse.Namespace) -> dict:
         for publishing in ("per_step", "per_event") if args.edge_baseline else ("per_step",):
             for count in streams:
                 row = uvloop.run(_row(servers, count, args.edge_tokens, args.edge_step_ms / 1000, publishing))
-                print(f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s, lag p50 "
+                print(f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s landed "
+                      f"({row['sustained_events_per_s'] or 0:,.0f} sustained, {row['offered_events_per_s']:,.0f} made), lag p50 "
                       f"{row['publish_lag_p50_ms']:.2f} ms p99 {row['publish_lag_p99_ms']:.2f} ms", flush=True)
                 rows.append(row)
     return {"step_ms": args.edge_step_ms, "tokens_per_job": args.edge_tokens, "cluster": args.edge_cluster,
@@ -113,11 +121,14 @@ async def _row(servers, count: int, tokens: int, step_s: float, publishing: str)
         worker.front.on_events = worker.outbox.on_events
     worker.outbox.observe_lag = lags.append
     streams_written: list[int] = []  # per round trip
+    landed: list[tuple[float, int]] = []  # per round trip: when, token events
     append = worker.publisher.append
 
     async def counted_append(appends):
         streams_written.append(len(appends))
-        return await append(appends)
+        written = await append(appends)
+        landed.append((time.perf_counter(), sum(len(one.tokens) for one in appends)))
+        return written
 
     worker.publisher.append = counted_append
 
@@ -142,7 +153,9 @@ async def _row(servers, count: int, tokens: int, step_s: float, publishing: str)
         "publishing": publishing,
         "streams": count,
         "events": events,
+        "offered_events_per_s": engine.made / (engine.last_step_at - engine.first_step_at),
         "events_per_s": events / elapsed,
+        "sustained_events_per_s": _middle_rate(landed),
         "publish_lag_p50_ms": percentile(lags, 50) * 1000,
         "publish_lag_p99_ms": percentile(lags, 99) * 1000,
         "streams_per_round_trip": sum(streams_written) / len(streams_written),
@@ -151,6 +164,21 @@ async def _row(servers, count: int, tokens: int, step_s: float, publishing: str)
         "redis_cpu_ms_per_1k_events": redis_cpu / events * 1e6,
         "redis_bytes_per_token": (memory_after - memory_before) / (events + count),
     }
+
+
+def _middle_rate(landed: list[tuple[float, int]]) -> float | None:
+    """Token events landed per second in the steady state, without the start (jobs still
+    arriving) and the end (jobs finishing): from the round trip just before 10% of them
+    had landed to the one that brought the total to 90%. None when one round trip
+    carried all that."""
+    total = sum(count for _, count in landed)
+    marks, so_far = [], 0
+    for when, count in landed:
+        so_far += count
+        marks.append((when, so_far))
+    start = ([mark for mark in marks if mark[1] < total * 0.1] or marks[:1])[-1]
+    end = next(mark for mark in marks if mark[1] >= total * 0.9)
+    return (end[1] - start[1]) / (end[0] - start[0]) if end[0] > start[0] else None
 
 
 def _redis_cpu_s(nodes) -> float:
@@ -182,6 +210,9 @@ class StubEngine:
         self.step_s = step_s
         self.steps = 0
         self.first_step_at = 0.0
+        self._step_ends = 0.0  # when this step ends, on the fixed schedule
+        self.made = 0  # token events
+        self.last_step_at = 0.0
         self._lock = threading.Lock()
         self._added: list[tuple[str, int]] = []
         self._cancelled: set[str] = set()
@@ -208,7 +239,8 @@ class StubEngine:
             cancelled, self._cancelled = self._cancelled, set()
         started = time.perf_counter()
         if not self.steps:
-            self.first_step_at = started
+            self.first_step_at = self._step_ends = started
+        self._step_ends += self.step_s
         self.steps += 1
         events = []
         for request_id in list(self._running):
@@ -218,12 +250,14 @@ class StubEngine:
                 events.append(_final(request_id, FinishReason.CANCELLED, made))
                 continue
             events.append(TokenEvent(request_id, (made % 1000,), "x"))
+            self.made += 1
             self._running[request_id][0] = made = made + 1
             if made == wanted:
                 del self._running[request_id]
                 events.append(_final(request_id, FinishReason.LENGTH, made))
-        if self.step_s:  # the step takes step_s in all, as a GPU step would
-            time.sleep(max(0.0, started + self.step_s - time.perf_counter()))
+        if self.step_s:
+            time.sleep(max(0.0, self._step_ends - time.perf_counter()))
+        self.last_step_at = time.perf_counter()
         return events
 
 

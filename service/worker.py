@@ -30,6 +30,7 @@ served request logs one summary line, with its id and priority bound as context.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -96,6 +97,10 @@ class Worker:
         await _unless_stopped(stop, self._prepare)
         if stop.is_set():
             return []
+        # What exists by now (modules, the model) lives as long as the process. Frozen out
+        # of the garbage collector's passes, a full pass no longer walks it all, holding
+        # the GIL for a long pause that the stepping thread and the publishing both wait on.
+        gc.freeze()
         async with self.front:
             background = [asyncio.create_task(self.outbox.run(), name="outbox"),
                           asyncio.create_task(self._follow_control(), name="control"),

@@ -131,6 +131,8 @@ def test_edge_scenario_delivers_every_event_through_the_real_worker_per_step_and
     for row in rows:
         assert row["events"] == row["streams"] * 20
         assert finite_positive(row["events_per_s"]) and finite_positive(row["redis_bytes_per_token"])
+        assert finite_positive(row["offered_events_per_s"])
+        assert row["sustained_events_per_s"] is None or finite_positive(row["sustained_events_per_s"])
         assert 0 < row["publish_lag_p50_ms"] <= row["publish_lag_p99_ms"]
     # Per step, one round trip carries many streams; per event, each its own.
     assert all(row["streams_per_round_trip"] > 1 for row in rows if row["publishing"] == "per_step")
