@@ -179,7 +179,8 @@ def add_engine_arguments(parser) -> None:
     group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block (default: %(default)s)")
     group.add_argument("--kv-memory-mb", type=int, default=cache.kv_memory_bytes >> 20, help="KV cache size in MiB (default: %(default)s)")
-    group.add_argument("--swap-memory-mb", type=int, default=cache.swap_memory_bytes >> 20, help="host KV pool for preempted requests in MiB, 0 = recompute instead (default: %(default)s)")
+    group.add_argument("--swap-memory-mb", type=int, default=cache.swap_memory_bytes >> 20, help="host KV pool for preempted requests and the prefix cache's host tier in MiB, 0 = neither: recompute instead (default: %(default)s)")
+    group.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help="compute every prompt from scratch: no reuse of cached prefix blocks")
     group.add_argument("--max-batch-tokens", type=int, default=sched.max_batch_tokens, help="tokens per step (default: %(default)s)")
     group.add_argument("--max-prefill-tokens", type=int, default=sched.max_prefill_tokens, help="prompt tokens per step (default: %(default)s)")
     group.add_argument("--max-decode-tokens", type=int, default=sched.max_decode_tokens, help="decode tokens per step (default: %(default)s)")
@@ -196,6 +197,7 @@ def engine_config_from_args(args) -> EngineConfig:
             block_size=args.block_size,
             kv_memory_bytes=args.kv_memory_mb << 20,
             swap_memory_bytes=args.swap_memory_mb << 20,
+            prefix_caching=args.prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_batch_tokens=args.max_batch_tokens,

@@ -7,11 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from workers.block_manager import BlockAllocator, OutOfBlocks, blocks_needed
+from workers.block_manager import BlockPool, OutOfBlocks, blocks_needed
 
 
 def test_allocates_every_block_once_then_refuses():
-    allocator = BlockAllocator(4)
+    allocator = BlockPool(4)
     blocks = {allocator.allocate() for _ in range(4)}
     assert blocks == {0, 1, 2, 3}
     with pytest.raises(OutOfBlocks):
@@ -19,7 +19,7 @@ def test_allocates_every_block_once_then_refuses():
 
 
 def test_double_free_is_refused():
-    allocator = BlockAllocator(2)
+    allocator = BlockPool(2)
     block = allocator.allocate()
     allocator.free([block])
     with pytest.raises(ValueError):
@@ -40,7 +40,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.allocator = BlockAllocator(16)
+        self.allocator = BlockPool(16)
         self.owned: dict[int, list[int]] = {owner: [] for owner in range(4)}
 
     @precondition(lambda self: self.allocator.num_free > 0)

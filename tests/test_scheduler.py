@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from workers.config import SchedulerConfig
-from workers.block_manager import BlockAllocator, blocks_needed
+from workers.block_manager import BlockPool, blocks_needed
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus, SamplingParams
 from workers.scheduler import Scheduler, StepPlan
 
@@ -26,8 +26,8 @@ BLOCK = 4
 
 
 def make(num_blocks=64, host_blocks=0, **config) -> Scheduler:
-    host = BlockAllocator(host_blocks) if host_blocks else None
-    return Scheduler(SchedulerConfig(**config), BlockAllocator(num_blocks), BLOCK, host)
+    host = BlockPool(host_blocks) if host_blocks else None
+    return Scheduler(SchedulerConfig(**config), BlockPool(num_blocks), BLOCK, host)
 
 
 SAMPLED = 7  # the token the simulated model always samples

@@ -51,8 +51,13 @@ class CacheConfig:
     # Bytes of K/V pool for all layers together; the block count is derived from it.
     kv_memory_bytes: int = 1 << 30
     # Bytes of host memory (pinned on CUDA) that preempted requests' KV blocks are
-    # swapped to. 0 disables swapping: preempted requests are recomputed instead.
+    # swapped to, and the prefix cache's second tier: cached blocks evicted from the
+    # device pool are copied here while there is room. 0 disables both: preempted
+    # requests are recomputed, and the prefix cache lives on the device only.
     swap_memory_bytes: int = 1 << 30
+    # Reuse the KV blocks of prompt prefixes already computed (content-addressed blocks,
+    # `workers/block_manager.py`): a request starts after its longest cached prefix.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -14,6 +14,7 @@ front end steps in a worker thread): they only validate and post a command
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.config import EngineConfig
-from workers.block_manager import BlockAllocator, blocks_needed
+from workers.block_manager import BlockPool, blocks_needed
 from workers.detokenizer import IncrementalDetokenizer
 from workers.model_loader import LoadedModel, encode_prompt, load_model
 from workers.model_runner import ModelRunner
@@ -44,7 +45,7 @@ from workers.request import (
     validate_priority,
 )
 from workers.sampler import Sampler, make_generator
-from workers.scheduler import Census, Scheduler
+from workers.scheduler import CacheStats, Census, Scheduler
 
 _log = logging.getLogger("inflight.engine")
 
@@ -84,6 +85,7 @@ class EngineStats:
     device_blocks_total: int
     host_blocks_used: int
     host_blocks_total: int  # 0 without a host pool
+    cache: CacheStats = CacheStats()  # the prefix cache
     # Latencies as this step made them, reported now rather than when their requests
     # finish: queue time of the requests it first scheduled, time to first token (from
     # arrival) and time since the previous token of the tokens it produced.
@@ -133,9 +135,12 @@ class Engine:
         self.vocab_size = loaded.model.config.vocab_size
         self.runner = ModelRunner(loaded.model, config.cache)
         self.block_size = config.cache.block_size
-        self.allocator = BlockAllocator(self.runner.kv_cache.num_blocks)
-        self.host_allocator = BlockAllocator(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
-        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.host_allocator)
+        self.allocator = BlockPool(self.runner.kv_cache.num_blocks)
+        self.host_allocator = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
+        # Cached blocks are only valid for the K/V of this model in this dtype.
+        salt = hashlib.blake2b(f"{config.model.source}|{config.model.dtype}".encode(), digest_size=16).digest()
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.host_allocator,
+                                   salt if config.cache.prefix_caching else None)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
         self._live: dict[str, _Live] = {}
@@ -237,6 +242,7 @@ class Engine:
             self.allocator.num_blocks,
             host.num_used if host else 0,
             host.num_blocks if host else 0,
+            self.scheduler.cache_stats(),
             tuple(self._queue_s),
             tuple(self._first_token_s),
             tuple(self._inter_token_s),
@@ -255,10 +261,12 @@ class Engine:
         sampling = [c.request for c in plan.chunks if c.samples]
         first_scheduled = [c.request for c in plan.chunks if c.request.scheduled_time is None]
         try:
+            copied = False
             try:
                 output = self.runner.execute(plan)
+                copied = True
             finally:
-                self.scheduler.swaps_done(plan)
+                self.scheduler.swaps_done(plan, copied)
             token_ids = self.sampler.sample(
                 output.logits,
                 [r.params for r in sampling],

@@ -1,4 +1,4 @@
-"""Runs one step's plan: its KV swaps, then one forward of the Hugging Face model over
+"""Runs one step's plan: its KV copies (swaps and the prefix cache's host tier), then one forward of the Hugging Face model over
 the paged KV cache.
 
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
@@ -61,8 +61,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         started = time.perf_counter()
-        if plan.swap_out or plan.swap_in:
-            self.host_pool.swap(plan.swap_out, plan.swap_in)
+        copies_out, copies_in = plan.copies_out, plan.copies_in
+        if copies_out or copies_in:
+            self.host_pool.swap(copies_out, copies_in)
         swap_s = time.perf_counter() - started
         if not plan.chunks:
             return StepOutput(None, 0.0, swap_s)

@@ -112,6 +112,8 @@ class Request:
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)  # device KV blocks, in token order
     host_block_ids: list[int] = field(default_factory=list)  # host KV blocks while SWAPPED
+    # Content addresses of its first full blocks, computed as the prefix cache needs them.
+    block_addresses: list[bytes] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     # The scheduler's bookkeeping: queue order, and the step it last started running.
     queue_key: tuple[float, int] = (0.0, 0)

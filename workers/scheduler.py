@@ -38,6 +38,20 @@ A request is never swapped back in during the step that swapped it out.
 before the step's forward: all swap-outs, then all swap-ins. The host blocks a
 swap-in reads are freed when the runner reports the copies made (`swaps_done`).
 
+**Prefix caching** (`workers/block_manager.py`; on when the scheduler has a cache
+salt). A request admitted from the waiting queue (new, or preempted to recompute) first
+takes its longest cached prefix: full blocks whose content address matches its tokens',
+found in the device pool (shared as they are) or else in the host pool (copied back
+into a new device block: the plan's `fetch`), and starts computing after them. It always
+computes at least its last token, so a prompt that is all cached blocks recomputes its
+last block rather than write into a shared one. After each step every block that the
+step filled is registered under its address. Cached device blocks evicted to make room
+are copied to the host pool while it has room (the plan's `offload`), so a later
+request finds them there. Both lists are copied with the swaps: device to host first,
+then host to device, so a block evicted and reused in one step is saved before it is
+overwritten. The host pool holds swapped-out requests' blocks (never evicted) and
+cached ones (evicted least recently used first).
+
 **After the step** the scheduler owns what changed: `update_from_output` moves each
 chunk's request past the tokens it ran, appends the sampled tokens, and retires the
 requests that reached a stop token or max_tokens. The engine retires the rest through
@@ -53,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from workers.config import SchedulerConfig
-from workers.block_manager import BlockAllocator, blocks_needed
+from workers.block_manager import BlockPool, block_hash, blocks_needed
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
@@ -88,6 +102,10 @@ class StepPlan:
     resumed: list[Request] = field(default_factory=list)  # swapped back in
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # The prefix cache's copies: cached device blocks evicted to the host tier, and
+    # host-tier hits brought back.
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    fetch: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def num_tokens(self) -> int:
@@ -100,7 +118,17 @@ class StepPlan:
     @property
     def has_work(self) -> bool:
         """Anything for the runner to do: tokens to run or blocks to copy."""
-        return bool(self.chunks or self.swap_out or self.swap_in)
+        return bool(self.chunks or self.swap_out or self.swap_in or self.offload or self.fetch)
+
+    @property
+    def copies_out(self) -> list[tuple[int, int]]:
+        """Every (device block, host block) copy, made before `copies_in`."""
+        return self.swap_out + self.offload
+
+    @property
+    def copies_in(self) -> list[tuple[int, int]]:
+        """Every (host block, device block) copy."""
+        return self.swap_in + self.fetch
 
 
 @dataclass(frozen=True)
@@ -113,18 +141,35 @@ class Census:
     oldest_queued_arrival: float | None  # arrival time of the longest-waiting queued request
 
 
+@dataclass(frozen=True)
+class CacheStats:
+    """The prefix cache: what one step's admissions found, and where the pools stand."""
+
+    queried_tokens: int = 0  # tokens of the requests admitted this step
+    device_hit_tokens: int = 0  # of those, found cached in the device pool
+    host_hit_tokens: int = 0  # found in the host tier (copied back)
+    offloaded_blocks: int = 0  # cached blocks copied to the host tier this step
+    device_evictions: int = 0  # cached blocks dropped, in all so far
+    host_evictions: int = 0
+    device_cached_blocks: int = 0  # blocks registered now, held or free
+    host_cached_blocks: int = 0
+
+
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        allocator: BlockAllocator,
+        allocator: BlockPool,
         block_size: int,
-        host_allocator: BlockAllocator | None = None,
+        host_allocator: BlockPool | None = None,
+        cache_salt: bytes | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
         self.host_allocator = host_allocator  # None: no host pool, preemption recomputes
         self.block_size = block_size
+        self.cache_salt = cache_salt  # None: no prefix caching
+        self._queried = self._device_hits = self._host_hits = self._offloaded = 0  # this step's
         self.running: list[Request] = []  # in the order they (re)started
         self._queue: list[tuple[tuple[float, int], Request]] = []  # heap; finished entries dropped lazily
         self._num_queued = 0
@@ -170,10 +215,26 @@ class Scheduler:
                 due.append(request)
         return due
 
-    def swaps_done(self, plan: StepPlan) -> None:
-        """The runner has made the plan's copies: the host blocks swapped in are free again."""
-        if plan.swap_in:
-            self.host_allocator.free([host for host, _ in plan.swap_in])
+    def swaps_done(self, plan: StepPlan, copied: bool = True) -> None:
+        """The runner has made the plan's copies (or failed to: `copied` False): the host
+        blocks they read or wrote are free again. Blocks whose copy may have failed lose
+        their content address."""
+        host = self.host_allocator
+        if not copied:
+            for _, device_block in plan.fetch:
+                self.allocator.unregister(device_block)
+            for _, host_block in plan.offload:
+                host.unregister(host_block)
+        for pairs, host_side in ((plan.swap_in, 0), (plan.fetch, 0), (plan.offload, 1)):
+            if pairs:
+                host.free([pair[host_side] for pair in pairs])
+
+    def cache_stats(self) -> CacheStats:
+        """The prefix cache's figures for the last step planned."""
+        host = self.host_allocator
+        return CacheStats(self._queried, self._device_hits, self._host_hits, self._offloaded,
+                          self.allocator.num_evictions, host.num_evictions if host else 0,
+                          self.allocator.num_cached, host.num_cached if host else 0)
 
     def update_from_output(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
         """The step ran `plan`: its chunks' K/V are cached now, and `sampled_token_ids`
@@ -181,7 +242,10 @@ class Scheduler:
         retires those that reached a stop token or max_tokens (`finish_reason` set).
         Returns the requests that took a token, in plan order."""
         for chunk in plan.chunks:
-            chunk.request.num_computed += chunk.num_tokens
+            request = chunk.request
+            if self.cache_salt is not None:
+                self._register_full_blocks(request, request.num_computed, request.num_computed + chunk.num_tokens)
+            request.num_computed += chunk.num_tokens
         sampled = [chunk.request for chunk in plan.chunks if chunk.samples]
         if len(sampled) != len(sampled_token_ids):
             raise ValueError(f"{len(sampled)} chunks sample, got {len(sampled_token_ids)} tokens")
@@ -223,15 +287,18 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._step += 1
+        self._queried = self._device_hits = self._host_hits = self._offloaded = 0
         plan = StepPlan()
         while True:
             self._plan_decodes(plan)
             self._plan_prefills(plan)
             if plan.chunks or not self.running:
-                return plan
+                break
             # Every running request is stuck mid-prompt with no free block: preempt a
             # victim so the others can go on, and plan again.
             self._preempt_one(plan)
+        self._plan_offloads(plan)
+        return plan
 
     def _plan_decodes(self, plan: StepPlan) -> None:
         """1. Decodes first; preempt victims when blocks run out."""
@@ -281,11 +348,95 @@ class Scheduler:
                 self._swap_in(request, plan)
                 budget -= self._add_prefill_chunk(request, budget, plan)
                 continue
-            if budget == 0 or self._largest_chunk(request, budget) == 0:
+            if budget == 0 or not self._admit(request, budget, plan):
                 break  # no budget or no blocks: keep the queue's order, wait
-            self._dequeue()
-            self._start_running(request)
             budget -= self._add_prefill_chunk(request, budget, plan)
+
+    # -- admission and the prefix cache ---------------------------------------------
+
+    def _admit(self, request: Request, budget: int, plan: StepPlan) -> bool:
+        """Start the queue's head (a waiting request) after its longest cached prefix, if
+        its first chunk then fits in the free blocks; else change nothing and say False."""
+        on_device, on_host = self._cached_prefix(request)
+        # Free blocks once the hits are taken: shared cached blocks stop being free, and
+        # each host hit takes a new device block to be copied into.
+        free = self.allocator.num_free - len(on_host) - sum(
+            1 for block in on_device if self.allocator.holders(block) == 0)
+        num_cached = (len(on_device) + len(on_host)) * self.block_size
+        remaining = request.num_tokens - num_cached
+        if min(remaining, budget, self.config.max_prefill_chunk, max(free, 0) * self.block_size) == 0:
+            return False
+        self._dequeue()
+        if self.cache_salt is not None:
+            self._queried += request.num_tokens
+            self._device_hits += len(on_device) * self.block_size
+            self._host_hits += len(on_host) * self.block_size
+        for block in on_device:
+            self.allocator.share(block)
+        request.block_ids = list(on_device)
+        for address, host_block in on_host:
+            device_block = self.allocator.allocate()
+            self.host_allocator.share(host_block)  # held until the copy is made
+            self.allocator.register(device_block, address)
+            plan.fetch.append((host_block, device_block))
+            request.block_ids.append(device_block)
+        request.num_computed = num_cached
+        self._start_running(request)
+        return True
+
+    def _cached_prefix(self, request: Request) -> tuple[list[int], list[tuple[bytes, int]]]:
+        """The device blocks holding `request`'s longest cached prefix, then the (address,
+        host block) pairs that continue it from the host tier. At most the full blocks
+        before its last token: that one is always computed, for its logits."""
+        if self.cache_salt is None:
+            return [], []
+        on_device: list[int] = []
+        on_host: list[tuple[bytes, int]] = []
+        host = self.host_allocator
+        for address in self._addresses(request, (request.num_tokens - 1) // self.block_size):
+            block = None if on_host else self.allocator.lookup(address)
+            if block is not None:
+                on_device.append(block)
+                continue
+            host_block = host.lookup(address) if host is not None else None
+            if host_block is None:
+                break
+            on_host.append((address, host_block))
+        return on_device, on_host
+
+    def _addresses(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The content addresses of `request`'s first `num_blocks` blocks (all full)."""
+        addresses = request.block_addresses
+        size = self.block_size
+        while len(addresses) < num_blocks:
+            start = len(addresses) * size
+            parent = addresses[-1] if addresses else b""
+            addresses.append(block_hash(parent, request.token_slice(start, start + size), self.cache_salt))
+        return addresses[:num_blocks]
+
+    def _register_full_blocks(self, request: Request, start: int, end: int) -> None:
+        """Give the blocks that tokens [start, end) filled their content addresses."""
+        first, last = start // self.block_size, end // self.block_size
+        if last > first:
+            addresses = self._addresses(request, last)
+            for index in range(first, last):
+                self.allocator.register(request.block_ids[index], addresses[index])
+
+    def _plan_offloads(self, plan: StepPlan) -> None:
+        """Copy the cached device blocks this plan evicted to the host tier, while it has
+        blocks that are free or only cached (never a swapped-out request's)."""
+        evicted = self.allocator.take_evicted()
+        host = self.host_allocator
+        if host is None:
+            return
+        host.take_evicted()  # the host tier is the last: what it evicts is gone
+        for address, device_block in evicted:
+            if host.lookup(address) is not None or not host.num_free:
+                continue
+            host_block = host.allocate()  # held until the copy is made
+            host.register(host_block, address)
+            plan.offload.append((device_block, host_block))
+        self._offloaded += len(plan.offload)
 
     # -- helpers -------------------------------------------------------------------
 
