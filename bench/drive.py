@@ -66,7 +66,8 @@ class Driver:
         self.raise_errors = raise_errors
         self.arrivals: dict[str, float] = {}
         self.token_times: dict[str, list[float]] = {}
-        self.tokens: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}  # every choice's, in the order they came
+        self.choice_tokens: dict[str, dict[int, list[int]]] = {}  # by choice (parallel sampling)
         self.texts: dict[str, str] = {}
         self.finals: dict[str, FinalEvent] = {}  # in the order the requests finished
         self.num_steps = 0
@@ -96,6 +97,7 @@ class Driver:
             if isinstance(event, TokenEvent):
                 self.token_times.setdefault(request_id, []).extend([now] * len(event.token_ids))
                 self.tokens.setdefault(request_id, []).extend(event.token_ids)
+                self.choice_tokens.setdefault(request_id, {}).setdefault(event.index, []).extend(event.token_ids)
             elif isinstance(event, FinalEvent):
                 if event.error and self.raise_errors:
                     raise RuntimeError(f"request {request_id} failed: {event.error}")

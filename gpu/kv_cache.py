@@ -71,3 +71,9 @@ class PagedKVCache:
                 f"({shape.bytes_per_token(dtype) * block_size} bytes)"
             )
         return cls(shape, num_blocks, block_size, dtype, device)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs) -> None:
+        """Copy block pair[0] to block pair[1], in every layer's K and V (copy on write)."""
+        ids = torch.tensor(pairs, dtype=torch.long, device=self.blocks.device)
+        self.blocks.index_copy_(2, ids[:, 1], self.blocks.index_select(2, ids[:, 0]))

@@ -295,12 +295,23 @@ def test_a_resumed_request_continues_exactly_where_the_published_tokens_stop(mak
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt_ids), len(want))
 
 
-@pytest.mark.parametrize("resumed", [[-1], [10**9], list(range(MAX_TOKENS))], ids=["negative", "beyond vocab", "all of max_tokens"])
+@pytest.mark.parametrize("resumed", [[-1], [10**9], list(range(MAX_TOKENS + 1))],
+                         ids=["negative", "beyond vocab", "more than max_tokens"])
 def test_resumed_output_that_cannot_be_continued_is_an_invalid_request(make_engine, resumed):
     engine = make_engine()
     engine.add_request("r", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=resumed)
     _, final, _ = run_to_completion(engine)["r"]
     assert final.error_code is ErrorCode.INVALID_REQUEST
+
+
+def test_a_resumed_request_whose_published_tokens_already_end_it_ends_at_once(make_engine):
+    """A worker died after publishing the last token but before the final event: the
+    takeover writes only the final event, with the whole request's usage."""
+    engine = make_engine()
+    engine.add_request("full", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=list(range(MAX_TOKENS)))
+    token_ids, final, _ = run_to_completion(engine)["full"]
+    assert token_ids == [] and final.finish_reason is FinishReason.LENGTH and final.error is None
+    assert final.usage.completion_tokens == MAX_TOKENS
 
 
 def test_a_failed_model_step_fails_the_requests_it_ran_with_internal_error_and_the_engine_goes_on(
@@ -320,3 +331,85 @@ def test_a_failed_model_step_fails_the_requests_it_ran_with_internal_error_and_t
     prompt_ids, want = expected["p1"]
     engine.add_request("after", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
     assert run_to_completion(engine)["after"][0] == want
+
+
+# -- parallel sampling ---------------------------------------------------------------
+
+
+def run_choices(engine, request_id, prompt, params, **options):
+    """Run one request to its end: ({index: token ids}, final event)."""
+    driver = Driver(engine, raise_errors=False)
+    driver.submit(request_id, prompt, params, **options)
+    driver.drain()
+    return driver.choice_tokens.get(request_id, {}), driver.finals[request_id]
+
+
+def test_n_greedy_choices_each_equal_generate_and_end_in_one_final_event(make_engine, expected):
+    engine = make_engine()
+    prompt_ids, want = expected["p3"]
+    choices, final = run_choices(engine, "n4", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, n=4))
+    assert choices == {index: want for index in range(4)}
+    assert [(c.index, c.finish_reason) for c in final.choices] == [(i, FinishReason.LENGTH) for i in range(4)]
+    assert final.usage.completion_tokens == 4 * MAX_TOKENS and final.usage.prompt_tokens == len(prompt_ids)
+    assert len(final.timings.token_times) == 4 * MAX_TOKENS
+
+
+def test_seeded_choice_i_draws_what_a_single_request_with_seed_plus_i_draws(make_engine, expected):
+    engine = make_engine()
+    prompt_ids, _ = expected["p1"]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=1234, n=3)
+    choices, _ = run_choices(engine, "n3", prompt_ids, params)
+    for index in range(3):
+        alone, _ = run_choices(engine, f"alone-{index}", prompt_ids,
+                               SamplingParams(max_tokens=12, temperature=0.8, seed=1234 + index))
+        assert choices[index] == alone[0]
+    assert len({tuple(tokens) for tokens in choices.values()}) > 1  # they did sample apart
+
+
+@pytest.mark.parametrize("prompt_length", [47, 48, 49])  # the last prompt token mid-block, last in, first in a block
+def test_choices_share_the_prompt_blocks_and_copy_the_partly_filled_one_on_write(make_engine, prompt_length):
+    """n choices hold the prompt's KV once: the peak of blocks in use is the prompt's
+    plus each choice's own, far below n separate requests'."""
+    engine = make_engine(max_prefill_tokens=512)
+    prompt = [(7 * i) % 1000 + 10 for i in range(prompt_length)]
+    peaks = []
+    previous = engine.observer
+    engine.observer = lambda stats: peaks.append(stats.device_blocks_used)
+    choices, _ = run_choices(engine, "shared", prompt, SamplingParams(max_tokens=8, n=8, ignore_eos=True))
+    engine.observer = previous
+    block = engine.block_size
+    own = -(-(prompt_length + 8) // block) - (prompt_length - 1) // block  # blocks past the shared ones
+    assert max(peaks) <= -(-prompt_length // block) + 8 * own
+    alone, _ = run_choices(engine, "alone", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert choices == {index: alone[0] for index in range(8)}
+
+
+def test_cancelling_a_request_ends_every_choice_in_one_cancelled_final_event(make_engine):
+    engine = make_engine()
+    driver = Driver(engine, raise_errors=False)
+    driver.submit("n", "Tell me a story", SamplingParams(max_tokens=200, n=3, ignore_eos=True))
+    driver.run_until(lambda: sum(len(t) for t in driver.choice_tokens.get("n", {}).values()) >= 9)
+    engine.cancel("n")
+    driver.drain()
+    final = driver.finals["n"]
+    assert final.finish_reason is FinishReason.CANCELLED
+    assert {c.finish_reason for c in final.choices} == {FinishReason.CANCELLED}
+
+
+def test_a_takeover_continues_every_choice_after_its_published_tokens(make_engine, expected):
+    engine = make_engine()
+    prompt_ids, want = expected["p2"]
+    published = [want[:3], want[:MAX_TOKENS], [], want[:11]]  # choice 1 had already ended
+    choices, final = run_choices(engine, "resumed", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, n=4),
+                                 resumed_output_ids=published)
+    assert choices == {0: want[3:], 2: want, 3: want[11:]}
+    assert final.usage.completion_tokens == 4 * MAX_TOKENS
+    assert [c.completion_tokens for c in final.choices] == [MAX_TOKENS] * 4
+
+
+@pytest.mark.parametrize("n", [0, 17, True])
+def test_n_outside_1_to_16_is_an_invalid_request(make_engine, n):
+    engine = make_engine()
+    engine.add_request("r", "Hello", SamplingParams(max_tokens=4, n=n))
+    _, final, _ = run_to_completion(engine)["r"]
+    assert final.error_code is ErrorCode.INVALID_REQUEST and "n must be" in final.error

@@ -107,6 +107,12 @@ class BlockPool:
             del self._cached[block_id]
         self._holders[block_id] += 1
 
+    def fork(self, block_id: int) -> None:
+        """One more holder of a held block (parallel choices sharing their prompt)."""
+        if self._holders[block_id] <= 0:
+            raise ValueError(f"block {block_id} is not held: only held blocks are forked")
+        self._holders[block_id] += 1
+
     def register(self, block_id: int, address: bytes) -> bool:
         """Give a held, full block its content address. False (and nothing changes) when
         another block already has that address, or this one has an address already."""

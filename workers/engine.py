@@ -31,6 +31,7 @@ from workers.model_loader import LoadedModel, encode_prompt, load_model
 from workers.model_runner import ModelRunner
 from workers.request import (
     DEFAULT_PRIORITY,
+    ChoiceEnd,
     ErrorCode,
     Event,
     FinalEvent,
@@ -95,12 +96,22 @@ class EngineStats:
 
 
 @dataclass
-class _Live:
-    """A running request with the per-request state the scheduler does not need."""
+class _Choice:
+    """One choice of a live request, with the state the scheduler does not need."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
+    end: ChoiceEnd | None = None
+
+
+@dataclass
+class _Live:
+    """A request the engine has taken: its choices (one unless n > 1), each a `Request`
+    to the scheduler. Its final event is made when the last choice ends."""
+
+    choices: list[_Choice]
+    lead: Request | None = None  # the choice that computes the prompt; the others fork from it
 
 
 # The commands `add_request` and `cancel` post for the stepping thread.
@@ -116,7 +127,8 @@ class CancelRequest:
 
 @dataclass(frozen=True)
 class FailRequest:
-    """A request refused at `add_request`: its only event is this error."""
+    """A request that ends at `add_request` (refused, or resumed with nothing left to
+    make): its only event is this one."""
 
     event: FinalEvent
 
@@ -180,7 +192,13 @@ class Engine:
         `resumed_output_ids` are output tokens another worker already produced for this
         request: they count towards `max_tokens` and `usage.completion_tokens`, are
         recomputed with the prompt, and generation goes on after them (their text is
-        not emitted again; stop strings are matched in the new text only).
+        not emitted again; stop strings are matched in the new text only). With
+        `params.n` > 1 it holds one such list per choice (or is empty). A choice whose
+        tokens already end in a stop token or reach max_tokens has ended; a request
+        whose every choice has ended has only its final event.
+        With `params.n` > 1 the prompt is computed once and the choices share its KV
+        blocks; every token event names its choice (`index`), and the one final event
+        comes when the last choice ends, with each choice's end in `choices`.
         A request id that is already live raises `InvalidRequest`, since an error
         event under that id would end the other request's stream.
         """
@@ -201,16 +219,30 @@ class Engine:
                 raise InvalidRequest(f"deadline must be a unix time in seconds, got {deadline!r}")
         except InvalidRequest as error:
             empty = Request(request_id, [], params, arrival)
-            self._post(FailRequest(self._final(empty, FinishReason.ERROR, error=str(error),
+            self._post(FailRequest(self._final([empty], FinishReason.ERROR, error=str(error),
                                                   error_code=ErrorCode.INVALID_REQUEST)))
             return
         # The engine's clock is perf_counter: carry the deadline over to it.
         local_deadline = None if deadline is None else arrival + (deadline - time.time())
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline,
-                          output_token_ids=resumed, stop_token_ids=frozenset(stop_ids))
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + resumed, params.stop)
-        self._post(AddRequest(_Live(request, detokenizer, make_generator(params.seed))))
+        stop_ids = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+        choices = []
+        for index, output_ids in enumerate(resumed):
+            request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline,
+                              output_token_ids=list(output_ids), stop_token_ids=stop_ids, index=index)
+            seed = None if params.seed is None else (params.seed + index) % 2**63
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop)
+            choices.append(_Choice(request, detokenizer, make_generator(seed), self._ended_already(request)))
+        try:
+            lead, *forks = [choice.request for choice in choices if choice.end is None]
+        except ValueError:
+            lead = None
+        if lead is None:  # nothing left to make
+            self._post(FailRequest(self._request_final(_Live(choices), choices[-1].end.finish_reason)))
+            return
+        lead.forks = forks
+        for fork in forks:
+            fork.status = RequestStatus.FORKING
+        self._post(AddRequest(_Live(choices, lead)))
 
     def cancel(self, request_id: str) -> None:
         self._post(CancelRequest(request_id))
@@ -252,7 +284,8 @@ class Engine:
         started = time.perf_counter()
         events = self._drain_inbox()
         for request in self.scheduler.expired(started):
-            events.append(self._retire(request, FinishReason.DEADLINE))
+            if request.request_id in self._live:
+                events.extend(self._retire(request, FinishReason.DEADLINE))
         plan = self.scheduler.schedule()
         if not plan.has_work:
             return events, None
@@ -270,7 +303,7 @@ class Engine:
             token_ids = self.sampler.sample(
                 output.logits,
                 [r.params for r in sampling],
-                [self._live[r.request_id].generator for r in sampling],
+                [self._choice(r).generator for r in sampling],
             ) if sampling else []
         except Exception as error:  # a failed step fails its requests, not the engine
             message = f"model step failed: {type(error).__name__}: {error}"
@@ -278,8 +311,8 @@ class Engine:
             swapping = [r for r in plan.preempted if r.status is RequestStatus.SWAPPED] + plan.resumed
             failed = {id(r): r for r in [c.request for c in plan.chunks] + swapping}
             for request in failed.values():
-                if request.status is not RequestStatus.FINISHED:
-                    events.append(self._retire(request, FinishReason.ERROR, message, ErrorCode.INTERNAL_ERROR))
+                if request.request_id in self._live:
+                    events.extend(self._retire(request, FinishReason.ERROR, message, ErrorCode.INTERNAL_ERROR))
             return events, None
         now = time.perf_counter()
         for request in first_scheduled:
@@ -338,12 +371,36 @@ class Engine:
             )
         return prompt_ids
 
-    def _validate_resumed(self, output_ids: Sequence[int], params: SamplingParams) -> list[int]:
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in output_ids):
-            raise InvalidRequest(f"resumed output token ids must be in [0, {self.vocab_size})")
-        if len(output_ids) >= params.max_tokens:
-            raise InvalidRequest(f"{len(output_ids)} resumed output tokens leave none of max_tokens ({params.max_tokens})")
-        return list(output_ids)
+    def _validate_resumed(self, output_ids, params: SamplingParams) -> list[list[int]]:
+        """The resumed output tokens, one list per choice."""
+        if params.n == 1:
+            per_choice = [output_ids]
+        elif not output_ids:
+            per_choice = [[] for _ in range(params.n)]
+        elif len(output_ids) == params.n and all(isinstance(ids, (list, tuple)) for ids in output_ids):
+            per_choice = output_ids
+        else:
+            raise InvalidRequest(f"resumed output must hold one token id list per choice ({params.n})")
+        for ids in per_choice:
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequest(f"resumed output token ids must be in [0, {self.vocab_size})")
+            if len(ids) > params.max_tokens:
+                raise InvalidRequest(f"{len(ids)} resumed output tokens leave none of max_tokens ({params.max_tokens})")
+        return [list(ids) for ids in per_choice]
+
+    @staticmethod
+    def _ended_already(request: Request) -> ChoiceEnd | None:
+        """A resumed choice whose published tokens already end it."""
+        output = request.output_token_ids
+        if len(output) >= request.params.max_tokens:
+            reason = FinishReason.LENGTH
+        elif output and output[-1] in request.stop_token_ids:
+            reason = FinishReason.STOP
+        else:
+            return None
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return ChoiceEnd(request.index, reason, len(output))
 
     def _post(self, command: Command) -> None:
         with self._lock:
@@ -356,14 +413,17 @@ class Engine:
         for command in inbox:
             match command:
                 case AddRequest(live):
-                    self._live[live.request.request_id] = live
-                    self.scheduler.add(live.request)
+                    self._live[live.lead.request_id] = live
+                    self.scheduler.add(live.lead)
                 case FailRequest(event):
                     self._forget(event.request_id)
                     events.append(event)
                 case CancelRequest(request_id) if request_id in self._live:
-                    events.append(self._retire(self._live[request_id].request, FinishReason.CANCELLED))
+                    events.extend(self._retire(self._live[request_id].lead, FinishReason.CANCELLED))
         return events
+
+    def _choice(self, request: Request) -> _Choice:
+        return self._live[request.request_id].choices[request.index]
 
     def _token_events(self, request: Request, now: float) -> list[Event]:
         """The events of the token `request` just took: its text, and its end if the
@@ -375,28 +435,51 @@ class Engine:
             self._inter_token_s.append(now - request.token_times[-1])
         request.token_times.append(now)
         token_id = request.output_token_ids[-1]
-        detokenizer = self._live[request.request_id].detokenizer
+        detokenizer = self._choice(request).detokenizer
         stop_token = token_id in request.stop_token_ids
         text = "" if stop_token else detokenizer.push([token_id])
-        events: list[Event] = [TokenEvent(request.request_id, (token_id,), text)]
+        events: list[Event] = [TokenEvent(request.request_id, (token_id,), text, request.index)]
+        if request.status is not RequestStatus.FINISHED and detokenizer.stopped:
+            self.scheduler.finish(request, FinishReason.STOP)
         if request.status is RequestStatus.FINISHED:
-            events.append(self._final_event(request))
-        elif detokenizer.stopped:
-            events.append(self._retire(request, FinishReason.STOP))
+            events.extend(self._choice_ended(request))
         return events
 
-    def _retire(self, request: Request, reason: FinishReason, error: str | None = None,
-                error_code: ErrorCode | None = None) -> FinalEvent:
-        self.scheduler.finish(request, reason)
-        return self._final_event(request, error, error_code)
+    def _choice_ended(self, request: Request) -> list[Event]:
+        """A choice the scheduler has retired; its request's final event if it was the last."""
+        live = self._live[request.request_id]
+        self._end_choice(live.choices[request.index], request.finish_reason)
+        if any(choice.end is None for choice in live.choices):
+            return []
+        return [self._request_final(live, request.finish_reason)]
 
-    def _final_event(self, request: Request, error: str | None = None,
-                     error_code: ErrorCode | None = None) -> FinalEvent:
-        """The final event of a request the scheduler has retired; the engine forgets it."""
-        detokenizer = self._live[request.request_id].detokenizer
+    def _retire(self, request: Request, reason: FinishReason, error: str | None = None,
+                error_code: ErrorCode | None = None) -> list[Event]:
+        """End `request`'s whole request (cancelled, expired, failed): every choice still
+        going ends for `reason`. Returns its final event."""
+        live = self._live[request.request_id]
+        for choice in live.choices:
+            if choice.end is None:
+                if choice.request.status is not RequestStatus.FINISHED:
+                    self.scheduler.finish(choice.request, reason)
+                self._end_choice(choice, reason, error)
+        return [self._request_final(live, reason, error, error_code)]
+
+    @staticmethod
+    def _end_choice(choice: _Choice, reason: FinishReason, error: str | None = None) -> None:
+        detokenizer = choice.detokenizer
         tail = "" if detokenizer.stopped or error else detokenizer.flush()
-        self._forget(request.request_id)
-        return self._final(request, request.finish_reason, tail, error, error_code)
+        choice.end = ChoiceEnd(choice.request.index, reason, len(choice.request.output_token_ids), tail)
+
+    def _request_final(self, live: _Live, reason: FinishReason, error: str | None = None,
+                       error_code: ErrorCode | None = None) -> FinalEvent:
+        """The final event of a request whose choices have all ended (`reason`: why the
+        last one did); the engine forgets it."""
+        requests = [choice.request for choice in live.choices]
+        self._forget(requests[0].request_id)
+        if len(live.choices) == 1:
+            return self._final(requests, reason, live.choices[0].end.text, error, error_code)
+        return self._final(requests, reason, "", error, error_code, tuple(choice.end for choice in live.choices))
 
     def _forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
@@ -404,23 +487,29 @@ class Engine:
             self._known_ids.discard(request_id)
 
     @staticmethod
-    def _final(request: Request, reason: FinishReason, text: str = "", error: str | None = None,
-               error_code: ErrorCode | None = None) -> FinalEvent:
+    def _final(requests: list[Request], reason: FinishReason, text: str = "", error: str | None = None,
+               error_code: ErrorCode | None = None, choices: tuple[ChoiceEnd, ...] = ()) -> FinalEvent:
+        """A request's final event; its choices' tokens and times taken together."""
         now = time.perf_counter()
-        arrival = request.arrival_time
+        first = requests[0]
+        arrival = first.arrival_time
+        scheduled = [r.scheduled_time for r in requests if r.scheduled_time is not None]
+        first_tokens = [r.first_token_time for r in requests if r.first_token_time is not None]
+        token_times = sorted(t for r in requests for t in r.token_times) if len(requests) > 1 else first.token_times
         return FinalEvent(
-            request.request_id,
+            first.request_id,
             reason,
-            Usage(request.num_prompt_tokens, len(request.output_token_ids)),
+            Usage(first.num_prompt_tokens, sum(len(r.output_token_ids) for r in requests)),
             Timings(
-                queue_s=(request.scheduled_time or now) - arrival,
-                first_token_s=None if request.first_token_time is None else request.first_token_time - arrival,
+                queue_s=min(scheduled, default=now) - arrival,
+                first_token_s=min(first_tokens) - arrival if first_tokens else None,
                 total_s=now - arrival,
-                token_times=tuple(t - arrival for t in request.token_times),
+                token_times=tuple(t - arrival for t in token_times),
             ),
             text=text,
             error=error,
             error_code=error_code,
+            choices=choices,
         )
 
 

@@ -61,9 +61,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         started = time.perf_counter()
+        # Device to host first, so a block evicted and reused this step is saved before it
+        # is overwritten; then copies on write; then host to device.
         copies_out, copies_in = plan.copies_out, plan.copies_in
-        if copies_out or copies_in:
-            self.host_pool.swap(copies_out, copies_in)
+        if copies_out:
+            self.host_pool.swap(copies_out, ())
+        if plan.copies:
+            self.kv_cache.copy_blocks(plan.copies)
+        if copies_in:
+            self.host_pool.swap((), copies_in)
         swap_s = time.perf_counter() - started
         if not plan.chunks:
             return StepOutput(None, 0.0, swap_s)

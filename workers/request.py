@@ -11,6 +11,9 @@ class InvalidRequest(ValueError):
     """Raised for bad input; the message is shown to the client of that request only."""
 
 
+# Most choices one request may ask for (`SamplingParams.n`).
+MAX_CHOICES = 16
+
 # Request priority: an integer in [PRIORITY_MIN, PRIORITY_MAX]; higher runs first.
 PRIORITY_MIN, PRIORITY_MAX, DEFAULT_PRIORITY = -10, 10, 0
 
@@ -35,6 +38,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     # Keep generating past EOS (benchmarks need fixed output lengths).
     ignore_eos: bool = False
+    # Parallel sampling: this many choices from one prompt, computed once and shared
+    # (choice i draws from seed + i when seeded).
+    n: int = 1
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -65,6 +71,8 @@ class SamplingParams:
             raise InvalidRequest(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if len(self.stop) > 16:
             raise InvalidRequest(f"at most 16 stop strings, got {len(self.stop)}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
 
 
 class FinishReason(str, enum.Enum):
@@ -84,6 +92,7 @@ class ErrorCode(str, enum.Enum):
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holding no KV blocks (new, or preempted to recompute)
+    FORKING = "forking"  # a parallel choice waiting for its prompt to be computed once
     RUNNING = "running"  # holding device KV blocks
     SWAPPED = "swapped"  # preempted, its KV blocks parked in the host pool
     FINISHED = "finished"
@@ -114,6 +123,10 @@ class Request:
     host_block_ids: list[int] = field(default_factory=list)  # host KV blocks while SWAPPED
     # Content addresses of its first full blocks, computed as the prefix cache needs them.
     block_addresses: list[bytes] = field(default_factory=list)
+    # Parallel sampling: which choice of its request this is, and (on choice 0) the other
+    # choices, forked from it once its prompt is computed (`Scheduler.update_from_output`).
+    index: int = 0
+    forks: list[Request] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     # The scheduler's bookkeeping: queue order, and the step it last started running.
     queue_key: tuple[float, int] = (0.0, 0)
@@ -149,11 +162,22 @@ class Request:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New tokens of one request: their ids and the text they complete."""
+    """New tokens of one request's choice: their ids and the text they complete."""
 
     request_id: str
     token_ids: tuple[int, ...]
     text: str
+    index: int = 0  # the choice (parallel sampling); always 0 when n is 1
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """How one choice of a request with n > 1 ended."""
+
+    index: int
+    finish_reason: FinishReason
+    completion_tokens: int
+    text: str = ""  # text held back until the end (a partial stop-string match), now final
 
 
 @dataclass(frozen=True)
@@ -183,6 +207,9 @@ class FinalEvent:
     text: str = ""  # any text held back (e.g. a partial stop-string match) that is now final
     error: str | None = None  # with finish_reason ERROR: what went wrong, for the client
     error_code: ErrorCode | None = None  # with finish_reason ERROR
+    # With n > 1: every choice's end, by index. Then `finish_reason` is the reason the
+    # last choice ended, `text` is empty, and usage counts the tokens of all choices.
+    choices: tuple[ChoiceEnd, ...] = ()
 
 
 Event = TokenEvent | FinalEvent

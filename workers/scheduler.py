@@ -52,6 +52,14 @@ then host to device, so a block evicted and reused in one step is saved before i
 overwritten. The host pool holds swapped-out requests' blocks (never evicted) and
 cached ones (evicted least recently used first).
 
+**Parallel sampling.** A request with n choices is one `Request` per choice. The first
+(the lead) is queued and computes the prompt; the others wait (FORKING) until it
+samples its first token, then start running beside it holding the same prompt
+blocks. Each recomputes the prompt's last token for logits of its own; the block that
+token lies in is shared, so it is copied first (copy on write: the plan's `copies`,
+device to device). A block held by more than one request is never written. The lead
+is admitted only when the running set has room for all its choices.
+
 **After the step** the scheduler owns what changed: `update_from_output` moves each
 chunk's request past the tokens it ran, appends the sampled tokens, and retires the
 requests that reached a stop token or max_tokens. The engine retires the rest through
@@ -106,6 +114,8 @@ class StepPlan:
     # host-tier hits brought back.
     offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     fetch: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Copy on write: shared blocks copied before a request writes into its own copy.
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +128,7 @@ class StepPlan:
     @property
     def has_work(self) -> bool:
         """Anything for the runner to do: tokens to run or blocks to copy."""
-        return bool(self.chunks or self.swap_out or self.swap_in or self.offload or self.fetch)
+        return bool(self.chunks or self.swap_out or self.swap_in or self.offload or self.fetch or self.copies)
 
     @property
     def copies_out(self) -> list[tuple[int, int]]:
@@ -182,10 +192,13 @@ class Scheduler:
     # -- queue changes -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
+        """Queue a request (with its `forks`, the other choices of a request with n > 1)."""
         most = request.num_prompt_tokens + request.params.max_tokens
         if blocks_needed(most, self.block_size) > self.allocator.num_blocks:
             # It could never run alone, and preempting others would not help.
             raise ValueError(f"request {request.request_id} needs more KV blocks than the pool has")
+        if 1 + len(request.forks) > self.config.max_running_requests:
+            raise ValueError(f"request {request.request_id} has more choices than max_running_requests")
         virtual_arrival = request.arrival_time - (request.priority - PRIORITY_MIN) * self._priority_weight
         request.queue_key = (virtual_arrival, next(self._order))  # the count breaks ties first come first
         self._enqueue(request, RequestStatus.WAITING)
@@ -196,6 +209,8 @@ class Scheduler:
         """Retire a request (finished, cancelled, expired or failed); free all its blocks at once."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.FORKING:
+            pass  # holds nothing yet; its lead skips it
         elif request.status in QUEUED:
             self._num_queued -= 1  # its heap entry is skipped when it surfaces
             self._num_swapped -= request.status is RequestStatus.SWAPPED
@@ -250,6 +265,8 @@ class Scheduler:
         if len(sampled) != len(sampled_token_ids):
             raise ValueError(f"{len(sampled)} chunks sample, got {len(sampled_token_ids)} tokens")
         for request, token_id in zip(sampled, sampled_token_ids):
+            if request.forks:
+                self._fork(request)
             request.output_token_ids.append(token_id)
             if token_id in request.stop_token_ids:
                 self.finish(request, FinishReason.STOP)
@@ -357,6 +374,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, plan: StepPlan) -> bool:
         """Start the queue's head (a waiting request) after its longest cached prefix, if
         its first chunk then fits in the free blocks; else change nothing and say False."""
+        if len(self.running) + 1 + len(request.forks) > self.config.max_running_requests:
+            return False  # its choices start running together
         on_device, on_host = self._cached_prefix(request)
         # Free blocks once the hits are taken: shared cached blocks stop being free, and
         # each host hit takes a new device block to be copied into.
@@ -438,6 +457,42 @@ class Scheduler:
             plan.offload.append((device_block, host_block))
         self._offloaded += len(plan.offload)
 
+    # -- parallel sampling -----------------------------------------------------------
+
+    def _fork(self, lead: Request) -> None:
+        """`lead` has computed the prompt: its other choices start running, holding the
+        prompt's blocks with it, each with the prompt's last token (and any output of its
+        own, after a takeover) left to compute."""
+        shared = lead.block_ids[: blocks_needed(lead.num_prompt_tokens - 1, self.block_size)]
+        for fork in lead.forks:
+            if fork.status is not RequestStatus.FORKING:
+                continue  # ended already
+            for block in shared:
+                self.allocator.fork(block)
+            fork.block_ids = list(shared)
+            fork.num_computed = lead.num_prompt_tokens - 1
+            fork.queue_key = lead.queue_key
+            fork.scheduled_time = lead.scheduled_time
+            self._start_running(fork)
+            if fork.deadline is not None:
+                heapq.heappush(self._deadlines, (fork.deadline, next(self._order), fork))
+        lead.forks = []
+
+    def _copy_on_write(self, request: Request, plan: StepPlan) -> None:
+        """Before `request` writes at `num_computed`: if that block is shared, write into
+        a copy of it instead."""
+        if self._shares_next_block(request):
+            index = request.num_computed // self.block_size
+            shared = request.block_ids[index]
+            own = self.allocator.allocate()
+            plan.copies.append((shared, own))
+            self.allocator.free([shared])
+            request.block_ids[index] = own
+
+    def _shares_next_block(self, request: Request) -> bool:
+        index = request.num_computed // self.block_size
+        return index < len(request.block_ids) and self.allocator.holders(request.block_ids[index]) > 1
+
     # -- helpers -------------------------------------------------------------------
 
     @property
@@ -448,13 +503,15 @@ class Scheduler:
         """The longest prompt chunk of `request` that the budget and the free blocks allow."""
         remaining = request.num_tokens - request.num_computed
         have = len(request.block_ids) * self.block_size - request.num_computed
+        free = self.allocator.num_free - self._shares_next_block(request)  # a copy on write takes one
         return max(0, min(remaining, budget, self.config.max_prefill_chunk,
-                          have + self.allocator.num_free * self.block_size))
+                          have + free * self.block_size))
 
     def _add_prefill_chunk(self, request: Request, budget: int, plan: StepPlan) -> int:
         """Plan (and allocate blocks for) the largest chunk that fits; return its length."""
         n = self._largest_chunk(request, budget)
         if n:
+            self._copy_on_write(request, plan)
             self._allocate(request, request.num_computed + n)
             plan.chunks.append(self._chunk(request, n))
         return n
@@ -479,12 +536,14 @@ class Scheduler:
         Returns False if it could not: `request` was itself the victim, or preempting
         was not allowed.
         """
-        need = blocks_needed(num_tokens, self.block_size) - len(request.block_ids)
+        need = blocks_needed(num_tokens, self.block_size) - len(request.block_ids) + self._shares_next_block(request)
         while need > self.allocator.num_free:
             if not may_preempt:
                 return False
             if self._preempt_one(plan) is request:
                 return False
+            need = blocks_needed(num_tokens, self.block_size) - len(request.block_ids) + self._shares_next_block(request)
+        self._copy_on_write(request, plan)
         self._allocate(request, num_tokens)
         return True
 
