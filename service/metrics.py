@@ -5,7 +5,8 @@ It is fed from three places, none of which imports prometheus_client:
 - `observe_step`, the engine's observer (`Engine.observer`), called in the stepping
   thread after every step with an `EngineStats`: the queue, first-token and
   inter-token latencies it made, batch composition, step time, budget use,
-  requests by state and priority, KV blocks, preemptions and swaps;
+  requests by state and priority, KV blocks, preemptions and swaps, and the prefix
+  cache (tokens queried, hits and cached blocks by tier, evictions, offloads);
 - `observe_finished`, `observe_outcome` and `observe_dead_letter`, from the worker;
 - `poll_ingest`, from the worker's event loop every `ingest_poll_s`: Redis lag, pending
   entries and dead letters (a few round trips, never in the model thread).
@@ -88,6 +89,23 @@ class Metrics:
         self.swapped_blocks = Counter("inflight_swapped_blocks", "KV blocks copied, by direction (out, in).",
                                       ["direction"], registry=registry)
 
+        # -- prefix cache (after each step) ---------------------------------------------
+        self.prefix_queried = Counter("inflight_prefix_cache_queried_tokens",
+                                      "Tokens of requests admitted with prefix caching on (each admission looks them up).",
+                                      registry=registry)
+        self.prefix_hits = Counter("inflight_prefix_cache_hit_tokens",
+                                   "Of those, tokens found cached, by tier (device, host: copied back).",
+                                   ["tier"], registry=registry)
+        self.prefix_blocks = Gauge("inflight_prefix_cache_blocks",
+                                   "KV blocks registered in the prefix cache, by tier (held or free).",
+                                   ["tier"], registry=registry)
+        self.prefix_evicted = Counter("inflight_prefix_cache_evicted_blocks",
+                                      "Cached blocks dropped from a tier to reuse the block (from the device, maybe offloaded first).",
+                                      ["tier"], registry=registry)
+        self.prefix_offloaded = Counter("inflight_prefix_cache_offloaded_blocks",
+                                        "Cached blocks evicted from the device and copied to the host tier.",
+                                        registry=registry)
+
         # -- steps ----------------------------------------------------------------------
         self.step_tokens = Histogram("inflight_step_tokens", "Tokens in one step's batch, by kind (prefill, decode).",
                                      ["kind"], buckets=STEP_TOKEN_BUCKETS, registry=registry)
@@ -121,11 +139,16 @@ class Metrics:
             self.kv_usage.labels(pool)
             for state in ("used", "free"):
                 self.kv_blocks.labels(pool, state)
+            self.prefix_hits.labels(pool)
+            self.prefix_blocks.labels(pool)
+            self.prefix_evicted.labels(pool)
         for kind in ("prefill", "decode"):
             self.step_tokens.labels(kind)
         for budget in ("batch", "prefill", "decode"):
             self.step_budget.labels(budget)
         self._priorities_seen: set[tuple[str, int]] = set()
+        # The engine reports evictions as running totals; the counters take the difference.
+        self._evictions_seen = {pool: 0 for pool in POOLS}
         # Computed at scrape time, so the age keeps growing if the engine stops stepping.
         self._oldest_waiting_since: float | None = None  # wall clock
         self.oldest_waiting.set_function(self._oldest_waiting_age)
@@ -172,6 +195,19 @@ class Metrics:
             self.kv_blocks.labels(pool, "used").set(used)
             self.kv_blocks.labels(pool, "free").set(total - used)
             self.kv_usage.labels(pool).set(used / total if total else 0.0)
+
+        cache = stats.cache
+        self.prefix_queried.inc(cache.queried_tokens)
+        self.prefix_offloaded.inc(cache.offloaded_blocks)
+        for pool, hits, cached, evictions in (
+                ("device", cache.device_hit_tokens, cache.device_cached_blocks, cache.device_evictions),
+                ("host", cache.host_hit_tokens, cache.host_cached_blocks, cache.host_evictions)):
+            self.prefix_hits.labels(pool).inc(hits)
+            self.prefix_blocks.labels(pool).set(cached)
+            seen = self._evictions_seen[pool]
+            # A total below the last one is a new engine's, counted from 0 (as Prometheus treats a reset).
+            self.prefix_evicted.labels(pool).inc(evictions - seen if evictions >= seen else evictions)
+            self._evictions_seen[pool] = evictions
 
     def observe_finished(self, event: FinalEvent) -> None:
         """A request the engine ended (any finish reason, errors included). Its queue,

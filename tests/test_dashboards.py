@@ -85,7 +85,10 @@ def test_the_dashboard_has_the_panels_the_operators_need():
                    "inflight_inter_token_latency_seconds_bucket", "inflight_request_duration_seconds_bucket",
                    "inflight_scheduler_requests", "inflight_ingest_lag_entries", "inflight_kv_cache_usage_ratio",
                    "inflight_preemptions_total", "inflight_swapped_blocks_total", "inflight_step_tokens_sum",
-                   "inflight_step_duration_seconds_bucket", "inflight_dead_letters_total"):
+                   "inflight_step_duration_seconds_bucket", "inflight_dead_letters_total",
+                   "inflight_prefix_cache_queried_tokens_total", "inflight_prefix_cache_hit_tokens_total",
+                   "inflight_prefix_cache_blocks", "inflight_prefix_cache_evicted_blocks_total",
+                   "inflight_prefix_cache_offloaded_blocks_total"):
         assert metric in queries, metric
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))

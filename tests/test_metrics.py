@@ -91,6 +91,63 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     assert value(metrics, "inflight_queue_time_seconds_count") == 3
 
 
+@pytest.mark.slow
+def test_prefix_cache_hits_evictions_and_offloads_by_tier(make_engine):
+    # 6 device blocks, 6 host blocks; prompts are token ids, so block counts are exact.
+    engine = make_engine(kv_memory_bytes=6 * BLOCK_BYTES, swap_memory_bytes=6 * BLOCK_BYTES)
+    metrics = Metrics(engine.config.scheduler)
+    seen = []
+
+    def observe(stats):
+        seen.append(stats.cache)
+        metrics.observe_step(stats)
+
+    engine.observer = observe
+    shared = list(range(1000, 1040))  # 40 tokens: 2 full blocks cacheable (the last token is always computed)
+    other = list(range(2000, 2080))  # 80 tokens + 8 generated: all 6 device blocks, evicting the shared prefix
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def run(request_id, prompt):
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+
+    run("first", shared)  # a miss: computes and caches the prefix
+    assert value(metrics, "inflight_prefix_cache_hit_tokens_total", tier="device") == 0
+    assert value(metrics, "inflight_prefix_cache_blocks", tier="device") >= 2
+    run("again", shared)  # the same prompt: both full blocks come from the device pool
+    assert value(metrics, "inflight_prefix_cache_hit_tokens_total", tier="device") == 32
+    run("other", other)  # needs every device block: the cached ones are evicted, and offloaded
+    device_evicted = value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="device")
+    assert device_evicted >= 2
+    assert value(metrics, "inflight_prefix_cache_offloaded_blocks_total") >= 2
+    assert value(metrics, "inflight_prefix_cache_blocks", tier="host") >= 2
+    run("back", shared)  # the prefix is now only in the host tier: copied back, not recomputed
+    assert value(metrics, "inflight_prefix_cache_hit_tokens_total", tier="host") == 32
+
+    # The counters add up the steps; evictions are running totals, counted once.
+    queried = sum(c.queried_tokens for c in seen)
+    assert value(metrics, "inflight_prefix_cache_queried_tokens_total") == queried == 3 * 40 + 80
+    assert value(metrics, "inflight_prefix_cache_hit_tokens_total", tier="device") == sum(c.device_hit_tokens for c in seen)
+    assert value(metrics, "inflight_prefix_cache_offloaded_blocks_total") == sum(c.offloaded_blocks for c in seen)
+    assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="device") == seen[-1].device_evictions
+    assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="host") == seen[-1].host_evictions
+    assert value(metrics, "inflight_prefix_cache_blocks", tier="device") == seen[-1].device_cached_blocks
+
+
+def test_eviction_totals_become_counter_increments():
+    """CacheStats carries evictions as running totals; a total that drops is a new engine's."""
+    from workers.engine import EngineStats
+    from workers.scheduler import CacheStats, Census
+
+    metrics = Metrics()
+    idle = Census({}, {}, {}, None)
+    for device, host in ((3, 0), (3, 1), (5, 1), (2, 0)):
+        cache = CacheStats(device_evictions=device, host_evictions=host)
+        metrics.observe_step(EngineStats(None, idle, 0.0, 0, 10, 0, 4, cache))
+    assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="device") == 5 + 2
+    assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="host") == 1
+
 def test_the_oldest_waiting_age_grows_between_steps():
     """Read at scrape time: if the engine hangs, a starving request still shows its age."""
     from workers.engine import EngineStats

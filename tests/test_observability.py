@@ -157,6 +157,8 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         assert {int(series["metric"]["priority"]) for series in by_priority["result"]} == {-5, 0, 5}
         assert api.scalar(f'max(max_over_time(inflight_kv_cache_usage_ratio{{pool="device"}}[{WINDOW}]))') > 0.5
         assert api.scalar("sum(inflight_dead_letters_total)") == 2
+        # Prefix caching is on by default: every admission queried the cache.
+        assert api.scalar("sum(inflight_prefix_cache_queried_tokens_total)") > 0
 
         # Every alert rule evaluates without error against live data.
         rules = json.loads(get(f"{api.base}/api/v1/rules"))["data"]["groups"]

@@ -78,6 +78,21 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
             (f"sum by (direction) (rate(inflight_swapped_requests_total[{RATE}]))", "requests {{direction}}"),
         ], "KV blocks and requests moved between device and host per second."),
     ]),
+    ("Prefix cache", [
+        ("Prefix cache hit rate", "percentunit", [
+            (f"sum by (tier) (rate(inflight_prefix_cache_hit_tokens_total[{RATE}]))"
+             f" / ignoring (tier) group_left sum(rate(inflight_prefix_cache_queried_tokens_total[{RATE}]))", "{{tier}}"),
+            (f"sum(rate(inflight_prefix_cache_hit_tokens_total[{RATE}]))"
+             f" / sum(rate(inflight_prefix_cache_queried_tokens_total[{RATE}]))", "either tier"),
+        ], "Fraction of admitted requests' tokens found cached: in the device pool, or in the host tier (copied back)."),
+        ("Prefix cache blocks", "short", [
+            ("sum by (tier) (inflight_prefix_cache_blocks)", "{{tier}}"),
+        ], "KV blocks registered in the prefix cache, held by requests or free to evict."),
+        ("Prefix cache evictions", "short", [
+            (f"sum by (tier) (rate(inflight_prefix_cache_evicted_blocks_total[{RATE}]))", "evicted {{tier}}"),
+            (f"sum(rate(inflight_prefix_cache_offloaded_blocks_total[{RATE}]))", "offloaded to host"),
+        ], "Cached blocks dropped per second to reuse the block, and device evictions copied to the host tier."),
+    ]),
     ("Steps", [
         ("Batch composition (tokens per step)", "short", [
             mean_per_step("inflight_step_tokens", "kind"),
@@ -131,7 +146,7 @@ def dashboard() -> dict:
     return {
         "uid": "inflight-overview",
         "title": "inflight",
-        "description": "LLM inference workers: throughput, latency, queues, KV cache, steps, errors.",
+        "description": "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, errors.",
         "tags": ["inflight"],
         "timezone": "browser",
         "schemaVersion": 39,
