@@ -60,6 +60,7 @@ class _Stream:
     final_waiting: tuple[str, dict] | None = None  # a done event not yet sent: (entry id, fields)
     refreshed_at: float | None = None  # last TTL refresh (monotonic); None: never written
     text: list[str] | None = None
+    indexed: bool = False  # n > 1: each token event names its choice
 
 
 class ReplyOutbox:
@@ -72,10 +73,11 @@ class ReplyOutbox:
         self._refresh_s = publisher.ttl_s / TTL_REFRESHES
 
     def open(self, request_id: str, reply_to: str, entry_id: str, seq: int,
-             keep_text: bool = False) -> asyncio.Future[Published]:
-        """Route `request_id`'s events to `reply_to`, from token `seq` on."""
+             keep_text: bool = False, choices: int = 1) -> asyncio.Future[Published]:
+        """Route `request_id`'s events to `reply_to`, from token `seq` on; with `choices`
+        > 1 each token event names its choice."""
         stream = _Stream(reply_to, entry_id, seq, asyncio.get_running_loop().create_future(),
-                         text=[] if keep_text else None)
+                         text=[] if keep_text else None, indexed=choices > 1)
         self._streams[request_id] = stream
         return stream.result
 
@@ -99,7 +101,8 @@ class ReplyOutbox:
                 if event.error_code is None:
                     stream.final_waiting = (f"{stream.seq}-1", done_fields(event, self.publisher.worker))
             else:
-                stream.waiting.append(token_data(stream.seq, event.text, event.token_ids))
+                stream.waiting.append(token_data(stream.seq, event.text, event.token_ids,
+                                                 event.index if stream.indexed else None))
                 stream.seq += 1
             if stream.text is not None:
                 stream.text.append(event.text)

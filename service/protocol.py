@@ -24,7 +24,7 @@ MAX_ENTRY_BYTES = 1 << 20
 MAX_ID_CHARS = 200
 
 FIELDS = frozenset({"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                    "ignore_eos", "priority", "deadline_ms", "reply_to"})
+                    "ignore_eos", "n", "priority", "deadline_ms", "reply_to"})
 FLAT_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
@@ -145,6 +145,7 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
         seed=number("seed", int, None),
         stop=tuple(stop),
         ignore_eos=ignore_eos,
+        n=number("n", int, defaults.n),
     )
     try:
         params.validate()
@@ -162,16 +163,25 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
 # -- replies ---------------------------------------------------------------------------
 
 
-def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int]) -> bytes:
+def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int], index: int | None = None) -> bytes:
     """A token event's `data`: the event as msgpack. The worker sends only this; the
-    write script derives the readable fields (`token_fields`) from it."""
-    return msgpack.packb({"type": "token", "seq": seq, "text": text, "token_ids": list(token_ids)})
+    write script derives the readable fields (`token_fields`) from it. `index` names
+    the choice, for a request with n > 1 only."""
+    data = {"type": "token", "seq": seq, "text": text, "token_ids": list(token_ids)}
+    if index is not None:
+        data["index"] = index
+    return msgpack.packb(data)
 
 
-def token_fields(seq: int, text: str, token_ids: tuple[int, ...] | list[int]) -> dict[str, str | bytes]:
+def token_fields(seq: int, text: str, token_ids: tuple[int, ...] | list[int],
+                 index: int | None = None) -> dict[str, str | bytes]:
     """One token event's entry: readable fields plus the same data as msgpack in `data`."""
-    return {"type": "token", "seq": str(seq), "text": text, "token_ids": " ".join(map(str, token_ids)),
-            "data": token_data(seq, text, token_ids)}
+    fields: dict[str, str | bytes] = {"type": "token", "seq": str(seq)}
+    if index is not None:
+        fields["index"] = str(index)
+    fields.update({"text": text, "token_ids": " ".join(map(str, token_ids)),
+                   "data": token_data(seq, text, token_ids, index)})
+    return fields
 
 
 def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
@@ -186,7 +196,7 @@ def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
         "timings": {"queue_s": t.queue_s, "first_token_s": t.first_token_s, "total_s": t.total_s},
         "worker": worker,
     }
-    return {
+    fields = {
         "type": "done",
         "finish_reason": data["finish_reason"],
         "text": event.text,
@@ -196,8 +206,13 @@ def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
         "first_token_s": "" if t.first_token_s is None else f"{t.first_token_s:.6f}",
         "total_s": f"{t.total_s:.6f}",
         "worker": worker,
-        "data": msgpack.packb(data),
     }
+    if event.choices:  # n > 1
+        data["choices"] = [{"index": c.index, "finish_reason": c.finish_reason.value, "text": c.text,
+                            "completion_tokens": c.completion_tokens} for c in event.choices]
+        fields["choices"] = json.dumps(data["choices"])
+    fields["data"] = msgpack.packb(data)
+    return fields
 
 
 def error_fields(code: str, message: str) -> dict[str, str | bytes]:

@@ -81,9 +81,17 @@ for s = 1, #streams do
   else
     for _, data in ipairs(spec[3]) do
       local token = cmsgpack.unpack(data)
-      local error = failed(redis.pcall('XADD', stream, string.format('%d-0', token['seq'] + 1), 'type', 'token',
-        'seq', string.format('%d', token['seq']), 'text', token['text'],
-        'token_ids', table.concat(token['token_ids'], ' '), 'data', data))
+      local id, seq = string.format('%d-0', token['seq'] + 1), string.format('%d', token['seq'])
+      local ids = table.concat(token['token_ids'], ' ')
+      local added
+      if token['index'] then  -- a choice of a request with n > 1
+        added = redis.pcall('XADD', stream, id, 'type', 'token', 'seq', seq, 'index', string.format('%d', token['index']),
+          'text', token['text'], 'token_ids', ids, 'data', data)
+      else
+        added = redis.pcall('XADD', stream, id, 'type', 'token', 'seq', seq, 'text', token['text'],
+          'token_ids', ids, 'data', data)
+      end
+      local error = failed(added)
       if error then result = error; break end
     end
     if result == 1 and spec[4] ~= '' then
@@ -129,8 +137,16 @@ class Append:
 @dataclass(frozen=True)
 class Claim:
     owned: bool  # False: another job owns the stream (duplicate id or reply_to)
-    token_ids: list[int]  # already published, in seq order (a takeover continues after them)
+    # Already published, by choice index (0 unless n > 1), in seq order: a takeover
+    # continues after them.
+    choices: dict[int, list[int]]
+    num_events: int  # token events already there: the next one's seq
     finished: bool  # a final event is already there: nothing is left to do
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Choice 0's tokens: all of them when n is 1."""
+        return self.choices.get(0, [])
 
 
 class ReplyPublisher:
@@ -151,16 +167,18 @@ class ReplyPublisher:
         reply = await self._claim(keys=[reply_to, owner_key(reply_to)],
                                   args=[entry_id, self.owner(entry_id), self.ttl_s])
         if not reply[0]:
-            return Claim(False, [], False)
-        token_ids: list[int] = []
+            return Claim(False, {}, 0, False)
+        choices: dict[int, list[int]] = {}
+        num_events = 0
         finished = False
         for _, fields in _pairs(reply[1]):
             data = msgpack.unpackb(fields[b"data"])
             if data["type"] == "token":
-                token_ids.extend(data["token_ids"])
+                choices.setdefault(data.get("index", 0), []).extend(data["token_ids"])
+                num_events += 1
             else:
                 finished = True
-        return Claim(True, token_ids, finished)
+        return Claim(True, choices, num_events, finished)
 
     async def append(self, appends: Sequence[Append]) -> list[bool | RedisError]:
         """Write every `Append` in one pipelined round trip. Per append: True when written,

@@ -209,7 +209,7 @@ class Worker:
         if claim.finished:  # a worker wrote the final event, then died before acking
             await self._ack(entry)
             return
-        seq = len(claim.token_ids)
+        seq = claim.num_events
         if entry.deliveries > self.config.max_deliveries:
             self.metrics.observe_outcome("rejected")
             await self._reject(entry, "too_many_deliveries", f"delivered {entry.deliveries} times", job.reply_to,
@@ -218,15 +218,17 @@ class Worker:
         if self.cancels.cancels(job.request_id, entry.entry_id):
             await self._finish_unrun(entry, job, FinishReason.CANCELLED, seq)
             return
-        if seq >= job.params.max_tokens:  # every token was published before the takeover
+        if job.params.n == 1 and seq >= job.params.max_tokens:  # every token was published before the takeover
             await self._finish_unrun(entry, job, FinishReason.LENGTH, seq)
             return
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
         # A taken-over stream keeps its submission time, so it goes ahead of newer jobs.
         arrived_at = stream_id(entry.entry_id)[0] / 1000 if seq else None
-        published = self.outbox.open(entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts)
+        published = self.outbox.open(entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts,
+                                     choices=job.params.n)
+        resumed = claim.token_ids if job.params.n == 1 else [claim.choices.get(i, []) for i in range(job.params.n)]
         self.front.enqueue(job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at,
-                           resumed_output_ids=claim.token_ids)
+                           resumed_output_ids=resumed)
         self.held[entry.entry_id].submitted = True
         outcome = await published
         event = outcome.final

@@ -237,7 +237,8 @@ def test_an_owner_key_shares_its_reply_streams_hash_slot():
 def test_the_write_script_gives_token_entries_exactly_the_fields_the_protocol_defines(keys):
     """The worker sends a token as its msgpack `data` alone; the script derives the
     readable fields. They must be byte for byte what `token_fields` says."""
-    cases = [(0, "Hello", [15496]), (1, "", [220]), (2, " é 🙂\n", [1, 2, 3]), (3, "a b", []), (123456, "x", [0])]
+    cases = [(0, "Hello", [15496], None), (1, "", [220], None), (2, " é 🙂\n", [1, 2, 3], None), (3, "a b", [], None),
+             (123456, "x", [0], None), (123457, "y", [5], 0), (123458, "z", [6], 15)]  # the last two: n > 1
 
     async def main():
         client = await connect()
@@ -251,8 +252,9 @@ def test_the_write_script_gives_token_entries_exactly_the_fields_the_protocol_de
         return entries
 
     entries = run(main())
-    for (entry_id, fields), (seq, text, token_ids) in zip(entries, cases, strict=True):
-        want = {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in token_fields(seq, text, token_ids).items()}
+    for (entry_id, fields), (seq, text, token_ids, index) in zip(entries, cases, strict=True):
+        want = {k.encode(): v if isinstance(v, bytes) else v.encode()
+                for k, v in token_fields(seq, text, token_ids, index).items()}
         assert entry_id == f"{seq + 1}-0".encode() and fields == want
         assert list(fields) == list(want)  # in the same order too
 

@@ -83,6 +83,76 @@ def test_jobs_in_replies_out_bad_jobs_dead_lettered(make_engine):
     assert pending["pending"] == 0  # everything acked: served, or parked as a dead letter
 
 
+def test_n_choices_share_one_gapless_reply_stream_and_end_in_one_done_event(make_engine):
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = stream_config(prefix)
+    engine = make_engine()
+    prompt = "The capital of France is"
+    want = run_to_completion(make_engine(), {0: [("ref", prompt, SamplingParams(max_tokens=6))]})["ref"][0]
+    reply_to = f"inflight:out:{{{prefix}-n}}"
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(engine, client, config).run(stop))
+        await client.xadd(config.requests_stream, {"id": f"{prefix}-n", "prompt": prompt, "max_tokens": "6", "n": "3"})
+        replies = await read_replies(client, reply_to)
+        stop.set()
+        await serving
+        await client.delete(config.requests_stream, config.dead_letter_stream, reply_to)
+        await client.aclose()
+        return replies
+
+    replies = asyncio.run(main())
+    tokens = [e for e in replies if e["type"] == b"token"]
+    assert [int(e["seq"]) for e in tokens] == list(range(18))
+    for index in range(3):
+        assert [int(e["token_ids"]) for e in tokens if e["index"] == str(index).encode()] == want
+    done = replies[-1]
+    assert done["type"] == b"done" and done["completion_tokens"] == b"18"
+    choices = msgpack.unpackb(done["data"])["choices"]
+    assert [(c["index"], c["finish_reason"], c["completion_tokens"]) for c in choices] == [
+        (i, "length", 6) for i in range(3)]
+
+
+def test_a_takeover_continues_every_choice_after_its_own_published_tokens(make_engine):
+    """One worker stops (grace over) part-way through a job with n = 2; another takes the
+    job over and finishes every choice, each exactly as one uninterrupted run would."""
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    first = stream_config(prefix, shutdown_grace_s=0.0, claim_idle_ms=300)
+    second = RedisConfig(**{**first.__dict__, "consumer": "w2"})
+    prompt = "Count to a thousand:"
+    want = run_to_completion(make_engine(), {0: [("ref", prompt, SamplingParams(max_tokens=40, ignore_eos=True))]})
+    reply_to = f"inflight:out:{{{prefix}-n}}"
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(make_engine(), client, first).run(stop))
+        await client.xadd(first.requests_stream, {"id": f"{prefix}-n", "prompt": prompt, "max_tokens": "40",
+                                                  "ignore_eos": "true", "n": "2"})
+        await stream_reaches(client, reply_to, 5)
+        stop.set()
+        await serving
+        published = await client.xlen(reply_to)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(make_engine(), client, second).run(stop))
+        replies = await read_replies(client, reply_to)
+        stop.set()
+        await serving
+        await client.delete(first.requests_stream, first.dead_letter_stream, reply_to)
+        await client.aclose()
+        return published, replies
+
+    published, replies = asyncio.run(main())
+    assert 5 <= published < 80
+    tokens = [e for e in replies if e["type"] == b"token"]
+    assert [int(e["seq"]) for e in tokens] == list(range(80))
+    for index in (b"0", b"1"):
+        assert [int(e["token_ids"]) for e in tokens if e["index"] == index] == want["ref"][0]
+    assert replies[-1]["type"] == b"done" and replies[-1]["worker"] == b"w2"
+
+
 def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
     config = stream_config(prefix)
