@@ -131,7 +131,7 @@ class Client(_Settings):
     async def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      request_id: str | None = None, **options) -> str:
         """Queue a job; returns its request id. Options: max_tokens, temperature, top_p,
-        top_k, seed, stop, ignore_eos, priority, deadline_ms, reply_to."""
+        top_k, seed, stop, ignore_eos, n, priority, deadline_ms, reply_to."""
         request_id = request_id or uuid.uuid4().hex
         with _translated(self.address):
             await self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))

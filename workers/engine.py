@@ -364,6 +364,9 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context of {self.max_context} tokens"
             )
+        if params.n > self.config.scheduler.max_running_requests:
+            raise InvalidRequest(f"n ({params.n}) is above max_running_requests "
+                                 f"({self.config.scheduler.max_running_requests}): its choices run together")
         if blocks_needed(len(prompt_ids) + params.max_tokens, self.block_size) > self.allocator.num_blocks:
             raise InvalidRequest(
                 f"prompt + max_tokens needs more KV cache than the whole pool "
