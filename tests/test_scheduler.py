@@ -648,3 +648,16 @@ def test_cache_stats_report_the_admissions_hits_by_tier():
     while s.has_unfinished():
         runner.step(s.schedule())
 
+
+
+def test_evicting_part_of_a_finished_prompt_keeps_the_head_of_its_prefix_reachable():
+    # A finished prompt's blocks are freed together. Lookups follow the chain from its
+    # first block and stop at the first miss, so eviction must take a chain's tail
+    # before its head: evicting the head would strand every other block of the chain.
+    s = make(num_blocks=5, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))  # 3 cached, 2 empty
+    evict_with(s, runner, "other", 12)  # three blocks: the two empty ones and one cached block
+    assert s.allocator.num_evictions == 1
+    plans = step_until_finished(s, runner, b := prompt_request("b", SHARED + [2], max_tokens=1))
+    assert first_chunk(plans, b).start == 8  # SHARED's first two blocks were still cached

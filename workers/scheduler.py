@@ -549,5 +549,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.block_ids:
-            self.allocator.free(request.block_ids)
+            # Last block first: cached blocks are evicted least recently freed first, so a
+            # chain loses its tail before its head (a lookup stops at the first miss).
+            self.allocator.free(reversed(request.block_ids))
             request.block_ids = []
