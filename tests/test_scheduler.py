@@ -13,10 +13,11 @@ the block counts add up.
 from __future__ import annotations
 
 import subprocess
+from collections import Counter
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from workers.config import SchedulerConfig
@@ -661,3 +662,92 @@ def test_evicting_part_of_a_finished_prompt_keeps_the_head_of_its_prefix_reachab
     assert s.allocator.num_evictions == 1
     plans = step_until_finished(s, runner, b := prompt_request("b", SHARED + [2], max_tokens=1))
     assert first_chunk(plans, b).start == 8  # SHARED's first two blocks were still cached
+
+
+STEMS = [list(range(100, 124)), list(range(200, 224)), [100, 101, 102, 103] + list(range(300, 320))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.integers(0, len(STEMS) - 1),  # which shared stem
+            st.integers(0, 24),  # how much of it
+            st.lists(st.integers(0, 3), max_size=10),  # then a suffix (few distinct tokens: repeats)
+            st.integers(1, 10),  # max tokens
+            st.integers(0, 8),  # arrival step
+            st.integers(-1, 1),  # priority
+            st.sampled_from([None, None, None, None, 2, 8, 20]),  # cancel at this step
+            st.sampled_from([None, None, None, None, 3.0, 10.0]),  # deadline, time units after arrival
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+    num_blocks=st.integers(11, 24),  # the longest request (34 + 10 tokens) fits alone
+    host_blocks=st.sampled_from([0, 2, 6, 16, 40]),
+    max_batch_tokens=st.integers(1, 48),
+    max_prefill_chunk=st.integers(1, 48),
+    max_running=st.integers(1, 8),
+)
+def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_and_leaks_nothing(
+    prompts, num_blocks, host_blocks, max_batch_tokens, max_prefill_chunk, max_running,
+):
+    """Random arrivals with shared prefixes, under preemption (swap and recompute), cancels
+    and deadlines. The fake runner checks every chunk (reads only K/V of its own tokens,
+    writes only blocks it alone holds and that are not cached) and every plan's copies."""
+    s = make(num_blocks, host_blocks, cache_salt=SALT, max_batch_tokens=max_batch_tokens,
+             max_prefill_chunk=max_prefill_chunk, max_running_requests=max_running)
+    runner = FakeRunner(s)
+    arrivals: dict[int, list[Request]] = {}
+    cancels: dict[int, list[Request]] = {}
+    for i, (stem, shared, suffix, max_tokens, arrive, priority, cancel_at, deadline_after) in enumerate(prompts):
+        tokens = STEMS[stem][:shared] + suffix or [1]
+        deadline = None if deadline_after is None else arrive + deadline_after
+        r = prompt_request(f"r{i}", tokens, max_tokens, float(arrive), priority, deadline)
+        arrivals.setdefault(arrive, []).append(r)
+        if cancel_at is not None:
+            cancels.setdefault(cancel_at, []).append(r)
+    everyone = [r for batch in arrivals.values() for r in batch]
+    ended: dict[str, str] = {}
+    seen: Counter[str] = Counter()
+    for step in range(5_000):
+        now = float(step)
+        for r in arrivals.pop(step, []):
+            s.add(r)
+        for r in cancels.pop(step, []):
+            if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
+                s.finish(r, FinishReason.CANCELLED)
+                ended[r.request_id] = "cancelled"
+        for r in s.expired(now):
+            s.finish(r, FinishReason.DEADLINE)
+            ended[r.request_id] = "deadline"
+        if not arrivals and not s.has_unfinished():
+            break
+        was_running = set(map(id, s.running))
+        plan = s.schedule()
+        stats = s.cache_stats()
+        seen.update(device_hit=stats.device_hit_tokens, host_hit=stats.host_hit_tokens, offload=len(plan.offload),
+                    swap_out=len(plan.swap_out), preempted=len(plan.preempted))
+        assert stats.device_hit_tokens + stats.host_hit_tokens < stats.queried_tokens or not stats.queried_tokens
+        chunked = {id(c.request) for c in plan.chunks}
+        for r in s.running:
+            if id(r) not in was_running:  # started this step: it computes at least one token now
+                assert id(r) in chunked, f"{r.request_id} admitted without a chunk"
+        for c in plan.chunks:
+            assert c.num_tokens >= 1 and c.start + c.num_tokens <= c.request.num_tokens
+            assert len(c.request.block_ids) * BLOCK >= c.start + c.num_tokens
+        # Device blocks: the refcount of each is the number of running requests listing it.
+        held = Counter(b for r in s.running for b in r.block_ids)
+        assert all(s.allocator.holders(b) == n for b, n in held.items())
+        assert len(held) + s.allocator.num_free == num_blocks, "device blocks leaked"
+        for r in runner.step(plan):
+            ended[r.request_id] = "finished"
+    else:
+        raise AssertionError("requests did not finish")
+    assert set(ended) == {r.request_id for r in everyone}
+    assert all(len(r.output_token_ids) == r.params.max_tokens or r.output_token_ids[-1] == EOS
+               for r in everyone if ended[r.request_id] == "finished")
+    assert s.allocator.num_free == num_blocks and s.allocator.num_used == 0
+    assert s.host_allocator is None or s.host_allocator.num_free == host_blocks
+    for what, n in sorted(seen.items()):  # what the examples exercised (--hypothesis-show-statistics)
+        event(f"{what}: {'yes' if n else 'no'}")
