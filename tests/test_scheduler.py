@@ -751,3 +751,33 @@ def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_an
     assert s.host_allocator is None or s.host_allocator.num_free == host_blocks
     for what, n in sorted(seen.items()):  # what the examples exercised (--hypothesis-show-statistics)
         event(f"{what}: {'yes' if n else 'no'}")
+
+
+def test_a_chain_fetched_from_the_host_tier_is_evicted_from_it_tail_first():
+    # After a fetch the host blocks it read are free (cached) again. The host tier, like
+    # the device pool, must then lose the chain's tail before its head.
+    s = make(num_blocks=5, host_blocks=3, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))
+    evict_with(s, runner, "other", 19)  # the chain's three blocks go to the host tier
+    plans = step_until_finished(s, runner, prompt_request("b", SHARED + [2], max_tokens=1))
+    assert len([pair for p in plans for pair in p.fetch]) == 3
+    host = s.host_allocator
+    host.take_evicted()
+    for _ in range(3):
+        host.allocate()
+    chain = [chain_address(SHARED[: 4 * (i + 1)]) for i in range(3)]
+    assert [at for at, _ in host.take_evicted()] == chain[::-1]
+
+
+def test_a_chain_offloaded_to_the_host_tier_is_evicted_from_it_tail_first():
+    s = make(num_blocks=5, host_blocks=3, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))
+    evict_with(s, runner, "other", 19)
+    host = s.host_allocator
+    host.take_evicted()
+    for _ in range(3):
+        host.allocate()
+    chain = [chain_address(SHARED[: 4 * (i + 1)]) for i in range(3)]
+    assert [at for at, _ in host.take_evicted()] == chain[::-1]
