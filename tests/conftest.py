@@ -44,10 +44,12 @@ def make_engine(smollm2):
     engines: list[Engine] = []
 
     def build(loaded: LoadedModel | None = None, kv_memory_bytes: int = TEST_KV_MEMORY,
-              swap_memory_bytes: int = TEST_SWAP_MEMORY, **scheduler) -> Engine:
+              swap_memory_bytes: int = TEST_SWAP_MEMORY, block_size: int = CacheConfig.block_size,
+              prefix_caching: bool = CacheConfig.prefix_caching, **scheduler) -> Engine:
         config = EngineConfig(
             model=ModelConfig(),
-            cache=CacheConfig(kv_memory_bytes=kv_memory_bytes, swap_memory_bytes=swap_memory_bytes),
+            cache=CacheConfig(kv_memory_bytes=kv_memory_bytes, swap_memory_bytes=swap_memory_bytes,
+                              block_size=block_size, prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(**scheduler),
         )
         engine = Engine(loaded or smollm2, config)

@@ -8,6 +8,8 @@ bfloat16 to atol 1e-3, rtol 1.6e-2.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -118,6 +120,25 @@ def test_chunked_prefill(kernels, dtype, head_dim, group, block_size):
     check_against_reference(step, backend(step, kernels))
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_after_a_shared_cached_prefix_that_is_not_a_multiple_of_the_chunk_size(kernels, dtype, block_size):
+    """Prefix caching: three requests whose first three blocks are the same cached blocks
+    (one block table entry, read by all) go on in one step. The first prefills a chunk of
+    12 right after the prefix, so its chunks start at 3 * block_size, not at a multiple of
+    12; the second is one chunk further on (past 3 * block_size + 12, mid-block); the third
+    decodes over two of the shared blocks. Each writes only its own blocks."""
+    prefix = 3 * block_size
+    step = make_step(dtype, 64, block_size, num_kv_heads=3, group=3,
+                     chunks=[(prefix, 12), (prefix + 12, 12), (2 * block_size, 1)], seed=block_size)  # fmt: skip
+    shared = step.sequences[0].block_table[:3]
+    step.sequences = [replace(seq, block_table=shared[:keep] + seq.block_table[keep:])
+                      for seq, keep in zip(step.sequences, (3, 3, 2))]  # fmt: skip
+    before = step.kernel_cache.blocks[:, :, shared].clone()
+    check_against_reference(step, backend(step, kernels))
+    assert torch.equal(step.kernel_cache.blocks[:, :, shared], before), "a shared block was written"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_mixed_step_of_decodes_and_prefill_chunks(kernels, dtype):
     """What the scheduler sends: decodes first, then prompt chunks, in one batch."""
@@ -209,3 +230,32 @@ def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kern
         swapped[name] = any(record.num_blocks_swapped_in for record in steps)
     assert results["emulated"] == results["torch"]
     assert swapped == {"emulated": True, "torch": True}
+
+
+def test_engine_on_the_emulated_kernels_continues_after_a_cached_prefix(kernels, make_engine):
+    """End to end with prefix caching: a second prompt shares the first one's two full
+    blocks (32 tokens), so it starts at position 32, and goes on in chunks of 12 (32 is not
+    a multiple of 12: its chunks start where a cold prompt's never do). Its greedy tokens
+    are those of the torch backend with caching off."""
+    from gpu.torch_attention import TorchAttentionBackend
+    from tests.conftest import run_to_completion
+    from workers.request import SamplingParams
+
+    first = list(range(1000, 1040))  # 40 tokens: two full blocks and a partial one
+    second = first[:32] + list(range(3000, 3011))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    results, hits = {}, {}
+    for name in ("emulated", "torch"):
+        engine = make_engine(max_prefill_chunk=12, prefix_caching=name == "emulated")
+        if name == "emulated":
+            engine.runner.backend = CupyAttentionBackend(engine.runner.kv_cache, kernels)
+            engine.runner.host_pool.kernels = kernels
+        assert isinstance(engine.runner.backend, CupyAttentionBackend if name == "emulated" else TorchAttentionBackend)
+        hit_tokens = []
+        engine.observer = lambda stats: hit_tokens.append(stats.cache.device_hit_tokens)
+        run_to_completion(engine, {0: [("first", first, SamplingParams(max_tokens=1))]})
+        hit_tokens.clear()
+        results[name] = run_to_completion(engine, {0: [("second", second, params)]})["second"][0]
+        hits[name] = sum(hit_tokens)
+    assert results["emulated"] == results["torch"]
+    assert hits == {"emulated": 32, "torch": 0}

@@ -1,33 +1,39 @@
 """The scheduler, driven by a simulated model: no model, no tensors.
 
 The simulated model stands in for the runner and the sampler only: it keeps a fake KV
-cache (every device and host block holds the tags of the tokens written into it, and
-swaps copy those tags) and samples a fixed token. Everything else is the scheduler's
-own code: `schedule` plans, `update_from_output` moves requests on and retires them.
-So the tests see whether a request's context survives preemption and swapping, not
-only whether the block counts add up.
+cache and samples a fixed token. Every device and host block holds, at each offset, a
+tag of the K/V written there: the position and every token up to it (a real K/V depends
+on the whole prefix), and the plan's copies (swaps, the prefix cache's offloads and
+fetches) copy those tags. Everything else is the scheduler's own code: `schedule` plans,
+`update_from_output` moves requests on and retires them. So the tests see whether a
+request's context survives preemption, swapping and prefix sharing, not only whether
+the block counts add up.
 """
 
 from __future__ import annotations
 
 import subprocess
+from collections import Counter
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from workers.config import SchedulerConfig
-from workers.block_manager import BlockPool, blocks_needed
+from workers.block_manager import BlockPool, block_hash, blocks_needed
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus, SamplingParams
 from workers.scheduler import Scheduler, StepPlan
 
 BLOCK = 4
 
 
-def make(num_blocks=64, host_blocks=0, **config) -> Scheduler:
+SALT = b"fake model|float32"
+
+
+def make(num_blocks=64, host_blocks=0, cache_salt=None, **config) -> Scheduler:
     host = BlockPool(host_blocks) if host_blocks else None
-    return Scheduler(SchedulerConfig(**config), BlockPool(num_blocks), BLOCK, host)
+    return Scheduler(SchedulerConfig(**config), BlockPool(num_blocks), BLOCK, host, cache_salt)
 
 
 SAMPLED = 7  # the token the simulated model always samples
@@ -40,37 +46,83 @@ def request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, a
                    priority, deadline, stop_token_ids=stop_token_ids)
 
 
+def chain_address(tokens, salt: bytes = SALT) -> bytes:
+    """The content address of the full block that ends `tokens`."""
+    parent = b""
+    for start in range(0, len(tokens), BLOCK):
+        parent = block_hash(parent, list(tokens[start:start + BLOCK]), salt)
+    return parent
+
+
 class FakeRunner:
-    """Runs plans against a fake KV cache of token tags, samples SAMPLED for every chunk
-    that samples, and hands the output to the scheduler, as the engine does."""
+    """Runs plans against a fake KV cache of tags, samples SAMPLED for every chunk that
+    samples, and hands the output to the scheduler, as the engine does. It checks what a
+    real runner would get wrong silently: a chunk whose cached context is not its own
+    tokens' K/V, a write into a block someone else holds or that is cached under an
+    address, and copies that name a host block twice."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.device: dict[int, dict[int, str]] = {}  # block -> {offset: "request:position"}
-        self.host: dict[int, dict[int, str]] = {}
-        self.written: dict[str, dict[int, int]] = {}  # request -> {position: token id}
+        # block -> {offset: (position, tokens[0 : position + 1])}
+        self.device: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}
+        self.host: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}
 
     def step(self, plan: StepPlan) -> list[Request]:
-        """Swap, check each chunk's cached context, write its tokens, sample; returns the
+        """Copy, check each chunk's cached context, write its tokens, sample; returns the
         requests the scheduler retired."""
-        outgoing = {d: dict(self.device.get(d, {})) for d, _ in plan.swap_out}
-        for d, h in plan.swap_out:
-            self.host[h] = outgoing[d]
-        incoming = {h: dict(self.host[h]) for h, _ in plan.swap_in}
-        for h, d in plan.swap_in:
-            self.device[d] = incoming[h]
+        host_blocks = [h for _, h in plan.copies_out] + [h for h, _ in plan.copies_in]
+        assert len(host_blocks) == len(set(host_blocks)), f"a host block copied twice in one plan: {plan}"
+        targets = [d for _, d in plan.copies_in]
+        assert len(targets) == len(set(targets)), f"a device block written twice by copies: {plan}"
+        # Device to host first, then host to device, each from the state before it.
+        outgoing = {d: dict(self.device.get(d, {})) for d, _ in plan.copies_out}
+        for d, h in plan.copies_out:
+            self.host[h] = dict(outgoing[d])
+        incoming = {h: dict(self.host.get(h, {})) for h, _ in plan.copies_in}
+        for h, d in plan.copies_in:
+            self.device[d] = dict(incoming[h])
+        self.check_registered_blocks()
         self.scheduler.swaps_done(plan)
+        pool = self.scheduler.allocator
         for chunk in plan.chunks:
-            rid, blocks = chunk.request.request_id, chunk.block_ids
+            request, blocks = chunk.request, chunk.block_ids
+            rid = request.request_id
             for pos in range(chunk.start):  # everything before the chunk must be cached, intact
                 got = self.device.get(blocks[pos // BLOCK], {}).get(pos % BLOCK)
-                assert got == f"{rid}:{pos}:{self.written[rid][pos]}", f"{rid} lost position {pos}: {got}"
-            for pos, token in enumerate(chunk.token_ids, chunk.start):
-                self.device.setdefault(blocks[pos // BLOCK], {})[pos % BLOCK] = f"{rid}:{pos}:{token}"
-                self.written.setdefault(rid, {})[pos] = token
+                assert got == (pos, tuple(request.token_slice(0, pos + 1))), f"{rid} lost position {pos}: {got}"
+            end = chunk.start + chunk.num_tokens
+            for index in range(chunk.start // BLOCK, blocks_needed(end, BLOCK)):
+                block = blocks[index]
+                assert pool.holders(block) == 1, f"{rid} writes block {block}, held by {pool.holders(block)}"
+                assert pool.address(block) is None, f"{rid} writes block {block}, cached under an address"
+            assert tuple(request.token_slice(chunk.start, end)) == chunk.token_ids
+            for pos in range(chunk.start, end):
+                self.device.setdefault(blocks[pos // BLOCK], {})[pos % BLOCK] = (pos, tuple(request.token_slice(0, pos + 1)))
         sampled = [SAMPLED for chunk in plan.chunks if chunk.samples]
         took = self.scheduler.update_from_output(plan, sampled)
+        self.check_registered_blocks()
         return [r for r in took if r.status is RequestStatus.FINISHED]
+
+    def check_registered_blocks(self) -> None:
+        """Every block registered under an address (device or host tier) holds the K/V
+        of exactly the tokens that address names."""
+        salt = self.scheduler.cache_salt
+        if salt is None:
+            return
+        tiers = [(self.scheduler.allocator, self.device)]
+        if self.scheduler.host_allocator is not None:
+            tiers.append((self.scheduler.host_allocator, self.host))
+        for pool, blocks in tiers:
+            for block in range(pool.num_blocks):
+                at = pool.address(block)
+                if at is None:
+                    continue
+                tags = blocks.get(block, {})
+                assert sorted(tags) == list(range(BLOCK)), f"block {block} registered but not full: {tags}"
+                last_pos, tokens = tags[BLOCK - 1]
+                assert len(tokens) == last_pos + 1 and last_pos % BLOCK == BLOCK - 1
+                assert all(tags[i] == (last_pos - BLOCK + 1 + i, tokens[: last_pos - BLOCK + 2 + i]) for i in range(BLOCK))
+                assert chain_address(tokens, salt) == at, f"block {block} holds other tokens than its address names"
 
 
 def run(s: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list[StepPlan]:
@@ -478,3 +530,254 @@ def test_a_resumed_request_recomputes_its_published_output_then_decodes_after_it
     assert [(c.token_ids, c.start, c.is_decode) for c in plan.chunks] == [((52,), 5, True)]
     s.update_from_output(plan, [53])
     assert r.output_token_ids == [50, 51, 52, 53] and r.finish_reason is FinishReason.LENGTH
+
+
+# -- the prefix cache ------------------------------------------------------------------
+
+
+def prompt_request(rid: str, tokens: list[int], max_tokens: int = 4, arrival: float = 0.0, priority: int = 0,
+                   deadline: float | None = None) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), arrival, priority, deadline,
+                   stop_token_ids=frozenset({EOS}))
+
+
+SHARED = list(range(100, 112))  # three full blocks
+
+
+def step_until_finished(s: Scheduler, runner: FakeRunner, *requests: Request) -> list[StepPlan]:
+    plans = []
+    for r in requests:
+        s.add(r)
+    while any(r.status is not RequestStatus.FINISHED for r in requests):
+        plans.append(s.schedule())
+        runner.step(plans[-1])
+    return plans
+
+
+def first_chunk(plans: list[StepPlan], r: Request):
+    return next(c for p in plans for c in p.chunks if c.request is r)
+
+
+def test_a_request_starts_after_the_longest_cached_prefix_and_shares_its_blocks():
+    s = make(cache_salt=SALT)
+    runner = FakeRunner(s)
+    first = prompt_request("first", SHARED + [1, 2], max_tokens=20)
+    s.add(first)
+    runner.step(s.schedule())  # its prompt is computed and its three full blocks registered
+    prefix_blocks = first.block_ids[:3]
+    second = prompt_request("second", SHARED[:10] + [3, 4, 5])  # two full blocks in common
+    s.add(second)
+    plan = s.schedule()
+    chunk = next(c for c in plan.chunks if c.request is second)
+    assert (chunk.start, chunk.token_ids) == (8, (108, 109, 3, 4, 5))
+    assert second.block_ids[:2] == prefix_blocks[:2]
+    assert [s.allocator.holders(b) for b in prefix_blocks] == [2, 2, 1]
+    stats = s.cache_stats()
+    assert (stats.queried_tokens, stats.device_hit_tokens, stats.host_hit_tokens) == (13, 8, 0)
+    runner.step(plan)  # the runner checks the shared blocks hold second's own tokens
+
+
+def test_without_a_cache_salt_nothing_is_shared():
+    s = make()
+    runner = FakeRunner(s)
+    plans = step_until_finished(s, runner, prompt_request("a", SHARED))
+    plans += step_until_finished(s, runner, b := prompt_request("b", SHARED))
+    assert first_chunk(plans, b).start == 0 and s.allocator.num_cached == 0
+
+
+def test_a_prompt_of_cached_blocks_recomputes_its_last_block_into_a_block_of_its_own():
+    s = make(cache_salt=SALT)
+    runner = FakeRunner(s)
+    plans = step_until_finished(s, runner, a := prompt_request("a", SHARED, max_tokens=1))
+    a_blocks = first_chunk(plans, a).block_ids[:3]
+    plans = step_until_finished(s, runner, b := prompt_request("b", SHARED, max_tokens=1))
+    chunk = first_chunk(plans, b)
+    # Two blocks shared; the last one is computed again (there must be logits to sample),
+    # into a new block, not into the cached one.
+    assert (chunk.start, chunk.num_tokens, chunk.samples) == (8, 4, True)
+    assert chunk.block_ids[:2] == a_blocks[:2] and chunk.block_ids[2] != a_blocks[2]
+
+
+def test_a_preempted_request_that_recomputes_takes_its_prompt_from_the_cache():
+    # Two requests that cannot both finish in 8 blocks and no host pool: the later one is
+    # preempted to recompute. Its prompt's full blocks are cached when it is preempted,
+    # so it comes back after them (and may share them with the other one).
+    s = make(num_blocks=8, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    old = prompt_request("old", SHARED[:7], max_tokens=20)
+    new = prompt_request("new", SHARED[:7], max_tokens=20, arrival=1.0)
+    plans = step_until_finished(s, runner, old, new)
+    preempted = [r for p in plans for r in p.preempted]
+    assert preempted and not any(p.swap_out for p in plans)
+    restarts = [c for p in plans for c in p.chunks if c.request is preempted[0] and not c.is_decode][1:]
+    assert restarts and restarts[0].start > 0
+    assert len(old.output_token_ids) == len(new.output_token_ids) == 20
+    assert s.allocator.num_free == 8
+
+
+def evict_with(s: Scheduler, runner: FakeRunner, rid: str, num_tokens: int) -> list[StepPlan]:
+    """Run a request of unrelated tokens that takes `num_tokens` slots of the pool."""
+    return step_until_finished(s, runner, prompt_request(rid, list(range(500, 500 + num_tokens)), max_tokens=1))
+
+
+def test_cached_blocks_evicted_from_the_device_are_offloaded_and_a_later_hit_fetches_them():
+    s = make(num_blocks=5, host_blocks=8, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))
+    assert s.allocator.num_cached >= 3
+    plans = evict_with(s, runner, "other", 19)  # needs all 5 blocks: every cached block goes
+    offloaded = [pair for p in plans for pair in p.offload]
+    assert len(offloaded) >= 3 and s.host_allocator.num_cached >= 3
+    plans = step_until_finished(s, runner, b := prompt_request("b", SHARED + [2], max_tokens=2))
+    fetched = [pair for p in plans for pair in p.fetch]
+    assert len(fetched) == 3  # the three blocks of SHARED, copied back, not recomputed
+    assert first_chunk(plans, b).start == 12
+    assert s.allocator.num_free == 5 and s.host_allocator.num_free == 8
+
+
+def test_cache_stats_report_the_admissions_hits_by_tier():
+    s = make(num_blocks=5, host_blocks=8, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))
+    evict_with(s, runner, "other", 19)
+    s.add(prompt_request("b", SHARED + [2], max_tokens=2))
+    plan = s.schedule()
+    stats = s.cache_stats()
+    assert (stats.queried_tokens, stats.device_hit_tokens, stats.host_hit_tokens) == (13, 0, 12)
+    assert stats.device_evictions >= 3 and stats.host_cached_blocks >= 3
+    runner.step(plan)
+    while s.has_unfinished():
+        runner.step(s.schedule())
+
+
+
+def test_evicting_part_of_a_finished_prompt_keeps_the_head_of_its_prefix_reachable():
+    # A finished prompt's blocks are freed together. Lookups follow the chain from its
+    # first block and stop at the first miss, so eviction must take a chain's tail
+    # before its head: evicting the head would strand every other block of the chain.
+    s = make(num_blocks=5, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))  # 3 cached, 2 empty
+    evict_with(s, runner, "other", 12)  # three blocks: the two empty ones and one cached block
+    assert s.allocator.num_evictions == 1
+    plans = step_until_finished(s, runner, b := prompt_request("b", SHARED + [2], max_tokens=1))
+    assert first_chunk(plans, b).start == 8  # SHARED's first two blocks were still cached
+
+
+STEMS = [list(range(100, 124)), list(range(200, 224)), [100, 101, 102, 103] + list(range(300, 320))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.integers(0, len(STEMS) - 1),  # which shared stem
+            st.integers(0, 24),  # how much of it
+            st.lists(st.integers(0, 3), max_size=10),  # then a suffix (few distinct tokens: repeats)
+            st.integers(1, 10),  # max tokens
+            st.integers(0, 8),  # arrival step
+            st.integers(-1, 1),  # priority
+            st.sampled_from([None, None, None, None, 2, 8, 20]),  # cancel at this step
+            st.sampled_from([None, None, None, None, 3.0, 10.0]),  # deadline, time units after arrival
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+    num_blocks=st.integers(11, 24),  # the longest request (34 + 10 tokens) fits alone
+    host_blocks=st.sampled_from([0, 2, 6, 16, 40]),
+    max_batch_tokens=st.integers(1, 48),
+    max_prefill_chunk=st.integers(1, 48),
+    max_running=st.integers(1, 8),
+)
+def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_and_leaks_nothing(
+    prompts, num_blocks, host_blocks, max_batch_tokens, max_prefill_chunk, max_running,
+):
+    """Random arrivals with shared prefixes, under preemption (swap and recompute), cancels
+    and deadlines. The fake runner checks every chunk (reads only K/V of its own tokens,
+    writes only blocks it alone holds and that are not cached) and every plan's copies."""
+    s = make(num_blocks, host_blocks, cache_salt=SALT, max_batch_tokens=max_batch_tokens,
+             max_prefill_chunk=max_prefill_chunk, max_running_requests=max_running)
+    runner = FakeRunner(s)
+    arrivals: dict[int, list[Request]] = {}
+    cancels: dict[int, list[Request]] = {}
+    for i, (stem, shared, suffix, max_tokens, arrive, priority, cancel_at, deadline_after) in enumerate(prompts):
+        tokens = STEMS[stem][:shared] + suffix or [1]
+        deadline = None if deadline_after is None else arrive + deadline_after
+        r = prompt_request(f"r{i}", tokens, max_tokens, float(arrive), priority, deadline)
+        arrivals.setdefault(arrive, []).append(r)
+        if cancel_at is not None:
+            cancels.setdefault(cancel_at, []).append(r)
+    everyone = [r for batch in arrivals.values() for r in batch]
+    ended: dict[str, str] = {}
+    seen: Counter[str] = Counter()
+    for step in range(5_000):
+        now = float(step)
+        for r in arrivals.pop(step, []):
+            s.add(r)
+        for r in cancels.pop(step, []):
+            if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
+                s.finish(r, FinishReason.CANCELLED)
+                ended[r.request_id] = "cancelled"
+        for r in s.expired(now):
+            s.finish(r, FinishReason.DEADLINE)
+            ended[r.request_id] = "deadline"
+        if not arrivals and not s.has_unfinished():
+            break
+        was_running = set(map(id, s.running))
+        plan = s.schedule()
+        stats = s.cache_stats()
+        seen.update(device_hit=stats.device_hit_tokens, host_hit=stats.host_hit_tokens, offload=len(plan.offload),
+                    swap_out=len(plan.swap_out), preempted=len(plan.preempted))
+        assert stats.device_hit_tokens + stats.host_hit_tokens < stats.queried_tokens or not stats.queried_tokens
+        chunked = {id(c.request) for c in plan.chunks}
+        for r in s.running:
+            if id(r) not in was_running:  # started this step: it computes at least one token now
+                assert id(r) in chunked, f"{r.request_id} admitted without a chunk"
+        for c in plan.chunks:
+            assert c.num_tokens >= 1 and c.start + c.num_tokens <= c.request.num_tokens
+            assert len(c.request.block_ids) * BLOCK >= c.start + c.num_tokens
+        # Device blocks: the refcount of each is the number of running requests listing it.
+        held = Counter(b for r in s.running for b in r.block_ids)
+        assert all(s.allocator.holders(b) == n for b, n in held.items())
+        assert len(held) + s.allocator.num_free == num_blocks, "device blocks leaked"
+        for r in runner.step(plan):
+            ended[r.request_id] = "finished"
+    else:
+        raise AssertionError("requests did not finish")
+    assert set(ended) == {r.request_id for r in everyone}
+    assert all(len(r.output_token_ids) == r.params.max_tokens or r.output_token_ids[-1] == EOS
+               for r in everyone if ended[r.request_id] == "finished")
+    assert s.allocator.num_free == num_blocks and s.allocator.num_used == 0
+    assert s.host_allocator is None or s.host_allocator.num_free == host_blocks
+    for what, n in sorted(seen.items()):  # what the examples exercised (--hypothesis-show-statistics)
+        event(f"{what}: {'yes' if n else 'no'}")
+
+
+def test_a_chain_fetched_from_the_host_tier_is_evicted_from_it_tail_first():
+    # After a fetch the host blocks it read are free (cached) again. The host tier, like
+    # the device pool, must then lose the chain's tail before its head.
+    s = make(num_blocks=5, host_blocks=3, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))
+    evict_with(s, runner, "other", 19)  # the chain's three blocks go to the host tier
+    plans = step_until_finished(s, runner, prompt_request("b", SHARED + [2], max_tokens=1))
+    assert len([pair for p in plans for pair in p.fetch]) == 3
+    host = s.host_allocator
+    host.take_evicted()
+    for _ in range(3):
+        host.allocate()
+    chain = [chain_address(SHARED[: 4 * (i + 1)]) for i in range(3)]
+    assert [at for at, _ in host.take_evicted()] == chain[::-1]
+
+
+def test_a_chain_offloaded_to_the_host_tier_is_evicted_from_it_tail_first():
+    s = make(num_blocks=5, host_blocks=3, cache_salt=SALT, max_batch_tokens=64)
+    runner = FakeRunner(s)
+    step_until_finished(s, runner, prompt_request("a", SHARED + [1], max_tokens=1))
+    evict_with(s, runner, "other", 19)
+    host = s.host_allocator
+    host.take_evicted()
+    for _ in range(3):
+        host.allocate()
+    chain = [chain_address(SHARED[: 4 * (i + 1)]) for i in range(3)]
+    assert [at for at, _ in host.take_evicted()] == chain[::-1]

@@ -240,7 +240,9 @@ class Scheduler:
                 self.allocator.unregister(device_block)
             for _, host_block in plan.offload:
                 host.unregister(host_block)
-        for pairs, host_side in ((plan.swap_in, 0), (plan.fetch, 0), (plan.offload, 1)):
+        # A fetch lists a chain head first: free it last block first (as `_release` does),
+        # so the host tier evicts its tail first. Offloads are already in eviction order.
+        for pairs, host_side in ((plan.swap_in, 0), (plan.fetch[::-1], 0), (plan.offload, 1)):
             if pairs:
                 host.free([pair[host_side] for pair in pairs])
 
@@ -608,5 +610,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.block_ids:
-            self.allocator.free(request.block_ids)
+            # Last block first: cached blocks are evicted least recently freed first, so a
+            # chain loses its tail before its head (a lookup stops at the first miss).
+            self.allocator.free(reversed(request.block_ids))
             request.block_ids = []
