@@ -78,6 +78,11 @@ class FakeRunner:
         outgoing = {d: dict(self.device.get(d, {})) for d, _ in plan.copies_out}
         for d, h in plan.copies_out:
             self.host[h] = dict(outgoing[d])
+        # Then copies on write, device to device.
+        assert len({d for _, d in plan.copies}) == len(plan.copies), f"a block written twice by copies: {plan}"
+        originals = {src: dict(self.device.get(src, {})) for src, _ in plan.copies}
+        for src, dst in plan.copies:
+            self.device[dst] = dict(originals[src])
         incoming = {h: dict(self.host.get(h, {})) for h, _ in plan.copies_in}
         for h, d in plan.copies_in:
             self.device[d] = dict(incoming[h])
@@ -427,13 +432,16 @@ def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_ho
         now = float(step)
         for r in arrivals.pop(step, []):
             s.add(r)
-        for r in cancels.pop(step, []):
-            if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
-                s.finish(r, FinishReason.CANCELLED)
-                ended[r.request_id] = "cancelled"
-        for r in s.expired(now):
-            s.finish(r, FinishReason.DEADLINE)
-            ended[r.request_id] = "deadline"
+        for lead in cancels.pop(step, []):
+            for r in [lead, *lead.forks]:  # a cancel ends every choice, as the engine does
+                if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
+                    s.finish(r, FinishReason.CANCELLED)
+                    ended[r.request_id] = "cancelled"
+        for expired in s.expired(now):
+            for r in [expired, *expired.forks]:  # the engine ends every choice
+                if r.status is not RequestStatus.FINISHED:
+                    s.finish(r, FinishReason.DEADLINE)
+                    ended[r.request_id] = "deadline"
         if not arrivals and not s.has_unfinished():
             break
         plan = s.schedule()
@@ -536,9 +544,16 @@ def test_a_resumed_request_recomputes_its_published_output_then_decodes_after_it
 
 
 def prompt_request(rid: str, tokens: list[int], max_tokens: int = 4, arrival: float = 0.0, priority: int = 0,
-                   deadline: float | None = None) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), arrival, priority, deadline,
-                   stop_token_ids=frozenset({EOS}))
+                   deadline: float | None = None, choices: int = 1) -> Request:
+    """A request; with `choices` > 1, the lead of that many parallel choices (its `forks`)."""
+    def choice(index: int) -> Request:
+        return Request(rid if index == 0 else f"{rid}/{index}", list(tokens),
+                       SamplingParams(max_tokens=max_tokens, n=choices), arrival, priority, deadline,
+                       stop_token_ids=frozenset({EOS}), index=index,
+                       status=RequestStatus.FORKING if index else RequestStatus.WAITING)
+    lead = choice(0)
+    lead.forks = [choice(index) for index in range(1, choices)]
+    return lead
 
 
 SHARED = list(range(100, 112))  # three full blocks
@@ -679,6 +694,7 @@ STEMS = [list(range(100, 124)), list(range(200, 224)), [100, 101, 102, 103] + li
             st.integers(-1, 1),  # priority
             st.sampled_from([None, None, None, None, 2, 8, 20]),  # cancel at this step
             st.sampled_from([None, None, None, None, 3.0, 10.0]),  # deadline, time units after arrival
+            st.sampled_from([1, 1, 1, 2, 3]),  # parallel choices
         ),
         min_size=1,
         max_size=14,
@@ -700,34 +716,37 @@ def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_an
     runner = FakeRunner(s)
     arrivals: dict[int, list[Request]] = {}
     cancels: dict[int, list[Request]] = {}
-    for i, (stem, shared, suffix, max_tokens, arrive, priority, cancel_at, deadline_after) in enumerate(prompts):
+    for i, (stem, shared, suffix, max_tokens, arrive, priority, cancel_at, deadline_after, choices) in enumerate(prompts):
         tokens = STEMS[stem][:shared] + suffix or [1]
         deadline = None if deadline_after is None else arrive + deadline_after
-        r = prompt_request(f"r{i}", tokens, max_tokens, float(arrive), priority, deadline)
+        r = prompt_request(f"r{i}", tokens, max_tokens, float(arrive), priority, deadline, min(choices, max_running))
         arrivals.setdefault(arrive, []).append(r)
         if cancel_at is not None:
             cancels.setdefault(cancel_at, []).append(r)
-    everyone = [r for batch in arrivals.values() for r in batch]
+    everyone = [c for batch in arrivals.values() for r in batch for c in [r, *r.forks]]
     ended: dict[str, str] = {}
     seen: Counter[str] = Counter()
     for step in range(5_000):
         now = float(step)
         for r in arrivals.pop(step, []):
             s.add(r)
-        for r in cancels.pop(step, []):
-            if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
-                s.finish(r, FinishReason.CANCELLED)
-                ended[r.request_id] = "cancelled"
-        for r in s.expired(now):
-            s.finish(r, FinishReason.DEADLINE)
-            ended[r.request_id] = "deadline"
+        for lead in cancels.pop(step, []):
+            for r in [lead, *lead.forks]:  # a cancel ends every choice, as the engine does
+                if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
+                    s.finish(r, FinishReason.CANCELLED)
+                    ended[r.request_id] = "cancelled"
+        for expired in s.expired(now):
+            for r in [expired, *expired.forks]:  # the engine ends every choice
+                if r.status is not RequestStatus.FINISHED:
+                    s.finish(r, FinishReason.DEADLINE)
+                    ended[r.request_id] = "deadline"
         if not arrivals and not s.has_unfinished():
             break
         was_running = set(map(id, s.running))
         plan = s.schedule()
         stats = s.cache_stats()
         seen.update(device_hit=stats.device_hit_tokens, host_hit=stats.host_hit_tokens, offload=len(plan.offload),
-                    swap_out=len(plan.swap_out), preempted=len(plan.preempted))
+                    swap_out=len(plan.swap_out), preempted=len(plan.preempted), copy_on_write=len(plan.copies))
         assert stats.device_hit_tokens + stats.host_hit_tokens < stats.queried_tokens or not stats.queried_tokens
         chunked = {id(c.request) for c in plan.chunks}
         for r in s.running:

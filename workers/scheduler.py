@@ -473,7 +473,7 @@ class Scheduler:
                 self.allocator.fork(block)
             fork.block_ids = list(shared)
             fork.num_computed = lead.num_prompt_tokens - 1
-            fork.queue_key = lead.queue_key
+            fork.queue_key = (lead.queue_key[0], next(self._order))  # its own tie-breaker: keys are unique
             fork.scheduled_time = lead.scheduled_time
             self._start_running(fork)
             if fork.deadline is not None:
@@ -481,8 +481,8 @@ class Scheduler:
         lead.forks = []
 
     def _copy_on_write(self, request: Request, plan: StepPlan) -> None:
-        """Before `request` writes at `num_computed`: if that block is shared, write into
-        a copy of it instead."""
+        """Before `request` writes at `num_computed`: if that block is shared (or cached
+        under its address), write into a copy of it instead."""
         if self._shares_next_block(request):
             index = request.num_computed // self.block_size
             shared = request.block_ids[index]
@@ -492,8 +492,13 @@ class Scheduler:
             request.block_ids[index] = own
 
     def _shares_next_block(self, request: Request) -> bool:
+        """The block `request` writes next is one it may not write: held by another request,
+        or registered (a choice recomputing the prompt's last token, when it ends a block)."""
         index = request.num_computed // self.block_size
-        return index < len(request.block_ids) and self.allocator.holders(request.block_ids[index]) > 1
+        if index >= len(request.block_ids):
+            return False
+        block = request.block_ids[index]
+        return self.allocator.holders(block) > 1 or self.allocator.address(block) is not None
 
     # -- helpers -------------------------------------------------------------------
 
@@ -555,7 +560,9 @@ class Scheduler:
         victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
         computed_blocks = victim.block_ids[: blocks_needed(victim.num_computed, self.block_size)]
         host = self.host_allocator
-        if computed_blocks and host is not None and host.num_free >= len(computed_blocks):
+        # A block it copies on write this step holds nothing yet, so such a victim is recomputed.
+        if (computed_blocks and host is not None and host.num_free >= len(computed_blocks)
+                and not any(own in victim.block_ids for _, own in plan.copies)):
             victim.host_block_ids = [host.allocate() for _ in computed_blocks]
             plan.swap_out.extend(zip(computed_blocks, victim.host_block_ids))
             self._remove_running(victim, plan)
@@ -572,6 +579,7 @@ class Scheduler:
     def _remove_running(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
         plan.chunks = [c for c in plan.chunks if c.request is not victim]
+        plan.copies = [(shared, own) for shared, own in plan.copies if own not in victim.block_ids]
         plan.preempted.append(victim)
         self._release(victim)
 
