@@ -232,13 +232,11 @@ class Engine:
             seed = None if params.seed is None else (params.seed + index) % 2**63
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop)
             choices.append(_Choice(request, detokenizer, make_generator(seed), self._ended_already(request)))
-        try:
-            lead, *forks = [choice.request for choice in choices if choice.end is None]
-        except ValueError:
-            lead = None
-        if lead is None:  # nothing left to make
+        going = [choice.request for choice in choices if choice.end is None]
+        if not going:  # a takeover of a request whose every choice had ended
             self._post(FailRequest(self._request_final(_Live(choices), choices[-1].end.finish_reason)))
             return
+        lead, *forks = going
         lead.forks = forks
         for fork in forks:
             fork.status = RequestStatus.FORKING
