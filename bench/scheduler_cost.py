@@ -12,7 +12,7 @@ import argparse
 import time
 
 from bench.metrics import percentile
-from workers.block_manager import BlockAllocator
+from workers.block_manager import BlockPool
 from workers.config import SchedulerConfig
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, SamplingParams
 from workers.scheduler import Scheduler, StepPlan
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> dict:
     prompt_len, max_tokens = 48, 10_000
     # Room for every running request to run to its end: nothing is ever preempted.
     num_blocks = running * -(-(prompt_len + max_tokens) // block_size)
-    scheduler = Scheduler(config, BlockAllocator(num_blocks), block_size)
+    scheduler = Scheduler(config, BlockPool(num_blocks), block_size)
     span = PRIORITY_MAX - PRIORITY_MIN + 1
     for i in range(running):
         scheduler.add(Request(f"run-{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), 0.0))
