@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -147,6 +148,8 @@ def engine_figures(drive: Driver, tally: CacheTally) -> dict:
         "ttft_p99_s": percentile(ttfts, 99),
         "steps": drive.num_steps,
         "cache": tally.figures(),
+        # Other processes on the host skew every figure: the 1-min load when this run ended.
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -209,7 +212,7 @@ def run_peer(args: argparse.Namespace, requests: list[tuple[str, list[int], int]
         workload.save(children.workload_path)
         out = children.run("hf_continuous", max_batch_tokens=args.prefix_hf_batch_tokens, allow_block_sharing=True)
     figures = summarize(out["token_times"], out["peak_rss_mb"])  # TTFT from t0, when all were submitted
-    keep = ("max_batch_tokens", "num_blocks", "allow_block_sharing", "prefix_hit_tokens")
+    keep = ("max_batch_tokens", "num_blocks", "allow_block_sharing", "prefix_hit_tokens", "load_average_1m")
     return figures | {k: out[k] for k in keep}
 
 
