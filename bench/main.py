@@ -1,7 +1,8 @@
 """`inflight bench`: the engine and its peers on one seeded workload, in one run.
 
 `--scenario` picks what is measured: `throughput` (the default, below), one of the
-scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `redis` (the Redis
+scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `prefix` (KV reuse: the prefix
+cache against caching off and transformers' block sharing), `redis` (the Redis
 edge against in-process), `edge` (the Redis edge alone at GPU token rates, a stub engine
 behind the real worker), `soak` (minutes of mixed traffic on two worker processes, with a
 Redis restart and a worker killed), or `intake` (the request-stream commands of each job
@@ -35,13 +36,13 @@ from pathlib import Path
 from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
-SCENARIOS = ("throughput", "storm", "priority", "swap", "scheduler", "redis", "edge", "soak", "intake")
+SCENARIOS = ("throughput", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak", "intake")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench import edge, intake, priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, intake, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
 
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
-    for scenario in (storm, priority, swap, scheduler_cost, through_redis, edge, soak, intake):
+    for scenario in (storm, priority, swap, prefix, scheduler_cost, through_redis, edge, soak, intake):
         scenario.add_arguments(parser)
 
 
@@ -129,7 +130,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from bench import edge, intake, priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, intake, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
     from bench.report import write_json
 
     load_before = os.getloadavg()[0]
@@ -152,7 +153,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
         loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
         vocab = min(len(loaded.tokenizer), loaded.model.config.vocab_size)
         vocab_ids = allowed_token_ids(vocab, special_token_ids(loaded.tokenizer))
-        module = {"storm": storm, "priority": priority, "swap": swap}[args.scenario]
+        module = {"storm": storm, "priority": priority, "swap": swap, "prefix": prefix}[args.scenario]
         figures = module.run(loaded, args, vocab_ids)
     report = {
         "scenario": args.scenario,
@@ -294,7 +295,8 @@ def run_child(job_path: Path, out_path: Path) -> None:
             result = engine_side.run_ceiling(model, params["step_tokens"], seed=workload.seed)
         elif system == "hf_continuous":
             kv_bytes = EngineConfig().cache.kv_memory_bytes  # the engine's KV budget, for a like-for-like cache
-            result = peers.run_hf_continuous(model, workload, params["max_batch_tokens"], kv_bytes, threads)
+            result = peers.run_hf_continuous(model, workload, params["max_batch_tokens"], kv_bytes, threads,
+                                             params.get("allow_block_sharing"))
         elif system == "hf_static":
             pad = model.generation_config.pad_token_id
             pad = loaded.tokenizer.pad_token_id if pad is None else pad

@@ -29,7 +29,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int,
-                      threads: int | None = None) -> dict:
+                      threads: int | None = None, allow_block_sharing: bool | None = None) -> dict:
     """Transformers' continuous batching, fed through the manager so each request has its own length.
 
     `generate_batch` takes one `max_new_tokens` for all requests, so requests go through
@@ -45,8 +45,14 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
 
     The KV cache gets the engine's byte budget (`num_blocks` derived from it); left unset,
     transformers sizes it from 60% of host RAM and zero-fills it, which would dominate RSS.
+
+    `allow_block_sharing`: transformers' prefix caching (full blocks shared between
+    requests); None keeps transformers' default. The prompt tokens it found cached are
+    counted (`prefix_hit_tokens`), so a report shows whether it shared anything.
     """
     cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    if allow_block_sharing is not None:
+        cb_config.allow_block_sharing = allow_block_sharing
     tokens_per_block = cb_config.page_size
     cb_config.num_blocks = max(1, kv_memory_bytes // (kv_bytes_per_token(model.config, model.dtype) * tokens_per_block))
     # A fresh config: greedy and no logits processors from the model's defaults.
@@ -61,8 +67,9 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
     try:
         warmup = workload.requests[0]
         _cb_generate(manager, {"warmup": (warmup.prompt_ids[:8], 2)})
-        t0 = time.perf_counter()
-        outputs = _cb_generate(manager, {r.request_id: (r.prompt_ids, r.output_len) for r in workload.requests})
+        with _PrefixHits() as hits:
+            t0 = time.perf_counter()
+            outputs = _cb_generate(manager, {r.request_id: (r.prompt_ids, r.output_len) for r in workload.requests})
     finally:
         manager.stop(block=True)
         manager.destroy()
@@ -82,7 +89,34 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
         "num_blocks": cb_config.num_blocks,
         "tokens_per_block": tokens_per_block,
         "attn_implementation": model.config._attn_implementation,
+        "allow_block_sharing": cb_config.allow_block_sharing,
+        "prefix_hit_tokens": hits.tokens,
     }
+
+
+class _PrefixHits:
+    """Counts the prompt tokens transformers' CB found cached, while the context is open.
+
+    Its cache has no such counter: this wraps `PagedAttentionCache.search_prefix_match`,
+    which returns the tokens matched for each request it admits (0 with sharing off).
+    """
+
+    def __enter__(self) -> _PrefixHits:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+        self.tokens = 0
+        self._cls, self._original = PagedAttentionCache, PagedAttentionCache.search_prefix_match
+
+        def counted(cache, request_id, prompt_ids):
+            matched = self._original(cache, request_id, prompt_ids)
+            self.tokens += matched
+            return matched
+
+        PagedAttentionCache.search_prefix_match = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cls.search_prefix_match = self._original
 
 
 def _cb_generate(manager, requests: dict[str, tuple[list[int], int]]) -> dict:

@@ -79,6 +79,27 @@ def write_png(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_bar_panels(panels: list[tuple[str, dict[str, float], str]], path: Path, title: str) -> None:
+    """One bar chart per panel, side by side: `(panel title, {bar label: value}, value format)`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 4.4), squeeze=False)
+    for ax, (panel_title, bars, fmt) in zip(axes[0], panels):
+        x = list(range(len(bars)))
+        _labelled_bars(ax, x, list(bars.values()), 0.6, "tab:blue", fmt)
+        ax.set_xticks(x, list(bars), rotation=20, fontsize=8)
+        ax.set_title(panel_title, fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _labelled_bars(ax, xs, values, width, color, fmt, label=None) -> None:
     bars = ax.bar(xs, values, width, color=color, label=label)
     ax.bar_label(bars, [fmt.format(v) for v in values], fontsize=7)

@@ -137,3 +137,36 @@ def test_edge_scenario_delivers_every_event_through_the_real_worker_per_step_and
     # Per step, one round trip carries many streams; per event, each its own.
     assert all(row["streams_per_round_trip"] > 1 for row in rows if row["publishing"] == "per_step")
     assert all(row["streams_per_round_trip"] == 1 for row in rows if row["publishing"] == "per_event")
+
+
+@pytest.mark.slow
+def test_prefix_scenario_reuses_cached_prefixes_by_tier(tmp_path):
+    report = bench(tmp_path, "--scenario", "prefix", "--prefix-requests", "3", "--prefix-shared-len", "128",
+                   "--prefix-suffix-len", "2", "6", "--prefix-output-len", "2", "3",
+                   "--prefix-conversations", "3", "--prefix-turns", "2", "--prefix-first-len", "24",
+                   "--prefix-message-len", "4", "--prefix-turn-output-len", "2")
+    figures = report["prefix"]
+    shared = figures["shared"]["systems"]
+    # Every system produced the same outputs; only the caching ones found the shared prefix
+    # (the first request's prefix takes the first step's prompt budget, so the others find it cached).
+    assert len({s["output_tokens"] for s in shared.values()}) == 1 and 3 * 2 <= shared["host_tier"]["output_tokens"] <= 3 * 3
+    assert shared["caching_off"]["cache"]["queried_tokens"] == 0
+    for name in ("device_only", "host_tier"):
+        assert shared[name]["cache"]["device_hit_tokens"] >= 128 and shared[name]["cache"]["host_hit_tokens"] == 0
+    assert shared["hf_continuous"]["allow_block_sharing"] is True and shared["hf_continuous"]["prefix_hit_tokens"] >= 0
+    for key in ("tok_s_vs_caching_off", "ttft_p50_caching_off_over_on", "tok_s_vs_hf_continuous"):
+        assert finite_positive(figures["shared"][key])
+
+    # A pool too small for every history: only the host tier gets evicted turns back.
+    turns = figures["multi_turn"]
+    assert turns["same_histories"] and turns["pool_share_of_final_histories"] < 1
+    device, host = turns["systems"]["device_only"]["cache"], turns["systems"]["host_tier"]["cache"]
+    assert device["host_hit_tokens"] == 0 and device["offloaded_blocks"] == 0
+    assert host["offloaded_blocks"] > 0 and host["host_hit_tokens"] > 0
+    assert 0 < host["host_hit_rate"] <= 1 and finite_positive(turns["ttft_p50_device_only_over_host_tier"])
+
+    if "skipped" in figures["n"]:
+        assert figures["n"]["skipped"] == "parallel sampling not in the engine yet"
+    else:
+        assert figures["n"]["peak_blocks_parallel"] < figures["n"]["peak_blocks_independent"]
+    assert (tmp_path / "report.png").stat().st_size > 0

@@ -1,0 +1,367 @@
+"""`inflight bench --scenario prefix`: KV reuse across requests (the prefix cache).
+
+Three workloads, each on seeded random token ids, greedy unless said otherwise, EOS
+ignored so every output has its asked length:
+
+- `shared`: many requests behind one long shared prefix (an instruction block), all at
+  t0, each with its own suffix. Run on the engine with caching off, caching on with
+  the device pool only, caching on with the host tier, and transformers' continuous
+  batching with `allow_block_sharing` (in a child process, as `inflight bench` runs it).
+- `multi_turn`: conversations whose every turn resubmits the whole history (previous
+  prompt and output) plus a new user message, sent when the previous turn finishes. The
+  device pool holds only a fraction of the final histories, so cached turns get
+  evicted: the device-only cache recomputes them, the host tier copies them back.
+- `n`: parallel sampling (`SamplingParams.n`) against the same samples sent as
+  independent requests with caching off. Reported as skipped while the engine has no `n`.
+
+TTFT is the engine's own (`FinalEvent.timings.first_token_s`, from each request's
+arrival); throughput is output tokens over the time from t0 to the last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import random
+import tempfile
+from pathlib import Path
+
+from gpu.kv_cache import KVShape
+from workers.block_manager import blocks_needed
+from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.request import SamplingParams
+from bench.drive import Driver, random_prompts
+from bench.metrics import percentile
+
+WORKLOADS = ("shared", "multi_turn", "n")
+DEFAULT_PNG = Path("bench-results/prefix.png")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prefix scenario")
+    group.add_argument("--prefix-workloads", default=",".join(WORKLOADS),
+                       help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    group.add_argument("--prefix-requests", type=int, default=64, help="shared: requests, all at t0")
+    group.add_argument("--prefix-shared-len", type=int, default=1024, help="shared: tokens of the shared prefix")
+    group.add_argument("--prefix-suffix-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"),
+                       help="shared: each request's own suffix")
+    group.add_argument("--prefix-output-len", type=int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"),
+                       help="shared: output tokens")
+    group.add_argument("--prefix-hf-batch-tokens", type=int, default=1024,
+                       help="shared: max_batch_tokens of the transformers peer (the best of `inflight bench`'s sweep)")
+    group.add_argument("--prefix-conversations", type=int, default=16, help="multi_turn: conversations")
+    group.add_argument("--prefix-turns", type=int, default=4, help="multi_turn: turns per conversation")
+    group.add_argument("--prefix-first-len", type=int, default=256,
+                       help="multi_turn: tokens of each conversation's first message")
+    group.add_argument("--prefix-message-len", type=int, default=64, help="multi_turn: tokens of each later message")
+    group.add_argument("--prefix-turn-output-len", type=int, default=64, help="multi_turn: output tokens per turn")
+    group.add_argument("--prefix-pool-fraction", type=float, default=0.25,
+                       help="multi_turn: the device KV pool holds this share of all final histories")
+    group.add_argument("--prefix-n", type=int, default=8, help="n: samples per prompt")
+    group.add_argument("--prefix-n-prompts", type=int, default=8, help="n: prompts")
+    group.add_argument("--prefix-n-prompt-len", type=int, default=512, help="n: tokens per prompt")
+    group.add_argument("--prefix-n-output-len", type=int, default=64, help="n: output tokens per sample")
+
+
+def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    workloads = [w.strip() for w in args.prefix_workloads.split(",") if w.strip()]
+    if not workloads or set(workloads) - set(WORKLOADS):
+        raise SystemExit(f"--prefix-workloads must be a subset of {','.join(WORKLOADS)}, got {args.prefix_workloads!r}")
+    report = {}
+    if "shared" in workloads:
+        report["shared"] = run_shared(loaded, args, vocab_ids)
+    if "multi_turn" in workloads:
+        report["multi_turn"] = run_multi_turn(loaded, args, vocab_ids)
+    if "n" in workloads:
+        report["n"] = run_parallel_sampling(loaded, args, vocab_ids)
+    png = args.png or (args.json.with_suffix(".png") if args.json is not None else DEFAULT_PNG)
+    write_chart(report, png)
+    report["png"] = str(png)
+    return report
+
+
+# -- the engine, in this process ----------------------------------------------------
+
+
+class CacheTally:
+    """Sums the prefix cache's per-step figures (`EngineStats.cache`) over a run, and
+    keeps the peak of KV blocks in use; chains to any observer already attached."""
+
+    SUMMED = ("queried_tokens", "device_hit_tokens", "host_hit_tokens", "offloaded_blocks")
+
+    def __init__(self, engine) -> None:
+        self.totals = dict.fromkeys(self.SUMMED, 0)
+        self.last = None
+        self.peak_device_blocks = 0
+        self.preemptions = 0
+        previous = engine.observer
+
+        def observe(stats) -> None:
+            for name in self.SUMMED:
+                self.totals[name] += getattr(stats.cache, name)
+            self.last = stats.cache
+            self.peak_device_blocks = max(self.peak_device_blocks, stats.device_blocks_used)
+            if stats.step is not None:
+                self.preemptions += stats.step.num_preempted
+            if previous is not None:
+                previous(stats)
+
+        engine.observer = observe
+
+    def figures(self) -> dict:
+        queried = self.totals["queried_tokens"]
+        last = self.last
+        return self.totals | {
+            "device_hit_rate": self.totals["device_hit_tokens"] / queried if queried else 0.0,
+            "host_hit_rate": self.totals["host_hit_tokens"] / queried if queried else 0.0,
+            "device_evictions": last.device_evictions if last else 0,  # counted since the engine started
+            "host_evictions": last.host_evictions if last else 0,
+            "peak_device_blocks_used": self.peak_device_blocks,
+            "preemptions": self.preemptions,
+        }
+
+
+def new_engine(loaded, args: argparse.Namespace, cache: CacheConfig, vocab_ids: list[int]):
+    """An engine that has run one short request (first-call costs are not measured), with
+    a tally of its cache attached. The warm-up prompt is shorter than a block: it caches nothing."""
+    from workers.engine import Engine
+
+    engine = Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), cache=cache))
+    warmup = Driver(engine)
+    warmup.add("warmup", vocab_ids[:cache.block_size - 1], 2)
+    warmup.drain()
+    return engine, CacheTally(engine)
+
+
+def engine_figures(drive: Driver, tally: CacheTally) -> dict:
+    """Throughput from the driver's token times, TTFT from the engine's final events."""
+    ttfts = [final.timings.first_token_s for final in drive.finals.values()]
+    wall = max(times[-1] for times in drive.token_times.values())
+    produced = sum(len(times) for times in drive.token_times.values())
+    return {
+        "output_tokens": produced,
+        "output_tokens_per_s": produced / wall,
+        "wall_s": wall,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "steps": drive.num_steps,
+        "cache": tally.figures(),
+        # Other processes on the host skew every figure: the 1-min load when this run ended.
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+# -- shared instructions --------------------------------------------------------------
+
+
+def shared_requests(args: argparse.Namespace, vocab_ids: list[int]) -> list[tuple[str, list[int], int]]:
+    rng = random.Random(args.seed)
+    prefix = random_prompts(rng, 1, (args.prefix_shared_len, args.prefix_shared_len), vocab_ids)[0]
+    suffixes = random_prompts(rng, args.prefix_requests, tuple(args.prefix_suffix_len), vocab_ids)
+    return [(f"req-{i}", prefix + suffix, rng.randint(*args.prefix_output_len)) for i, suffix in enumerate(suffixes)]
+
+
+def run_shared(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    requests = shared_requests(args, vocab_ids)
+    settings = {
+        "caching_off": CacheConfig(prefix_caching=False),
+        "device_only": CacheConfig(swap_memory_bytes=0),
+        "host_tier": CacheConfig(),
+    }
+    systems = {}
+    for name, cache in settings.items():
+        engine, tally = new_engine(loaded, args, cache, vocab_ids)
+        drive = Driver(engine)
+        for request_id, prompt, output_len in requests:
+            drive.add(request_id, prompt, output_len)
+        drive.drain()
+        systems[name] = engine_figures(drive, tally)
+        del engine, drive, tally
+        gc.collect()  # drop this engine's pools before the next one allocates its own
+    systems["hf_continuous"] = run_peer(args, requests)
+
+    on, off, peer = systems["host_tier"], systems["caching_off"], systems["hf_continuous"]
+    return {
+        "requests": len(requests),
+        "shared_len": args.prefix_shared_len,
+        "suffix_len": list(args.prefix_suffix_len),
+        "output_len": list(args.prefix_output_len),
+        "prompt_tokens": sum(len(prompt) for _, prompt, _ in requests),
+        "systems": systems,
+        # Caching on (host tier; the device-only figures are alongside) against the others.
+        "tok_s_vs_caching_off": on["output_tokens_per_s"] / off["output_tokens_per_s"],
+        "ttft_p50_caching_off_over_on": off["ttft_p50_s"] / on["ttft_p50_s"],
+        "tok_s_vs_hf_continuous": on["output_tokens_per_s"] / peer["output_tokens_per_s"],
+    }
+
+
+def run_peer(args: argparse.Namespace, requests: list[tuple[str, list[int], int]]) -> dict:
+    """Transformers' continuous batching with block sharing, in its own process (its
+    generation thread must be the process's only OpenMP team; see bench/main.py)."""
+    from bench.main import _Children
+    from bench.metrics import summarize
+    from bench.workload import BenchRequest, Workload
+
+    prompt_lens = [len(prompt) for _, prompt, _ in requests]
+    workload = Workload(args.seed, (min(prompt_lens), max(prompt_lens)), tuple(args.prefix_output_len),
+                        [BenchRequest(request_id, prompt, n) for request_id, prompt, n in requests])
+    with tempfile.TemporaryDirectory(prefix="inflight-prefix-") as tmp:
+        children = _Children(Path(tmp), args.model, args.dtype)
+        workload.save(children.workload_path)
+        out = children.run("hf_continuous", max_batch_tokens=args.prefix_hf_batch_tokens, allow_block_sharing=True)
+    figures = summarize(out["token_times"], out["peak_rss_mb"])  # TTFT from t0, when all were submitted
+    keep = ("max_batch_tokens", "num_blocks", "allow_block_sharing", "prefix_hit_tokens", "load_average_1m")
+    return figures | {k: out[k] for k in keep}
+
+
+# -- multi-turn -------------------------------------------------------------------------
+
+
+def run_multi_turn(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    rng = random.Random(args.seed + 1)
+    conversations, turns = args.prefix_conversations, args.prefix_turns
+    first = random_prompts(rng, conversations, (args.prefix_first_len, args.prefix_first_len), vocab_ids)
+    messages = [random_prompts(rng, turns - 1, (args.prefix_message_len, args.prefix_message_len), vocab_ids)
+                for _ in range(conversations)]
+    output_len = args.prefix_turn_output_len
+    final_history = args.prefix_first_len + (turns - 1) * args.prefix_message_len + turns * output_len
+
+    # The device pool: a share of all final histories, but never less than one (a request must fit alone).
+    block_size = CacheConfig().block_size
+    pool_blocks = max(blocks_needed(round(args.prefix_pool_fraction * conversations * final_history), block_size),
+                      blocks_needed(final_history, block_size) + 1)
+    block_bytes = KVShape.of(loaded.model.config).bytes_per_token(loaded.model.dtype) * block_size
+    settings = {
+        "device_only": CacheConfig(kv_memory_bytes=pool_blocks * block_bytes, swap_memory_bytes=0),
+        "host_tier": CacheConfig(kv_memory_bytes=pool_blocks * block_bytes),
+    }
+    systems, histories = {}, {}
+    for name, cache in settings.items():
+        engine, tally = new_engine(loaded, args, cache, vocab_ids)
+        drive = Driver(engine)
+        histories[name] = _converse(drive, first, messages, output_len)
+        figures = engine_figures(drive, tally)
+        # Later turns are where a history can be reused.
+        later = [f.timings.first_token_s for rid, f in drive.finals.items() if not rid.endswith("-t0")]
+        figures["ttft_p50_later_turns_s"] = percentile(later, 50)
+        figures["kv_blocks"] = engine.allocator.num_blocks
+        figures["host_blocks"] = engine.host_allocator.num_blocks if engine.host_allocator else 0
+        systems[name] = figures
+        del engine, drive, tally
+        gc.collect()  # drop this engine's pools before the next one allocates its own
+
+    device, host = systems["device_only"], systems["host_tier"]
+    return {
+        "conversations": conversations,
+        "turns": turns,
+        "first_len": args.prefix_first_len,
+        "message_len": args.prefix_message_len,
+        "output_len": output_len,
+        "final_history_tokens": final_history,
+        "pool_blocks": pool_blocks,
+        "pool_share_of_final_histories": pool_blocks * block_size / (conversations * final_history),
+        "systems": systems,
+        # Greedy outputs feed the next turn's prompt: equal histories mean both ran the same prompts.
+        "same_histories": histories["device_only"] == histories["host_tier"],
+        "ttft_p50_device_only_over_host_tier": device["ttft_p50_s"] / host["ttft_p50_s"],
+    }
+
+
+def _converse(drive: Driver, first: list[list[int]], messages: list[list[list[int]]], output_len: int) -> list:
+    """Every conversation's first turn at t0; each later turn (history plus the next
+    message) as soon as the previous one finishes. Returns each conversation's history."""
+    prompts = {f"c{c}-t0": prompt for c, prompt in enumerate(first)}
+    for request_id, prompt in prompts.items():
+        drive.add(request_id, prompt, output_len)
+    seen = 0
+    while drive.engine.has_unfinished():
+        drive.step()
+        finished = list(drive.finals)[seen:]
+        seen += len(finished)
+        for request_id in finished:
+            conversation, turn = (int(part[1:]) for part in request_id.split("-"))
+            history = prompts[request_id] + drive.tokens[request_id]
+            if turn + 1 <= len(messages[conversation]):
+                next_id = f"c{conversation}-t{turn + 1}"
+                prompts[next_id] = history + messages[conversation][turn]
+                drive.add(next_id, prompts[next_id], output_len)
+    last = len(messages[0])
+    return [prompts[f"c{c}-t{last}"] + drive.tokens[f"c{c}-t{last}"] for c in range(len(first))]
+
+
+# -- parallel sampling ------------------------------------------------------------------
+
+
+def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    """The hook for `SamplingParams.n`: n samples of each prompt in one request (caching
+    on), against the same samples as independent requests with caching off."""
+    if "n" not in {field.name for field in dataclasses.fields(SamplingParams)}:
+        return {"skipped": "parallel sampling not in the engine yet"}
+    rng = random.Random(args.seed + 2)
+    length = (args.prefix_n_prompt_len, args.prefix_n_prompt_len)
+    prompts = random_prompts(rng, args.prefix_n_prompts, length, vocab_ids)
+    n, output_len = args.prefix_n, args.prefix_n_output_len
+    sampled = dict(max_tokens=output_len, temperature=0.8, ignore_eos=True)
+    runs = {
+        "parallel": (CacheConfig(), [(f"p{i}", prompt, SamplingParams(n=n, **sampled))
+                                     for i, prompt in enumerate(prompts)]),
+        "independent_caching_off": (CacheConfig(prefix_caching=False),
+                                    [(f"p{i}-s{s}", prompt, SamplingParams(**sampled))
+                                     for i, prompt in enumerate(prompts) for s in range(n)]),
+    }
+    systems = {}
+    for name, (cache, requests) in runs.items():
+        engine, tally = new_engine(loaded, args, cache, vocab_ids)
+        drive = Driver(engine)
+        for request_id, prompt, params in requests:
+            drive.submit(request_id, prompt, params)
+        drive.drain()
+        figures = engine_figures(drive, tally)
+        expected = len(prompts) * n * output_len
+        if figures["output_tokens"] != expected:
+            raise RuntimeError(f"n: {name} produced {figures['output_tokens']} tokens, expected {expected}")
+        systems[name] = figures
+        del engine, drive, tally
+        gc.collect()  # drop this engine's pools before the next one allocates its own
+    parallel, independent = systems["parallel"], systems["independent_caching_off"]
+    return {
+        "prompts": len(prompts),
+        "prompt_len": args.prefix_n_prompt_len,
+        "n": n,
+        "output_len": output_len,
+        "temperature": sampled["temperature"],
+        "systems": systems,
+        "tok_s_vs_independent": parallel["output_tokens_per_s"] / independent["output_tokens_per_s"],
+        # The prompt's KV stored once per prompt shows as far fewer blocks at the peak.
+        "peak_blocks_parallel": parallel["cache"]["peak_device_blocks_used"],
+        "peak_blocks_independent": independent["cache"]["peak_device_blocks_used"],
+    }
+
+
+# -- the chart --------------------------------------------------------------------------
+
+
+def write_chart(report: dict, path: Path) -> None:
+    from bench.report import write_bar_panels
+
+    panels = []
+    if "shared" in report:
+        systems = report["shared"]["systems"]
+        panels.append(("shared: output tok/s (higher is better)",
+                       {name: s["output_tokens_per_s"] for name, s in systems.items()}, "{:.1f}"))
+        panels.append(("shared: TTFT p50 s (lower is better)",
+                       {name: s["ttft_p50_s"] for name, s in systems.items()}, "{:.2f}"))
+    if "multi_turn" in report:
+        systems = report["multi_turn"]["systems"]
+        panels.append(("multi-turn: TTFT p50 s (lower is better)",
+                       {name: s["ttft_p50_s"] for name, s in systems.items()}, "{:.2f}"))
+        panels.append(("multi-turn: prompt tokens found cached",
+                       {f"{name}\n{tier}": s["cache"][f"{tier}_hit_rate"]
+                        for name, s in systems.items() for tier in ("device", "host")}, "{:.0%}"))
+    if "n" in report and "skipped" not in report["n"]:
+        systems = report["n"]["systems"]
+        panels.append((f"n={report['n']['n']}: output tok/s (higher is better)",
+                       {name: s["output_tokens_per_s"] for name, s in systems.items()}, "{:.1f}"))
+    write_bar_panels(panels, Path(path), "inflight bench --scenario prefix")
