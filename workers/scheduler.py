@@ -378,12 +378,14 @@ class Scheduler:
         its first chunk then fits in the free blocks; else change nothing and say False."""
         if len(self.running) + 1 + len(request.forks) > self.config.max_running_requests:
             return False  # its choices start running together
-        on_device, on_host = self._cached_prefix(request)
+        prefix = self._cached_prefix(request)
+        on_device = [entry for entry in prefix if isinstance(entry, int)]
+        num_on_host = len(prefix) - len(on_device)
         # Free blocks once the hits are taken: shared cached blocks stop being free, and
         # each host hit takes a new device block to be copied into.
-        free = self.allocator.num_free - len(on_host) - sum(
+        free = self.allocator.num_free - num_on_host - sum(
             1 for block in on_device if self.allocator.holders(block) == 0)
-        num_cached = (len(on_device) + len(on_host)) * self.block_size
+        num_cached = len(prefix) * self.block_size
         remaining = request.num_tokens - num_cached
         if min(remaining, budget, self.config.max_prefill_chunk, max(free, 0) * self.block_size) == 0:
             return False
@@ -391,11 +393,15 @@ class Scheduler:
         if self.cache_salt is not None:
             self._queried += request.num_tokens
             self._device_hits += len(on_device) * self.block_size
-            self._host_hits += len(on_host) * self.block_size
-        for block in on_device:
+            self._host_hits += num_on_host * self.block_size
+        for block in on_device:  # first, so that no allocation below evicts them
             self.allocator.share(block)
-        request.block_ids = list(on_device)
-        for address, host_block in on_host:
+        request.block_ids = []
+        for entry in prefix:
+            if isinstance(entry, int):
+                request.block_ids.append(entry)
+                continue
+            address, host_block = entry
             device_block = self.allocator.allocate()
             self.host_allocator.share(host_block)  # held until the copy is made
             self.allocator.register(device_block, address)
@@ -405,25 +411,24 @@ class Scheduler:
         self._start_running(request)
         return True
 
-    def _cached_prefix(self, request: Request) -> tuple[list[int], list[tuple[bytes, int]]]:
-        """The device blocks holding `request`'s longest cached prefix, then the (address,
-        host block) pairs that continue it from the host tier. At most the full blocks
-        before its last token: that one is always computed, for its logits."""
+    def _cached_prefix(self, request: Request) -> list[int | tuple[bytes, int]]:
+        """`request`'s longest cached prefix, block by block: a device block, or else an
+        (address, host block) pair to copy back from the host tier. At most the full
+        blocks before its last token: that one is always computed, for its logits."""
         if self.cache_salt is None:
-            return [], []
-        on_device: list[int] = []
-        on_host: list[tuple[bytes, int]] = []
+            return []
+        prefix: list[int | tuple[bytes, int]] = []
         host = self.host_allocator
         for address in self._addresses(request, (request.num_tokens - 1) // self.block_size):
-            block = None if on_host else self.allocator.lookup(address)
+            block = self.allocator.lookup(address)
             if block is not None:
-                on_device.append(block)
+                prefix.append(block)
                 continue
             host_block = host.lookup(address) if host is not None else None
             if host_block is None:
                 break
-            on_host.append((address, host_block))
-        return on_device, on_host
+            prefix.append((address, host_block))
+        return prefix
 
     def _addresses(self, request: Request, num_blocks: int) -> list[bytes]:
         """The content addresses of `request`'s first `num_blocks` blocks (all full)."""
