@@ -12,7 +12,7 @@ ignored so every output has its asked length:
   device pool holds only a fraction of the final histories, so cached turns get
   evicted: the device-only cache recomputes them, the host tier copies them back.
 - `n`: parallel sampling (`SamplingParams.n`) against the same samples sent as
-  independent requests with caching off. Reported as skipped while the engine has no `n`.
+  independent requests with caching off.
 
 TTFT is the engine's own (`FinalEvent.timings.first_token_s`, from each request's
 arrival); throughput is output tokens over the time from t0 to the last token.
@@ -21,7 +21,6 @@ arrival); throughput is output tokens over the time from t0 to the last token.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import random
@@ -295,10 +294,8 @@ def _converse(drive: Driver, first: list[list[int]], messages: list[list[list[in
 
 
 def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    """The hook for `SamplingParams.n`: n samples of each prompt in one request (caching
-    on), against the same samples as independent requests with caching off."""
-    if "n" not in {field.name for field in dataclasses.fields(SamplingParams)}:
-        return {"skipped": "parallel sampling not in the engine yet"}
+    """n samples of each prompt in one request (`SamplingParams.n`, caching on), against
+    the same samples as independent requests with caching off."""
     rng = random.Random(args.seed + 2)
     length = (args.prefix_n_prompt_len, args.prefix_n_prompt_len)
     prompts = random_prompts(rng, args.prefix_n_prompts, length, vocab_ids)

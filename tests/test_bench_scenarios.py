@@ -144,7 +144,8 @@ def test_prefix_scenario_reuses_cached_prefixes_by_tier(tmp_path):
     report = bench(tmp_path, "--scenario", "prefix", "--prefix-requests", "3", "--prefix-shared-len", "128",
                    "--prefix-suffix-len", "2", "6", "--prefix-output-len", "2", "3",
                    "--prefix-conversations", "3", "--prefix-turns", "2", "--prefix-first-len", "24",
-                   "--prefix-message-len", "4", "--prefix-turn-output-len", "2")
+                   "--prefix-message-len", "4", "--prefix-turn-output-len", "2",
+                   "--prefix-n-prompts", "2", "--prefix-n-prompt-len", "40", "--prefix-n", "3", "--prefix-n-output-len", "3")
     figures = report["prefix"]
     shared = figures["shared"]["systems"]
     # Every system produced the same outputs; only the caching ones found the shared prefix
@@ -165,8 +166,7 @@ def test_prefix_scenario_reuses_cached_prefixes_by_tier(tmp_path):
     assert host["offloaded_blocks"] > 0 and host["host_hit_tokens"] > 0
     assert 0 < host["host_hit_rate"] <= 1 and finite_positive(turns["ttft_p50_device_only_over_host_tier"])
 
-    if "skipped" in figures["n"]:
-        assert figures["n"]["skipped"] == "parallel sampling not in the engine yet"
-    else:
-        assert figures["n"]["peak_blocks_parallel"] < figures["n"]["peak_blocks_independent"]
+    # n choices hold one copy of their prompt's KV.
+    assert figures["n"]["peak_blocks_parallel"] < figures["n"]["peak_blocks_independent"]
+    assert figures["n"]["systems"]["parallel"]["output_tokens"] == 2 * 3 * 3
     assert (tmp_path / "report.png").stat().st_size > 0
