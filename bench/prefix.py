@@ -95,6 +95,8 @@ class CacheTally:
         self.last = None
         self.peak_device_blocks = 0
         self.preemptions = 0
+        # At the step with the most sequences running: how many, and the blocks they held.
+        self.peak_running = (0, 0)
         previous = engine.observer
 
         def observe(stats) -> None:
@@ -102,6 +104,7 @@ class CacheTally:
                 self.totals[name] += getattr(stats.cache, name)
             self.last = stats.cache
             self.peak_device_blocks = max(self.peak_device_blocks, stats.device_blocks_used)
+            self.peak_running = max(self.peak_running, (sum(stats.census.running.values()), stats.device_blocks_used))
             if stats.step is not None:
                 self.preemptions += stats.step.num_preempted
             if previous is not None:
@@ -118,6 +121,9 @@ class CacheTally:
             "device_evictions": last.device_evictions if last else 0,  # counted since the engine started
             "host_evictions": last.host_evictions if last else 0,
             "peak_device_blocks_used": self.peak_device_blocks,
+            "peak_running": self.peak_running[0],
+            # Shared prompts show here: n choices hold one copy of their prompt's KV.
+            "device_blocks_per_running_at_peak": self.peak_running[1] / max(self.peak_running[0], 1),
             "preemptions": self.preemptions,
         }
 
@@ -331,9 +337,11 @@ def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]
         "temperature": sampled["temperature"],
         "systems": systems,
         "tok_s_vs_independent": parallel["output_tokens_per_s"] / independent["output_tokens_per_s"],
-        # The prompt's KV stored once per prompt shows as far fewer blocks at the peak.
         "peak_blocks_parallel": parallel["cache"]["peak_device_blocks_used"],
         "peak_blocks_independent": independent["cache"]["peak_device_blocks_used"],
+        # The prompt's KV stored once per prompt: far fewer blocks per running sequence.
+        "blocks_per_sequence_parallel": parallel["cache"]["device_blocks_per_running_at_peak"],
+        "blocks_per_sequence_independent": independent["cache"]["device_blocks_per_running_at_peak"],
     }
 
 

@@ -168,5 +168,6 @@ def test_prefix_scenario_reuses_cached_prefixes_by_tier(tmp_path):
 
     # n choices hold one copy of their prompt's KV.
     assert figures["n"]["peak_blocks_parallel"] < figures["n"]["peak_blocks_independent"]
+    assert figures["n"]["blocks_per_sequence_parallel"] < figures["n"]["blocks_per_sequence_independent"]
     assert figures["n"]["systems"]["parallel"]["output_tokens"] == 2 * 3 * 3
     assert (tmp_path / "report.png").stat().st_size > 0
