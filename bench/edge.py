@@ -274,11 +274,12 @@ class PerEventOutbox(ReplyOutbox):
         self._queues: dict[str, asyncio.Queue] = {}
         self._writers: dict[str, asyncio.Task] = {}
 
-    def open(self, request_id, reply_to, entry_id, seq, keep_text=False):
+    def open(self, request_id, reply_to, entry_id, seq, keep_text=False, choices=1):
         future = asyncio.get_running_loop().create_future()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._writers[request_id] = asyncio.create_task(self._write(queue, future, reply_to, entry_id, seq))
+        self._writers[request_id] = asyncio.create_task(self._write(queue, future, reply_to, entry_id, seq,
+                                                                    choices > 1))
         return future
 
     def close(self, request_id: str) -> None:
@@ -297,14 +298,15 @@ class PerEventOutbox(ReplyOutbox):
     async def run(self) -> None:
         await asyncio.Event().wait()  # the writers do the work
 
-    async def _write(self, queue, future, reply_to, entry_id, seq) -> None:
+    async def _write(self, queue, future, reply_to, entry_id, seq, indexed) -> None:
         while True:
             produced, event = await queue.get()
             final = isinstance(event, FinalEvent)
             if final:
                 append = Append(reply_to, entry_id, (), (f"{seq}-1", done_fields(event, self.publisher.worker)), True)
             else:
-                append = Append(reply_to, entry_id, (token_data(seq, event.text, event.token_ids),), None, True)
+                data = token_data(seq, event.text, event.token_ids, event.index if indexed else None)
+                append = Append(reply_to, entry_id, (data,), None, True)
             written, = await self.publisher.append([append])
             if written is not True:
                 future.set_exception(LeaseLost(reply_to) if written is False else written)
