@@ -128,5 +128,10 @@ def test_greedy_generation_equals_the_torch_backend(name):
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         arrivals = {0: [(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]}
         results[backend_name] = {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
-    assert results["kernels"] == results["torch"]
+    for rid, tokens in results["torch"].items():
+        kernels = results["kernels"][rid]
+        # Random weights give flat logits: a near-tie flipped by rounding shows up here as
+        # the first differing position, to tell from a kernel bug (which differs early, widely).
+        first = next((i for i, (a, b) in enumerate(zip(kernels, tokens)) if a != b), None)
+        assert kernels == tokens, f"{rid}: first differs at token {first}: {kernels} != {tokens}"
     assert all(len(tokens) == 40 for tokens in results["kernels"].values())
