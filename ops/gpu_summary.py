@@ -82,8 +82,9 @@ def describe(name: str, part: dict) -> str:
         r = part["report"]
         if r is None:
             return "no report"
-        return (f"{r['kernel_gbps']} GB/s = {r['kernel_share_of_peak']:.0%} of peak {r['peak_gbps']} GB/s "
-                f"(target {r['shape']['target']:.0%}); SDPA on gathered K/V {r['sdpa_gathered_gbps']} GB/s")  # fmt: skip
+        share, target = r["kernel_share_of_peak"], r["shape"]["target"]
+        return (f"{r['kernel_gbps']} GB/s = {share:.0%} of peak {r['peak_gbps']} GB/s (target {target:.0%}); "
+                f"SDPA on gathered K/V {r['sdpa_gathered_gbps']} GB/s")  # fmt: skip
     return ""
 
 

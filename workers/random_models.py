@@ -108,7 +108,8 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, attn_implem
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), device:
         torch.manual_seed(SEED)
-        return AutoModelForCausalLM.from_config(model_config(name), dtype=dtype, attn_implementation=attn_implementation)
+        config = model_config(name)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
 
 
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
