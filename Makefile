@@ -1,11 +1,13 @@
 # `make run` and `make test` do all the set-up on a fresh machine: they create the
 # virtual environment and install what they need, once.
 VENV ?= .venv
+# gpu-check runs on the host's Python (or $PYTHON as given), not the venv's.
+HOST_PYTHON := $(or $(PYTHON),python3)
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NODE_EXAMPLE := docs/examples/node/node_modules/.package-lock.json
 
-.PHONY: run demo test bench dashboards install gpu-check clean
+.PHONY: run demo test bench dashboards install gpu-check gpu-wheels clean
 
 # The worker, on $REDIS_URL or else an embedded Valkey server; it prints how to submit.
 run: $(INSTALLED)
@@ -23,12 +25,19 @@ bench: $(INSTALLED)
 
 install: $(INSTALLED)
 
-# On a machine with a CUDA GPU (where pip's torch==2.13.0 is a CUDA build): the kernels'
-# device checks and bandwidth benchmark (ops/gpu-check.sh, sized to fit in 5 minutes;
-# not yet timed on a GPU, see docs/benchmarks.md).
-gpu-check: $(INSTALLED)
-	$(PYTHON) -m pip install -q -e '.[gpu]'
-	PYTHON=$(PYTHON) ops/gpu-check.sh
+# On a machine with a CUDA GPU, torch with CUDA and cupy (a stock PyTorch image will do;
+# no venv, no network): the kernels' device checks, the end-to-end equality on
+# random-weight models and the decode-bandwidth benchmark (ops/gpu-check.sh; README,
+# "The GPU path"). Set OUT=folder for the figures as JSON, PYTHON= for another Python.
+gpu-check:
+	PYTHON=$(HOST_PYTHON) ops/gpu-check.sh
+
+# On a networked machine: the pure-Python wheels gpu-check installs from when the GPU
+# host lacks them (ops/gpu-wheels/requirements.txt); commit what it writes.
+gpu-wheels:
+	rm -f ops/gpu-wheels/*.whl
+	python3 -m pip download -q --disable-pip-version-check --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 --no-deps -d ops/gpu-wheels -r ops/gpu-wheels/requirements.txt
 
 # Regenerate the Grafana dashboard JSON from ops/grafana/dashboards.py (commit the result).
 dashboards:

