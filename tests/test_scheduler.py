@@ -755,6 +755,7 @@ def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_an
         for c in plan.chunks:
             assert c.num_tokens >= 1 and c.start + c.num_tokens <= c.request.num_tokens
             assert len(c.request.block_ids) * BLOCK >= c.start + c.num_tokens
+        assert len(s.running) <= max_running  # forks included
         # Device blocks: the refcount of each is the number of running requests listing it.
         held = Counter(b for r in s.running for b in r.block_ids)
         assert all(s.allocator.holders(b) == n for b, n in held.items())

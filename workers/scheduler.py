@@ -343,10 +343,12 @@ class Scheduler:
                 budget -= self._add_prefill_chunk(request, budget, plan)
 
         # The queue's head starts, while it fits.
-        while self._num_queued and len(self.running) < config.max_running_requests:
+        while self._num_queued:
             request = self._head()
             if request in plan.preempted:
                 break  # never back in the step that preempted it
+            if self._occupied() + 1 + self._num_forking(request) > config.max_running_requests:
+                break  # a lead starts only with room for the choices that will fork from it
             if request.status is RequestStatus.SWAPPED:
                 # Back in only with room for its next token, so it runs this step.
                 if blocks_needed(request.num_computed + 1, self.block_size) > self.allocator.num_free:
@@ -376,8 +378,6 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, plan: StepPlan) -> bool:
         """Start the queue's head (a waiting request) after its longest cached prefix, if
         its first chunk then fits in the free blocks; else change nothing and say False."""
-        if len(self.running) + 1 + len(request.forks) > self.config.max_running_requests:
-            return False  # its choices start running together
         prefix = self._cached_prefix(request)
         on_device = [entry for entry in prefix if isinstance(entry, int)]
         num_on_host = len(prefix) - len(on_device)
@@ -484,6 +484,14 @@ class Scheduler:
             if fork.deadline is not None:
                 heapq.heappush(self._deadlines, (fork.deadline, next(self._order), fork))
         lead.forks = []
+
+    @staticmethod
+    def _num_forking(lead: Request) -> int:
+        return sum(1 for fork in lead.forks if fork.status is RequestStatus.FORKING)
+
+    def _occupied(self) -> int:
+        """Running requests, and the choices still to fork from them: their room is taken."""
+        return len(self.running) + sum(self._num_forking(r) for r in self.running if r.forks)
 
     def _copy_on_write(self, request: Request, plan: StepPlan) -> None:
         """Before `request` writes at `num_computed`: if that block is shared (or cached
