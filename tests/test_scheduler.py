@@ -130,6 +130,21 @@ class FakeRunner:
                 assert chain_address(tokens, salt) == at, f"block {block} holds other tokens than its address names"
 
 
+def end_cancelled_and_expired(s: Scheduler, cancelled: list[Request], now: float, ended: dict[str, str]) -> None:
+    """Retire what the engine would before a step: the cancelled requests that have
+    arrived and those past their deadline, every choice of each."""
+    for lead in cancelled:
+        for r in [lead, *lead.forks]:
+            if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
+                s.finish(r, FinishReason.CANCELLED)
+                ended[r.request_id] = "cancelled"
+    for expired in s.expired(now):
+        for r in [expired, *expired.forks]:
+            if r.status is not RequestStatus.FINISHED:
+                s.finish(r, FinishReason.DEADLINE)
+                ended[r.request_id] = "deadline"
+
+
 def run(s: Scheduler, requests: list[Request], max_steps: int = 10_000) -> list[StepPlan]:
     runner = FakeRunner(s)
     for r in requests:
@@ -432,16 +447,7 @@ def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_ho
         now = float(step)
         for r in arrivals.pop(step, []):
             s.add(r)
-        for lead in cancels.pop(step, []):
-            for r in [lead, *lead.forks]:  # a cancel ends every choice, as the engine does
-                if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
-                    s.finish(r, FinishReason.CANCELLED)
-                    ended[r.request_id] = "cancelled"
-        for expired in s.expired(now):
-            for r in [expired, *expired.forks]:  # the engine ends every choice
-                if r.status is not RequestStatus.FINISHED:
-                    s.finish(r, FinishReason.DEADLINE)
-                    ended[r.request_id] = "deadline"
+        end_cancelled_and_expired(s, cancels.pop(step, []), now, ended)
         if not arrivals and not s.has_unfinished():
             break
         plan = s.schedule()
@@ -730,16 +736,7 @@ def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_an
         now = float(step)
         for r in arrivals.pop(step, []):
             s.add(r)
-        for lead in cancels.pop(step, []):
-            for r in [lead, *lead.forks]:  # a cancel ends every choice, as the engine does
-                if r.status is not RequestStatus.FINISHED and r.arrival_time <= now:
-                    s.finish(r, FinishReason.CANCELLED)
-                    ended[r.request_id] = "cancelled"
-        for expired in s.expired(now):
-            for r in [expired, *expired.forks]:  # the engine ends every choice
-                if r.status is not RequestStatus.FINISHED:
-                    s.finish(r, FinishReason.DEADLINE)
-                    ended[r.request_id] = "deadline"
+        end_cancelled_and_expired(s, cancels.pop(step, []), now, ended)
         if not arrivals and not s.has_unfinished():
             break
         was_running = set(map(id, s.running))

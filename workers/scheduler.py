@@ -419,7 +419,8 @@ class Scheduler:
             return []
         prefix: list[int | tuple[bytes, int]] = []
         host = self.host_allocator
-        for address in self._addresses(request, (request.num_tokens - 1) // self.block_size):
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        for address in self._addresses(request, num_blocks)[:num_blocks]:
             block = self.allocator.lookup(address)
             if block is not None:
                 prefix.append(block)
@@ -431,14 +432,15 @@ class Scheduler:
         return prefix
 
     def _addresses(self, request: Request, num_blocks: int) -> list[bytes]:
-        """The content addresses of `request`'s first `num_blocks` blocks (all full)."""
+        """`request`'s content addresses, computed up to its first `num_blocks` blocks (all
+        full); the list may hold more."""
         addresses = request.block_addresses
         size = self.block_size
         while len(addresses) < num_blocks:
             start = len(addresses) * size
             parent = addresses[-1] if addresses else b""
             addresses.append(block_hash(parent, request.token_slice(start, start + size), self.cache_salt))
-        return addresses[:num_blocks]
+        return addresses
 
     def _register_full_blocks(self, request: Request, start: int, end: int) -> None:
         """Give the blocks that tokens [start, end) filled their content addresses."""
