@@ -45,6 +45,33 @@ def test_decodes_match_the_reference(kernel, head_dim, group, block_size):
     check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel))
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_sequences_sharing_leading_blocks(kernel, block_size):
+    """Forks of one prompt and requests behind one cached prefix read the same blocks:
+    attended together (more than a group's worth, a prefix ending inside a block, a
+    request sharing less than the rest, one sharing nothing), each output matches the
+    reference and equals, bit for bit, that sequence attended alone."""
+    contexts = [5 * block_size + 3] * 10 + [3 * block_size, 4 * block_size + 1, 2 * block_size + 7, 40]
+    step = make_step(torch.float32, 64, block_size, num_kv_heads=3, group=3,
+                     chunks=decode_chunks(contexts), seed=block_size)  # fmt: skip
+    lead = step.sequences[0].block_table
+    shares = [5] * 10 + [3, 4, 1, 0]  # leading blocks shared with the first sequence
+    for seq, shared in zip(step.sequences, shares):
+        seq.block_table[:shared] = lead[:shared]
+    backend = CpuAttentionBackend(step.kernel_cache, kernel)
+    check_against_reference(step, backend)
+
+    num_tokens = step.query.shape[0]
+    together = backend.attend(0, step.query, step.key, step.value, step.scale,
+                              backend.prepare(step.sequences, num_tokens))  # fmt: skip
+    cache = step.kernel_cache
+    for seq in step.sequences:
+        alone = torch.zeros_like(together)
+        backend.attend_decodes(alone, step.query, cache.key_pools[0], cache.value_pools[0], step.scale,
+                               backend.prepare_decodes([seq]))  # fmt: skip
+        assert torch.equal(together[seq.query_start], alone[seq.query_start])
+
+
 def test_mixed_step_keeps_prompt_chunks_on_the_reference(kernel):
     """Decodes on the kernel, a fresh prompt and a later chunk on torch, in one batch."""
     chunks = [(40, 1), (0, 9), (5, 1), (33, 12), (200, 1)]

@@ -4,9 +4,10 @@
 // Every K and V row of a context is read once per step and layer, for all the query
 // heads that share it (grouped-query attention). Scores and sums are fp32. Two builds of
 // the same passes (scores, softmax, weighted V):
-// - on AVX2 (head sizes 64 and 128), one work item per request: its blocks are read
-//   whole and in order, the next block is prefetched (blocks are scattered, so the
-//   hardware cannot guess it), and the exponentials are vectorised;
+// - on AVX2 (head sizes 64 and 128), one work item per group of requests that share
+//   leading blocks (often a group of one): blocks are read whole and in order, a shared
+//   block once for the whole group, the next block is prefetched (blocks are scattered,
+//   so the hardware cannot guess it), and the exponentials are vectorised;
 // - elsewhere, plain loops the compiler vectorises, one work item per (request, KV head).
 //
 // Cache layout, per layer: K and V pools `[slots, num_kv_heads, head_dim]`, token p of a
@@ -174,81 +175,174 @@ inline const float* block_at(const float* pool, const Args& a, const int32_t* ta
     return pool + (int64_t)table[index] * a.block_size * row_stride;
 }
 
-// attend_one for head sizes that are multiples of 8, on AVX2, for all the KV heads of a
-// sequence at once: a block's rows are read whole and in order (reading one head's slice
-// of every row leaves the hardware prefetcher fetching the other heads' for nothing),
-// and stay in L1 while every query head uses them.
-template <int HEAD_DIM>
-void attend_seq_avx2(const Args& a, int seq, std::vector<float>& scores, std::vector<float>& acc) {
-    constexpr int CHUNKS = HEAD_DIM / 8;
-    const int heads = a.num_heads, group = a.num_heads / a.num_kv_heads;
-    const int n = a.context_lens[seq];
-    const int64_t row_stride = (int64_t)a.num_kv_heads * HEAD_DIM;
-    const int32_t* table = a.block_tables + (int64_t)seq * a.max_blocks;
-    const int64_t row = a.query_rows[seq];
-    const float* query = a.query + row * a.query_token_stride;
-    scores.resize((size_t)heads * n);
-    acc.assign((size_t)heads * HEAD_DIM, 0.0f);
-    const __m256 scale = _mm256_set1_ps(a.scale);
+// Sequences attended together: `count` entries of `seqs`, whose first `shared` blocks
+// are the same blocks (forks of one prompt, requests behind one cached instructions
+// block). Each shared block is read from memory once and stays in L1 while every
+// sequence of the group uses it; a sequence's own arithmetic, and so its output, is the
+// same as when it is attended alone.
+constexpr int MAX_GROUP = 8;
 
-    for (int start = 0; start < n; start += a.block_size) {
-        const float* block = block_at(a.key_pool, a, table, start, n, row_stride);
-        const int count = std::min(a.block_size, n - start);
+struct Group {
+    const int* seqs;
+    int count;
+    int shared;
+};
+
+// Scores of one sequence's query heads against `count` K rows of `block`, from token `start`.
+template <int HEAD_DIM>
+inline void score_block(const Args& a, const float* query, const float* block, int count, float* scores, int n,
+                        int64_t row_stride) {
+    const int group = a.num_heads / a.num_kv_heads;
+    const __m256 scale = _mm256_set1_ps(a.scale);
+    for (int h = 0; h < a.num_heads; ++h) {
+        const float* q = query + (int64_t)h * a.query_head_stride;
+        const float* k = block + (int64_t)(h / group) * HEAD_DIM;
+        float* s = scores + (size_t)h * n;
+        int j = 0;
+        for (; j + 8 <= count; j += 8)
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8<HEAD_DIM>(q, k + j * row_stride, row_stride), scale));
+        for (; j < count; ++j) s[j] = dot1<HEAD_DIM>(q, k + j * row_stride) * a.scale;
+    }
+}
+
+// Adds `count` V rows of `block`, weighted by the scores from token `start`, to each head's sum.
+template <int HEAD_DIM>
+inline void weigh_block(const Args& a, const float* block, int count, const float* scores, int n, float* acc,
+                        int64_t row_stride) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    const int group = a.num_heads / a.num_kv_heads;
+    for (int h = 0; h < a.num_heads; ++h) {
+        const float* p = scores + (size_t)h * n;
+        const float* v = block + (int64_t)(h / group) * HEAD_DIM;
+        float* o = acc + (size_t)h * HEAD_DIM;
+        __m256 out[CHUNKS];
+        for (int c = 0; c < CHUNKS; ++c) out[c] = _mm256_loadu_ps(o + 8 * c);
+        for (int j = 0; j < count; ++j) {
+            const __m256 weight = _mm256_set1_ps(p[j]);
+            for (int c = 0; c < CHUNKS; ++c)
+                out[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * row_stride + 8 * c), out[c]);
+        }
+        for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + 8 * c, out[c]);
+    }
+}
+
+// attend_one for head sizes that are multiples of 8, on AVX2, for all the KV heads of a
+// group's sequences at once: a block's rows are read whole and in order (reading one
+// head's slice of every row leaves the hardware prefetcher fetching the other heads'
+// for nothing), and stay in L1 while every query head uses them.
+template <int HEAD_DIM>
+void attend_group_avx2(const Args& a, const Group& g, std::vector<float>& scores, std::vector<float>& acc) {
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    const int heads = a.num_heads;
+    const int64_t row_stride = (int64_t)a.num_kv_heads * HEAD_DIM;
+    size_t offsets[MAX_GROUP + 1] = {0};
+    for (int i = 0; i < g.count; ++i) offsets[i + 1] = offsets[i] + (size_t)heads * a.context_lens[g.seqs[i]];
+    scores.resize(offsets[g.count]);
+    acc.assign((size_t)g.count * heads * HEAD_DIM, 0.0f);
+    const int32_t* shared_table = a.block_tables + (int64_t)g.seqs[0] * a.max_blocks;
+    const int shared_tokens = g.shared * a.block_size;
+    auto query_of = [&](int i) { return a.query + (int64_t)a.query_rows[g.seqs[i]] * a.query_token_stride; };
+
+    for (int start = 0; start < shared_tokens; start += a.block_size) {
+        const float* block = block_at(a.key_pool, a, shared_table, start, shared_tokens, row_stride);
+        for (int i = 0; i < g.count; ++i)
+            score_block<HEAD_DIM>(a, query_of(i), block, a.block_size, scores.data() + offsets[i] + start,
+                                  a.context_lens[g.seqs[i]], row_stride);
+    }
+    for (int i = 0; i < g.count; ++i) {
+        const int n = a.context_lens[g.seqs[i]];
+        const int32_t* table = a.block_tables + (int64_t)g.seqs[i] * a.max_blocks;
+        for (int start = shared_tokens; start < n; start += a.block_size)
+            score_block<HEAD_DIM>(a, query_of(i), block_at(a.key_pool, a, table, start, n, row_stride),
+                                  std::min(a.block_size, n - start), scores.data() + offsets[i] + start, n,
+                                  row_stride);
+    }
+    float sums[MAX_GROUP][1024];
+    for (int i = 0; i < g.count; ++i)
         for (int h = 0; h < heads; ++h) {
-            const float* q = query + (int64_t)h * a.query_head_stride;
-            const float* k = block + (int64_t)(h / group) * HEAD_DIM;
-            float* s = scores.data() + (size_t)h * n + start;
-            int j = 0;
-            for (; j + 8 <= count; j += 8)
-                _mm256_storeu_ps(s + j, _mm256_mul_ps(dot8<HEAD_DIM>(q, k + j * row_stride, row_stride), scale));
-            for (; j < count; ++j) s[j] = dot1<HEAD_DIM>(q, k + j * row_stride) * a.scale;
+            const int n = a.context_lens[g.seqs[i]];
+            sums[i][h] = exp_scores(scores.data() + offsets[i] + (size_t)h * n, n);
+        }
+    for (int start = 0; start < shared_tokens; start += a.block_size) {
+        const float* block = block_at(a.value_pool, a, shared_table, start, shared_tokens, row_stride);
+        for (int i = 0; i < g.count; ++i)
+            weigh_block<HEAD_DIM>(a, block, a.block_size, scores.data() + offsets[i] + start,
+                                  a.context_lens[g.seqs[i]], acc.data() + (size_t)i * heads * HEAD_DIM,
+                                  row_stride);
+    }
+    for (int i = 0; i < g.count; ++i) {
+        const int n = a.context_lens[g.seqs[i]];
+        const int32_t* table = a.block_tables + (int64_t)g.seqs[i] * a.max_blocks;
+        float* seq_acc = acc.data() + (size_t)i * heads * HEAD_DIM;
+        for (int start = shared_tokens; start < n; start += a.block_size)
+            weigh_block<HEAD_DIM>(a, block_at(a.value_pool, a, table, start, n, row_stride),
+                                  std::min(a.block_size, n - start), scores.data() + offsets[i] + start, n,
+                                  seq_acc, row_stride);
+        const int64_t row = a.query_rows[g.seqs[i]];
+        for (int h = 0; h < heads; ++h) {
+            float* out = a.out + (row * heads + h) * HEAD_DIM;
+            const __m256 inv = _mm256_set1_ps(1.0f / sums[i][h]);
+            for (int c = 0; c < CHUNKS; ++c)
+                _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(seq_acc + h * HEAD_DIM + 8 * c), inv));
         }
     }
-    float sums[1024];
-    for (int h = 0; h < heads; ++h) sums[h] = exp_scores(scores.data() + (size_t)h * n, n);
-    for (int start = 0; start < n; start += a.block_size) {
-        const float* block = block_at(a.value_pool, a, table, start, n, row_stride);
-        const int count = std::min(a.block_size, n - start);
-        for (int h = 0; h < heads; ++h) {
-            const float* p = scores.data() + (size_t)h * n + start;
-            const float* v = block + (int64_t)(h / group) * HEAD_DIM;
-            float* o = acc.data() + (size_t)h * HEAD_DIM;
-            __m256 out[CHUNKS];
-            for (int c = 0; c < CHUNKS; ++c) out[c] = _mm256_loadu_ps(o + 8 * c);
-            for (int j = 0; j < count; ++j) {
-                const __m256 weight = _mm256_set1_ps(p[j]);
-                for (int c = 0; c < CHUNKS; ++c)
-                    out[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * row_stride + 8 * c), out[c]);
-            }
-            for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + 8 * c, out[c]);
+}
+#endif
+
+#ifdef INFLIGHT_AVX2
+// The batch in groups of up to MAX_GROUP sequences: sequences with the same first block
+// are taken in batch order, and a group ends where the next one shares fewer full blocks
+// with its first sequence than the group does.
+std::vector<Group> form_groups(const Args& a, std::vector<int>& order) {
+    order.resize(a.num_seqs);
+    for (int s = 0; s < a.num_seqs; ++s) order[s] = s;
+    auto table_of = [&](int s) { return a.block_tables + (int64_t)s * a.max_blocks; };
+    auto first_block = [&](int s) { return a.context_lens[s] > 0 ? table_of(s)[0] : -1; };
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return first_block(x) < first_block(y); });
+    std::vector<Group> groups;
+    for (int i = 0; i < a.num_seqs;) {
+        const int32_t* lead = table_of(order[i]);
+        int count = 1, shared = a.context_lens[order[i]] / a.block_size;
+        while (i + count < a.num_seqs && count < MAX_GROUP) {
+            const int next = order[i + count];
+            const int32_t* table = table_of(next);
+            const int limit = std::min(shared, a.context_lens[next] / a.block_size);
+            int common = 0;
+            while (common < limit && table[common] == lead[common]) ++common;
+            if (common == 0 || (count > 1 && common < shared)) break;
+            shared = common;
+            ++count;
         }
+        groups.push_back(Group{order.data() + i, count, count > 1 ? shared : 0});
+        i += count;
     }
-    for (int h = 0; h < heads; ++h) {
-        float* out = a.out + (row * heads + h) * HEAD_DIM;
-        const __m256 inv = _mm256_set1_ps(1.0f / sums[h]);
-        for (int c = 0; c < CHUNKS; ++c)
-            _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + h * HEAD_DIM + 8 * c), inv));
-    }
+    return groups;
 }
 #endif
 
 template <int HEAD_DIM>
 void attend_all(const Args& a, int head_dim, int num_threads) {
+#ifdef INFLIGHT_AVX2
+    if constexpr (HEAD_DIM > 0) {
+        std::vector<int> order;
+        const std::vector<Group> groups = form_groups(a, order);
+        const int num_groups = (int)groups.size();
+#pragma omp parallel num_threads(num_threads)
+        {
+            std::vector<float> scores, acc;  // per thread, reused across its groups
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < num_groups; ++i) attend_group_avx2<HEAD_DIM>(a, groups[i], scores, acc);
+        }
+        return;
+    }
+#endif
     const int items = a.num_seqs * a.num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {
         std::vector<float> scores, acc;  // per thread, reused across its items
-#ifdef INFLIGHT_AVX2
-        if constexpr (HEAD_DIM > 0) {
 #pragma omp for schedule(dynamic, 1)
-            for (int seq = 0; seq < a.num_seqs; ++seq) attend_seq_avx2<HEAD_DIM>(a, seq, scores, acc);
-        } else
-#endif
-        {
-#pragma omp for schedule(dynamic, 1)
-            for (int item = 0; item < items; ++item)
-                attend_one<HEAD_DIM>(a, head_dim, item / a.num_kv_heads, item % a.num_kv_heads, scores, acc);
-        }
+        for (int item = 0; item < items; ++item)
+            attend_one<HEAD_DIM>(a, head_dim, item / a.num_kv_heads, item % a.num_kv_heads, scores, acc);
     }
 }
 
