@@ -36,13 +36,14 @@ from pathlib import Path
 from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
-SCENARIOS = ("throughput", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak", "intake")
+SCENARIOS = ("throughput", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak", "intake",
+             "overhead")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench import edge, intake, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, intake, overhead, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
 
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
-    for scenario in (storm, priority, swap, prefix, scheduler_cost, through_redis, edge, soak, intake):
+    for scenario in (storm, priority, swap, prefix, overhead, scheduler_cost, through_redis, edge, soak, intake):
         scenario.add_arguments(parser)
 
 
@@ -130,7 +131,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from bench import edge, intake, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
+    from bench import edge, intake, overhead, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
     from bench.report import write_json
 
     load_before = os.getloadavg()[0]
@@ -153,7 +154,8 @@ def run_scenario(args: argparse.Namespace) -> dict:
         loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
         vocab = min(len(loaded.tokenizer), loaded.model.config.vocab_size)
         vocab_ids = allowed_token_ids(vocab, special_token_ids(loaded.tokenizer))
-        module = {"storm": storm, "priority": priority, "swap": swap, "prefix": prefix}[args.scenario]
+        scenarios = {"storm": storm, "priority": priority, "swap": swap, "prefix": prefix, "overhead": overhead}
+        module = scenarios[args.scenario]
         figures = module.run(loaded, args, vocab_ids)
     report = {
         "scenario": args.scenario,

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gpu.attention import AttentionBackend, SequenceSlice
+from gpu.attention import AttentionBackend, SequenceSlice, padded_block_tables, slot_mapping
 
 
 @dataclass
@@ -57,12 +58,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, sequences: Sequence[SequenceSlice], num_tokens: int) -> TorchMetadata:
         block_size = self.kv_cache.block_size
-        slot_mapping: list[int] = []
+        slots = slot_mapping(sequences, block_size)
         decodes: list[SequenceSlice] = []
         prefills: list[PrefillSlice] = []
         for seq in sequences:
-            for pos in range(seq.past_len, seq.context_len):
-                slot_mapping.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
             if seq.query_len == 1 and seq.past_len > 0:
                 decodes.append(seq)
                 continue
@@ -74,8 +73,8 @@ class TorchAttentionBackend(AttentionBackend):
                 query_pos = torch.arange(seq.past_len, seq.context_len).unsqueeze(1)
                 mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
                 prefills.append(PrefillSlice(rows, blocks, seq.context_len, mask))
-        assert len(slot_mapping) == num_tokens
-        return TorchMetadata(torch.tensor(slot_mapping), self.prepare_decodes(decodes), prefills)
+        assert len(slots) == num_tokens
+        return TorchMetadata(torch.tensor(slots), self.prepare_decodes(decodes), prefills)
 
     def prepare_decodes(self, decodes: list[SequenceSlice]):
         """The decode tokens' index tensors (what `attend_decodes` takes)."""
@@ -140,11 +139,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 def _block_tables(sequences: Sequence[SequenceSlice], block_size: int) -> torch.Tensor:
     """[len(sequences), max_blocks] block ids of each sequence's context, padded with block 0."""
-    used = [-(-seq.context_len // block_size) for seq in sequences]
-    tables = torch.zeros(len(sequences), max(used), dtype=torch.long)
-    for i, (seq, n) in enumerate(zip(sequences, used)):
-        tables[i, :n] = torch.as_tensor(seq.block_table[:n])
-    return tables
+    return torch.from_numpy(padded_block_tables(sequences, block_size, np.int64))
 
 
 def _by_length(decodes: list[SequenceSlice]) -> list[list[SequenceSlice]]:

@@ -171,3 +171,21 @@ def test_prefix_scenario_reuses_cached_prefixes_by_tier(tmp_path):
     assert figures["n"]["blocks_per_sequence_parallel"] < figures["n"]["blocks_per_sequence_independent"]
     assert figures["n"]["systems"]["parallel"]["output_tokens"] == 2 * 3 * 3
     assert (tmp_path / "report.png").stat().st_size > 0
+
+
+def test_overhead_scenario_reports_the_host_time_of_each_phase(tmp_path):
+    """A stub forward behind the real engine: each size's steps ran that many decodes,
+    and the phases add up to the step's host time."""
+    report = bench(tmp_path, "--scenario", "overhead", "--overhead-sizes", "4,16", "--overhead-steps", "12",
+                   "--overhead-prompt-len", "20", "40", "--overhead-output-len", "4", "12")
+    sizes = report["overhead"]["sizes"]
+    assert set(sizes) == {"4", "16"}
+    for size, figures in sizes.items():
+        per_step = figures["per_step_ms"]
+        assert figures["steps"] == 12 and figures["decoding_requests"] == int(size)
+        assert int(size) - 2 <= figures["tokens_per_step"] <= int(size) + 2  # a full batch, some finishing
+        for phase in ("scheduling", "metadata", "sampling", "detokenization", "events"):
+            assert finite_positive(per_step[phase]["mean"]), phase
+        phases = sum(per_step[phase]["mean"] for phase in ("scheduling", "metadata", "sampling",
+                                                           "detokenization", "events", "other"))
+        assert phases == pytest.approx(per_step["total"]["mean"])

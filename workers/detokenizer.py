@@ -22,6 +22,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
         self._tokenizer = tokenizer
+        # A fast tokenizer's Rust decoder, called directly: `tokenizer.decode` adds
+        # several times its cost in Python argument handling, on the stepping thread.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         context_text = self._decode(context)
         if context_text.endswith(_REPLACEMENT):
@@ -60,6 +63,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         # No clean-up of spaces: it rewrites text across token boundaries, which no
         # incremental decoder can reproduce. Special tokens (EOS, chat markers) are not text.
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=True)
         return self._tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _decode_unread(self, final: bool) -> str:

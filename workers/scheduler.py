@@ -325,8 +325,15 @@ class Scheduler:
         cap = self._decode_cap
         if len(decoding) > cap:
             decoding = sorted(decoding, key=lambda r: r.queue_key)[:cap]
+        block_size = self.block_size
         for request in decoding:
-            if request.status is RequestStatus.RUNNING and self._grow(request, request.num_computed + 1, plan):
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            # Most steps a decode writes into the partly filled block it owns: nothing to
+            # allocate or copy (the common case, kept cheap at hundreds of decodes a step).
+            if (request.num_computed % block_size and not self._shares_next_block(request)) or self._grow(
+                request, request.num_computed + 1, plan
+            ):
                 plan.chunks.append(self._decode_chunk(request))
 
     def _plan_prefills(self, plan: StepPlan) -> None:

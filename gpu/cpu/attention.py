@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.attention import SequenceSlice
+from gpu.attention import SequenceSlice, padded_block_tables
 from gpu.kv_cache import PagedKVCache
 from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.torch_attention import TorchAttentionBackend
@@ -77,16 +77,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._kernel = kernel or cpu_kernel()
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
-        block_size = self.kv_cache.block_size
-        max_blocks = max((-(-seq.context_len // block_size) for seq in decodes), default=0)
-        tables = []
-        for seq in decodes:
-            row = list(seq.block_table[:max_blocks])
-            tables.append(row + [0] * (max_blocks - len(row)))
         return CpuDecodes(
             torch.tensor([seq.query_start for seq in decodes], dtype=torch.int32),
             torch.tensor([seq.context_len for seq in decodes], dtype=torch.int32),
-            torch.tensor(tables, dtype=torch.int32).view(len(decodes), max_blocks),
+            torch.from_numpy(padded_block_tables(decodes, self.kv_cache.block_size)),
         )
 
     def attend_decodes(self, out, query, key_pool, value_pool, scale, decodes: CpuDecodes) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu.cuda import source as cuda_source
-from gpu.attention import AttentionBackend, SequenceSlice
+from gpu.attention import AttentionBackend, SequenceSlice, padded_block_tables, slot_mapping
 from gpu.kv_cache import PagedKVCache
 
 # A decode launch should have a few blocks per SM; short of that, contexts are split
@@ -92,17 +92,12 @@ class CupyAttentionBackend(AttentionBackend):
         self._prefill = cuda_source.prefill(dtype, head_dim, block_size)
 
     def prepare(self, sequences: Sequence[SequenceSlice], num_tokens: int) -> KernelMetadata:
-        block_size = self.kv_cache.block_size
-        slots: list[int] = []
-        decodes: list[SequenceSlice] = []
-        prefills: list[SequenceSlice] = []
-        for seq in sequences:
-            for pos in range(seq.past_len, seq.context_len):
-                slots.append(seq.block_table[pos // block_size] * block_size + pos % block_size)
-            (decodes if seq.query_len == 1 else prefills).append(seq)
+        slots = slot_mapping(sequences, self.kv_cache.block_size)
         assert len(slots) == num_tokens
-        slot_mapping = torch.tensor(slots, dtype=torch.long).to(self.device)
-        return KernelMetadata(slot_mapping, self._decode_batch(decodes), self._prefill_batch(prefills))
+        decodes = [seq for seq in sequences if seq.query_len == 1]
+        prefills = [seq for seq in sequences if seq.query_len != 1]
+        slots = torch.tensor(slots, dtype=torch.long).to(self.device)
+        return KernelMetadata(slots, self._decode_batch(decodes), self._prefill_batch(prefills))
 
     def _decode_batch(self, decodes: list[SequenceSlice]) -> DecodeBatch | None:
         if not decodes:
@@ -137,12 +132,7 @@ class CupyAttentionBackend(AttentionBackend):
 
     def _block_tables(self, sequences: list[SequenceSlice]) -> torch.Tensor:
         """[len(sequences), max_blocks] int32, padded with block 0 (never read)."""
-        block_size = self.kv_cache.block_size
-        used = [-(-seq.context_len // block_size) for seq in sequences]
-        tables = torch.zeros(len(sequences), max(used), dtype=torch.int32)
-        for i, (seq, n) in enumerate(zip(sequences, used)):
-            tables[i, :n] = torch.as_tensor(seq.block_table[:n], dtype=torch.int32)
-        return tables.to(self.device)
+        return torch.from_numpy(padded_block_tables(sequences, self.kv_cache.block_size)).to(self.device)
 
     def attend(self, layer_idx, query, key, value, scale, metadata: KernelMetadata) -> torch.Tensor:
         key_pool = self.kv_cache.key_pools[layer_idx]

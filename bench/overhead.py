@@ -1,0 +1,237 @@
+"""`inflight bench --scenario overhead`: the host's time per step, with no model math.
+
+On a GPU a small model's forward takes a few milliseconds, so what the host does around
+it every step caps tokens/s. This scenario measures that work on the CPU: the real
+engine, scheduler, sampler and detokenizer (the bundled model's tokenizer), and the CUDA
+backend's `prepare` (its metadata, built here on the CPU), with a stub forward that
+does no model math. The stub's logits span the first 256 token ids, so the sampler's
+argmax, device work on a GPU, costs next to nothing here. The model behind the engine
+is the bundled one's config cut to one layer: only the KV pool's size depends on it.
+
+At each size (64, 256 and 1,024 decoding requests) requests keep arriving as others
+finish, so steps also carry chunked prefills. After a warm-up that fills the batch, each
+phase's time per step is reported:
+- scheduling: `Scheduler.schedule`, `update_from_output` and the deadline sweep;
+- metadata: the runner's batch (token ids, positions, slices) and the backend's `prepare`;
+- sampling: `Sampler.sample`;
+- detokenization: the detokenizers' `push`;
+- events: the token events and final events, and the per-token latency bookkeeping;
+- other: the rest of `Engine.step` (the inbox, the step record, the stats for metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import random
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+from bench.metrics import percentile
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.request import FinalEvent, SamplingParams, TokenEvent
+
+STUB_VOCAB = 256
+PHASES = ("scheduling", "metadata", "sampling", "detokenization", "events", "other")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("overhead scenario")
+    group.add_argument("--overhead-sizes", default="64,256,1024", help="decoding requests, comma-separated")
+    group.add_argument("--overhead-steps", type=int, default=200, help="steps measured at each size")
+    group.add_argument("--overhead-prompt-len", type=int, nargs=2, default=[256, 768], metavar=("MIN", "MAX"))
+    group.add_argument("--overhead-output-len", type=int, nargs=2, default=[128, 512], metavar=("MIN", "MAX"))
+
+
+def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    sizes = [int(size) for size in args.overhead_sizes.split(",") if size.strip()]
+    one_layer = dataclasses.replace(loaded, model=_one_layer_copy(loaded.model))
+    results = {str(size): measure(one_layer, args, vocab_ids, size) for size in sizes}
+    for size, figures in results.items():
+        per_step = figures["per_step_ms"]
+        print(f"overhead: {size:>5} decoding, {per_step['total']['p50']:.2f} ms a step (p50), "
+              + ", ".join(f"{phase} {per_step[phase]['mean']:.2f}" for phase in PHASES))
+    return {"sizes": results}
+
+
+def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -> dict:
+    from workers.engine import Engine
+
+    prompt_range, output_range = args.overhead_prompt_len, args.overhead_output_len
+    longest = prompt_range[1] + output_range[1]
+    config = EngineConfig(
+        model=ModelConfig(source=args.model),
+        cache=CacheConfig(kv_memory_bytes=_kv_bytes(loaded.model, (size + 8) * longest), swap_memory_bytes=0),
+        scheduler=SchedulerConfig(max_running_requests=size, max_decode_tokens=size,
+                                  max_batch_tokens=size + 128, max_prefill_tokens=128),
+    )  # fmt: skip
+    engine = Engine(loaded, config)
+    runner = engine.runner
+    runner.backend = _cuda_backend_metadata_only(runner.kv_cache)
+    stub = StubForward(loaded.tokenizer, size + 8, args.seed)
+    runner.model = stub
+
+    rng = random.Random(args.seed)
+    made = 0
+
+    def submit() -> None:
+        nonlocal made
+        prompt = [rng.choice(vocab_ids) for _ in range(rng.randint(*prompt_range))]
+        params = SamplingParams(max_tokens=rng.randint(*output_range), temperature=0.0, ignore_eos=True)
+        engine.add_request(f"r{made}", prompt, params)
+        made += 1
+
+    for _ in range(size + 4):  # a few waiting beyond the batch: arrivals keep prefills coming
+        submit()
+    # Warm-up: fill the batch, with a prefill budget that does it in a few steps.
+    engine.scheduler.config = dataclasses.replace(config.scheduler, max_prefill_tokens=64 * 1024,
+                                                  max_batch_tokens=64 * 1024, max_prefill_chunk=1024)
+    while len(engine.scheduler.running) < size:
+        for _ in _finals(engine.step()):
+            submit()
+    engine.scheduler.config = config.scheduler
+
+    clock = PhaseClock()
+    clock.wrap(engine.scheduler, "schedule", "scheduling")
+    clock.wrap(engine.scheduler, "update_from_output", "scheduling")
+    clock.wrap(engine.scheduler, "expired", "scheduling")
+    clock.wrap(runner, "execute", "execute")
+    clock.wrap(engine.sampler, "sample", "sampling")
+    clock.wrap(engine, "_token_events", "token_events")
+    detokenizers = [choice.detokenizer for live in engine._live.values() for choice in live.choices]
+    detokenizer_class = type(detokenizers[0]) if detokenizers else None
+    clock.wrap(detokenizer_class, "push", "detokenization")
+
+    steps, tokens = [], []
+    # One torch thread: the stub leaves no math to spread, and a second thread only adds
+    # its wake-ups to every small tensor op.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gc.collect()
+    gc.freeze()  # as the worker does once it serves
+    try:
+        for _ in range(args.overhead_steps):
+            clock.begin_step()
+            stub.forward_s = 0.0
+            started = time.perf_counter()
+            events = engine.step()
+            total = time.perf_counter() - started
+            phases = clock.end_step()
+            phases["metadata"] = phases.pop("execute", 0.0) - stub.forward_s
+            phases["events"] = phases.pop("token_events", 0.0) - phases.get("detokenization", 0.0)
+            phases["total"] = total - stub.forward_s
+            phases["other"] = phases["total"] - sum(phases.get(p, 0.0) for p in PHASES if p != "other")
+            steps.append(phases)
+            tokens.append(sum(1 for event in events if isinstance(event, TokenEvent)))
+            for _ in _finals(events):
+                submit()
+    finally:
+        gc.unfreeze()
+        clock.restore()
+        torch.set_num_threads(threads)
+    per_step = {
+        phase: {
+            "mean": 1e3 * sum(s.get(phase, 0.0) for s in steps) / len(steps),
+            "p50": 1e3 * percentile([s.get(phase, 0.0) for s in steps], 50),
+            "p99": 1e3 * percentile([s.get(phase, 0.0) for s in steps], 99),
+        }
+        for phase in (*PHASES, "total")
+    }
+    # Tokens each step made: the decodes, and the prompts that finished their prefill.
+    return {"decoding_requests": size, "steps": len(steps), "tokens_per_step": sum(tokens) / len(tokens),
+            "per_step_ms": per_step}
+
+
+def _finals(events: list) -> list[FinalEvent]:
+    return [event for event in events if isinstance(event, FinalEvent)]
+
+
+class PhaseClock:
+    """Time spent in wrapped methods, by phase, per step."""
+
+    def __init__(self) -> None:
+        self._originals: list[tuple[object, str, object]] = []
+        self._step: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        if owner is None:
+            return
+        original = getattr(owner, name)
+        self._originals.append((owner, name, owner.__dict__.get(name)))
+        totals = self
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals._step[phase] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+    def begin_step(self) -> None:
+        self._step = defaultdict(float)
+
+    def end_step(self) -> dict[str, float]:
+        return dict(self._step)
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._originals):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+class StubForward:
+    """Stands in for the model: no math, logits over the first `STUB_VOCAB` token ids
+    (special tokens never win), from a few prepared tensors in turn."""
+
+    def __init__(self, tokenizer, max_rows: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self._logits = [torch.randn(max_rows, STUB_VOCAB, generator=generator) for _ in range(8)]
+        for logits in self._logits:
+            logits[:, list(set(tokenizer.all_special_ids) & set(range(STUB_VOCAB)))] = float("-inf")
+        self._turn = 0
+        self.forward_s = 0.0
+
+    def __call__(self, logits_to_keep: torch.Tensor, **_) -> SimpleNamespace:
+        started = time.perf_counter()
+        self._turn = (self._turn + 1) % len(self._logits)
+        logits = self._logits[self._turn][: logits_to_keep.numel()]
+        self.forward_s += time.perf_counter() - started
+        return SimpleNamespace(logits=logits[None])
+
+
+def _one_layer_copy(model):
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.num_hidden_layers = 1
+    with torch.device("meta"):
+        small = AutoModelForCausalLM.from_config(config)
+    return small.to_empty(device="cpu").to(model.dtype).eval()
+
+
+def _kv_bytes(model, tokens: int) -> int:
+    from gpu.kv_cache import KVShape
+
+    shape = KVShape.of(model.config)
+    element = torch.finfo(model.dtype).bits // 8
+    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * element * tokens
+
+
+def _cuda_backend_metadata_only(kv_cache):
+    """The CUDA backend, for its `prepare` alone: the stub forward never attends."""
+    from gpu.cuda.attention import CupyAttentionBackend
+
+    return CupyAttentionBackend(kv_cache, kernels=NoLaunches())
+
+
+class NoLaunches:
+    def launch(self, *_):
+        raise RuntimeError("the overhead scenario's stub forward launches no kernels")
