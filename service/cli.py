@@ -39,6 +39,7 @@ SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -66,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--timeout-s", type=float, default=60.0,
                         help="give up when no reply arrives for this long, e.g. no worker is running; 0 waits forever (default: %(default)s)")
 
-    from bench.main import add_arguments as add_bench_arguments
-
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
-    add_bench_arguments(bench)
+    # Only for `inflight bench`: the benchmarks import torch (seconds), which the other
+    # commands need not pay for.
+    if argv[:1] == ["bench"]:
+        from bench.main import add_arguments as add_bench_arguments
+
+        add_bench_arguments(bench)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
