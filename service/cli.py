@@ -157,12 +157,34 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _missing_gpu(device: str) -> str | None:
+    """Why `--device cuda[:N]` cannot be served here, or None. Said in one line at the
+    start, rather than as a CUDA traceback once the model loads (e.g. the CUDA image in a
+    container given no GPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    index = device.partition(":")[2]
+    index = int(index) if index.isdigit() else 0
+    found = torch.cuda.device_count()
+    if index < found:
+        return None
+    return (f"--device {device}, but this process sees {found} CUDA GPU(s): no NVIDIA driver, or no GPU given to "
+            "this container. Use --device cpu; with docker compose on a machine without an NVIDIA GPU, start the "
+            "CPU worker instead: COMPOSE_PROFILES=cpu docker compose up -d")
+
+
 async def _worker(args: argparse.Namespace) -> int:
     import contextlib
     import os
 
     from service.embedded import EmbeddedServerError, embedded_valkey
 
+    missing_gpu = _missing_gpu(args.device)
+    if missing_gpu:
+        print(f"inflight worker: {missing_gpu}", file=sys.stderr)
+        return 1
     with contextlib.ExitStack() as stack:
         try:
             url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
