@@ -4,6 +4,7 @@
     inflight worker  serve jobs from a Redis stream (docs/protocol.md)
     inflight submit  send one prompt through Redis and stream the answer
     inflight bench   the throughput/latency benchmark against peers, in one run
+    inflight health  whether the worker beside it serves (a container's healthcheck)
 """
 
 from __future__ import annotations
@@ -69,11 +70,17 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
     # Only for `inflight bench`: the benchmarks import torch (seconds), which the other
-    # commands need not pay for.
+    # commands, `inflight health` every few seconds above all, need not pay for.
     if argv[:1] == ["bench"]:
         from bench.main import add_arguments as add_bench_arguments
 
         add_bench_arguments(bench)
+
+    from service.health import add_health_arguments
+
+    health = commands.add_parser("health", help="exit 0 when the worker beside it serves: its metrics answer, "
+                                                "Redis answers, and its consumer read from the stream just now")
+    add_health_arguments(health)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -84,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(_worker(args))
     if args.command == "submit":
         return _submit(args)
+    if args.command == "health":
+        return _health(args)
     from bench.main import run as run_bench
 
     run_bench(args)
@@ -155,6 +164,15 @@ def _submit(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
         return 130
     return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from service.health import check, health_config_from_args, report
+
+    config = health_config_from_args(args)
+    health = check(config)
+    print(report(config, health), file=sys.stdout if health.healthy else sys.stderr)
+    return 0 if health.healthy else 1
 
 
 def _missing_gpu(device: str) -> str | None:
