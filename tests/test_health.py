@@ -1,18 +1,24 @@
 """`inflight health`, the workers' container healthcheck: healthy only while the worker's
 metrics answer, Redis answers and its consumer has just talked to its group; each
-failure named. Against a real Redis (and Valkey) and a real metrics server."""
+failure named. Against a real Redis, a real metrics server, and (the slow test) a real
+worker process run as docker-compose.yml runs its healthcheck."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
 
 import pytest
 import redis
+import yaml
 
-from bench.processes import free_port
+from bench.processes import REPO_ROOT, WorkerProcess, free_port
 from service.embedded import embedded_valkey
 from service.health import HealthConfig, check, report
 from service.ingest import RENEW
@@ -163,3 +169,54 @@ def test_unhealthy_when_nothing_or_something_else_answers_on_the_metrics_port(cl
     finally:
         server.shutdown()
         server.server_close()
+
+
+def compose_healthcheck(*overrides: str) -> list[str]:
+    """The worker's healthcheck command from docker-compose.yml, run here (flags given
+    after it win: a private Redis and a free metrics port)."""
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
+    test = compose["services"]["worker-cpu"]["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "inflight", "health"]
+    return [sys.executable, "-m", "service.cli", *test[2:], *overrides]
+
+
+@pytest.mark.slow
+def test_the_compose_healthcheck_passes_on_a_serving_worker_and_names_redis_or_the_worker_when_they_go(tmp_path):
+    port = free_port()
+    with contextlib.ExitStack() as redis_server:  # Valkey: a Redis of 7.2 and later, as compose's
+        url = redis_server.enter_context(embedded_valkey(port, tmp_path / "valkey"))
+        # As in a container: the default streams, and the host name as the consumer name.
+        worker = WorkerProcess(socket.gethostname(), [
+            "--redis-url", url, "--kv-memory-mb", "64", "--swap-memory-mb", "16", "--threads", "1",
+            "--log-format", "json"], tmp_path)
+        healthcheck = compose_healthcheck("--metrics-port", str(worker.metrics_port), "--redis-url", url)
+
+        def run() -> subprocess.CompletedProcess:
+            return subprocess.run(healthcheck, cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+
+        before = run()
+        assert before.returncode == 1 and "no worker has started serving" in before.stderr
+        worker.start()
+        try:
+            worker.wait_ready()
+            wait_until(lambda: run().returncode == 0, 30, "the healthcheck to pass")
+            assert run().stdout.startswith(f"healthy: {socket.gethostname()} serves inflight:requests (last talked to it ")
+            # Idle, with no job in sight, it still reads its group every half second.
+            time.sleep(1.5)
+            idle = subprocess.run([*healthcheck, "--max-idle-s", "1"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=30)
+            assert idle.returncode == 0, idle.stderr
+
+            redis_server.close()  # Redis goes away; the worker rides it out
+            redis_gone = run()
+            assert redis_gone.returncode == 1
+            assert redis_gone.stderr.startswith("unhealthy: cannot reach Redis:") and f"127.0.0.1:{port}" in redis_gone.stderr
+            assert "metrics" not in redis_gone.stderr  # the worker itself still answers
+
+            worker.kill()
+            worker_gone = run()
+            assert worker_gone.returncode == 1
+            assert f"metrics at http://127.0.0.1:{worker.metrics_port}/metrics do not answer" in worker_gone.stderr
+        finally:
+            if worker.alive():
+                worker.kill()
