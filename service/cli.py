@@ -4,6 +4,7 @@
     inflight worker  serve jobs from a Redis stream (docs/protocol.md)
     inflight submit  send one prompt through Redis and stream the answer
     inflight bench   the throughput/latency benchmark against peers, in one run
+    inflight health  whether the worker beside it serves (a container's healthcheck)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -66,10 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--timeout-s", type=float, default=60.0,
                         help="give up when no reply arrives for this long, e.g. no worker is running; 0 waits forever (default: %(default)s)")
 
-    from bench.main import add_arguments as add_bench_arguments
-
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
-    add_bench_arguments(bench)
+    # Only for `inflight bench`: the benchmarks import torch (seconds), which the other
+    # commands, `inflight health` every few seconds above all, need not pay for.
+    if argv[:1] == ["bench"]:
+        from bench.main import add_arguments as add_bench_arguments
+
+        add_bench_arguments(bench)
+
+    from service.health import add_health_arguments
+
+    health = commands.add_parser("health", help="exit 0 when the worker beside it serves: its metrics answer, "
+                                                "Redis answers, and its consumer read from the stream just now")
+    add_health_arguments(health)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -80,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(_worker(args))
     if args.command == "submit":
         return _submit(args)
+    if args.command == "health":
+        return _health(args)
     from bench.main import run as run_bench
 
     run_bench(args)
@@ -153,12 +166,43 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    from service.health import check, health_config_from_args, report
+
+    config = health_config_from_args(args)
+    health = check(config)
+    print(report(config, health), file=sys.stdout if health.healthy else sys.stderr)
+    return 0 if health.healthy else 1
+
+
+def _missing_gpu(device: str) -> str | None:
+    """Why `--device cuda[:N]` cannot be served here, or None. Said in one line at the
+    start, rather than as a CUDA traceback once the model loads (e.g. the CUDA image in a
+    container given no GPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    index = device.partition(":")[2]
+    index = int(index) if index.isdigit() else 0
+    found = torch.cuda.device_count()
+    if index < found:
+        return None
+    return (f"--device {device}, but this process sees {found} CUDA GPU(s): no NVIDIA driver, or no GPU given to "
+            "this container. Use --device cpu; with docker compose on a machine without an NVIDIA GPU, start the "
+            "CPU worker instead: COMPOSE_PROFILES=cpu docker compose up -d")
+
+
 async def _worker(args: argparse.Namespace) -> int:
     import contextlib
     import os
 
     from service.embedded import EmbeddedServerError, embedded_valkey
 
+    missing_gpu = _missing_gpu(args.device)
+    if missing_gpu:
+        print(f"inflight worker: {missing_gpu}", file=sys.stderr)
+        return 1
     with contextlib.ExitStack() as stack:
         try:
             url = args.redis_url or stack.enter_context(embedded_valkey(args.embedded_port, args.embedded_data_dir))
