@@ -177,6 +177,8 @@ def add_engine_arguments(parser) -> None:
     group.add_argument("--cache-dir", type=Path, default=model.cache_dir, help="where converted GGUF weights are cached (default: %(default)s)")
     group.add_argument("--threads", type=int, default=model.threads, help="torch threads, 0 = one per core")
     group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="on a GPU, launch decode-only steps kernel by kernel instead of replaying CUDA graphs")
+    group.add_argument("--max-graph-batch", type=int, default=model.max_graph_batch, help="largest decode batch replayed from a CUDA graph (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=cache.block_size, help="tokens per KV block (default: %(default)s)")
     group.add_argument("--kv-memory-mb", type=int, default=cache.kv_memory_bytes >> 20, help="KV cache size in MiB (default: %(default)s)")
     group.add_argument("--swap-memory-mb", type=int, default=cache.swap_memory_bytes >> 20, help="host KV pool for preempted requests and the prefix cache's host tier in MiB, 0 = neither: recompute instead (default: %(default)s)")
@@ -192,7 +194,7 @@ def add_engine_arguments(parser) -> None:
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(source=args.model, dtype=args.dtype, cache_dir=args.cache_dir, threads=args.threads,
-                          device=args.device),
+                          device=args.device, cuda_graphs=args.cuda_graphs, max_graph_batch=args.max_graph_batch),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_memory_bytes=args.kv_memory_mb << 20,

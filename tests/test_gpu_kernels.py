@@ -1,7 +1,8 @@
 """On a CUDA GPU (marker `gpu`; `ops/gpu-check.sh` runs these): the kernels match the
 torch reference over the emulation's sweep, also in a cache of more than 2^31
-elements; swaps go through pinned memory and back; and an engine on the kernels
-generates exactly the torch backend's greedy tokens, on random-weight models (no
+elements; swaps go through pinned memory and back; an engine on the kernels
+generates exactly the torch backend's greedy tokens, and the same tokens with its
+decode steps replayed from CUDA graphs as without, on random-weight models (no
 download, no bundled model: the GPU host is air-gapped). Skipped without a GPU."""
 
 from __future__ import annotations
@@ -135,3 +136,43 @@ def test_greedy_generation_equals_the_torch_backend(name):
         first = next((i for i, (a, b) in enumerate(zip(kernels, tokens)) if a != b), None)
         assert kernels == tokens, f"{rid}: first differs at token {first}: {kernels} != {tokens}"
     assert all(len(tokens) == 40 for tokens in results["kernels"].values())
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-qwen2"])
+def test_decode_steps_replayed_from_cuda_graphs_generate_the_eager_tokens(name):
+    """CUDA graphs on (the default) and off, on the kernels: the same greedy tokens.
+    Requests of different lengths on a cache that forces swaps, so the decode batch
+    shrinks through buckets 8, 4, 2 and 1 and graph replays follow swaps; the graphs
+    were captured with cupy's launches in them and replayed."""
+    from dataclasses import replace
+
+    from workers.engine import Engine
+    from workers.model_loader import load_model
+    from workers.request import SamplingParams
+
+    model_config = ModelConfig(source=f"random:{name}", device="cuda")
+    loaded = load_model(model_config)
+    c = loaded.model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+    prompts = ["The capital of France is", "def fibonacci(n):\n", "Write a haiku about the sea. " * 3,
+               "1, 2, 3, 4,", "Once upon a time", "Name three rivers in Africa."]
+    results, graphs = {}, None
+    for cuda_graphs in (True, False):
+        config = EngineConfig(
+            model=replace(model_config, cuda_graphs=cuda_graphs),
+            cache=CacheConfig(kv_memory_bytes=16 * 16 * bytes_per_token, swap_memory_bytes=64 << 20),
+            scheduler=SchedulerConfig(max_prefill_chunk=24),
+        )
+        engine = Engine(loaded, config)
+        assert (engine.runner.graphs is not None) == cuda_graphs
+        graphs = graphs or engine.runner.graphs
+        arrivals = {0: [(f"r{i}", prompt, SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True))
+                        for i, prompt in enumerate(prompts)]}
+        results[cuda_graphs] = {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
+    for rid, tokens in results[False].items():
+        graphed = results[True][rid]
+        first = next((i for i, (a, b) in enumerate(zip(graphed, tokens)) if a != b), None)
+        assert graphed == tokens, f"{rid}: first differs at token {first}: {graphed} != {tokens}"
+    assert {bucket for bucket, _, _ in graphs.captured} >= {8, 4, 2, 1}
+    assert graphs.replays > 20

@@ -38,8 +38,18 @@ class ModelConfig:
     # one, else the CPU), "cpu", "cuda" or "cuda:N". On a GPU the attention runs in
     # inflight's CUDA kernels when cupy is installed (the `gpu` extra).
     device: str = "auto"
+    # On a GPU with the CUDA kernels, a decode-only step (every request one new token)
+    # replays a CUDA graph, captured per batch-size bucket the first time one is needed,
+    # instead of launching every kernel from the host; steps with prompt tokens run
+    # eagerly (`gpu/cuda/graphs.py`). No effect on a CPU.
+    cuda_graphs: bool = True
+    # The largest decode batch replayed from a graph; larger ones run eagerly. Buckets:
+    # 1, 2, 4, 8, then every 8 up to this.
+    max_graph_batch: int = 256
 
     def __post_init__(self) -> None:
+        if self.max_graph_batch < 1:
+            raise ValueError("max_graph_batch must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

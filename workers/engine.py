@@ -145,7 +145,7 @@ class Engine:
         window = getattr(loaded.model.config, "sliding_window", None)
         self.max_context = min(loaded.max_context, window) if window else loaded.max_context
         self.vocab_size = loaded.model.config.vocab_size
-        self.runner = ModelRunner(loaded.model, config.cache)
+        self.runner = ModelRunner(loaded.model, config.cache, model_config=config.model)
         self.block_size = config.cache.block_size
         self.allocator = BlockPool(self.runner.kv_cache.num_blocks)
         self.host_allocator = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None

@@ -6,7 +6,9 @@ The plan's chunks are packed into a single `[1, T]` sequence with their own posi
 each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
 are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packed
 weights (`gpu.cpu.packed_linear`). Attention runs on the CUDA kernels on a GPU, on the
-C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`).
+C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`). On
+the CUDA kernels, a decode-only step (one token per request) replays a CUDA graph
+(`gpu.cuda.graphs`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, Seq
 from gpu.backends import select_backend
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
-from workers.config import CacheConfig
+from workers.config import CacheConfig, ModelConfig
 from gpu.cpu.fusions import fuse_for_cpu
 from gpu.cpu.packed_linear import can_pack, pack_linears
+from gpu.cuda.graphs import decode_graphs
 from workers.scheduler import StepPlan
 
 
@@ -34,8 +37,10 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] | None = None):
-        """`backend_class` None picks one (`gpu.backends`): the CUDA kernels on a GPU, else torch."""
+    def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] | None = None,
+                 model_config: ModelConfig | None = None):
+        """`backend_class` None picks one (`gpu.backends`): the CUDA kernels on a GPU, else torch.
+        `model_config` says whether decode-only steps replay CUDA graphs (default: yes)."""
         self.model = model
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if next(model.parameters()).device.type == "cpu":
@@ -53,6 +58,9 @@ class ModelRunner:
         self.backend = backend_class(self.kv_cache) if backend_class else select_backend(self.kv_cache)
         # With the CUDA kernels, swaps are kernel launches too.
         self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, self.backend.kernels)
+        # With the CUDA kernels on a GPU, decode-only steps replay CUDA graphs (`gpu.cuda.graphs`).
+        settings = model_config or ModelConfig()
+        self.graphs = decode_graphs(model, self.backend, settings.max_graph_batch) if settings.cuda_graphs else None
 
     @property
     def num_host_blocks(self) -> int:
@@ -85,6 +93,11 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
 
+        graphs = self.graphs
+        if graphs is not None and graphs.backend is self.backend and graphs.applies(sequences):
+            started = time.perf_counter()
+            logits = graphs.run(token_ids, positions, sequences, sample_rows)
+            return StepOutput(logits, time.perf_counter() - started, swap_s)
         metadata = self.backend.prepare(sequences, len(token_ids))
         started = time.perf_counter()
         logits = self.model(

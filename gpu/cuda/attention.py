@@ -112,6 +112,11 @@ class CupyAttentionBackend(AttentionBackend):
             -(-longest // size),
         )
 
+    def decode_partition_size(self, num_seqs: int, longest: int) -> int:
+        """Tokens per decode partition for `num_seqs` contexts of up to `longest` tokens
+        (what a CUDA graph of that many rows is captured with, `gpu.cuda.graphs`)."""
+        return self.partition_size or self._auto_partition_size(num_seqs, longest)
+
     def _auto_partition_size(self, num_seqs: int, longest: int) -> int:
         size = cuda_source.MAX_PARTITION
         kv_heads = self.kv_cache.shape.num_kv_heads
