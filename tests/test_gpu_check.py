@@ -1,7 +1,8 @@
 """ops/gpu-check.sh's preparation, on a Python shaped like the GPU host's: a stock image
 with torch, cupy, transformers and pytest, without this project's venv, its other
 dependencies (redis, structlog, gguf, ...), the bundled model, pytest-timeout or a
-network. The device checks themselves need a GPU (tests/test_gpu_kernels.py)."""
+network; and its dry run, the parts that need no CUDA, under the host's transformers.
+The device checks themselves need a GPU (tests/test_gpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import os
 import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "ops" / "gpu-wheels"
+HOST_TRANSFORMERS = "5.17.0"  # the GPU host image's
 
 
 def requirements() -> list[str]:
@@ -110,3 +114,30 @@ def test_summary_reads_the_reports(tmp_path):
     assert "3900.0 GB/s = 81% of peak 4800.0 GB/s (target 70%)" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] is False and summary["parts"]["decode_bandwidth"]["report"]["kernel_gbps"] == 3900.0
+
+
+@pytest.mark.slow
+def test_dry_run_passes_under_the_gpu_hosts_transformers(tmp_path):
+    """ops/gpu-dry-run.sh: gpu-check's parts that need no CUDA, as the GPU host runs them
+    (the checkout on PYTHONPATH, no redis, structlog or gguf) and on its transformers,
+    installed over this venv's: the GPU tests import, NVRTC compiles, the random-weight
+    models serve through the engine on the torch backend and on the emulated kernels, and
+    the summary is written. Skipped where the package registry lacks the host's versions."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHON")}
+    result = subprocess.run(["ops/gpu-dry-run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                            env={**environment, "BASE_PYTHON": sys.executable, "OUT": str(tmp_path)})  # fmt: skip
+    if result.returncode == 3:
+        pytest.skip(result.stderr.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gpu-check: pytest-timeout is not installed; installing it from ops/gpu-wheels" in result.stdout
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] and summary["versions"]["device"] is None
+    # torch is the venv's: only transformers and what it pulls in are the host's.
+    assert (summary["versions"]["transformers"], summary["versions"]["torch"]) == (HOST_TRANSFORMERS, torch.__version__)
+    assert f"transformers {HOST_TRANSFORMERS}" in result.stdout and "  PASS" in result.stdout
+    assert summary["parts"]["decode_bandwidth_imports"]["status"] == 0
+    counts = summary["parts"]["pytest"]["counts"]
+    assert counts["failures"] == counts["errors"] == counts["skipped"] == 0
+    ran = {case.get("classname") for case in ET.parse(tmp_path / "pytest.xml").getroot().iter("testcase")}
+    assert {"tests.test_random_models", "tests.test_kernel_emulation", "tests.test_cuda_compile"} <= ran
