@@ -7,7 +7,7 @@ PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NODE_EXAMPLE := docs/examples/node/node_modules/.package-lock.json
 
-.PHONY: run demo test bench dashboards install gpu-check gpu-wheels clean
+.PHONY: run demo test bench dashboards install gpu-check gpu-dry-run gpu-wheels clean
 
 # The worker, on $REDIS_URL or else an embedded Valkey server; it prints how to submit.
 run: $(INSTALLED)
@@ -31,6 +31,11 @@ install: $(INSTALLED)
 # "The GPU path"). Set OUT=folder for the figures as JSON, PYTHON= for another Python.
 gpu-check:
 	PYTHON=$(HOST_PYTHON) ops/gpu-check.sh
+
+# Without a GPU: gpu-check's parts that need no CUDA, under the GPU host's transformers
+# and without the packages it lacks (ops/gpu-dry-run.sh; make test runs it too).
+gpu-dry-run: $(INSTALLED)
+	BASE_PYTHON=$(PYTHON) ops/gpu-dry-run.sh
 
 # On a networked machine: the pure-Python wheels gpu-check installs from when the GPU
 # host lacks them (ops/gpu-wheels/requirements.txt); commit what it writes.

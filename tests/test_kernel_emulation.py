@@ -18,6 +18,7 @@ from gpu.cuda.attention import CupyAttentionBackend
 from tests.cuda_emulator import EmulatedKernels
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.attention_cases import (
     BLOCK_SIZES,
     DTYPES,
@@ -259,3 +260,46 @@ def test_engine_on_the_emulated_kernels_continues_after_a_cached_prefix(kernels,
         hits[name] = sum(hit_tokens)
     assert results["emulated"] == results["torch"]
     assert hits == {"emulated": 32, "torch": 0}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_random_models_on_the_emulated_kernels_generate_the_torch_backends_tokens(kernels, name):
+    """The GPU's end-to-end check (tests/test_gpu_kernels.py), emulated: a random-weight
+    model (what the air-gapped GPU host serves; head_dim 64 and 128, GQA 2 and 4, Qwen2's
+    biases) with prompts in chunks of 8 and a cache of 4 blocks, so a request is swapped
+    out and back in by the copy kernel. Greedy tokens are the same as on the torch backend."""
+    from bench.drive import StepRecorder
+    from gpu.torch_attention import TorchAttentionBackend
+    from tests.conftest import run_to_completion
+    from workers.engine import Engine
+    from workers.model_loader import load_model
+    from workers.request import SamplingParams
+
+    model_config = ModelConfig(source=f"random:{name}", device="cpu")
+    loaded = load_model(model_config)
+    c = loaded.model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    block_bytes = 16 * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # float32
+    config = EngineConfig(
+        model=model_config,
+        cache=CacheConfig(kv_memory_bytes=4 * block_bytes, swap_memory_bytes=8 * block_bytes),
+        scheduler=SchedulerConfig(max_prefill_chunk=8),
+    )
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France is the city of light, and its river", "def fibonacci(n):\n    if n < 2: return n"]
+    results, swapped = {}, {}
+    for backend_name in ("emulated", "torch"):
+        engine = Engine(loaded, config)
+        steps = StepRecorder(engine)
+        if backend_name == "emulated":
+            engine.runner.backend = CupyAttentionBackend(engine.runner.kv_cache, kernels)
+            engine.runner.host_pool.kernels = kernels
+        else:
+            engine.runner.backend = TorchAttentionBackend(engine.runner.kv_cache)
+            engine.runner.host_pool.kernels = None
+        arrivals = {0: [(f"r{i}", prompt, params) for i, prompt in enumerate(prompts)]}
+        results[backend_name] = {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
+        swapped[backend_name] = any(record.num_blocks_swapped_in for record in steps)
+    assert results["emulated"] == results["torch"]
+    assert all(len(tokens) == 6 for tokens in results["emulated"].values())
+    assert swapped == {"emulated": True, "torch": True}
