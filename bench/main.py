@@ -24,6 +24,7 @@ peak RSS is per system and one system's allocations cannot slow another. Order:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -42,9 +43,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bench import edge, intake, overhead, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
+# The module behind each scenario but throughput.
+SCENARIO_MODULES = {
+    "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
+    "overhead": "bench.overhead", "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis",
+    "edge": "bench.edge", "soak": "bench.soak", "intake": "bench.intake",
+}  # fmt: skip
+# Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.
+MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead")
 
+
+def scenario_module(name: str):
+    """The scenario's module; an ImportError names a package it needs that is missing (the
+    Redis scenarios need redis, which a GPU host's stock image lacks)."""
+    return importlib.import_module(SCENARIO_MODULES[name])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
     parser.add_argument("--prompt-len", type=int, nargs=2, default=[20, 400], metavar=("MIN", "MAX"),
@@ -61,8 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
-    for scenario in (storm, priority, swap, prefix, overhead, scheduler_cost, through_redis, edge, soak, intake):
-        scenario.add_arguments(parser)
+    for name in SCENARIO_MODULES:
+        try:
+            scenario_module(name).add_arguments(parser)
+        except ImportError:
+            pass  # its flags are absent; asking for the scenario says what is missing
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -131,21 +149,18 @@ def run_scenario(args: argparse.Namespace) -> dict:
     """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
     import torch
 
-    from bench import edge, intake, overhead, prefix, priority, scheduler_cost, soak, storm, swap, through_redis
     from bench.report import write_json
 
+    try:
+        module = scenario_module(args.scenario)
+    except ImportError as missing:
+        raise SystemExit(f"--scenario {args.scenario} needs {missing.name!r}, which is not installed") from None
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    if args.scenario == "scheduler":
-        figures = scheduler_cost.run(args)
-    elif args.scenario == "redis":
-        figures = through_redis.run(args)  # loads the model on its torch thread
-    elif args.scenario == "edge":
-        figures = edge.run(args)  # a stub engine: no model
-    elif args.scenario == "soak":
-        figures = soak.run(args)  # worker processes load the model
-    elif args.scenario == "intake":
-        figures = intake.run(args)  # no model: Redis only
+    # scheduler: no model; redis: loads the model on its torch thread; edge: a stub engine;
+    # soak: worker processes load the model; intake: Redis only.
+    if args.scenario not in MODEL_SCENARIOS:
+        figures = module.run(args)
     else:
         from workers.config import ModelConfig
         from bench.workload import allowed_token_ids, special_token_ids
@@ -154,8 +169,6 @@ def run_scenario(args: argparse.Namespace) -> dict:
         loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
         vocab = min(len(loaded.tokenizer), loaded.model.config.vocab_size)
         vocab_ids = allowed_token_ids(vocab, special_token_ids(loaded.tokenizer))
-        scenarios = {"storm": storm, "priority": priority, "swap": swap, "prefix": prefix, "overhead": overhead}
-        module = scenarios[args.scenario]
         figures = module.run(loaded, args, vocab_ids)
     report = {
         "scenario": args.scenario,

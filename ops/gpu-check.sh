@@ -49,9 +49,10 @@ cpu_parts() {
     -m 'not gpu' -k 'not smollm2' "${tests[@]}"
   local pytest_status=$? pytest_s=$((SECONDS - started))
 
-  # Its --help imports all it needs and touches no device.
+  # Their --help imports all they need and touches no device (the bench without redis:
+  # its Redis scenarios are left out).
   started=$SECONDS
-  "$PYTHON" ops/decode_bandwidth.py --help >/dev/null
+  "$PYTHON" ops/decode_bandwidth.py --help >/dev/null && "$PYTHON" -m bench --help >/dev/null
   local imports_status=$? imports_s=$((SECONDS - started))
 
   "$PYTHON" ops/gpu_summary.py "$results" pytest "$pytest_status" "$pytest_s" \
