@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -27,9 +27,9 @@ from gpu.kv_cache import PagedKVCache
 ATTN_IMPLEMENTATION = "inflight_paged"
 
 
-@dataclass(frozen=True)
-class SequenceSlice:
-    """One request's tokens in the packed batch."""
+class SequenceSlice(NamedTuple):
+    """One request's tokens in the packed batch. (A named tuple: one is built per request
+    per step, several times faster than a frozen dataclass.)"""
 
     query_start: int  # offset of its first new token in the batch
     query_len: int  # new tokens this step

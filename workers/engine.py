@@ -155,6 +155,7 @@ class Engine:
                                    salt if config.cache.prefix_caching else None)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
+        self._token_texts: dict[int, str] = {}  # single tokens' text, shared by the detokenizers
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()  # guards the inbox and the set of known ids
         self._inbox: list[Command] = []
@@ -230,7 +231,8 @@ class Engine:
             request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline,
                               output_token_ids=list(output_ids), stop_token_ids=stop_ids, index=index)
             seed = None if params.seed is None else (params.seed + index) % 2**63
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop,
+                                                 self._token_texts)
             choices.append(_Choice(request, detokenizer, make_generator(seed), self._ended_already(request)))
         going = [choice.request for choice in choices if choice.end is None]
         if not going:  # a takeover of a request whose every choice had ended
