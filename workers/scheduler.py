@@ -514,7 +514,9 @@ class Scheduler:
             own = self.allocator.allocate()
             plan.copies.append((shared, own))
             self.allocator.free([shared])
-            request.block_ids[index] = own
+            # A new list, not a write into the old one: block lists are only ever appended
+            # to, which lets the runner keep their block tables across steps.
+            request.block_ids = [*request.block_ids[:index], own, *request.block_ids[index + 1 :]]
 
     def _shares_next_block(self, request: Request) -> bool:
         """The block `request` writes next is one it may not write: held by another request,
