@@ -7,7 +7,8 @@ Straight to Redis is the `redis` scenario's producer (`bench/through_redis.py`):
 job queued at t0, all reply streams followed with one XREAD. Through the gateway, every
 request is its own streamed `POST /v1/completions` (aiohttp, one connection each), all
 sent at t0; each token is stamped as its SSE event arrives here. Both send the same text
-prompts, greedy, EOS ignored, so the worker does the same work. Rounds alternate (Redis,
+prompts, greedy, EOS ignored, to one worker with prefix caching off, so every round
+does the same work. Rounds alternate (Redis,
 gateway, gateway, Redis, ...) against the machine's drift, and the figures pool them.
 
 Time to first token is compared on an idle system, as in the `redis` scenario: short
@@ -68,7 +69,9 @@ async def _run(args: argparse.Namespace) -> dict:
         client = connect(url, socket_timeout=30)
         run_id = uuid.uuid4().hex[:8]
         prefix = f"inflight:bench:{run_id}"
-        worker = _start_worker(url, prefix, args)
+        # Both paths share this worker: with prefix caching, only the first round would
+        # compute its prompts, and the path it belongs to would look slow.
+        worker = _start_worker(url, prefix, args, "--no-prefix-caching")
         gateway = GatewayProcess("bench", ["--redis-url", url, "--requests-stream", f"{prefix}:requests",
                                            "--control-stream", f"{prefix}:control", "--reply-timeout-s", "300",
                                            "--max-queue-depth", "0", "--max-queue-age-s", "0"], Path(logs))
