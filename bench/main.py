@@ -5,8 +5,9 @@ scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `prefix` (KV r
 cache against caching off and transformers' block sharing), `redis` (the Redis
 edge against in-process), `edge` (the Redis edge alone at GPU token rates, a stub engine
 behind the real worker), `soak` (minutes of mixed traffic on two worker processes, with a
-Redis restart and a worker killed), or `intake` (the request-stream commands of each job
-against one redis-server: what one Redis Cluster shard can take in), each described in
+Redis restart and a worker killed), `intake` (the request-stream commands of each job
+against one redis-server: what one Redis Cluster shard can take in), or `structured`
+(constrained decoding against unconstrained, grammar compile times), each described in
 its own module (they run
 in this process and compare the engine with itself).
 
@@ -38,7 +39,7 @@ from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
 SCENARIOS = ("throughput", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak", "intake",
-             "overhead")
+             "overhead", "structured")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
@@ -47,10 +48,10 @@ DEFAULT_PNG = Path("bench-results/bench.png")
 SCENARIO_MODULES = {
     "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
     "overhead": "bench.overhead", "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis",
-    "edge": "bench.edge", "soak": "bench.soak", "intake": "bench.intake",
+    "edge": "bench.edge", "soak": "bench.soak", "intake": "bench.intake", "structured": "bench.structured",
 }  # fmt: skip
 # Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.
-MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead")
+MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead", "structured")
 
 
 def scenario_module(name: str):

@@ -23,12 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import torch
 
 from workers.request import InvalidRequest, SamplingParams
-
-# Each byte of a bitmask as its 8 bits, lowest first: unpacks a whole batch's masks in one gather.
-_BYTE_BITS = torch.tensor([[(byte >> bit) & 1 for bit in range(8)] for byte in range(256)], dtype=torch.bool)
 
 
 class InvalidGrammar(InvalidRequest):
@@ -123,14 +121,20 @@ class Grammars:
     @torch.inference_mode()  # the logits are an inference tensor
     def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> None:
         """Disallowed tokens of `logits[rows]` to -inf, in place (one pass for the batch)."""
-        words = torch.stack([state.mask for state in states]).to(logits.device)
-        bits = _BYTE_BITS.to(logits.device)[words.view(torch.uint8).long()]
-        allowed = bits.view(len(states), -1)[:, : logits.shape[-1]]
+        words = torch.stack([state.mask for state in states])
+        vocab = logits.shape[-1]
+        if logits.device.type == "cpu":  # numpy unpacks bits many times faster than torch ops on a CPU
+            bits = np.unpackbits((~words).numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+            disallowed = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bool)
+        else:  # only the packed words cross to the device
+            words = words.to(logits.device, non_blocking=True)
+            shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+            disallowed = ((words.unsqueeze(-1) >> shifts) & 1).view(len(states), -1)[:, :vocab] == 0
         if len(rows) == logits.shape[0]:
-            logits.masked_fill_(~allowed, float("-inf"))
+            logits.masked_fill_(disallowed, float("-inf"))
         else:
             index = torch.tensor(rows, device=logits.device)
-            logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+            logits[index] = logits[index].masked_fill(disallowed, float("-inf"))
 
     # -- internals -----------------------------------------------------------------
 
