@@ -26,7 +26,7 @@ import time
 from bench.drive import Driver, StepRecorder, random_prompts
 from bench.metrics import percentile
 from bench.schemas import generate_schemas
-from workers.config import EngineConfig, ModelConfig
+from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.request import FinishReason, SamplingParams
 
 # A list of records the output never finishes within the workload's lengths.
@@ -62,10 +62,10 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     return report
 
 
-def _engine(loaded, args):
+def _engine(loaded, args, cache: CacheConfig | None = None):
     from workers.engine import Engine
 
-    return Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype)))
+    return Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), cache=cache or CacheConfig()))
 
 
 def run_throughput(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -117,7 +117,7 @@ def run_compile(loaded, args: argparse.Namespace) -> dict:
     """Each schema on an empty cache: compile plus the first mask (`Grammars.start`)."""
     from workers.structured import Grammars
 
-    engine = _engine(loaded, args)
+    engine = _engine(loaded, args, CacheConfig(kv_memory_bytes=16 << 20, swap_memory_bytes=0))
     grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, cache_size=1024)
     grammars.start(SamplingParams(json_object=True))  # the vocabulary's one-off set-up, not a compile
     times = []
