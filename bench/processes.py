@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -288,3 +289,54 @@ class WorkerProcess:
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
+
+
+class GatewayProcess:
+    """`python -m service.cli gateway` on a free port, logging JSON lines to a file;
+    `env` adds to the environment (e.g. INFLIGHT_API_KEYS)."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = free_port()
+        self.argv = [sys.executable, "-m", "service.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--log-format", "json", *argv]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = Path(log_dir) / f"gateway-{name}.log"
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        with open(self.log_path, "a") as log:
+            self.process = subprocess.Popen(self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until it answers HTTP (its /health may say Redis is down: that is an answer too)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2).close()
+                return
+            except urllib.error.HTTPError:
+                return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway {self.name} did not start:\n{self.log_path.read_text()[-3000:]}")
+            time.sleep(0.05)
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the process has used so far (/proc/<pid>/stat)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)

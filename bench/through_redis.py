@@ -197,11 +197,12 @@ class _ThroughRedis:
         return times
 
 
-def _start_worker(url: str, prefix: str, args: argparse.Namespace) -> subprocess.Popen:
+def _start_worker(url: str, prefix: str, args: argparse.Namespace, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--redis-url", url, "--requests-stream", f"{prefix}:requests",
          "--dead-letter-stream", f"{prefix}:dead", "--control-stream", f"{prefix}:control",
-         "--consumer", "bench", "--metrics-port", "0", "--dtype", args.dtype, *(["--model", args.model] if args.model else [])],
+         "--consumer", "bench", "--metrics-port", "0", "--dtype", args.dtype, *(["--model", args.model] if args.model else []),
+         *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
 

@@ -5,6 +5,7 @@
     inflight submit  send one prompt through Redis and stream the answer
     inflight bench   the throughput/latency benchmark against peers, in one run
     inflight health  whether the worker beside it serves (a container's healthcheck)
+    inflight gateway an OpenAI-compatible HTTP API onto the queue (service/gateway/)
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from service.config import (
     RedisConfig,
     WorkerConfig,
     add_engine_arguments,
+    add_gateway_arguments,
     add_observability_arguments,
     add_redis_arguments,
     engine_config_from_args,
+    gateway_config_from_args,
     worker_config_from_args,
 )
 from service.embedded import embedded_url
@@ -87,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "Redis answers, and its consumer read from the stream just now")
     add_health_arguments(health)
 
+    gateway = commands.add_parser("gateway", help="serve the OpenAI API (chat and text completions) onto the queue")
+    add_gateway_arguments(gateway)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         return asyncio.run(_demo(args))
@@ -98,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         return _submit(args)
     if args.command == "health":
         return _health(args)
+    if args.command == "gateway":
+        import uvloop
+
+        from service.gateway.server import serve
+
+        return uvloop.run(serve(gateway_config_from_args(args)))
     from bench.main import run as run_bench
 
     run_bench(args)

@@ -230,3 +230,115 @@ def metrics_config_from_args(args) -> MetricsConfig:
 
 def logging_config_from_args(args) -> LoggingConfig:
     return LoggingConfig(format=args.log_format, level=args.log_level, log_prompts=args.log_prompts)
+
+
+# -- the gateway (`inflight gateway`, service/gateway/) -----------------------------------
+
+# The name the gateway serves the bundled model under (`model` in OpenAI requests).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+API_KEYS_ENV = "INFLIGHT_API_KEYS"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything one `inflight gateway` process runs with. It holds no state of its own:
+    every request is a job on the request stream, so gateways scale out freely."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # The server and streams the workers serve; the gateway starts no server of its own.
+    redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", ""))
+    requests_stream: str = "inflight:requests"
+    control_stream: str = "inflight:control"
+    group: str = "inflight"
+    # What `model` must name; anything else is a 404, as with OpenAI.
+    model_name: str = DEFAULT_MODEL_NAME
+    # max_tokens when a request gives none (OpenAI's "up to the context" has no bound a
+    # job can carry).
+    default_max_tokens: int = 256
+    # Backpressure: answer 429 while more entries than this wait undelivered in the request
+    # stream, or while the oldest of them has waited longer than max_queue_age_s (0 = no
+    # limit). Looked up every queue_poll_s, never on a request's path.
+    max_queue_depth: int = 1024
+    max_queue_age_s: float = 30.0
+    queue_poll_s: float = 0.25
+    retry_after_s: int = 1
+    # A request whose reply stream stays silent this long is cancelled and answered 504:
+    # no worker serves the stream (a failover's pause is about claim_idle_ms, 2 s).
+    reply_timeout_s: float = 60.0
+    # Bearer keys; none = no auth. Never printed: repr=False keeps them out of logs.
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    # Largest accepted request body, the protocol's entry limit.
+    max_body_bytes: int = 1 << 20
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in [0, 65535]")
+        for name in ("default_max_tokens", "retry_after_s", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("max_queue_depth", "max_queue_age_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit)")
+        for name in ("queue_poll_s", "reply_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if not self.model_name:
+            raise ValueError("model_name must not be empty")
+        object.__setattr__(self, "api_keys", frozenset(self.api_keys))
+
+
+def read_api_keys(path: Path | None, env: str | None) -> frozenset[str]:
+    """Keys from a file (one a line; blank lines and # comments skipped) and from the
+    environment variable's text (comma-separated)."""
+    keys = [key.strip() for key in (env or "").split(",")]
+    if path is not None:
+        keys += [line.strip() for line in Path(path).read_text().splitlines() if not line.strip().startswith("#")]
+    return frozenset(key for key in keys if key)
+
+
+def add_gateway_arguments(parser) -> None:
+    """The flags of `inflight gateway`, each mapping onto a `GatewayConfig` field."""
+    from service.embedded import embedded_url
+
+    gateway, redis = GatewayConfig(), RedisConfig()
+    group = parser.add_argument_group("gateway")
+    group.add_argument("--host", default=gateway.host, help="address to listen on (default: %(default)s)")
+    group.add_argument("--port", type=int, default=gateway.port, help="(default: %(default)s)")
+    group.add_argument("--redis-url", default=gateway.redis_url or embedded_url(redis.embedded_port),
+                       help="default: $REDIS_URL, else the embedded server's address (%(default)s)")
+    group.add_argument("--requests-stream", default=gateway.requests_stream)
+    group.add_argument("--control-stream", default=gateway.control_stream)
+    group.add_argument("--served-model-name", default=gateway.model_name,
+                       help="the `model` requests must name (default: %(default)s)")
+    group.add_argument("--default-max-tokens", type=int, default=gateway.default_max_tokens,
+                       help="max_tokens of a request that gives none (default: %(default)s)")
+    group.add_argument("--max-queue-depth", type=int, default=gateway.max_queue_depth,
+                       help="answer 429 above this many undelivered jobs, 0 = no limit (default: %(default)s)")
+    group.add_argument("--max-queue-age-s", type=float, default=gateway.max_queue_age_s,
+                       help="answer 429 while the oldest undelivered job waited longer, 0 = no limit (default: %(default)s)")
+    group.add_argument("--queue-poll-s", type=float, default=gateway.queue_poll_s,
+                       help="how often the queue's depth and age are looked up (default: %(default)s)")
+    group.add_argument("--retry-after-s", type=int, default=gateway.retry_after_s,
+                       help="Retry-After of a 429 (default: %(default)s)")
+    group.add_argument("--reply-timeout-s", type=float, default=gateway.reply_timeout_s,
+                       help="cancel and answer 504 when a job's replies stay silent this long (default: %(default)s)")
+    group.add_argument("--api-keys-file", type=Path, default=None,
+                       help=f"bearer keys, one a line; also ${API_KEYS_ENV} (comma-separated); none = no auth")
+    logs = LoggingConfig()
+    group.add_argument("--log-format", default=logs.format, choices=LOG_FORMATS,
+                       help="auto = JSON unless stderr is a terminal (default: %(default)s)")
+    group.add_argument("--log-level", default=logs.level, choices=LOG_LEVELS)
+
+
+def gateway_config_from_args(args) -> GatewayConfig:
+    return GatewayConfig(
+        host=args.host, port=args.port, redis_url=args.redis_url, requests_stream=args.requests_stream,
+        control_stream=args.control_stream, model_name=args.served_model_name,
+        default_max_tokens=args.default_max_tokens, max_queue_depth=args.max_queue_depth,
+        max_queue_age_s=args.max_queue_age_s, queue_poll_s=args.queue_poll_s, retry_after_s=args.retry_after_s,
+        reply_timeout_s=args.reply_timeout_s,
+        api_keys=read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV)),
+        logging=LoggingConfig(format=args.log_format, level=args.log_level),
+    )

@@ -14,7 +14,7 @@ kernels keep every score and sum in fp32 and round only the output.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -119,7 +119,7 @@ def far_cache(step: Step, base: int) -> tuple[PagedKVCache, list[SequenceSlice]]
     pool = (cache.num_blocks * small.block_size, small.shape.num_kv_heads, small.shape.head_dim)
     cache.key_pools = [cache.blocks[layer, 0].view(pool) for layer in range(small.shape.num_layers)]
     cache.value_pools = [cache.blocks[layer, 1].view(pool) for layer in range(small.shape.num_layers)]
-    sequences = [replace(s, block_table=[b + base for b in s.block_table]) for s in step.sequences]
+    sequences = [s._replace(block_table=[b + base for b in s.block_table]) for s in step.sequences]
     return cache, sequences
 
 

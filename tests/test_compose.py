@@ -25,8 +25,8 @@ from service.config import RedisConfig
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "tests" / "fixtures" / "compose-spec.json").read_text())
 WORKERS = ("worker", "worker-cpu")  # the GPU worker (profile gpu) and the CPU one (profile cpu)
-# Started by every `up`, whatever the profiles (add "gateway" when it lands).
-ALWAYS = {"redis", "prometheus", "grafana"}
+# Started by every `up`, whatever the profiles.
+ALWAYS = {"redis", "prometheus", "grafana", "gateway"}
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +176,7 @@ def test_replicas_get_distinct_consumer_names_from_their_hostnames(compose):
 def test_prometheus_discovers_every_worker_replica_by_dns_and_grafana_is_provisioned(compose):
     services = compose["services"]
     prometheus_config = yaml.safe_load((ROOT / "ops/prometheus/prometheus.yml").read_text())
-    [job] = prometheus_config["scrape_configs"]
-    assert job["job_name"] == "inflight"  # what the alerts select on
+    [job] = [job for job in prometheus_config["scrape_configs"] if job["job_name"] == "inflight"]  # the alerts' job
     [discovery] = job["dns_sd_configs"]
     assert discovery["type"] == "A"  # one address per replica, however many --scale starts
     runs_a_worker = {name for name, service in services.items() if service.get("entrypoint", [])[:2] == ["inflight", "worker"]}
@@ -200,6 +199,19 @@ def test_prometheus_discovers_every_worker_replica_by_dns_and_grafana_is_provisi
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
     for relative in mounts:
         assert (ROOT / relative).is_dir(), relative
+
+
+def test_the_gateway_waits_for_redis_only_answers_health_and_is_scraped_on_its_port(compose):
+    gateway = compose["services"]["gateway"]
+    assert gateway["depends_on"] == {"redis": {"condition": "service_healthy"}}  # no worker: jobs wait queued
+    assert gateway["environment"]["REDIS_URL"] == "redis://redis:6379"
+    port = gateway["entrypoint"][gateway["entrypoint"].index("--port") + 1]
+    assert gateway["entrypoint"][:2] == ["inflight", "gateway"] and "0.0.0.0" in gateway["entrypoint"]
+    assert gateway["ports"] == [f"127.0.0.1:{port}:{port}"]
+    assert f"127.0.0.1:{port}/health" in gateway["healthcheck"]["test"][-1]
+    jobs = yaml.safe_load((ROOT / "ops/prometheus/prometheus.yml").read_text())["scrape_configs"]
+    [scrape] = [job for job in jobs if job["job_name"] == "inflight-gateway"]
+    assert scrape["dns_sd_configs"] == [{"names": ["gateway"], "type": "A", "port": int(port), "refresh_interval": "15s"}]
 
 
 # -- images and Dockerfiles ------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The Grafana dashboard as code: the committed JSON is what the generator writes, and
-every panel queries only metrics a worker's registry exports (so a renamed metric cannot
+every panel queries only metrics a worker's (or a gateway's) registry exports (so a renamed metric cannot
 leave a panel silently empty). tests/test_observability.py runs the same queries against
 a real Prometheus scraping a real worker."""
 
@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+from service.gateway.metrics import GatewayMetrics
 from service.metrics import Metrics
 from workers.engine import EngineStats, StepRecord
 from workers.request import FinalEvent, FinishReason, Timings, Usage
@@ -26,7 +27,7 @@ PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", 
 
 
 def exported_series_names() -> set[str]:
-    """Every series name a worker's registry exports, once each metric has seen data."""
+    """Every series name a worker's or a gateway's registry exports, once each metric has seen data."""
     metrics = Metrics()
     step = StepRecord(num_prefill_tokens=12, num_decode_tokens=3, num_sampled=4, num_preempted=1,
                       num_blocks_swapped_out=2, num_blocks_swapped_in=0, forward_s=0.02, swap_s=0.001, step_s=0.03,
@@ -34,7 +35,11 @@ def exported_series_names() -> set[str]:
     metrics.observe_step(EngineStats(step, Census({0: 2}, {5: 1}, {-3: 1}, 0.0), 1.5, 7, 10, 2, 8))
     metrics.observe_finished(FinalEvent("r", FinishReason.LENGTH, Usage(12, 3), Timings(0.1, 0.2, 0.4, (0.2, 0.3, 0.4))))
     metrics.observe_dead_letter("invalid_type")
-    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
+    gateway = GatewayMetrics()
+    gateway.observe_request("/v1/chat/completions", 200, 0.5)
+    gateway.time_to_first_token.observe(0.1)
+    return {sample.name for registry in (metrics.registry, gateway.registry) for family in registry.collect()
+            for sample in family.samples}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -88,7 +93,8 @@ def test_the_dashboard_has_the_panels_the_operators_need():
                    "inflight_step_duration_seconds_bucket", "inflight_dead_letters_total",
                    "inflight_prefix_cache_queried_tokens_total", "inflight_prefix_cache_hit_tokens_total",
                    "inflight_prefix_cache_blocks", "inflight_prefix_cache_evicted_blocks_total",
-                   "inflight_prefix_cache_offloaded_blocks_total"):
+                   "inflight_prefix_cache_offloaded_blocks_total", "inflight_gateway_requests_total",
+                   "inflight_gateway_time_to_first_token_seconds_bucket"):
         assert metric in queries, metric
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))

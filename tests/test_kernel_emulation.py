@@ -8,7 +8,6 @@ bfloat16 to atol 1e-3, rtol 1.6e-2.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -133,7 +132,7 @@ def test_prefill_after_a_shared_cached_prefix_that_is_not_a_multiple_of_the_chun
     step = make_step(dtype, 64, block_size, num_kv_heads=3, group=3,
                      chunks=[(prefix, 12), (prefix + 12, 12), (2 * block_size, 1)], seed=block_size)  # fmt: skip
     shared = step.sequences[0].block_table[:3]
-    step.sequences = [replace(seq, block_table=shared[:keep] + seq.block_table[keep:])
+    step.sequences = [seq._replace(block_table=shared[:keep] + seq.block_table[keep:])
                       for seq, keep in zip(step.sequences, (3, 3, 2))]  # fmt: skip
     before = step.kernel_cache.blocks[:, :, shared].clone()
     check_against_reference(step, backend(step, kernels))

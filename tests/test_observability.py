@@ -2,7 +2,8 @@
 Redis (priorities, preemption and swapping on a tiny KV pool, a job the engine rejects, a
 job that cannot be decoded), a real Prometheus scrapes it every second with the alert
 rules loaded, and every dashboard panel's query must return data through Prometheus'
-HTTP API. The live scrape passes `promtool check metrics`; the worker's log is JSON lines,
+HTTP API (a gateway in front of the same stream serves one streamed completion, for the
+gateway's panels). The live scrape passes `promtool check metrics`; the worker's log is JSON lines,
 one summary per request, without prompts.
 
 CI installs Prometheus (Debian's `prometheus`); without the binaries this skips.
@@ -90,6 +91,7 @@ def prefix():
 def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, prefix):
     metrics_port, prometheus_port = free_port(), free_port()
     stream, dead = f"{prefix}:requests", f"{prefix}:dead"
+    gateway_port = free_port()
     worker_log = (tmp_path / "worker.log").open("w")
     worker = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream", stream,
@@ -99,10 +101,19 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
          "--kv-memory-mb", "4", "--swap-memory-mb", "2", "--log-format", "json"],
         stdout=worker_log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    # The gateway's panels need a gateway: one in front of the same stream.
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "gateway", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
+         stream, "--control-stream", f"{prefix}:control", "--port", str(gateway_port), "--log-format", "json",
+         "--reply-timeout-s", "300"],
+        stdout=(tmp_path / "gateway.log").open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+    )
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ROOT / "ops" / "prometheus" / "alerts.yml")],
-        "scrape_configs": [{"job_name": "inflight", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}],
+        "scrape_configs": [{"job_name": "inflight", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]},
+                           {"job_name": "inflight-gateway",
+                            "static_configs": [{"targets": [f"127.0.0.1:{gateway_port}"]}]}],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     prometheus = subprocess.Popen(
@@ -117,6 +128,16 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         wait_until(lambda: get(f"http://127.0.0.1:{metrics_port}/metrics"), 180, "the worker's /metrics")
         # A counter's increase before its first scrape is invisible to rate(): start from a scrape.
         wait_until(lambda: api.scalar('sum(up{job="inflight"})') == 1, 30, "a first scrape of the worker")
+        wait_until(lambda: api.scalar('sum(up{job="inflight-gateway"})') == 1, 30, "a first scrape of the gateway")
+
+        # First, on an idle worker (so the run stays within the queries' window): one
+        # streamed completion through the gateway.
+        streamed = urllib.request.Request(
+            f"http://127.0.0.1:{gateway_port}/v1/completions", method="POST", headers={"content-type": "application/json"},
+            data=json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode())
+        with urllib.request.urlopen(streamed, timeout=300) as response:
+            assert response.read().endswith(b"data: [DONE]\n\n")
+        through_gateway = response.headers["x-request-id"]
 
         served = {f"{prefix}-{name}": priority for name, priority in
                   (("low", -5), ("mid", 0), ("mid2", 0), ("high", 5))}
@@ -125,13 +146,15 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         client.xadd(stream, {"id": f"{prefix}-huge", "prompt": PROMPT, "max_tokens": "100000", "priority": "2"})
         client.xadd(stream, {"id": f"{prefix}-garbled", "prompt": PROMPT, "max_tokens": "lots"})
         replies = [f"inflight:out:{{{request_id}}}" for request_id in [*served, f"{prefix}-huge", f"{prefix}-garbled"]]
+        replies.append(f"inflight:out:{{{through_gateway}}}")
 
         def finished(reply: str) -> bool:
             return any(fields[b"type"] in (b"done", b"error") for _, fields in client.xrevrange(reply, count=1))
 
         wait_until(lambda: all(finished(r) for r in replies), 300, "every request to finish", interval_s=0.5)
         # Prometheus has scraped the worker after the last request ended, and the lag poll has run.
-        wait_until(lambda: api.scalar("sum(inflight_requests_total)") == 6, 30, "a scrape after the last request")
+        wait_until(lambda: api.scalar("sum(inflight_requests_total)") == 7, 30, "a scrape after the last request")
+        wait_until(lambda: api.scalar("sum(inflight_gateway_requests_total)") == 1, 30, "a scrape of the gateway")
         wait_until(lambda: api.scalar("max(inflight_dead_letter_stream_entries)") == 2, 30, "the ingest poll")
         wait_until(lambda: api.scalar("max(inflight_ingest_pending_entries) + max(inflight_ingest_lag_entries)") == 0,
                    30, "every entry delivered and acked")
@@ -148,7 +171,7 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
 
         # What the panels show is what happened.
         assert api.scalar('sum(inflight_requests_total{outcome="length"})') + \
-            api.scalar('sum(inflight_requests_total{outcome="stop"})') == 4
+            api.scalar('sum(inflight_requests_total{outcome="stop"})') == 5
         assert api.scalar('sum(inflight_requests_total{outcome="error"})') == 1
         assert api.scalar('sum(inflight_requests_total{outcome="rejected"})') == 1
         assert api.scalar("sum(inflight_preemptions_total)") > 0
@@ -172,12 +195,14 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         assert lint.returncode == 0 and not lint.stdout and not lint.stderr, lint.stdout + lint.stderr
     finally:
         worker.send_signal(signal.SIGTERM)
+        gateway.terminate()
         prometheus.terminate()
         try:
             worker.wait(timeout=60)
         finally:
             worker.kill()
             prometheus.wait(timeout=30)
+            gateway.wait(timeout=30)
             client.close()
             worker_log.close()
 
@@ -185,7 +210,7 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     summaries = {line["request_id"]: line for line in lines if line["event"] == "request_finished"}
     assert {request_id: line["priority"] for request_id, line in summaries.items()} == \
-        {**served, f"{prefix}-huge": 2}
+        {**served, f"{prefix}-huge": 2, through_gateway: 0}
     assert summaries[f"{prefix}-huge"]["finish_reason"] == "error"
     assert all(summaries[r]["completion_tokens"] > 0 and summaries[r]["first_token_s"] > 0 for r in served)
     dead_lettered = sorted(line["code"] for line in lines if line["event"] == "job_dead_lettered")

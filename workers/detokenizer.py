@@ -20,8 +20,12 @@ class IncrementalDetokenizer:
     incomplete character, and it becomes the next context once produced.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+                 token_texts: dict[int, str] | None = None) -> None:
+        """`token_texts`, shared by every detokenizer of one tokenizer, caches the text of
+        single tokens: after each release the context is one token, decoded alone."""
         self._tokenizer = tokenizer
+        self._token_texts = {} if token_texts is None else token_texts
         # A fast tokenizer's Rust decoder, called directly: `tokenizer.decode` adds
         # several times its cost in Python argument handling, on the stepping thread.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -75,8 +79,16 @@ class IncrementalDetokenizer:
         new_text = window_text[len(self._context_text) :]
         self._window = self._window[self._num_context :]
         self._num_context = len(self._window)
-        self._context_text = self._decode(self._window)
+        self._context_text = self._decode_context(self._window)
         return new_text
+
+    def _decode_context(self, token_ids: list[int]) -> str:
+        if len(token_ids) != 1:
+            return self._decode(token_ids)
+        text = self._token_texts.get(token_ids[0])
+        if text is None:
+            text = self._token_texts[token_ids[0]] = self._decode(token_ids)
+        return text
 
     def _release(self, new_text: str, final: bool) -> str:
         pending = self._held + new_text

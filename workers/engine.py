@@ -159,6 +159,7 @@ class Engine:
                                    salt if config.cache.prefix_caching else None)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
+        self._token_texts: dict[int, str] = {}  # single tokens' text, shared by the detokenizers
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                  config.structured.grammar_cache_size)
         self._live: dict[str, _Live] = {}
@@ -238,7 +239,8 @@ class Engine:
             request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline,
                               output_token_ids=list(output_ids), stop_token_ids=stop_ids, index=index)
             seed = None if params.seed is None else (params.seed + index) % 2**63
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop,
+                                                 self._token_texts)
             # Each choice's own grammar state, past the tokens a takeover resumes from.
             grammar = self.grammars.start(params, request.output_token_ids) if params.constrained else None
             end = self._ended_already(request) or self._grammar_ended(request, grammar)

@@ -86,10 +86,13 @@ class ModelRunner:
         sequences: list[SequenceSlice] = []
         sample_rows: list[int] = []
         for chunk in plan.chunks:
-            end = chunk.start + chunk.num_tokens
-            sequences.append(SequenceSlice(len(token_ids), chunk.num_tokens, end, chunk.block_ids))
+            start, num_tokens = chunk.start, len(chunk.token_ids)
+            sequences.append(SequenceSlice(len(token_ids), num_tokens, start + num_tokens, chunk.block_ids))
             token_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, end))
+            if num_tokens == 1:
+                positions.append(start)
+            else:
+                positions.extend(range(start, start + num_tokens))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
 

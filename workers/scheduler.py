@@ -258,11 +258,14 @@ class Scheduler:
         holds one token per sampling chunk, in plan order. Moves each request on and
         retires those that reached a stop token or max_tokens (`finish_reason` set).
         Returns the requests that took a token, in plan order."""
+        caching, block_size = self.cache_salt is not None, self.block_size
         for chunk in plan.chunks:
             request = chunk.request
-            if self.cache_salt is not None:
-                self._register_full_blocks(request, request.num_computed, request.num_computed + chunk.num_tokens)
-            request.num_computed += chunk.num_tokens
+            start = request.num_computed
+            end = start + len(chunk.token_ids)
+            if caching and end // block_size > start // block_size:  # it filled a block
+                self._register_full_blocks(request, start, end)
+            request.num_computed = end
         sampled = [chunk.request for chunk in plan.chunks if chunk.samples]
         if len(sampled) != len(sampled_token_ids):
             raise ValueError(f"{len(sampled)} chunks sample, got {len(sampled_token_ids)} tokens")
@@ -511,7 +514,9 @@ class Scheduler:
             own = self.allocator.allocate()
             plan.copies.append((shared, own))
             self.allocator.free([shared])
-            request.block_ids[index] = own
+            # A new list, not a write into the old one: block lists are only ever appended
+            # to, which lets the runner keep their block tables across steps.
+            request.block_ids = [*request.block_ids[:index], own, *request.block_ids[index + 1 :]]
 
     def _shares_next_block(self, request: Request) -> bool:
         """The block `request` writes next is one it may not write: held by another request,

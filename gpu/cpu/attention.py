@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.attention import SequenceSlice, padded_block_tables
+from gpu.attention import BlockTables, SequenceSlice
 from gpu.kv_cache import PagedKVCache
 from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.torch_attention import TorchAttentionBackend
@@ -75,12 +75,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if kernel is None and not kernel_applies(kv_cache):
             raise ValueError("the CPU decode kernel needs a float32 cache in host memory and g++")
         self._kernel = kernel or cpu_kernel()
+        self._tables = BlockTables()
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
         return CpuDecodes(
             torch.tensor([seq.query_start for seq in decodes], dtype=torch.int32),
             torch.tensor([seq.context_len for seq in decodes], dtype=torch.int32),
-            torch.from_numpy(padded_block_tables(decodes, self.kv_cache.block_size)),
+            torch.from_numpy(self._tables.gather(decodes, self.kv_cache.block_size)),
         )
 
     def attend_decodes(self, out, query, key_pool, value_pool, scale, decodes: CpuDecodes) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu.cuda import source as cuda_source
-from gpu.attention import AttentionBackend, SequenceSlice, padded_block_tables, slot_mapping
+from gpu.attention import AttentionBackend, BlockTables, SequenceSlice, slot_mapping
 from gpu.kv_cache import PagedKVCache
 
 # A decode launch should have a few blocks per SM; short of that, contexts are split
@@ -81,6 +81,7 @@ class CupyAttentionBackend(AttentionBackend):
             kernels = CupyKernels(self.device)
         self.kernels = kernels
         self.partition_size = partition_size
+        self._decode_tables, self._prefill_tables = BlockTables(), BlockTables()
         if self.device.type == "cuda":
             self.target_blocks = BLOCKS_PER_SM * torch.cuda.get_device_properties(self.device).multi_processor_count
         else:
@@ -107,7 +108,7 @@ class CupyAttentionBackend(AttentionBackend):
         return DecodeBatch(
             _int32([seq.query_start for seq in decodes], self.device),
             _int32([seq.context_len for seq in decodes], self.device),
-            self._block_tables(decodes),
+            self._block_tables(decodes, self._decode_tables),
             size,
             -(-longest // size),
         )
@@ -132,12 +133,12 @@ class CupyAttentionBackend(AttentionBackend):
             _int32([seq.query_len for seq in prefills], self.device),
             [seq.query_len for seq in prefills],
             _int32([seq.context_len for seq in prefills], self.device),
-            self._block_tables(prefills),
+            self._block_tables(prefills, self._prefill_tables),
         )
 
-    def _block_tables(self, sequences: list[SequenceSlice]) -> torch.Tensor:
-        """[len(sequences), max_blocks] int32, padded with block 0 (never read)."""
-        return torch.from_numpy(padded_block_tables(sequences, self.kv_cache.block_size)).to(self.device)
+    def _block_tables(self, sequences: list[SequenceSlice], tables: BlockTables) -> torch.Tensor:
+        """[len(sequences), max_blocks] int32; past each context, ids never read."""
+        return torch.from_numpy(tables.gather(sequences, self.kv_cache.block_size)).to(self.device)
 
     def attend(self, layer_idx, query, key, value, scale, metadata: KernelMetadata) -> torch.Tensor:
         key_pool = self.kv_cache.key_pools[layer_idx]

@@ -104,6 +104,23 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
             mean_per_step("inflight_step_budget_used_ratio", "budget"),
         ], "Mean fraction of each token budget a step used: batch, prefill, decode."),
     ]),
+    ("Gateway", [
+        ("Gateway requests by route and status", "reqps", [
+            (f"sum by (route, status) (rate(inflight_gateway_requests_total[{RATE}]))", "{{route}} {{status}}"),
+        ], "HTTP answers of the OpenAI-compatible gateways: 429 is backpressure, 499 a client gone before any answer."),
+        ("Gateway time to first token", "s", quantiles("inflight_gateway_time_to_first_token_seconds"),
+         "Streamed requests, from arrival at the gateway to the first token sent: the queue, the worker and both hops."),
+        ("Gateway request duration", "s", quantiles("inflight_gateway_request_duration_seconds"),
+         "From a completion's arrival to the end of its answer."),
+        ("Gateway streams and cancels", "short", [
+            ("sum(inflight_gateway_requests_in_progress)", "in progress"),
+            (f"sum by (reason) (rate(inflight_gateway_cancels_total[{RATE}]))", "cancels/s ({{reason}})"),
+        ], "Completions being answered now; jobs cancelled because the client left or no reply came in time."),
+        ("Gateway backlog", "short", [
+            ("max(inflight_gateway_queue_depth_entries)", "jobs no worker took yet"),
+            ("max(inflight_gateway_queue_age_seconds)", "oldest one's wait (s)"),
+        ], "What the gateways' backpressure sees: over --max-queue-depth or --max-queue-age-s, new requests get 429."),
+    ]),
     ("Errors", [
         ("Errors and rejections", "reqps", [
             (f'sum by (outcome) (rate(inflight_requests_total{{outcome=~"error|rejected"}}[{RATE}]))', "{{outcome}}"),
@@ -146,7 +163,7 @@ def dashboard() -> dict:
     return {
         "uid": "inflight-overview",
         "title": "inflight",
-        "description": "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, errors.",
+        "description": "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, the gateway, errors.",
         "tags": ["inflight"],
         "timezone": "browser",
         "schemaVersion": 39,

@@ -1,0 +1,289 @@
+"""The gateway's HTTP app (Starlette): the OpenAI routes, health and metrics.
+
+A completion is checked (auth, body, model, backlog) and queued as one job in the
+handler; its answer (`JobResponse`) then follows the job's reply stream. The answer
+waits for the job's first event before it sends a status line, so a job the worker
+refuses gets its error status rather than a 200 with an error inside. While it waits and
+streams it also listens for the client leaving (ASGI's `http.disconnect`, which arrives
+at once, between tokens or while the job still waits in the queue) and then cancels the
+job on the control stream, so its worker drops it within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections import defaultdict
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from service.config import GatewayConfig
+from service.connect import connect
+from service.gateway.auth import APIKeys
+from service.gateway.errors import APIError, from_queue
+from service.gateway.metrics import CLIENT_LEFT, GatewayMetrics
+from service.gateway.openai_api import CHAT, TEXT, Parsed, Renderer, error_event, parse
+from service.gateway.queue import BLOCK_MS, Queue, QueueUnavailable, ReplyTimeout
+
+log = structlog.get_logger("inflight.gateway")
+
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]  # no proxy buffering of the stream
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, redis=None) -> None:
+        self.config = config
+        self.redis = redis if redis is not None else connect(config.redis_url, block_ms=BLOCK_MS)
+        self.queue = Queue(self.redis, config)
+        self.keys = APIKeys(config.api_keys)
+        self.metrics = GatewayMetrics()
+        self.metrics.backlog_depth.set_function(lambda: self.queue.backlog.depth)
+        self.metrics.backlog_age.set_function(lambda: self.queue.backlog.oldest_s)
+        self.started = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ]
+        handlers = {APIError: _api_error, HTTPException: _http_error}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan,
+                         middleware=[Middleware(_Measured, metrics=self.metrics)])
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app):
+        watching = asyncio.create_task(self.queue.watch_backlog(), name="backlog")
+        try:
+            yield
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.TimeoutError, OSError):
+                await asyncio.wait_for(self.redis.aclose(), timeout=2)
+
+    # -- routes ----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> JobResponse:
+        return await self._complete(request, CHAT)
+
+    async def completions(self, request: Request) -> JobResponse:
+        return await self._complete(request, TEXT)
+
+    async def _complete(self, request: Request, kind: str) -> JobResponse:
+        started = time.perf_counter()
+        self.keys.check(request.headers.get("authorization"))
+        parsed = parse(kind, await self._json(request), self.config.default_max_tokens)
+        if parsed.model != self.config.model_name:
+            raise APIError(404, f"The model `{parsed.model}` does not exist; this server has "
+                           f"`{self.config.model_name}`", param="model", code="model_not_found")
+        request_id = uuid.uuid4().hex
+        payload = parsed.payload(request_id)
+        why = self.queue.overloaded()
+        if why:
+            raise APIError(429, f"{why}; retry later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+        try:
+            await self.queue.submit(payload)
+        except QueueUnavailable as error:
+            log.warning("queue_unavailable", error=str(error))
+            raise APIError(503, "the queue (Redis) is unavailable; retry later", "server_error",
+                           code="queue_unavailable") from None
+        return JobResponse(self, request_id, parsed, started)
+
+    async def models(self, request: Request) -> Response:
+        self.keys.check(request.headers.get("authorization"))
+        model = {"id": self.config.model_name, "object": "model", "created": self.started, "owned_by": "inflight"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def health(self, request: Request) -> Response:
+        why = await self.queue.ping()
+        if why is None:
+            return JSONResponse({"status": "ok", "redis": "ok"})
+        return JSONResponse({"status": "unavailable", "redis": why}, status_code=503)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _json(self, request: Request):
+        limit = self.config.max_body_bytes
+        if int(request.headers.get("content-length") or 0) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes")
+        body = await request.body()
+        if len(body) > limit:
+            raise APIError(413, f"the request body is over {limit} bytes")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+
+
+class JobResponse:
+    """The answer to one queued job, streamed (SSE) or whole, as its reply stream lands."""
+
+    def __init__(self, gateway: Gateway, request_id: str, parsed: Parsed, started: float) -> None:
+        self.gateway, self.queue, self.metrics = gateway, gateway.queue, gateway.metrics
+        self.request_id, self.parsed, self.started = request_id, parsed, started
+        prefix = "chatcmpl-" if parsed.kind == CHAT else "cmpl-"
+        self.renderer = Renderer(parsed, prefix + request_id)
+        self.finished = False  # the job ended (its final event read, or cancelled here)
+        self.summary: dict = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        self.metrics.in_progress.inc()
+        answering = asyncio.ensure_future(self._answer(send))
+        leaving = asyncio.ensure_future(_client_leaves(receive))
+        try:
+            await asyncio.wait((answering, leaving), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping: the job goes too
+            answering.cancel()
+            leaving.cancel()
+            if not self.finished:
+                asyncio.get_running_loop().create_task(self.queue.cancel(self.request_id))
+            raise
+        finally:
+            self.metrics.in_progress.dec()
+        if answering.done():
+            leaving.cancel()
+            answering.result()  # an error of the gateway's own propagates (a 500)
+        else:
+            answering.cancel()
+            await asyncio.wait((answering,))
+            if not self.finished:
+                self.metrics.cancels.labels("disconnect").inc()
+                self.summary["client_left"] = True
+                await self.queue.cancel(self.request_id)
+        log.info("request_finished", request_id=self.request_id, kind=self.parsed.kind, stream=self.parsed.stream,
+                 total_s=round(time.perf_counter() - self.started, 4), **self.summary)
+
+    async def _answer(self, send) -> None:
+        events = self.queue.replies(self.request_id)
+        try:
+            first = await anext(events)
+            if first["type"] == "error":
+                await self._error(send, from_queue(first["code"], first["message"]))
+            elif self.parsed.stream:
+                await self._stream(send, first, events)
+            else:
+                await self._whole(send, first, events)
+        except ReplyTimeout as error:
+            await self._timed_out(send, str(error))
+        finally:
+            await events.aclose()
+
+    async def _stream(self, send, event: dict, events) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*SSE_HEADERS, (b"x-request-id", self.request_id.encode())]})
+        self.summary["status"] = 200
+        first_token = True
+        while event["type"] == "token":
+            if first_token:
+                self.metrics.time_to_first_token.observe(time.perf_counter() - self.started)
+                self.summary["first_token_s"] = round(time.perf_counter() - self.started, 4)
+                first_token = False
+            chunk = self.renderer.chunk(event.get("index", 0), event["text"])
+            if chunk is not None:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            event = await anext(events)
+        self._ended(event)
+        last = self.renderer.ending(event) if event["type"] == "done" else \
+            error_event(from_queue(event["code"], event["message"]))
+        await send({"type": "http.response.body", "body": last, "more_body": False})
+
+    async def _whole(self, send, event: dict, events) -> None:
+        texts: dict[int, list[str]] = defaultdict(list)
+        while event["type"] == "token":
+            texts[event.get("index", 0)].append(event["text"])
+            event = await anext(events)
+        self._ended(event)
+        if event["type"] == "error":
+            await self._error(send, from_queue(event["code"], event["message"]))
+            return
+        await self._json(send, 200, json.dumps(self.renderer.whole(texts, event)).encode())
+
+    def _ended(self, event: dict) -> None:
+        self.finished = True
+        if event["type"] == "done":
+            usage = event["usage"]
+            self.metrics.tokens.inc(usage["completion_tokens"])
+            self.summary.update(finish_reason=event["finish_reason"], prompt_tokens=usage["prompt_tokens"],
+                                completion_tokens=usage["completion_tokens"], worker=event.get("worker"))
+        else:
+            self.summary.update(error_code=event["code"])
+
+    async def _timed_out(self, send, why: str) -> None:
+        """No reply in time: cancel the job (so it does not run for nobody later) and say so."""
+        self.finished = True
+        self.metrics.cancels.labels("timeout").inc()
+        await self.queue.cancel(self.request_id)
+        error = APIError(504, f"{why}; the job was cancelled", "server_error", code="reply_timeout")
+        if self.summary.get("status") == 200:  # mid-stream
+            await send({"type": "http.response.body", "body": error_event(error), "more_body": False})
+        else:
+            await self._error(send, error)
+
+    async def _error(self, send, error: APIError) -> None:
+        self.finished = True
+        await self._json(send, error.status, error.json())
+
+    async def _json(self, send, status: int, body: bytes) -> None:
+        self.summary["status"] = status
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"x-request-id", self.request_id.encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _client_leaves(receive) -> None:
+    """Returns once the client has disconnected (the request body was read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _api_error(request: Request, error: APIError) -> Response:
+    return Response(error.json(), status_code=error.status, headers=error.headers, media_type="application/json")
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    return await _api_error(request, APIError(error.status_code, str(error.detail), code=None))
+
+
+class _Measured:
+    """Counts every answer by route and status, and times it (pure ASGI, so streaming
+    and disconnects pass through untouched)."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/metrics":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = CLIENT_LEFT
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            status = 500 if status == CLIENT_LEFT else status
+            raise
+        finally:
+            self.metrics.observe_request(scope["path"], status, time.perf_counter() - started)

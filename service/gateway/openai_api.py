@@ -1,0 +1,236 @@
+"""The OpenAI API's shapes: request bodies in, as one protocol job each; reply events out,
+as OpenAI responses and stream chunks.
+
+Parameters are taken where the queue can honour them and refused with a 400 naming the
+parameter where it cannot (logprobs, tools, penalties, ...), so a client never gets an
+answer computed other than it asked. Fields OpenAI clients send for bookkeeping only
+(`user`, `metadata`, ...) are accepted and ignored; an unknown field is a 400, as with
+OpenAI. The job's own checks (`service.protocol.decode_job`, the worker's decoder) run
+here before anything is queued, so a bad value is refused at once, in the worker's words.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+
+from service.gateway.errors import APIError, bad_request
+from service.protocol import ProtocolError, decode_job
+
+CHAT, TEXT = "chat", "text"
+
+# Sampling and inflight's own fields, the same in both APIs: body name -> job field.
+# `priority` and `deadline_ms` are inflight's; `top_k` and `ignore_eos` as vLLM has them.
+PASSED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n",
+          "priority": "priority", "deadline_ms": "deadline_ms", "top_k": "top_k", "ignore_eos": "ignore_eos"}
+# Bookkeeping fields clients send that change nothing about the answer.
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# Fields accepted only at their "off" value: the queue cannot honour anything else.
+OFF_ONLY = {
+    "logprobs": (None, False),  # the protocol does not carry logprobs (yet)
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+WHY_OFF = {"logprobs": "logprobs are not supported: the queue protocol does not carry them yet",
+           "top_logprobs": "top_logprobs are not supported: the queue protocol does not carry logprobs yet"}
+COMMON = {"model", "max_tokens", "stream", "stream_options", *PASSED, *IGNORED}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
+                        "frequency_penalty", "logit_bias", "tools", "functions", "tool_choice", "function_call",
+                        "response_format"}
+TEXT_FIELDS = COMMON | {"prompt", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo",
+                        "suffix", "best_of"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """One request, read: what to queue, and how to answer."""
+
+    kind: str  # CHAT or TEXT
+    model: str
+    job: dict  # the protocol job's fields, but its id
+    stream: bool
+    include_usage: bool
+    n: int
+
+    def payload(self, request_id: str) -> bytes:
+        """The job as the request entry's msgpack `payload`, checked as a worker checks
+        it (a ProtocolError becomes a 400 naming the field)."""
+        payload = msgpack.packb({"id": request_id, **self.job})
+        try:
+            decode_job("0-0", {"payload": payload})
+        except ProtocolError as error:
+            raise APIError(400, error.message, code=error.code) from None
+        return payload
+
+
+def parse(kind: str, body, default_max_tokens: int) -> Parsed:
+    """A request body (decoded JSON) -> `Parsed`, or an APIError (400) saying what is wrong."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    known = CHAT_FIELDS if kind == CHAT else TEXT_FIELDS
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0])
+    for name in sorted(set(body) & OFF_ONLY.keys()):
+        value = body[name]
+        if not any(value == off and type(value) is type(off) for off in OFF_ONLY[name]):
+            raise bad_request(WHY_OFF.get(name, f"{name} is not supported by this server"), name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model must be a non-empty string", "model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    include_usage = _stream_options(body.get("stream_options"), stream)
+
+    job = {"messages": _messages(body.get("messages"))} if kind == CHAT else {"prompt": _prompt(body.get("prompt"))}
+    max_tokens = body.get("max_completion_tokens") if kind == CHAT else None
+    max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
+    job["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    job["temperature"] = 1.0  # OpenAI's default; 0 is greedy
+    for name, field_name in PASSED.items():
+        if body.get(name) is not None:
+            job[field_name] = body[name]
+    n = job.get("n", 1)
+    return Parsed(kind, model, job, stream, include_usage, n if isinstance(n, int) else 1)
+
+
+def _stream_options(options, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise bad_request("stream_options may hold include_usage only", "stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("stream_options.include_usage must be true or false", "stream_options")
+    return include
+
+
+def _messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise bad_request(f"{where}: role must be one of {', '.join(ROLES)} (tools are not supported)", where)
+        extra = sorted(set(message) - {"role", "content", "name"})
+        if extra:
+            raise bad_request(f"{where}: unsupported field(s) {', '.join(extra)}", where)
+        out.append({"role": ROLES[message["role"]], "content": _content(message.get("content"), where)})
+    return out
+
+
+def _content(content, where: str) -> str:
+    """A message's text: a string, or text parts (joined by newlines; no images)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(part["text"] for part in content)
+    raise bad_request(f"{where}: content must be a string or a list of text parts", where)
+
+
+def _prompt(prompt) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]  # one prompt is one job; batches go as separate requests
+    if not isinstance(prompt, str):
+        raise bad_request("prompt must be a string (token ids and batches of prompts are not supported)", "prompt")
+    return prompt
+
+
+# -- answers -------------------------------------------------------------------------------
+
+
+def choices_of(done: dict) -> list[dict]:
+    """Each choice's index, finish reason and last held-back text, from a done event."""
+    if "choices" in done:
+        return sorted(done["choices"], key=lambda c: c["index"])
+    return [{"index": 0, "finish_reason": done["finish_reason"], "text": done["text"]}]
+
+
+def usage_of(done: dict) -> dict:
+    prompt, completion = done["usage"]["prompt_tokens"], done["usage"]["completion_tokens"]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class Renderer:
+    """Builds one request's answer: its id, creation time and model stay the same in
+    every chunk."""
+
+    parsed: Parsed
+    response_id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: set[int] = field(default_factory=set)  # choices whose first chunk went out
+
+    @property
+    def chat(self) -> bool:
+        return self.parsed.kind == CHAT
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None) -> bytes | None:
+        """One SSE event carrying a choice's text delta (None when there is nothing to say)."""
+        if self.chat:
+            delta = {} if text == "" and finish_reason else {"content": text}
+            if index not in self.started:
+                delta = {"role": "assistant", "content": text}
+            elif text == "" and finish_reason is None:
+                return None
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            if text == "" and finish_reason is None:
+                return None
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        self.started.add(index)
+        return self._event({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                            "choices": [choice], **({"usage": None} if self.parsed.include_usage else {})})
+
+    def ending(self, done: dict) -> bytes:
+        """The last events of a stream: each choice's held-back text and finish reason,
+        the usage when asked for, and `[DONE]`."""
+        events = [self.chunk(c["index"], c["text"], c["finish_reason"]) for c in choices_of(done)]
+        if self.parsed.include_usage:
+            events.append(self._event({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                                       "choices": [], "usage": usage_of(done)}))
+        return b"".join(events) + b"data: [DONE]\n\n"
+
+    def whole(self, texts: dict[int, list[str]], done: dict) -> dict:
+        """The non-streaming answer, from each choice's text deltas and the done event."""
+        choices = []
+        for c in choices_of(done):
+            text = "".join(texts.get(c["index"], ())) + c["text"]
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            choices.append({"index": c["index"], **body, "logprobs": None, "finish_reason": c["finish_reason"]})
+        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage_of(done)}
+
+    def _head(self, object_: str) -> dict:
+        return {"id": self.response_id, "object": object_, "created": self.created, "model": self.parsed.model}
+
+    @staticmethod
+    def _event(data: dict) -> bytes:
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_event(error: APIError) -> bytes:
+    """An error once the stream has begun (headers sent): said as an SSE event, as
+    OpenAI's clients expect; no `[DONE]` follows."""
+    return b"data: " + error.json() + b"\n\n"
