@@ -6,8 +6,9 @@ cache against caching off and transformers' block sharing), `redis` (the Redis
 edge against in-process), `edge` (the Redis edge alone at GPU token rates, a stub engine
 behind the real worker), `soak` (minutes of mixed traffic on two worker processes, with a
 Redis restart and a worker killed), `intake` (the request-stream commands of each job
-against one redis-server: what one Redis Cluster shard can take in), or `gateway` (the
-workload streamed through the OpenAI-compatible gateway against straight to Redis), each described in
+against one redis-server: what one Redis Cluster shard can take in), `gateway` (the
+workload streamed through the OpenAI-compatible gateway against straight to Redis), or
+`structured` (constrained decoding against unconstrained, grammar compile times), each described in
 its own module (they run
 in this process and compare the engine with itself).
 
@@ -39,7 +40,7 @@ from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static")
 SCENARIOS = ("throughput", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak", "intake",
-             "overhead", "gateway")
+             "overhead", "gateway", "structured")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 
@@ -49,9 +50,10 @@ SCENARIO_MODULES = {
     "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
     "overhead": "bench.overhead", "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis",
     "edge": "bench.edge", "soak": "bench.soak", "intake": "bench.intake", "gateway": "bench.gateway",
+    "structured": "bench.structured",
 }  # fmt: skip
 # Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.
-MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead")
+MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead", "structured")
 
 
 def scenario_module(name: str):

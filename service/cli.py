@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--max-tokens", type=int, default=64)
     submit.add_argument("--temperature", type=float, default=0.0)
     submit.add_argument("--priority", type=int, default=0, help="-10..10, higher first")
+    shape = submit.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", type=Path, metavar="FILE", help="the answer is JSON valid under this JSON schema file")
+    shape.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    shape.add_argument("--regex", help="the answer fully matches this regular expression")
+    shape.add_argument("--choice", action="append", help="the answer is exactly one of these strings (repeatable)")
     submit.add_argument("--redis-url", default=redis_defaults.url or embedded_url(redis_defaults.embedded_port),
                         help="default: $REDIS_URL, else the embedded server's address (%(default)s)")
     submit.add_argument("--requests-stream", default=redis_defaults.requests_stream)
@@ -144,16 +149,39 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_shape(args: argparse.Namespace) -> dict:
+    """The job's structured-output field, from `--json-schema`, `--json-object`, `--regex` or `--choice`."""
+    import json
+
+    if args.json_schema is not None:
+        try:
+            return {"json_schema": json.loads(args.json_schema.read_text())}
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{args.json_schema} is not JSON: {error}") from None
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    return {}
+
+
 def _submit(args: argparse.Namespace) -> int:
     from service.sdk import InflightError, SyncClient
 
     text = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
+    try:
+        shape = _output_shape(args)
+    except (OSError, ValueError) as error:
+        print(f"inflight submit: {error}", file=sys.stderr)
+        return 1
     streaming = False  # whether the answer so far left the cursor mid-line
     try:
         with SyncClient(args.redis_url, requests_stream=args.requests_stream,
                         reply_timeout_s=args.timeout_s or None) as client:
             for event in client.generate(**text, max_tokens=args.max_tokens, temperature=args.temperature,
-                                         priority=args.priority):
+                                         priority=args.priority, **shape):
                 if event["type"] == "token":
                     print(event["text"], end="", flush=True)
                     streaming = True

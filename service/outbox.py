@@ -102,7 +102,8 @@ class ReplyOutbox:
                     stream.final_waiting = (f"{stream.seq}-1", done_fields(event, self.publisher.worker))
             else:
                 stream.waiting.append(token_data(stream.seq, event.text, event.token_ids,
-                                                 event.index if stream.indexed else None))
+                                                 event.index if stream.indexed else None,
+                                                 event.logprob, event.top_logprobs))
                 stream.seq += 1
             if stream.text is not None:
                 stream.text.append(event.text)

@@ -24,7 +24,8 @@ MAX_ENTRY_BYTES = 1 << 20
 MAX_ID_CHARS = 200
 
 FIELDS = frozenset({"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                    "ignore_eos", "n", "priority", "deadline_ms", "reply_to"})
+                    "ignore_eos", "n", "priority", "deadline_ms", "reply_to",
+                    "json_schema", "json_object", "regex", "choice", "logprobs", "top_logprobs"})
 FLAT_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
@@ -130,11 +131,28 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise fail("invalid_field", "stop must be a string or a list of non-empty strings")
 
-    ignore_eos = values.get("ignore_eos", False)
-    if not typed and "ignore_eos" in values:
-        ignore_eos = FLAT_BOOLEANS.get(ignore_eos.lower(), ignore_eos)
-    if not isinstance(ignore_eos, bool):
-        raise fail("invalid_type", "ignore_eos must be true or false")
+    def boolean(name: str) -> bool:
+        value = values.get(name, False)
+        if not typed and name in values:
+            value = FLAT_BOOLEANS.get(value.lower(), value)
+        if not isinstance(value, bool):
+            raise fail("invalid_type", f"{name} must be true or false")
+        return value
+
+    ignore_eos = boolean("ignore_eos")
+    json_schema = values.get("json_schema")
+    if not typed and json_schema is not None:
+        json_schema = _json(json_schema, "json_schema", fail)
+    if json_schema is not None and not isinstance(json_schema, (dict, bool)):
+        raise fail("invalid_type", "json_schema must be a JSON schema: an object (JSON text in the flat form)")
+    regex = values.get("regex")
+    if regex is not None and not isinstance(regex, str):
+        raise fail("invalid_type", "regex must be a string")
+    choice = values.get("choice")
+    if not typed and choice is not None:
+        choice = _json(choice, "choice", fail)
+    if choice is not None and not (isinstance(choice, list) and all(isinstance(c, str) for c in choice)):
+        raise fail("invalid_type", "choice must be a list of strings (a JSON array in the flat form)")
 
     defaults = SamplingParams()
     params = SamplingParams(
@@ -146,6 +164,12 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
         stop=tuple(stop),
         ignore_eos=ignore_eos,
         n=number("n", int, defaults.n),
+        json_schema=json_schema,
+        json_object=boolean("json_object"),
+        regex=regex,
+        choice=None if choice is None else tuple(choice),
+        logprobs=boolean("logprobs"),
+        top_logprobs=number("top_logprobs", int, defaults.top_logprobs),
     )
     try:
         params.validate()
@@ -163,13 +187,19 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
 # -- replies ---------------------------------------------------------------------------
 
 
-def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int], index: int | None = None) -> bytes:
+def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int], index: int | None = None,
+               logprob: float | None = None, top_logprobs: tuple[tuple[int, float], ...] = ()) -> bytes:
     """A token event's `data`: the event as msgpack. The worker sends only this; the
     write script derives the readable fields (`token_fields`) from it. `index` names
-    the choice, for a request with n > 1 only."""
+    the choice, for a request with n > 1 only; `logprob` and `top_logprobs` are there
+    only for a request that asked for them (in `data` only)."""
     data = {"type": "token", "seq": seq, "text": text, "token_ids": list(token_ids)}
     if index is not None:
         data["index"] = index
+    if logprob is not None:
+        data["logprob"] = logprob
+        if top_logprobs:
+            data["top_logprobs"] = [{"token_id": token_id, "logprob": value} for token_id, value in top_logprobs]
     return msgpack.packb(data)
 
 

@@ -9,7 +9,12 @@
             ...
 
 Events are the reply entries' msgpack `data` maps: `{"type": "token", "seq", "text",
-"token_ids"}`, then one `{"type": "done", ...}` or `{"type": "error", "code", "message"}`.
+"token_ids"}` (with `logprob` and `top_logprobs` when asked for), then one
+`{"type": "done", ...}` or `{"type": "error", "code", "message"}`.
+
+Structured output: `client.generate("...", json_schema={"type": "object", ...})` (or
+`json_object=True`, `regex="..."`, `choice=["yes", "no"]`): the answer's text parses
+and validates, unless it ends for `length` (max_tokens) or `grammar_dead_end`.
 
 Errors: every method (and, for a Redis Cluster, SyncClient's constructor, which finds
 the cluster's nodes at once) raises only the SDK's own exceptions, each with a one-line
@@ -131,7 +136,9 @@ class Client(_Settings):
     async def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      request_id: str | None = None, **options) -> str:
         """Queue a job; returns its request id. Options: max_tokens, temperature, top_p,
-        top_k, seed, stop, ignore_eos, n, priority, deadline_ms, reply_to."""
+        top_k, seed, stop, ignore_eos, n, priority, deadline_ms, reply_to; structured
+        output: json_schema (a dict), json_object, regex or choice (a list of strings);
+        logprobs and top_logprobs (docs/protocol.md)."""
         request_id = request_id or uuid.uuid4().hex
         with _translated(self.address):
             await self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))

@@ -49,7 +49,7 @@ from service.retry import is_transient, retrying
 from service.structured_logging import bind_request, log_request_finished
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
-from workers.request import FinalEvent, FinishReason, Timings, Usage
+from workers.request import FinalEvent, FinishReason, InvalidRequest, Timings, Usage
 
 log = structlog.get_logger("inflight.worker")
 
@@ -227,6 +227,8 @@ class Worker:
         published = self.outbox.open(entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts,
                                      choices=job.params.n)
         resumed = claim.token_ids if job.params.n == 1 else [claim.choices.get(i, []) for i in range(job.params.n)]
+        if job.params.constrained:  # compiled (or found cached) off the event loop; its error comes from enqueue
+            await asyncio.to_thread(_compile_quietly, self.front.engine, job.params)
         self.front.enqueue(job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at,
                            resumed_output_ids=resumed)
         self.held[entry.entry_id].submitted = True
@@ -347,6 +349,13 @@ class Worker:
                 log.debug("housekeeping_failed", error=str(error))
             self.cancels.forget_expired()
             await asyncio.sleep(self.ingest_poll_s)
+
+
+def _compile_quietly(engine: Engine, params) -> None:
+    try:
+        engine.grammars.compile(params)
+    except InvalidRequest:
+        pass  # cached: `add_request` reports it as this request's error
 
 
 async def _unless_stopped(stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import jsonschema
 import pytest
 import redis
 
@@ -52,3 +54,32 @@ def test_the_node_example_streams_an_answer(worker_env):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tokens)" in result.stdout
+
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                "country": {"type": "string", "maxLength": 20}},
+               "required": ["city", "country"], "additionalProperties": False}
+
+
+def _answer(stdout: str) -> dict:
+    """The JSON answer printed before the example's closing `(stop: N tokens)` line."""
+    text, _, status = stdout.rpartition("\n(")
+    assert status.startswith("stop:"), stdout
+    return json.loads(text)
+
+
+def test_the_redis_cli_example_sends_a_constrained_job(worker_env):
+    result = subprocess.run(["bash", str(EXAMPLES / "redis-cli.sh"), "Name a city and its country as JSON.", "",
+                             json.dumps(CITY_SCHEMA)], env=worker_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(_answer(result.stdout), CITY_SCHEMA)
+
+
+def test_the_node_example_sends_a_constrained_job(worker_env, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(CITY_SCHEMA))
+    result = subprocess.run([shutil.which("node") or "node", "generate.mjs", "Name a city and its country as JSON.",
+                             "--json-schema", str(schema)], cwd=EXAMPLES / "node", env=worker_env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(_answer(result.stdout), CITY_SCHEMA)

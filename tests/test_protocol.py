@@ -199,3 +199,52 @@ def test_braces_in_reply_to_must_enclose_a_hash_tag_so_its_owner_key_shares_the_
 def test_reply_streams_with_or_without_a_hash_tag_are_accepted():
     assert decode_job("3-0", flat(prompt="a", reply_to="inflight:out:plain")).reply_to == "inflight:out:plain"
     assert decode_job("3-0", {b"id": b"a{b}c", b"prompt": b"a"}).reply_to == "inflight:out:{a{b}c}"
+
+
+# -- structured output and logprobs ----------------------------------------------------
+
+PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+def test_constraints_and_logprobs_in_either_form():
+    """`json_schema` and `choice` are JSON text in the flat form and native in a payload;
+    `regex` is a string; `json_object` and `logprobs` are booleans."""
+    flat_job = decode_job(b"1-0", flat(prompt="x", json_schema=json.dumps(PERSON_SCHEMA), logprobs="true",
+                                       top_logprobs=5))
+    assert flat_job.params.json_schema == PERSON_SCHEMA
+    assert (flat_job.params.logprobs, flat_job.params.top_logprobs) == (True, 5)
+    packed = decode_job(b"1-0", {b"payload": msgpack.packb({"prompt": "x", "choice": ["yes", "no"]})})
+    assert packed.params.choice == ("yes", "no")
+    assert decode_job(b"1-0", flat(prompt="x", choice='["a", "b"]')).params.choice == ("a", "b")
+    assert decode_job(b"1-0", flat(prompt="x", regex="[0-9]+")).params.regex == "[0-9]+"
+    assert decode_job(b"1-0", flat(prompt="x", json_object="1")).params.json_object is True
+    assert not decode_job(b"1-0", flat(prompt="x")).params.constrained
+
+
+@pytest.mark.parametrize("fields, code", [
+    (flat(prompt="x", json_schema="{not json"), "invalid_type"),
+    (flat(prompt="x", json_schema="[1, 2]"), "invalid_type"),
+    (flat(prompt="x", choice='"yes"'), "invalid_type"),
+    (flat(prompt="x", choice="[]"), "invalid_field"),
+    (flat(prompt="x", choice='["a", ""]'), "invalid_field"),
+    (flat(prompt="x", regex=""), "invalid_field"),
+    (flat(prompt="x", regex="a", choice='["a"]'), "invalid_field"),  # at most one constraint
+    (flat(prompt="x", json_object="true", json_schema="{}"), "invalid_field"),
+    (flat(prompt="x", json_object="maybe"), "invalid_type"),
+    (flat(prompt="x", top_logprobs=21), "invalid_field"),
+    (flat(prompt="x", top_logprobs=-1), "invalid_field"),
+    (flat(prompt="x", logprobs="2"), "invalid_type"),
+])
+def test_bad_constraints_and_logprobs_get_a_stable_code(fields, code):
+    with pytest.raises(ProtocolError) as raised:
+        decode_job(b"1-0", fields)
+    assert raised.value.code == code
+
+
+def test_token_data_carries_logprobs_only_when_asked():
+    from service.protocol import token_data
+
+    assert "logprob" not in msgpack.unpackb(token_data(0, "a", (5,)))
+    data = msgpack.unpackb(token_data(0, "a", (5,), logprob=-0.25, top_logprobs=((5, -0.25), (9, -2.0))))
+    assert data["logprob"] == -0.25
+    assert data["top_logprobs"] == [{"token_id": 5, "logprob": -0.25}, {"token_id": 9, "logprob": -2.0}]

@@ -113,7 +113,22 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """Structured outputs (`workers/structured.py`)."""
+
+    # Compiled grammars kept, by constraint (least recently used dropped first): a queue
+    # of jobs under one schema compiles it once.
+    grammar_cache_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if isinstance(self.grammar_cache_size, bool) or not isinstance(self.grammar_cache_size, int) \
+                or self.grammar_cache_size < 1:
+            raise ValueError(f"grammar_cache_size must be an integer >= 1, got {self.grammar_cache_size!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)

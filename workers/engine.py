@@ -27,6 +27,7 @@ import torch
 from workers.config import EngineConfig
 from workers.block_manager import BlockPool, blocks_needed
 from workers.detokenizer import IncrementalDetokenizer
+from workers.logprobs import log_probs, token_logprobs
 from workers.model_loader import LoadedModel, encode_prompt, load_model
 from workers.model_runner import ModelRunner
 from workers.request import (
@@ -47,6 +48,7 @@ from workers.request import (
 )
 from workers.sampler import Sampler, make_generator
 from workers.scheduler import CacheStats, Census, Scheduler
+from workers.structured import Grammars, GrammarState, InvalidGrammar
 
 _log = logging.getLogger("inflight.engine")
 
@@ -103,6 +105,8 @@ class _Choice:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     end: ChoiceEnd | None = None
+    grammar: GrammarState | None = None  # with a constraint: where its output stands in the grammar
+    logprobs: tuple | None = None  # with logprobs: its last sampled token's (logprob, top_logprobs)
 
 
 @dataclass
@@ -156,6 +160,8 @@ class Engine:
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
         self._token_texts: dict[int, str] = {}  # single tokens' text, shared by the detokenizers
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                 config.structured.grammar_cache_size)
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()  # guards the inbox and the set of known ids
         self._inbox: list[Command] = []
@@ -218,10 +224,12 @@ class Engine:
                 isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
             ):
                 raise InvalidRequest(f"deadline must be a unix time in seconds, got {deadline!r}")
+            if params.constrained:
+                self.grammars.compile(params)  # here, on the caller's thread: never in a step
         except InvalidRequest as error:
             empty = Request(request_id, [], params, arrival)
-            self._post(FailRequest(self._final([empty], FinishReason.ERROR, error=str(error),
-                                                  error_code=ErrorCode.INVALID_REQUEST)))
+            code = ErrorCode.INVALID_GRAMMAR if isinstance(error, InvalidGrammar) else ErrorCode.INVALID_REQUEST
+            self._post(FailRequest(self._final([empty], FinishReason.ERROR, error=str(error), error_code=code)))
             return
         # The engine's clock is perf_counter: carry the deadline over to it.
         local_deadline = None if deadline is None else arrival + (deadline - time.time())
@@ -233,7 +241,10 @@ class Engine:
             seed = None if params.seed is None else (params.seed + index) % 2**63
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop,
                                                  self._token_texts)
-            choices.append(_Choice(request, detokenizer, make_generator(seed), self._ended_already(request)))
+            # Each choice's own grammar state, past the tokens a takeover resumes from.
+            grammar = self.grammars.start(params, request.output_token_ids) if params.constrained else None
+            end = self._ended_already(request) or self._grammar_ended(request, grammar)
+            choices.append(_Choice(request, detokenizer, make_generator(seed), end, grammar))
         going = [choice.request for choice in choices if choice.end is None]
         if not going:  # a takeover of a request whose every choice had ended
             self._post(FailRequest(self._request_final(_Live(choices), choices[-1].end.finish_reason)))
@@ -300,11 +311,7 @@ class Engine:
                 copied = True
             finally:
                 self.scheduler.swaps_done(plan, copied)
-            token_ids = self.sampler.sample(
-                output.logits,
-                [r.params for r in sampling],
-                [self._choice(r).generator for r in sampling],
-            ) if sampling else []
+            token_ids = self._sample(output.logits, sampling) if sampling else []
         except Exception as error:  # a failed step fails its requests, not the engine
             message = f"model step failed: {type(error).__name__}: {error}"
             # The requests it ran, and those whose blocks it was moving (their K/V may be lost).
@@ -336,6 +343,35 @@ class Engine:
         return events, record
 
     # -- internals -----------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> list[int]:
+        """A token for each sampling row: log probabilities taken first (the model's own),
+        then the constrained rows masked, then sampled; grammars take their tokens."""
+        choices = [self._choice(r) for r in sampling]
+        wanting = [row for row, r in enumerate(sampling) if r.params.wants_logprobs]
+        logprobs = log_probs(logits, wanting) if wanting else None
+        constrained = [row for row, choice in enumerate(choices) if choice.grammar is not None]
+        if constrained:
+            self.grammars.apply(logits, constrained, [choices[row].grammar for row in constrained])
+        token_ids = self.sampler.sample(logits, [r.params for r in sampling], [c.generator for c in choices])
+        if constrained:
+            self.grammars.advance([choices[row].grammar for row in constrained], [token_ids[row] for row in constrained])
+        if wanting:
+            values = token_logprobs(logprobs, [token_ids[row] for row in wanting],
+                                    [sampling[row].params.top_logprobs for row in wanting])
+            for row, value in zip(wanting, values):
+                choices[row].logprobs = value
+        return token_ids
+
+    @staticmethod
+    def _grammar_ended(request: Request, grammar: GrammarState | None) -> ChoiceEnd | None:
+        """A choice whose grammar left it nowhere to go, or whose output is whole."""
+        if grammar is None or not (grammar.dead_end or grammar.complete):
+            return None
+        reason = FinishReason.GRAMMAR_DEAD_END if grammar.dead_end else FinishReason.STOP
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        return ChoiceEnd(request.index, reason, len(request.output_token_ids))
 
     def _validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if not isinstance(params, SamplingParams):
@@ -438,15 +474,26 @@ class Engine:
             self._inter_token_s.append(now - request.token_times[-1])
         request.token_times.append(now)
         token_id = request.output_token_ids[-1]
-        detokenizer = self._choice(request).detokenizer
+        choice = self._choice(request)
+        detokenizer = choice.detokenizer
         stop_token = token_id in request.stop_token_ids
         text = "" if stop_token else detokenizer.push([token_id])
-        events: list[Event] = [TokenEvent(request.request_id, (token_id,), text, request.index)]
+        events: list[Event] = [TokenEvent(request.request_id, (token_id,), text, request.index,
+                                          *(choice.logprobs or (None, ())))]
         if request.status is not RequestStatus.FINISHED and detokenizer.stopped:
             self.scheduler.finish(request, FinishReason.STOP)
+        if request.status is not RequestStatus.FINISHED and choice.grammar is not None:
+            self._end_by_grammar(request, choice.grammar)
         if request.status is RequestStatus.FINISHED:
             events.extend(self._choice_ended(request))
         return events
+
+    def _end_by_grammar(self, request: Request, grammar: GrammarState) -> None:
+        """End a choice at a dead end of its grammar, or past its end (EOS ignored)."""
+        if grammar.dead_end:
+            self.scheduler.finish(request, FinishReason.GRAMMAR_DEAD_END)
+        elif grammar.complete:
+            self.scheduler.finish(request, FinishReason.STOP)
 
     def _choice_ended(self, request: Request) -> list[Event]:
         """A choice the scheduler has retired; its request's final event if it was the last."""

@@ -13,6 +13,10 @@ class InvalidRequest(ValueError):
 
 # Most choices one request may ask for (`SamplingParams.n`).
 MAX_CHOICES = 16
+# Most alternatives a token's event may list (`SamplingParams.top_logprobs`).
+MAX_TOP_LOGPROBS = 20
+# Most strings a `choice` constraint may hold.
+MAX_CHOICE_STRINGS = 1024
 
 # Request priority: an integer in [PRIORITY_MIN, PRIORITY_MAX]; higher runs first.
 PRIORITY_MIN, PRIORITY_MAX, DEFAULT_PRIORITY = -10, 10, 0
@@ -41,6 +45,23 @@ class SamplingParams:
     # Parallel sampling: this many choices from one prompt, computed once and shared
     # (choice i draws from seed + i when seeded).
     n: int = 1
+    # Structured output: at most one constraint, checked by a grammar (workers/structured.py).
+    json_schema: dict | bool | None = None  # the output is JSON valid under this schema
+    json_object: bool = False  # the output is any JSON object
+    regex: str | None = None  # the output fully matches this regular expression
+    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
+    # Log probabilities of the model's own distribution (before any constraint's mask):
+    # the chosen token's, and the `top_logprobs` best alternatives (which imply `logprobs`).
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def constrained(self) -> bool:
+        return self.json_schema is not None or self.json_object or self.regex is not None or self.choice is not None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -73,6 +94,31 @@ class SamplingParams:
             raise InvalidRequest(f"at most 16 stop strings, got {len(self.stop)}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        given = [name for name, value in (("json_schema", self.json_schema), ("regex", self.regex),
+                                          ("choice", self.choice)) if value is not None]
+        if self.json_object is not False:
+            if not isinstance(self.json_object, bool):
+                raise InvalidRequest(f"json_object must be true or false, got {self.json_object!r}")
+            given.append("json_object")
+        if len(given) > 1:
+            raise InvalidRequest(f"give at most one of json_schema, json_object, regex and choice, got {given}")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            raise InvalidRequest("json_schema must be a JSON schema: an object (or true/false)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise InvalidRequest("regex must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, (tuple, list)) or not self.choice or len(self.choice) > MAX_CHOICE_STRINGS
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequest(f"choice must be a list of 1 to {MAX_CHOICE_STRINGS} non-empty strings")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequest(f"logprobs must be true or false, got {self.logprobs!r}")
+        if (isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int)
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
 
 
 class FinishReason(str, enum.Enum):
@@ -80,6 +126,8 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached
     CANCELLED = "cancelled"
     DEADLINE = "deadline"  # its deadline passed before it finished
+    # Its constraint's grammar allows no token that continues the output (nor its end).
+    GRAMMAR_DEAD_END = "grammar_dead_end"
     ERROR = "error"
 
 
@@ -88,6 +136,7 @@ class ErrorCode(str, enum.Enum):
 
     INVALID_REQUEST = "invalid_request"  # bad input: this request only
     INTERNAL_ERROR = "internal_error"  # the model step that ran it failed
+    INVALID_GRAMMAR = "invalid_grammar"  # its json_schema or regex cannot be compiled
 
 
 class RequestStatus(enum.Enum):
@@ -168,6 +217,10 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
     index: int = 0  # the choice (parallel sampling); always 0 when n is 1
+    # With `logprobs`: the token's log probability; with `top_logprobs`, the best
+    # (token id, log probability) pairs, best first.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@
 # the final event, printing the text as it arrives. Needs redis-cli 7+ and jq.
 #
 #   docs/examples/redis-cli.sh "The capital of France is"
+#   docs/examples/redis-cli.sh "Name a city and its country as JSON." "" \
+#     '{"type":"object","properties":{"city":{"type":"string"},"country":{"type":"string"}},"required":["city","country"]}'
+#
+# The third argument, a JSON schema, makes it a constrained job: the answer is JSON
+# valid under the schema (unless it ends for `length`).
 #
 # REDIS_URL defaults to the embedded server `make run` starts; INFLIGHT_REQUESTS names
 # the request stream (default inflight:requests). A server that cannot be reached or
@@ -14,6 +19,7 @@ requests=${INFLIGHT_REQUESTS:-inflight:requests}
 timeout_s=${INFLIGHT_TIMEOUT_S:-60}
 prompt=${1:-The capital of France is}
 id=${2:-shell-$(date +%s%N)}
+schema=${3:-}
 errors=$(mktemp)
 trap 'rm -f "$errors"' EXIT
 # redis-cli, whose failure ends the script with one line that names the server
@@ -24,7 +30,11 @@ rcli() {
   exit 1
 }
 
-rcli XADD "$requests" '*' id "$id" prompt "$prompt" max_tokens 16 >/dev/null
+if [ -n "$schema" ]; then
+  rcli XADD "$requests" '*' id "$id" prompt "$prompt" max_tokens 64 json_schema "$schema" >/dev/null
+else
+  rcli XADD "$requests" '*' id "$id" prompt "$prompt" max_tokens 16 >/dev/null
+fi
 reply="inflight:out:{$id}"  # the default reply_to; {…} is a Redis Cluster hash tag
 last=0
 heard=$SECONDS

@@ -2,12 +2,17 @@
 // its reply stream, decoding each entry's msgpack `data`, until the final event.
 //
 //   npm ci && node generate.mjs "Write a haiku about the sea."
+//   node generate.mjs "Name a city and its country as JSON." --json-schema schema.json
+//
+// With --json-schema FILE the job is constrained: the answer is JSON valid under the
+// schema in FILE (unless it ends for `length`).
 //
 // REDIS_URL defaults to the embedded server `make run` starts; INFLIGHT_REQUESTS names
 // the request stream (default inflight:requests). A server that cannot be reached or
 // goes away, or no reply for INFLIGHT_TIMEOUT_S seconds (default 60: no worker is
 // running), ends it with one line on stderr and exit status 1.
 import { randomUUID } from "node:crypto";
+import { readFileSync } from "node:fs";
 import { decode, encode } from "@msgpack/msgpack";
 import Redis from "ioredis";
 
@@ -34,6 +39,11 @@ const job = {
   max_tokens: 24,
   priority: 2,
 };
+const schemaFlag = process.argv.indexOf("--json-schema");
+if (schemaFlag > 0) {
+  job.json_schema = JSON.parse(readFileSync(process.argv[schemaFlag + 1], "utf8")); // a map in the msgpack payload
+  job.max_tokens = 64;
+}
 await redis.xaddBuffer(requests, "*", "payload", Buffer.from(encode(job))).catch(unavailable);
 
 const reply = `inflight:out:{${id}}`; // the default reply_to; {…} is a Redis Cluster hash tag

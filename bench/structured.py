@@ -1,0 +1,185 @@
+"""`inflight bench --scenario structured`: what structured outputs cost, and (with
+`--structured-validity`) the proof that they hold.
+
+- `throughput`: the default workload (`--requests` 48, `--prompt-len`, `--output-len`,
+  seeded random prompts, greedy, all at t0, EOS ignored) unconstrained, then with every
+  request under one JSON schema (`BENCH_SCHEMA`, whose minItems keeps every output
+  inside the grammar for all its tokens, so both runs make the same number of tokens),
+  alternately `--structured-rounds` times each; the best of each is compared. Reported
+  too: the time the constrained runs spent masking logits and advancing grammars.
+- `compile`: each of the 300 generated schemas (`bench/schemas.py`) compiled on an empty
+  cache, first mask included: p50, p99, max.
+- `validity` (with `--structured-validity`): the 300 schemas decoded greedy and at
+  temperature 1.0 (seeded), plus regexes and choices; every output that ends with `stop`
+  must parse and validate (`jsonschema`) or match in full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import re
+import time
+
+from bench.drive import Driver, StepRecorder, random_prompts
+from bench.metrics import percentile
+from bench.schemas import generate_schemas
+from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.request import FinishReason, SamplingParams
+
+# A list of records the output never finishes within the workload's lengths.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"records": {"type": "array", "minItems": 100, "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+        "required": ["id", "name"]}}},
+    "required": ["records"],
+}
+REGEXES = (r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]", r"[A-Z][a-z]+( [A-Z][a-z]+)?", r"(yes|no), because [a-z ]{5,40}\.",
+           r"\+?[0-9]{6,10}", r"#[0-9a-f]{6}")
+CHOICES = (("yes", "no"), ("red", "green", "blue"), ("Paris", "London", "Berlin", "Madrid"), ("positive", "negative",
+           "neutral"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured scenario")
+    group.add_argument("--structured-rounds", type=int, default=2,
+                       help="runs of each of unconstrained and constrained, alternating (default: %(default)s)")
+    group.add_argument("--structured-schemas", type=int, default=300, help="generated schemas (compile, validity)")
+    group.add_argument("--structured-validity", action="store_true",
+                       help="also decode every schema greedy and at temperature 1.0, and validate (slow)")
+    group.add_argument("--structured-max-tokens", type=int, default=192, help="validity: max_tokens per output")
+
+
+def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    report = {"throughput": run_throughput(loaded, args, vocab_ids), "compile": run_compile(loaded, args)}
+    if args.structured_validity:
+        report["validity"] = run_validity(loaded, args)
+    return report
+
+
+def _engine(loaded, args, cache: CacheConfig | None = None):
+    from workers.engine import Engine
+
+    return Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), cache=cache or CacheConfig()))
+
+
+def run_throughput(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    rng = random.Random(args.seed)
+    prompts = random_prompts(rng, args.requests, tuple(args.prompt_len), vocab_ids)
+    outputs = [rng.randint(*args.output_len) for _ in prompts]
+    runs: dict[str, list[dict]] = {"unconstrained": [], "json_schema": []}
+    for _ in range(args.structured_rounds):
+        for name in runs:
+            engine = _engine(loaded, args)
+            spent = _time_grammar_calls(engine.grammars)
+            steps = StepRecorder(engine)
+            drive = Driver(engine)
+            for i, (prompt, output_len) in enumerate(zip(prompts, outputs)):
+                shape = {"json_schema": BENCH_SCHEMA} if name == "json_schema" else {}
+                drive.submit(f"req-{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, **shape))
+            drive.drain()
+            wall = drive.now()
+            produced = sum(len(times) for times in drive.token_times.values())
+            runs[name].append({"output_tokens": produced, "output_tokens_per_s": produced / wall, "wall_s": wall,
+                               "steps": len(steps), "mask_s": spent["apply"], "advance_s": spent["advance"],
+                               "finish_reasons": sorted({f.finish_reason.value for f in drive.finals.values()})})
+            del engine, drive
+            gc.collect()
+    best = {name: max(r["output_tokens_per_s"] for r in results) for name, results in runs.items()}
+    return {"requests": args.requests, "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
+            "schema": BENCH_SCHEMA, "runs": runs, "best_output_tokens_per_s": best,
+            "constrained_vs_unconstrained": best["json_schema"] / best["unconstrained"]}
+
+
+def _time_grammar_calls(grammars) -> dict[str, float]:
+    """Seconds spent in this engine's `Grammars.apply` (masking) and `advance`."""
+    spent = {"apply": 0.0, "advance": 0.0}
+    for name in spent:
+        method = getattr(grammars, name)
+
+        def timed(*arguments, _method=method, _name=name):
+            started = time.perf_counter()
+            try:
+                return _method(*arguments)
+            finally:
+                spent[_name] += time.perf_counter() - started
+
+        setattr(grammars, name, timed)
+    return spent
+
+
+def run_compile(loaded, args: argparse.Namespace) -> dict:
+    """Each schema on an empty cache: compile plus the first mask (`Grammars.start`)."""
+    from workers.structured import Grammars
+
+    engine = _engine(loaded, args, CacheConfig(kv_memory_bytes=16 << 20, swap_memory_bytes=0))
+    grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, cache_size=1024)
+    grammars.start(SamplingParams(json_object=True))  # the vocabulary's one-off set-up, not a compile
+    times = []
+    for schema in generate_schemas(args.structured_schemas, args.seed):
+        started = time.perf_counter()
+        grammars.start(SamplingParams(json_schema=schema))
+        times.append(time.perf_counter() - started)
+    del engine
+    gc.collect()
+    return {"schemas": len(times), "p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3,
+            "max_ms": max(times) * 1e3, "total_s": sum(times)}
+
+
+def run_validity(loaded, args: argparse.Namespace) -> dict:
+    import jsonschema
+
+    schemas = generate_schemas(args.structured_schemas, args.seed)
+    report = {}
+    for mode, sampling in (("greedy", {}), ("temperature_1", {"temperature": 1.0})):
+        engine = _engine(loaded, args)
+        drive = Driver(engine, raise_errors=False)
+        jobs = []
+        for i, schema in enumerate(schemas):
+            jobs.append((f"s{i}", {"json_schema": schema}, "Reply with a JSON object."))
+        for i, regex in enumerate(REGEXES):
+            jobs.append((f"r{i}", {"regex": regex}, "Answer in a few words."))
+        for i, choice in enumerate(CHOICES):
+            jobs.append((f"c{i}", {"choice": choice}, f"Pick one of: {', '.join(choice)}."))
+        for n, (request_id, shape, text) in enumerate(jobs):
+            seed = {"seed": n} if sampling else {}
+            drive.submit(request_id, [{"role": "user", "content": text}],
+                         SamplingParams(max_tokens=args.structured_max_tokens, **sampling, **seed, **shape))
+        drive.drain()
+        reasons: dict[str, int] = {}
+        valid = stopped = 0
+        failures = []
+        for request_id, shape, _ in jobs:
+            final, text = drive.finals[request_id], drive.texts.get(request_id, "")
+            reasons[final.finish_reason.value] = reasons.get(final.finish_reason.value, 0) + 1
+            if final.finish_reason is not FinishReason.STOP:
+                continue
+            stopped += 1
+            if _satisfies(shape, text, jsonschema):
+                valid += 1
+            else:
+                failures.append({"id": request_id, "text": text})
+        report[mode] = {"requests": len(jobs), "finish_reasons": reasons, "stopped": stopped, "valid": valid,
+                        "valid_share_of_stopped": valid / max(stopped, 1), "failures": failures[:10]}
+        del engine, drive
+        gc.collect()
+    return report
+
+
+def _satisfies(shape: dict, text: str, jsonschema) -> bool:
+    try:
+        if "json_schema" in shape:
+            validator = jsonschema.Draft202012Validator(
+                shape["json_schema"], format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+            validator.validate(json.loads(text))
+            return True
+        if "regex" in shape:
+            return re.fullmatch(shape["regex"], text) is not None
+        return text in shape["choice"]
+    except (ValueError, jsonschema.ValidationError):
+        return False
