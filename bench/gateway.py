@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.metrics import percentile, summarize
 from bench.processes import GatewayProcess
-from bench.through_redis import _brief, _redis_server, _start_worker, _ThroughRedis
+from bench.through_redis import _brief, _redis_server, _start_worker, _ThroughRedis, paired_ttft
 from bench.workload import allowed_token_ids, make_workload, special_token_ids
 from service.config import DEFAULT_MODEL_NAME
 from service.connect import connect
@@ -92,12 +92,7 @@ async def _run(args: argparse.Namespace) -> dict:
                         runs[name].append(summarize(await paths[name].generate(tagged), 0.0))
                         if name == "gateway":
                             gateway_cpu_s += gateway.cpu_seconds() - cpu_before
-                ttft = {"redis": [], "gateway": []}
-                for i, prompt in enumerate(short_prompts):
-                    order = ("redis", "gateway") if i % 2 == 0 else ("gateway", "redis")
-                    for name in order:
-                        times = await paths[name].generate({f"{run_id}-ttft-{i}-{name}": (prompt, 1)})
-                        ttft[name].append(next(iter(times.values()))[0])
+                ttft = await paired_ttft(paths, ("redis", "gateway"), short_prompts, run_id)
         finally:
             gateway.stop()
             worker.terminate()

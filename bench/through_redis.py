@@ -97,12 +97,7 @@ async def _run(args: argparse.Namespace) -> dict:
                     for name in order:
                         tagged = {f"{run_id}-{k}-{name}-{round_}": v for k, v in prompts.items()}
                         runs[name].append(summarize(await paths[name].generate(tagged), 0.0))
-                ttft = {"inprocess": [], "redis": []}
-                for i, prompt in enumerate(short_prompts):
-                    order = ("inprocess", "redis") if i % 2 == 0 else ("redis", "inprocess")
-                    for name in order:
-                        times = await paths[name].generate({f"{run_id}-ttft-{i}-{name}": (prompt, 1)})
-                        ttft[name].append(next(iter(times.values()))[0])
+                ttft = await paired_ttft(paths, ("inprocess", "redis"), short_prompts, run_id)
         finally:
             worker.terminate()
             worker.wait(timeout=60)
@@ -221,3 +216,14 @@ def _redis_server(url: str):
     with tempfile.TemporaryDirectory(prefix="inflight-bench-valkey-") as data_dir:
         with embedded_valkey(port, Path(data_dir)) as embedded:
             yield embedded
+
+
+async def paired_ttft(paths: dict, names: tuple[str, str], prompts: list, run_id: str) -> dict[str, list[float]]:
+    """Time to first token of each short prompt on both paths, one at a time, the order
+    alternating so neither path always goes first."""
+    ttft: dict[str, list[float]] = {name: [] for name in names}
+    for i, prompt in enumerate(prompts):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times = await paths[name].generate({f"{run_id}-ttft-{i}-{name}": (prompt, 1)})
+            ttft[name].append(next(iter(times.values()))[0])
+    return ttft
