@@ -103,7 +103,7 @@ class ReplyOutbox:
             else:
                 stream.waiting.append(token_data(stream.seq, event.text, event.token_ids,
                                                  event.index if stream.indexed else None,
-                                                 event.logprob, event.top_logprobs))
+                                                 event.logprob, event.token, event.top_logprobs))
                 stream.seq += 1
             if stream.text is not None:
                 stream.text.append(event.text)

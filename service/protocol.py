@@ -188,7 +188,8 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
 
 
 def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int], index: int | None = None,
-               logprob: float | None = None, top_logprobs: tuple[tuple[int, float], ...] = ()) -> bytes:
+               logprob: float | None = None, token: str | None = None,
+               top_logprobs: tuple[tuple[int, str, float], ...] = ()) -> bytes:
     """A token event's `data`: the event as msgpack. The worker sends only this; the
     write script derives the readable fields (`token_fields`) from it. `index` names
     the choice, for a request with n > 1 only; `logprob` and `top_logprobs` are there
@@ -198,8 +199,10 @@ def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int], inde
         data["index"] = index
     if logprob is not None:
         data["logprob"] = logprob
+        data["token"] = token
         if top_logprobs:
-            data["top_logprobs"] = [{"token_id": token_id, "logprob": value} for token_id, value in top_logprobs]
+            data["top_logprobs"] = [{"token_id": token_id, "token": text, "logprob": value}
+                                    for token_id, text, value in top_logprobs]
     return msgpack.packb(data)
 
 

@@ -59,7 +59,7 @@ async def retrying(call: Callable[[], Awaitable[T]], max_delay_s: float = MAX_DE
         except RedisError as error:
             if not is_transient(error):
                 raise
-            _stop_if_cancelled()
+            stop_if_cancelled()
             if on_outage is not None:
                 on_outage()
             if not failed:  # once per outage, not once per retry
@@ -73,9 +73,10 @@ async def retrying(call: Callable[[], Awaitable[T]], max_delay_s: float = MAX_DE
         return result
 
 
-def _stop_if_cancelled() -> None:
-    """A cancellation can surface from redis-py as a timeout or a connection error (and
-    Python 3.11's `wait_for` can swallow one outright); the task's own count of pending
+def stop_if_cancelled() -> None:
+    """A cancellation can surface from redis-py as a timeout or a connection error, or
+    vanish (a cancel that arrives with the reply: the command returns it), and Python
+    3.11's `wait_for` can swallow one outright; the task's own count of pending
     cancellation requests still tells the truth."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():

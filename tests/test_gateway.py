@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 import uuid
 
+import jsonschema
 import msgpack
 import openai
 import pytest
@@ -85,12 +86,17 @@ def client(gateway: GatewayProcess, api_key: str = "unused") -> openai.OpenAI:
 
 def straight_to_the_queue(fleet: Fleet, **job) -> tuple[str, dict]:
     """The same job sent to the queue without the gateway: its text and done event."""
+    events = queue_events(fleet, **job)
+    return "".join(e["text"] for e in events if e["type"] == "token") + events[-1]["text"], events[-1]
+
+
+def queue_events(fleet: Fleet, **job) -> list[dict]:
     with SyncClient(fleet.url, requests_stream=fleet.stream, control_stream=fleet.control) as sdk:
         request_id = sdk.submit(request_id=f"{fleet.prefix}-direct-{uuid.uuid4().hex[:6]}", **job)
         fleet.request_ids.append(request_id)
         events = list(sdk.events(request_id))
     assert events[-1]["type"] == "done", events[-1]
-    return "".join(e["text"] for e in events if e["type"] == "token") + events[-1]["text"], events[-1]
+    return events
 
 
 def metric(gateway: GatewayProcess, name: str) -> float:
@@ -154,6 +160,63 @@ def test_n_choices_come_back_each_under_its_index(gateways):
     assert answer.usage.completion_tokens == 10
 
 
+# -- structured outputs and logprobs ---------------------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"], "additionalProperties": False}
+
+
+def test_response_format_and_inflight_constraints_shape_the_answer(gateways):
+    api = client(gateways["open"])
+    shaped = api.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": CITY, "strict": True}})
+    assert shaped.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(shaped.choices[0].message.content), CITY)
+
+    any_json = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
+                                           response_format={"type": "json_object"})
+    if any_json.choices[0].finish_reason == "stop":
+        json.loads(any_json.choices[0].message.content)
+
+    chosen = api.completions.create(model=MODEL, prompt="Is the sky blue? Answer yes or no:", max_tokens=8,
+                                    temperature=0, extra_body={"choice": ["yes", "no"]})
+    assert chosen.choices[0].text in ("yes", "no") and chosen.choices[0].finish_reason == "stop"
+    digits = api.completions.create(model=MODEL, prompt="Two plus two is", max_tokens=8, temperature=0,
+                                    extra_body={"regex": "[0-9]{1,2}"})
+    assert digits.choices[0].text.isdigit()
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        api.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={"regex": "(unclosed"})
+    assert bad.value.body["code"] == "invalid_grammar"
+
+
+def test_logprobs_come_back_in_openai_shapes_as_the_worker_computed_them(fleet, gateways):
+    api = client(gateways["open"])
+    events = [e for e in queue_events(fleet, messages=CHAT, max_tokens=6, temperature=0, ignore_eos=True,
+                                      logprobs=True, top_logprobs=2) if e["type"] == "token"]
+    want = [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]]) for e in events]
+
+    whole = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                        top_logprobs=2, extra_body={"ignore_eos": True})
+    content = whole.choices[0].logprobs.content
+    assert [(t.token, t.logprob, [(top.token, top.logprob) for top in t.top_logprobs]) for t in content] == want
+    assert all(bytes(t.bytes) == t.token.encode() for t in content)
+
+    chunks = list(api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
+                                              logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(token, logprob) for token, logprob, _ in want]
+
+    text = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=3, extra_body={"ignore_eos": True})
+    logprobs = text.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(len(top) == 3 and max(top.values()) >= chosen for top, chosen
+               in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 
@@ -166,7 +229,9 @@ def test_bad_parameters_are_400s_an_unknown_model_a_404_each_saying_why(gateways
     for params, words in (
         ({"temperature": -1}, "temperature"),  # the queue's own check, before anything is queued
         ({"top_p": 0}, "top_p"),
-        ({"logprobs": True}, "logprobs are not supported"),
+        ({"top_logprobs": 2}, "top_logprobs is only allowed when logprobs is true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"max_tokens": 100_000}, "context"),  # the engine's check, in the worker
@@ -232,6 +297,7 @@ def test_a_full_or_stale_queue_answers_429_with_retry_after_and_queues_nothing(f
         api.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert "oldest waiting job" in stale.value.body["message"]
     fleet.client.delete(stream)
+    wait_until(lambda: metric(idle, "inflight_gateway_queue_depth_entries") == 0, 10, "the backlog to clear")
 
 
 def test_a_job_no_worker_takes_is_answered_504_after_the_reply_timeout_and_cancelled(fleet, gateways):

@@ -245,6 +245,8 @@ def test_token_data_carries_logprobs_only_when_asked():
     from service.protocol import token_data
 
     assert "logprob" not in msgpack.unpackb(token_data(0, "a", (5,)))
-    data = msgpack.unpackb(token_data(0, "a", (5,), logprob=-0.25, top_logprobs=((5, -0.25), (9, -2.0))))
-    assert data["logprob"] == -0.25
-    assert data["top_logprobs"] == [{"token_id": 5, "logprob": -0.25}, {"token_id": 9, "logprob": -2.0}]
+    data = msgpack.unpackb(token_data(0, "a", (5,), logprob=-0.25, token="a",
+                                      top_logprobs=((5, "a", -0.25), (9, "b", -2.0))))
+    assert (data["logprob"], data["token"]) == (-0.25, "a")
+    assert data["top_logprobs"] == [{"token_id": 5, "token": "a", "logprob": -0.25},
+                                    {"token_id": 9, "token": "b", "logprob": -2.0}]

@@ -196,5 +196,7 @@ def test_logprobs_equal_log_softmax_of_plain_transformers(make_engine, smollm2_r
         for position, event in enumerate(token_events[request_id]):
             assert abs(event.logprob - want[position, output[position]].item()) < 1e-4
             values, ids = want[position].topk(top)
-            assert [t for t, _ in event.top_logprobs] == ids.tolist()
-            assert all(abs(v - w) < 1e-4 for (_, v), w in zip(event.top_logprobs, values.tolist()))
+            assert [t.token_id for t in event.top_logprobs] == ids.tolist()
+            assert all(abs(t.logprob - w) < 1e-4 for t, w in zip(event.top_logprobs, values.tolist()))
+            assert event.token == engine.tokenizer.decode([output[position]])
+            assert [t.token for t in event.top_logprobs] == [engine.tokenizer.decode([i]) for i in ids.tolist()]

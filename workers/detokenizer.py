@@ -83,11 +83,13 @@ class IncrementalDetokenizer:
         return new_text
 
     def _decode_context(self, token_ids: list[int]) -> str:
-        if len(token_ids) != 1:
-            return self._decode(token_ids)
-        text = self._token_texts.get(token_ids[0])
+        return self.token_text(token_ids[0]) if len(token_ids) == 1 else self._decode(token_ids)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, decoded alone (cached for every detokenizer of the tokenizer)."""
+        text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_ids[0]] = self._decode(token_ids)
+            text = self._token_texts[token_id] = self._decode([token_id])
         return text
 
     def _release(self, new_text: str, final: bool) -> str:

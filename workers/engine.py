@@ -43,6 +43,7 @@ from workers.request import (
     SamplingParams,
     Timings,
     TokenEvent,
+    TopLogprob,
     Usage,
     validate_priority,
 )
@@ -106,7 +107,7 @@ class _Choice:
     generator: torch.Generator | None
     end: ChoiceEnd | None = None
     grammar: GrammarState | None = None  # with a constraint: where its output stands in the grammar
-    logprobs: tuple | None = None  # with logprobs: its last sampled token's (logprob, top_logprobs)
+    logprobs: tuple | None = None  # with logprobs: its last sampled token's (logprob, token, top_logprobs)
 
 
 @dataclass
@@ -359,8 +360,10 @@ class Engine:
         if wanting:
             values = token_logprobs(logprobs, [token_ids[row] for row in wanting],
                                     [sampling[row].params.top_logprobs for row in wanting])
-            for row, value in zip(wanting, values):
-                choices[row].logprobs = value
+            for row, (logprob, tops) in zip(wanting, values):
+                text_of = choices[row].detokenizer.token_text
+                choices[row].logprobs = (logprob, text_of(token_ids[row]),
+                                         tuple(TopLogprob(i, text_of(i), value) for i, value in tops))
         return token_ids
 
     @staticmethod
@@ -479,7 +482,7 @@ class Engine:
         stop_token = token_id in request.stop_token_ids
         text = "" if stop_token else detokenizer.push([token_id])
         events: list[Event] = [TokenEvent(request.request_id, (token_id,), text, request.index,
-                                          *(choice.logprobs or (None, ())))]
+                                          *(choice.logprobs or (None, None, ())))]
         if request.status is not RequestStatus.FINISHED and detokenizer.stopped:
             self.scheduler.finish(request, FinishReason.STOP)
         if request.status is not RequestStatus.FINISHED and choice.grammar is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class InvalidRequest(ValueError):
@@ -209,6 +210,14 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
 
+class TopLogprob(NamedTuple):
+    """One of the most likely tokens at a position."""
+
+    token_id: int
+    token: str  # its text, decoded alone
+    logprob: float
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """New tokens of one request's choice: their ids and the text they complete."""
@@ -217,10 +226,11 @@ class TokenEvent:
     token_ids: tuple[int, ...]
     text: str
     index: int = 0  # the choice (parallel sampling); always 0 when n is 1
-    # With `logprobs`: the token's log probability; with `top_logprobs`, the best
-    # (token id, log probability) pairs, best first.
+    # With `logprobs`: the token's log probability and its own text (decoded alone); with
+    # `top_logprobs`, the most likely tokens, best first.
     logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+    token: str | None = None
+    top_logprobs: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

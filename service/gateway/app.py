@@ -16,7 +16,6 @@ import contextlib
 import json
 import time
 import uuid
-from collections import defaultdict
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -33,7 +32,8 @@ from service.gateway.auth import APIKeys
 from service.gateway.errors import APIError, from_queue
 from service.gateway.metrics import CLIENT_LEFT, GatewayMetrics
 from service.gateway.openai_api import CHAT, TEXT, Parsed, Renderer, error_event, parse
-from service.gateway.queue import BLOCK_MS, Queue, QueueUnavailable, ReplyTimeout
+from service.gateway.queue import Queue, QueueUnavailable
+from service.gateway.replies import BLOCK_MS, ReplyTimeout
 
 log = structlog.get_logger("inflight.gateway")
 
@@ -67,10 +67,14 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
         watching = asyncio.create_task(self.queue.watch_backlog(), name="backlog")
+        reader = self.queue.reader
+        reading = asyncio.create_task(reader.run(), name="replies") if reader is not None else None
         try:
             yield
         finally:
             watching.cancel()
+            if reading is not None:
+                await reader.close(reading)
             with contextlib.suppress(asyncio.TimeoutError, OSError):
                 await asyncio.wait_for(self.redis.aclose(), timeout=2)
 
@@ -169,49 +173,56 @@ class JobResponse:
                  total_s=round(time.perf_counter() - self.started, 4), **self.summary)
 
     async def _answer(self, send) -> None:
-        events = self.queue.replies(self.request_id)
+        batches = self.queue.replies(self.request_id)
         try:
-            first = await anext(events)
-            if first["type"] == "error":
-                await self._error(send, from_queue(first["code"], first["message"]))
+            batch = await anext(batches)
+            if batch[0]["type"] == "error":
+                await self._error(send, from_queue(batch[0]["code"], batch[0]["message"]))
             elif self.parsed.stream:
-                await self._stream(send, first, events)
+                await self._stream(send, batch, batches)
             else:
-                await self._whole(send, first, events)
+                await self._whole(send, batch, batches)
         except ReplyTimeout as error:
             await self._timed_out(send, str(error))
         finally:
-            await events.aclose()
+            await batches.aclose()
 
-    async def _stream(self, send, event: dict, events) -> None:
+    async def _stream(self, send, batch: list[dict], batches) -> None:
+        """Each batch of events read together goes out as one body write."""
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*SSE_HEADERS, (b"x-request-id", self.request_id.encode())]})
         self.summary["status"] = 200
-        first_token = True
-        while event["type"] == "token":
-            if first_token:
-                self.metrics.time_to_first_token.observe(time.perf_counter() - self.started)
-                self.summary["first_token_s"] = round(time.perf_counter() - self.started, 4)
-                first_token = False
-            chunk = self.renderer.chunk(event.get("index", 0), event["text"])
-            if chunk is not None:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            event = await anext(events)
-        self._ended(event)
-        last = self.renderer.ending(event) if event["type"] == "done" else \
-            error_event(from_queue(event["code"], event["message"]))
-        await send({"type": "http.response.body", "body": last, "more_body": False})
+        if batch[0]["type"] == "token":
+            self.metrics.time_to_first_token.observe(time.perf_counter() - self.started)
+            self.summary["first_token_s"] = round(time.perf_counter() - self.started, 4)
+        while True:
+            body = []
+            for event in batch:
+                if event["type"] != "token":
+                    self._ended(event)
+                    body.append(self.renderer.ending(event) if event["type"] == "done" else
+                                error_event(from_queue(event["code"], event["message"])))
+                    await send({"type": "http.response.body", "body": b"".join(body), "more_body": False})
+                    return
+                chunk = self.renderer.chunk(event.get("index", 0), event["text"], tokens=[event])
+                if chunk is not None:
+                    body.append(chunk)
+            if body:
+                await send({"type": "http.response.body", "body": b"".join(body), "more_body": True})
+            batch = await anext(batches)
 
-    async def _whole(self, send, event: dict, events) -> None:
-        texts: dict[int, list[str]] = defaultdict(list)
-        while event["type"] == "token":
-            texts[event.get("index", 0)].append(event["text"])
-            event = await anext(events)
+    async def _whole(self, send, batch: list[dict], batches) -> None:
+        tokens: list[dict] = []
+        while batch[-1]["type"] == "token":
+            tokens.extend(batch)
+            batch = await anext(batches)
+        tokens.extend(batch[:-1])
+        event = batch[-1]
         self._ended(event)
         if event["type"] == "error":
             await self._error(send, from_queue(event["code"], event["message"]))
             return
-        await self._json(send, 200, json.dumps(self.renderer.whole(texts, event)).encode())
+        await self._json(send, 200, json.dumps(self.renderer.whole(tokens, event)).encode())
 
     def _ended(self, event: dict) -> None:
         self.finished = True

@@ -14,6 +14,7 @@ QUEUE_ERRORS: dict[str, tuple[int, str]] = {
     "invalid_field": (400, "invalid_request_error"),
     "malformed_payload": (400, "invalid_request_error"),
     "invalid_request": (400, "invalid_request_error"),  # the engine refused it, e.g. beyond the context
+    "invalid_grammar": (400, "invalid_request_error"),  # its schema or regex does not compile
     "too_large": (413, "invalid_request_error"),
     # The gateway names every job afresh, so this means two gateways drew one id.
     "duplicate_id": (409, "server_error"),

@@ -2,8 +2,10 @@
 as OpenAI responses and stream chunks.
 
 Parameters are taken where the queue can honour them and refused with a 400 naming the
-parameter where it cannot (logprobs, tools, penalties, ...), so a client never gets an
-answer computed other than it asked. Fields OpenAI clients send for bookkeeping only
+parameter where it cannot (tools, penalties, ...), so a client never gets an answer
+computed other than it asked. `response_format` (JSON object, JSON schema) and inflight's
+own `regex` and `choice` constrain the output; `logprobs` come back in OpenAI's shapes,
+each token's text as the worker decoded it alone. Fields OpenAI clients send for bookkeeping only
 (`user`, `metadata`, ...) are accepted and ignored; an unknown field is a 400, as with
 OpenAI. The job's own checks (`service.protocol.decode_job`, the worker's decoder) run
 here before anything is queued, so a bad value is refused at once, in the worker's words.
@@ -25,13 +27,12 @@ CHAT, TEXT = "chat", "text"
 # Sampling and inflight's own fields, the same in both APIs: body name -> job field.
 # `priority` and `deadline_ms` are inflight's; `top_k` and `ignore_eos` as vLLM has them.
 PASSED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n",
-          "priority": "priority", "deadline_ms": "deadline_ms", "top_k": "top_k", "ignore_eos": "ignore_eos"}
+          "priority": "priority", "deadline_ms": "deadline_ms", "top_k": "top_k", "ignore_eos": "ignore_eos",
+          "regex": "regex", "choice": "choice"}
 # Bookkeeping fields clients send that change nothing about the answer.
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Fields accepted only at their "off" value: the queue cannot honour anything else.
 OFF_ONLY = {
-    "logprobs": (None, False),  # the protocol does not carry logprobs (yet)
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
@@ -39,14 +40,11 @@ OFF_ONLY = {
     "functions": (None, []),
     "tool_choice": (None, "none"),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
 }
-WHY_OFF = {"logprobs": "logprobs are not supported: the queue protocol does not carry them yet",
-           "top_logprobs": "top_logprobs are not supported: the queue protocol does not carry logprobs yet"}
-COMMON = {"model", "max_tokens", "stream", "stream_options", *PASSED, *IGNORED}
+COMMON = {"model", "max_tokens", "stream", "stream_options", "response_format", *PASSED, *IGNORED}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
                         "frequency_penalty", "logit_bias", "tools", "functions", "tool_choice", "function_call",
                         "response_format"}
@@ -88,7 +86,7 @@ def parse(kind: str, body, default_max_tokens: int) -> Parsed:
     for name in sorted(set(body) & OFF_ONLY.keys()):
         value = body[name]
         if not any(value == off and type(value) is type(off) for off in OFF_ONLY[name]):
-            raise bad_request(WHY_OFF.get(name, f"{name} is not supported by this server"), name)
+            raise bad_request(f"{name} is not supported by this server", name)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model must be a non-empty string", "model")
@@ -107,8 +105,50 @@ def parse(kind: str, body, default_max_tokens: int) -> Parsed:
     for name, field_name in PASSED.items():
         if body.get(name) is not None:
             job[field_name] = body[name]
+    job.update(_response_format(body.get("response_format")))
+    job.update(_chat_logprobs(body) if kind == CHAT else _text_logprobs(body.get("logprobs")))
     n = job.get("n", 1)
     return Parsed(kind, model, job, stream, include_usage, n if isinstance(n, int) else 1)
+
+
+def _response_format(response_format) -> dict:
+    """OpenAI's response_format as the job's constraint: `json_object` or `json_schema`."""
+    if response_format is None:
+        return {}
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text" and len(response_format) == 1:
+        return {}
+    if kind == "json_object" and len(response_format) == 1:
+        return {"json_object": True}
+    if kind == "json_schema" and set(response_format) == {"type", "json_schema"}:
+        spec = response_format["json_schema"]
+        if isinstance(spec, dict) and not set(spec) - {"name", "description", "schema", "strict"}:
+            # No schema: any JSON (OpenAI requires one; accepting it is harmless).
+            schema = spec.get("schema")
+            return {"json_object": True} if schema is None else {"json_schema": schema}
+    raise bad_request('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                      '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', "response_format")
+
+
+def _chat_logprobs(body: dict) -> dict:
+    """Chat: `logprobs` (true/false) and `top_logprobs` (0-20, with logprobs only)."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad_request("logprobs must be true or false", "logprobs")
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+    if not logprobs:
+        return {}
+    return {"logprobs": True} if top is None else {"logprobs": True, "top_logprobs": top}
+
+
+def _text_logprobs(logprobs) -> dict:
+    """Completions: `logprobs` is how many alternatives to list (0 = the chosen token's only)."""
+    if logprobs is None:
+        return {}
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+        raise bad_request("logprobs must be an integer", "logprobs")
+    return {"logprobs": True, "top_logprobs": logprobs}
 
 
 def _stream_options(options, stream: bool) -> bool:
@@ -181,24 +221,33 @@ class Renderer:
     response_id: str
     created: int = field(default_factory=lambda: int(time.time()))
     started: set[int] = field(default_factory=set)  # choices whose first chunk went out
+    offsets: dict[int, int] = field(default_factory=dict)  # each choice's text length so far
 
     @property
     def chat(self) -> bool:
         return self.parsed.kind == CHAT
 
-    def chunk(self, index: int, text: str, finish_reason: str | None = None) -> bytes | None:
-        """One SSE event carrying a choice's text delta (None when there is nothing to say)."""
+    @property
+    def with_logprobs(self) -> bool:
+        return bool(self.parsed.job.get("logprobs"))
+
+    def chunk(self, index: int, text: str, finish_reason: str | None = None,
+              tokens: list[dict] = ()) -> bytes | None:
+        """One SSE event carrying a choice's text delta and, when asked for, its tokens'
+        log probabilities (None when there is nothing to say)."""
+        logprobs = self.logprobs(index, tokens) if self.with_logprobs and tokens else None
+        quiet = text == "" and logprobs is None
         if self.chat:
-            delta = {} if text == "" and finish_reason else {"content": text}
+            delta = {} if quiet and finish_reason else {"content": text}
             if index not in self.started:
                 delta = {"role": "assistant", "content": text}
-            elif text == "" and finish_reason is None:
+            elif quiet and finish_reason is None:
                 return None
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            if text == "" and finish_reason is None:
+            if quiet and finish_reason is None:
                 return None
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         self.started.add(index)
         return self._event({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
                             "choices": [choice], **({"usage": None} if self.parsed.include_usage else {})})
@@ -212,15 +261,38 @@ class Renderer:
                                        "choices": [], "usage": usage_of(done)}))
         return b"".join(events) + b"data: [DONE]\n\n"
 
-    def whole(self, texts: dict[int, list[str]], done: dict) -> dict:
-        """The non-streaming answer, from each choice's text deltas and the done event."""
+    def whole(self, tokens: list[dict], done: dict) -> dict:
+        """The non-streaming answer, from the token events and the done event."""
+        by_choice: dict[int, list[dict]] = {}
+        for event in tokens:
+            by_choice.setdefault(event.get("index", 0), []).append(event)
         choices = []
         for c in choices_of(done):
-            text = "".join(texts.get(c["index"], ())) + c["text"]
+            events = by_choice.get(c["index"], [])
+            text = "".join(event["text"] for event in events) + c["text"]
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": c["index"], **body, "logprobs": None, "finish_reason": c["finish_reason"]})
+            logprobs = self.logprobs(c["index"], events) if self.with_logprobs else None
+            choices.append({"index": c["index"], **body, "logprobs": logprobs, "finish_reason": c["finish_reason"]})
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
                 "usage": usage_of(done)}
+
+    def logprobs(self, index: int, tokens: list[dict]) -> dict:
+        """Token events' log probabilities in the API's shape: chat's `content` list, or
+        the completions API's parallel lists (offsets count characters of the text)."""
+        if self.chat:
+            return {"content": [{**_token_logprob(t["token"], t["logprob"]),
+                                 "top_logprobs": [_token_logprob(top["token"], top["logprob"])
+                                                  for top in t.get("top_logprobs", ())]} for t in tokens]}
+        offsets, offset = [], self.offsets.get(index, 0)
+        for event in tokens:
+            offsets.append(offset)
+            offset += len(event["text"])
+        self.offsets[index] = offset
+        want_tops = self.parsed.job.get("top_logprobs", 0) > 0
+        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
+                "top_logprobs": [{top["token"]: top["logprob"] for top in t.get("top_logprobs", ())}
+                                 for t in tokens] if want_tops else None,
+                "text_offset": offsets}
 
     def _head(self, object_: str) -> dict:
         return {"id": self.response_id, "object": object_, "created": self.created, "model": self.parsed.model}
@@ -228,6 +300,10 @@ class Renderer:
     @staticmethod
     def _event(data: dict) -> bytes:
         return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _token_logprob(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def error_event(error: APIError) -> bytes:

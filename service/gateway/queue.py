@@ -1,12 +1,8 @@
-"""The gateway's side of the queue: submit a job, read its reply stream, cancel it, and
-watch how deep and how old the backlog is.
+"""The gateway's side of the queue: submit a job, read its reply stream (through
+`service.gateway.replies`), cancel it, and watch how deep and how old the backlog is.
 
-Reading is resumable: the reader remembers the last entry id it saw and asks for what
-follows it, so a dropped connection or a Redis restart costs a retry, not an event, and a
-worker's failover (another worker continues the same reply stream, docs/protocol.md) is
-just a longer pause. Nothing waits without bound: a reply stream silent for
-`reply_timeout_s` ends the request (ReplyTimeout), and a job is queued only while the
-backlog is under its limits.
+Nothing waits without bound: a reply stream silent for `reply_timeout_s` ends the request
+(ReplyTimeout), and a job is queued only while the backlog is under its limits.
 """
 
 from __future__ import annotations
@@ -18,28 +14,22 @@ from dataclasses import dataclass
 
 import msgpack
 import structlog
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from service.cancels import stream_id
 from service.config import GatewayConfig
+from service.gateway.replies import ReplyReader, ReplyTimeout, read_alone
 from service.protocol import reply_stream
 from service.retry import FIRST_DELAY_S, is_transient
 
 log = structlog.get_logger("inflight.gateway")
 
 FINAL_TYPES = ("done", "error")
-# One blocking read's wait: how often a silent stream checks its time limit.
-BLOCK_MS = 1000
-# The most a retried read waits between tries while Redis is away.
-MAX_RETRY_DELAY_S = 0.5
 
 
 class QueueUnavailable(Exception):
     """Redis did not take the job (down, refusing): the request is answered 503."""
-
-
-class ReplyTimeout(Exception):
-    """The reply stream stayed silent for `reply_timeout_s`."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +47,8 @@ class Queue:
         self.redis = redis
         self.config = config
         self.backlog = Backlog()
+        # One reader for every reply stream, but on a cluster (streams in many slots).
+        self.reader = None if isinstance(redis, RedisCluster) else ReplyReader(redis, config.requests_stream)
 
     async def submit(self, payload: bytes) -> None:
         """One XADD; no retry, so a request never waits on an outage (clients retry 503s)."""
@@ -79,33 +71,24 @@ class Queue:
                 delay *= 2
         log.warning("cancel_not_sent", request_id=request_id)
 
-    async def replies(self, request_id: str) -> AsyncIterator[dict]:
-        """The job's events in order, as they land, ending with its done or error event."""
-        key, last = reply_stream(request_id), "0"
-        heard = time.monotonic()
-        delay = FIRST_DELAY_S
-        while True:
-            left_ms = (heard + self.config.reply_timeout_s - time.monotonic()) * 1000
-            if left_ms <= 0:
-                raise ReplyTimeout(f"no reply within {self.config.reply_timeout_s:g} s: no worker is serving "
-                                   f"{self.config.requests_stream}")
-            try:
-                reply = await self.redis.xread({key: last}, block=max(1, min(BLOCK_MS, int(left_ms))))
-            except RedisError as error:
-                if not is_transient(error):
-                    raise
-                await asyncio.sleep(delay)  # Redis away: read on from `last` once it is back
-                delay = min(delay * 2, MAX_RETRY_DELAY_S)
-                continue
-            delay = FIRST_DELAY_S
-            for _, entries in reply or ():
-                heard = time.monotonic()
-                for entry_id, fields in entries:
-                    last = entry_id
-                    event = msgpack.unpackb(fields[b"data"])
-                    yield event
+    async def replies(self, request_id: str) -> AsyncIterator[list[dict]]:
+        """The job's events in order, in batches as they land; the last batch ends with
+        its done or error event."""
+        key, timeout_s = reply_stream(request_id), self.config.reply_timeout_s
+        reading = self.reader.entries(key, timeout_s) if self.reader else read_alone(self.redis, key, timeout_s)
+        try:
+            async for entries in reading:
+                events = [msgpack.unpackb(fields[b"data"]) for _, fields in entries]
+                for i, event in enumerate(events):
                     if event["type"] in FINAL_TYPES:
+                        yield events[:i + 1]
                         return
+                yield events
+        except ReplyTimeout:
+            raise ReplyTimeout(f"no reply within {timeout_s:g} s: no worker is serving "
+                               f"{self.config.requests_stream}") from None
+        finally:
+            await reading.aclose()
 
     async def ping(self) -> str | None:
         """None when Redis answers within a second, else why not."""
