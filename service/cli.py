@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--max-tokens", type=int, default=64)
     submit.add_argument("--temperature", type=float, default=0.0)
     submit.add_argument("--priority", type=int, default=0, help="-10..10, higher first")
+    submit.add_argument("--logprobs", type=int, metavar="K", default=None,
+                        help="after the answer, list each token's log probability and its K most likely "
+                             "alternatives (0..20) on stderr")
     shape = submit.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", type=Path, metavar="FILE", help="the answer is JSON valid under this JSON schema file")
     shape.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
@@ -176,7 +179,10 @@ def _submit(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         print(f"inflight submit: {error}", file=sys.stderr)
         return 1
+    if args.logprobs is not None:
+        shape.update(logprobs=True, top_logprobs=args.logprobs)
     streaming = False  # whether the answer so far left the cursor mid-line
+    tokens = []
     try:
         with SyncClient(args.redis_url, requests_stream=args.requests_stream,
                         reply_timeout_s=args.timeout_s or None) as client:
@@ -185,10 +191,13 @@ def _submit(args: argparse.Namespace) -> int:
                 if event["type"] == "token":
                     print(event["text"], end="", flush=True)
                     streaming = True
+                    tokens.append(event)
                 elif event["type"] == "done":
                     usage, timings = event["usage"], event["timings"]
                     first = timings["first_token_s"]
                     print(event["text"])
+                    if args.logprobs is not None:
+                        print(_logprob_table(tokens), file=sys.stderr)
                     print(f"({event['finish_reason']}: {usage['completion_tokens']} tokens, first token "
                           f"{'-' if first is None else f'{first * 1000:.0f} ms'}, total {timings['total_s']:.2f} s)",
                           file=sys.stderr)
@@ -204,6 +213,15 @@ def _submit(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
         return 130
     return 0
+
+
+def _logprob_table(tokens: list[dict]) -> str:
+    """One line a token: its text, log probability, and the alternatives asked for."""
+    lines = []
+    for event in tokens:
+        tops = "  ".join(f"{top['token']!r} {top['logprob']:.2f}" for top in event.get("top_logprobs", ()))
+        lines.append(f"{event['token']!r:>16} {event['logprob']:8.3f}" + (f"   | {tops}" if tops else ""))
+    return "\n".join(lines)
 
 
 def _health(args: argparse.Namespace) -> int:

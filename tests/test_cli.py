@@ -87,6 +87,13 @@ def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams
         )
         assert "Paris" in result.stdout
         assert "tokens, first token" in result.stderr
+        with_logprobs = subprocess.run(
+            [sys.executable, "-m", "service.cli", "submit", "What is the capital of France?", "--max-tokens", "4",
+             "--logprobs", "2", "--redis-url", f"redis://127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=300, check=True, env=env,
+        )
+        table = [line for line in with_logprobs.stderr.splitlines() if "|" in line]
+        assert len(table) == 4 and all(line.count("'") >= 6 for line in table)  # token, then 2 alternatives
 
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=60) == 0
