@@ -51,7 +51,7 @@ def test_generated_schemas_greedy_outputs_parse_and_validate(make_engine):
     schemas = generate_schemas(300, seed=0)[::30]
     engine = make_engine()
     results = run_to_completion(engine, {0: [(f"s{i}", chat("Reply with a JSON object."),
-                                              SamplingParams(max_tokens=96, json_schema=schema))
+                                              SamplingParams(max_tokens=64, json_schema=schema))
                                              for i, schema in enumerate(schemas)]})
     stopped = 0
     for i, schema in enumerate(schemas):
