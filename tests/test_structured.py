@@ -200,3 +200,29 @@ def test_logprobs_equal_log_softmax_of_plain_transformers(make_engine, smollm2_r
             assert all(abs(t.logprob - w) < 1e-4 for t, w in zip(event.top_logprobs, values.tolist()))
             assert event.token == engine.tokenizer.decode([output[position]])
             assert [t.token for t in event.top_logprobs] == [engine.tokenizer.decode([i]) for i in ids.tolist()]
+
+
+def test_a_date_format_admits_exactly_the_dates_that_exist():
+    """`"format": "date"` compiles to `FULL_DATE`: the dates Python's `date` (and so the
+    `jsonschema` format checker) reads, no more (llguidance's own date format lets
+    year 0000 and February 29 of any year through)."""
+    import datetime
+
+    from workers.structured import FULL_DATE, grammar_source
+
+    pattern = re.compile(FULL_DATE)
+    for year in [*range(0, 2101), *range(2396, 2405), 9996, 9999]:
+        for month in range(1, 13):
+            for day in range(1, 33):
+                text = f"{year:04d}-{month:02d}-{day:02d}"
+                try:
+                    datetime.date.fromisoformat(text)
+                    exists = True
+                except ValueError:
+                    exists = False
+                assert (pattern.fullmatch(text) is not None) == exists, text
+    nested = {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
+                                               "kind": {"enum": [{"format": "date"}]}}}
+    _, text = grammar_source(SamplingParams(max_tokens=1, json_schema=nested))
+    assert json.loads(text)["properties"]["when"] == {"type": "string", "pattern": FULL_DATE}
+    assert json.loads(text)["properties"]["kind"] == {"enum": [{"format": "date"}]}  # data stays data

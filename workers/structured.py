@@ -43,10 +43,23 @@ class GrammarState:
     complete: bool = False  # the grammar's end was sampled: the output is whole
 
 
+# RFC 3339's full-date as a pattern, exactly the dates that exist: years 0001-9999 (as
+# Python's `date` and so `jsonschema`'s format checker read them), each month's own
+# days, and February 29 in leap years only. llguidance's own `date` format lets through
+# year 0000 and February 29 of every year.
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+              "|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+FULL_DATE = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)$"
+# Schema keywords whose values are data, not schemas: left as they are.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+
+
 def grammar_source(params: SamplingParams) -> tuple[str, str] | None:
     """The constraint as (kind, text): the cache key, and what llguidance compiles."""
     if params.json_schema is not None:
-        return "json", json.dumps(params.json_schema, sort_keys=True, separators=(",", ":"))
+        return "json", json.dumps(_exact_dates(params.json_schema), sort_keys=True, separators=(",", ":"))
     if params.json_object:
         return "json", '{"type":"object"}'
     if params.regex is not None:
@@ -55,6 +68,19 @@ def grammar_source(params: SamplingParams) -> tuple[str, str] | None:
         # Lark string literals take JSON's quoting, so any string is matched literally.
         return "lark", "start: " + " | ".join(json.dumps(c) for c in params.choice)
     return None
+
+
+def _exact_dates(schema):
+    """`schema` with each `"format": "date"` (and no pattern of its own) as `FULL_DATE`."""
+    if isinstance(schema, list):
+        return [_exact_dates(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    exact = {key: value if key in _DATA_KEYWORDS else _exact_dates(value) for key, value in schema.items()}
+    if exact.get("format") == "date" and "pattern" not in exact:
+        del exact["format"]
+        exact["pattern"] = FULL_DATE
+    return exact
 
 
 class Grammars:
