@@ -97,11 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark as `args` asks; prints a table, writes JSON/PNG, returns the report."""
     if args.scenario == "single":
-        _single_stream_workload(args)
+        single_stream_workload(args)
     elif args.scenario != "throughput":
         return run_scenario(args)
     from bench.metrics import summarize
-    from bench.peer_llamacpp import INSTALL_HINT, available
     from bench.report import build_report, format_table, write_json, write_png
     from bench.workload import Workload
 
@@ -118,9 +117,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
     if args.requests < 1 or args.static_batch < 1:
         raise SystemExit("--requests and --static-batch must be >= 1")
-    if "llamacpp" in systems and not available():
-        print(f"bench: llamacpp skipped: llama-cpp-python is not installed; {INSTALL_HINT}", file=sys.stderr)
-        systems.remove("llamacpp")
+    systems = without_missing_peers(systems)
 
     # Other processes on the host skew every figure; the load average says whether there were any.
     load_before = os.getloadavg()[0]
@@ -167,7 +164,17 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _single_stream_workload(args: argparse.Namespace) -> None:
+def without_missing_peers(systems: list[str]) -> list[str]:
+    """`systems` less llamacpp where llama-cpp-python is not installed, with a line saying so."""
+    from bench.peer_llamacpp import INSTALL_HINT, available
+
+    if "llamacpp" not in systems or available():
+        return systems
+    print(f"bench: llamacpp skipped: llama-cpp-python is not installed; {INSTALL_HINT}", file=sys.stderr)
+    return [s for s in systems if s != "llamacpp"]
+
+
+def single_stream_workload(args: argparse.Namespace) -> None:
     """One request of SINGLE_STREAM's lengths, for each workload flag left at its default."""
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
