@@ -1,6 +1,7 @@
 """`inflight bench`: the engine and its peers on one seeded workload, in one run.
 
-`--scenario` picks what is measured: `throughput` (the default, below), one of the
+`--scenario` picks what is measured: `throughput` (the default, below), `single` (the
+same comparison on one request, below), one of the
 scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `prefix` (KV reuse: the prefix
 cache against caching off and transformers' block sharing), `redis` (the Redis
 edge against in-process), `edge` (the Redis edge alone at GPU token rates, a stub engine
@@ -45,8 +46,8 @@ from pathlib import Path
 from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp")
-SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak", "intake",
-             "overhead", "gateway", "structured")
+SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak",
+             "intake", "overhead", "gateway", "structured")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 # The single-stream scenario's workload, where the flags are left at their defaults.
