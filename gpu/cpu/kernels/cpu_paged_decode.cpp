@@ -362,6 +362,10 @@ std::vector<Group> form_groups(const Args<T>& a, std::vector<int>& order) {
 }
 #endif
 
+// No more threads than work items: a single decode (one user's chat) runs on the calling
+// thread instead of waking a team that would wait at the barrier.
+inline int team_size(int items, int num_threads) { return std::max(1, std::min(items, num_threads)); }
+
 template <typename T, int HEAD_DIM>
 void attend_all(const Args<T>& a, int head_dim, int num_threads) {
 #ifdef INFLIGHT_AVX2
@@ -369,7 +373,7 @@ void attend_all(const Args<T>& a, int head_dim, int num_threads) {
         std::vector<int> order;
         const std::vector<Group> groups = form_groups(a, order);
         const int num_groups = (int)groups.size();
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(team_size(num_groups, num_threads))
         {
             std::vector<float> scores, acc;  // per thread, reused across its groups
 #pragma omp for schedule(dynamic, 1)
@@ -379,7 +383,7 @@ void attend_all(const Args<T>& a, int head_dim, int num_threads) {
     }
 #endif
     const int items = a.num_seqs * a.num_kv_heads;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(team_size(items, num_threads))
     {
         std::vector<float> scores, acc;  // per thread, reused across its items
 #pragma omp for schedule(dynamic, 1)
