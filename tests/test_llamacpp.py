@@ -49,7 +49,8 @@ def test_avx512_needs_the_whole_base_set():
 
 
 def test_flags_are_read_from_cpuinfo():
-    cpuinfo = f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {AVX2_ONLY}\n\nprocessor\t: 1\nflags\t\t: {AVX2_ONLY}\n"
+    cpuinfo = (f"processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: {AVX2_ONLY}\n\n"
+               f"processor\t: 1\nflags\t\t: {AVX2_ONLY}\n")  # fmt: skip
     assert cpu_flags(cpuinfo) == set(AVX2_ONLY.split())
     assert cpu_flags("processor\t: 0\n") == set()
 
