@@ -7,7 +7,7 @@ PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NODE_EXAMPLE := docs/examples/node/node_modules/.package-lock.json
 
-.PHONY: run demo test bench dashboards install gpu-check gpu-dry-run gpu-wheels clean
+.PHONY: run demo test bench dashboards install gpu-check gpu-dry-run gpu-wheels clean llamacpp
 
 # The worker, on $REDIS_URL or else an embedded Valkey server; it prints how to submit.
 run: $(INSTALLED)
@@ -24,6 +24,13 @@ bench: $(INSTALLED)
 	$(VENV)/bin/inflight bench --json bench-results/bench.json
 
 install: $(INSTALLED)
+
+# llama-cpp-python (the bench's llamacpp peer), built from source with the instruction sets
+# this CPU's /proc/cpuinfo lists (bench/llamacpp_build.py): ggml's -march=native build of
+# 0.3.36 crashed at the first decode on a Xeon. Several minutes on 2 cores.
+llamacpp: $(INSTALLED)
+	CMAKE_ARGS="$$($(PYTHON) -m bench.llamacpp_build)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PYTHON) -m pip install --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
 
 # On a machine with a CUDA GPU, torch with CUDA and cupy (a stock PyTorch image will do;
 # no venv, no network): the kernels' device checks, the end-to-end equality on

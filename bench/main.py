@@ -1,6 +1,7 @@
 """`inflight bench`: the engine and its peers on one seeded workload, in one run.
 
-`--scenario` picks what is measured: `throughput` (the default, below), one of the
+`--scenario` picks what is measured: `throughput` (the default, below), `single` (the
+same comparison on one request, below), one of the
 scheduler scenarios, `storm`, `priority`, `swap` and `scheduler`, `prefix` (KV reuse: the prefix
 cache against caching off and transformers' block sharing), `redis` (the Redis
 edge against in-process), `edge` (the Redis edge alone at GPU token rates, a stub engine
@@ -21,6 +22,12 @@ peak RSS is per system and one system's allocations cannot slow another. Order:
 2. `engine`, then `ceiling` (bare forwards over the engine's recorded step schedule).
 3. `hf_continuous`, once per `--hf-batch-tokens` value; the best by output tok/s is reported.
 4. `hf_static`.
+5. `llamacpp`: llama.cpp (llama-cpp-python) on the same GGUF (`bench.peer_llamacpp`);
+   skipped, with a line saying so, where llama-cpp-python is not installed.
+
+`single` is the same comparison on one request (a 100-token prompt, 256 tokens out unless
+`--prompt-len`/`--output-len` say otherwise): what one user with one chat open gets, read
+as the time between tokens (ITL p50).
 """
 
 from __future__ import annotations
@@ -38,11 +45,13 @@ from pathlib import Path
 
 from workers.config import DTYPES
 
-SYSTEMS = ("engine", "hf_continuous", "hf_static")
-SCENARIOS = ("throughput", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak", "intake",
-             "overhead", "gateway", "structured")
+SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp")
+SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak",
+             "intake", "overhead", "gateway", "structured")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
+# The single-stream scenario's workload, where the flags are left at their defaults.
+SINGLE_STREAM = {"requests": 1, "prompt_len": [100, 100], "output_len": [256, 256]}
 
 
 # The module behind each scenario but throughput.
@@ -88,7 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark as `args` asks; prints a table, writes JSON/PNG, returns the report."""
-    if args.scenario != "throughput":
+    if args.scenario == "single":
+        single_stream_workload(args)
+    elif args.scenario != "throughput":
         return run_scenario(args)
     from bench.metrics import summarize
     from bench.report import build_report, format_table, write_json, write_png
@@ -107,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
     if args.requests < 1 or args.static_batch < 1:
         raise SystemExit("--requests and --static-batch must be >= 1")
+    systems = without_missing_peers(systems)
 
     # Other processes on the host skew every figure; the load average says whether there were any.
     load_before = os.getloadavg()[0]
@@ -125,8 +137,13 @@ def run(args: argparse.Namespace) -> dict:
             keep = ("batch_size", "wasted_output_tokens", "padding_prompt_tokens", "attn_implementation",
                     "load_rss_mb", "load_average_1m")
             results["hf_static"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
+        if "llamacpp" in systems:
+            out = children.run("llamacpp")
+            keep = ("max_batch_tokens", "micro_batch_tokens", "context_tokens", "llama_threads", "llama_cpp_python",
+                    "system_info", "load_rss_mb", "load_average_1m")
+            results["llamacpp"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
 
-    description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype}
+    description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype, "scenario": args.scenario}
     environment = {
         "python": platform.python_version(),
         "torch": prepared["torch"],
@@ -146,6 +163,25 @@ def run(args: argparse.Namespace) -> dict:
     print(format_table(report))
     print(f"wrote {report_paths}")
     return report
+
+
+def without_missing_peers(systems: list[str]) -> list[str]:
+    """`systems` less llamacpp where llama-cpp-python is not installed, with a line saying so."""
+    from bench.peer_llamacpp import INSTALL_HINT, available
+
+    if "llamacpp" not in systems or available():
+        return systems
+    print(f"bench: llamacpp skipped: llama-cpp-python is not installed; {INSTALL_HINT}", file=sys.stderr)
+    return [s for s in systems if s != "llamacpp"]
+
+
+def single_stream_workload(args: argparse.Namespace) -> None:
+    """One request of SINGLE_STREAM's lengths, for each workload flag left at its default."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    for name, value in SINGLE_STREAM.items():
+        if getattr(args, name) == defaults.get_default(name):
+            setattr(args, name, value)
 
 
 def run_scenario(args: argparse.Namespace) -> dict:
@@ -286,6 +322,9 @@ def run_child(job_path: Path, out_path: Path) -> None:
     job = json.loads(Path(job_path).read_text())
     system, params = job["system"], job["params"]
     model_config = ModelConfig(source=job["model"], dtype=job["dtype"])
+    if system == "llamacpp":
+        _run_llamacpp_child(job, Path(out_path))
+        return
     # The ceiling is plain transformers eager; the peers use sdpa; the engine sets its own.
     attn = "eager" if system == "ceiling" else "sdpa"
     threads = torch.get_num_threads()
@@ -330,6 +369,28 @@ def run_child(job_path: Path, out_path: Path) -> None:
         load_average_1m=[round(load_average, 2), round(os.getloadavg()[0], 2)],
     )
     Path(out_path).write_text(json.dumps(result))
+
+
+def _run_llamacpp_child(job: dict, out_path: Path) -> None:
+    """llama.cpp reads the GGUF itself: no transformers model is loaded in its process."""
+    import torch
+
+    from bench.metrics import peak_rss_mb
+    from bench.peer_llamacpp import run_llamacpp
+    from bench.workload import Workload
+    from workers.model_loader import gguf_source
+
+    gguf = gguf_source(job["model"])
+    if gguf is None:
+        raise SystemExit(f"llamacpp needs a GGUF model, got {job['model']!r}")
+    load_average = os.getloadavg()[0]
+    result = run_llamacpp(gguf, Workload.load(Path(job["workload"])), threads=torch.get_num_threads())
+    result.update(
+        peak_rss_mb=peak_rss_mb(),
+        load_rss_mb=None,  # the model loads inside the run
+        load_average_1m=[round(load_average, 2), round(os.getloadavg()[0], 2)],
+    )
+    out_path.write_text(json.dumps(result))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ SYSTEM_KEYS = (
     "itl_p99_s",
     "peak_rss_mb",
 )
-PEERS = ("hf_continuous", "hf_static")
+PEERS = ("hf_continuous", "hf_static", "llamacpp")
 
 
 def build_report(workload: dict, environment: dict, systems: dict[str, dict]) -> dict:
@@ -146,4 +146,7 @@ def format_table(report: dict) -> str:
     for peer in PEERS:
         if report.get(f"engine_vs_{peer}") is not None:
             lines.append(f"engine vs {peer}: {report[f'engine_vs_{peer}']:.2f}x output tok/s")
+    if report["workload"]["requests"] == 1:
+        gaps = ", ".join(f"{name} {f['itl_p50_s'] * 1000:.1f} ms" for name, f in report["systems"].items())
+        lines.append(f"time between tokens (p50, one request): {gaps}")
     return "\n".join(lines)

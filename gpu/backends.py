@@ -1,7 +1,7 @@
 """Which attention backend a model gets: the CUDA kernels (`CupyAttentionBackend`)
 when the cache is on a GPU, cupy imports and kernels exist for the cache's dtype,
 head_dim and block size; on a CPU, the C++ decode kernel (`CpuAttentionBackend`) for a
-float32 cache where g++ builds it; the torch reference (`TorchAttentionBackend`) otherwise."""
+float32 or bfloat16 cache where g++ builds it; the torch reference (`TorchAttentionBackend`) otherwise."""
 
 from __future__ import annotations
 

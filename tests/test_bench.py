@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 
 import pytest
 
-from bench.main import add_arguments, run
+from bench.main import add_arguments, run, single_stream_workload, without_missing_peers
 from bench.metrics import inter_token_latencies, percentile, summarize
 from bench.report import SYSTEM_KEYS, build_report, format_table, write_png
 from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
@@ -91,6 +92,8 @@ def test_report_ratios_table_and_png(tmp_path):
     assert report["engine_vs_hf_continuous"] is None
     table = format_table(report)
     assert "engine" in table and "hf_static" in table and "overhead_fraction" in table
+    # One request: the time between tokens, per system, is the figure a user feels.
+    assert "time between tokens (p50, one request): engine 1000.0 ms, hf_static 2000.0 ms" in table
     write_png(report, tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -122,3 +125,37 @@ def test_tiny_real_run_writes_json_and_png(tmp_path, capsys):
     assert report == on_disk
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "engine vs hf_static" in capsys.readouterr().out
+
+
+def test_single_stream_is_one_request_of_100_prompt_and_256_output_tokens():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--scenario", "single"])
+    single_stream_workload(args)
+    assert (args.requests, args.prompt_len, args.output_len) == (1, [100, 100], [256, 256])
+    args = parser.parse_args(["--scenario", "single", "--output-len", "32", "32"])
+    single_stream_workload(args)
+    assert (args.requests, args.prompt_len, args.output_len) == (1, [100, 100], [32, 32])
+
+
+def test_llamacpp_is_skipped_with_a_line_when_not_installed(monkeypatch, capsys):
+    import bench.peer_llamacpp
+
+    monkeypatch.setattr(bench.peer_llamacpp, "available", lambda: False)
+    assert without_missing_peers(["engine", "llamacpp"]) == ["engine"]
+    assert "llamacpp skipped: llama-cpp-python is not installed" in capsys.readouterr().err
+    monkeypatch.setattr(bench.peer_llamacpp, "available", lambda: True)
+    assert without_missing_peers(["engine", "llamacpp"]) == ["engine", "llamacpp"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_tiny_real_run_with_llamacpp(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--requests", "3", "--prompt-len", "4", "12", "--output-len", "2", "5",
+                              "--systems", "llamacpp", "--json", str(tmp_path / "bench.json")])  # fmt: skip
+    report = run(args)
+    figures = report["systems"]["llamacpp"]
+    assert figures["output_tokens"] == report["workload"]["total_output_tokens"]
+    assert figures["llama_cpp_python"] == "0.3.36" and figures["output_tokens_per_s"] > 0

@@ -1,9 +1,10 @@
-"""The CPU decode kernel (`gpu/cpu/kernels/cpu_paged_decode.cpp`) matches the torch reference,
-is what a float32 CPU engine runs on, and is never required: without g++ the engine
-stays on the torch reference."""
+"""The CPU decode kernel (`gpu/cpu/kernels/cpu_paged_decode.cpp`) matches the torch reference
+in float32 and bfloat16, is what a float32 or bfloat16 CPU engine runs on, and is never
+required: without g++ the engine stays on the torch reference."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -16,43 +17,61 @@ from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 from tests.attention_cases import (
     BLOCK_SIZES,
+    TOLERANCES,
     check_against_reference,
     check_far_cache_against_reference,
     decode_chunks,
     far_cache,
     make_step,
+    reference_output,
 )
 
 pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="g++ cannot build the CPU kernel here")
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+def has_cpu_flags(*flags: str) -> bool:
+    return set(flags) <= set(native_build.cpu_identity().split())
+
+
+# AVX2 without AVX-512: bfloat16 widened by a shift where the native build (on a CPU with
+# AVX-512 BF16) uses the bfloat16 dot-product instructions.
+AVX2_CPU_CXX_FLAGS = (*native_build.PORTABLE_CPU_CXX_FLAGS, "-mavx2", "-mfma")
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
 def kernel(request):
-    """The kernel as built for this CPU (AVX2 loops where it has AVX2) and without
-    -march=native (the portable loops every CPU runs)."""
-    return cpu_kernel() if request.param == "native" else load_kernel(native_build.PORTABLE_CPU_CXX_FLAGS)
+    """The kernel as built for this CPU (AVX2 loops where it has AVX2, AVX-512 BF16 dot
+    products where it has those), for AVX2 alone, and without -march=native (the portable
+    loops every CPU runs)."""
+    if request.param == "avx2" and not has_cpu_flags("avx2", "fma"):
+        pytest.skip("this CPU has no AVX2")
+    flags = {"avx2": AVX2_CPU_CXX_FLAGS, "portable": native_build.PORTABLE_CPU_CXX_FLAGS}.get(request.param)
+    return cpu_kernel() if flags is None else load_kernel(flags)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 80])  # 64 and 128 are specialised, 80 is the generic path
-def test_decodes_match_the_reference(kernel, head_dim, group, block_size):
+def test_decodes_match_the_reference(kernel, dtype, head_dim, group, block_size):
     """Contexts of every length class: shorter than a block, ending on a block boundary,
-    and spanning many blocks, scattered over the pool."""
-    step = make_step(torch.float32, head_dim, block_size, num_kv_heads=3, group=group,
+    and spanning many blocks, scattered over the pool. bfloat16 against the float32
+    reference over the same values, within bfloat16's rounding of the output."""
+    step = make_step(dtype, head_dim, block_size, num_kv_heads=3, group=group,
                      chunks=decode_chunks([2, block_size, 3 * block_size + 1, 300, 37]),
                      seed=group * head_dim + block_size)  # fmt: skip
     check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_sequences_sharing_leading_blocks(kernel, block_size):
+def test_sequences_sharing_leading_blocks(kernel, dtype, block_size):
     """Forks of one prompt and requests behind one cached prefix read the same blocks:
     attended together (more than a group's worth, a prefix ending inside a block, a
     request sharing less than the rest, one sharing nothing), each output matches the
     reference and equals, bit for bit, that sequence attended alone."""
     contexts = [5 * block_size + 3] * 10 + [3 * block_size, 4 * block_size + 1, 2 * block_size + 7, 40]
-    step = make_step(torch.float32, 64, block_size, num_kv_heads=3, group=3,
+    step = make_step(dtype, 64, block_size, num_kv_heads=3, group=3,
                      chunks=decode_chunks(contexts), seed=block_size)  # fmt: skip
     lead = step.sequences[0].block_table
     shares = [5] * 10 + [3, 4, 1, 0]  # leading blocks shared with the first sequence
@@ -72,11 +91,26 @@ def test_sequences_sharing_leading_blocks(kernel, block_size):
         assert torch.equal(together[seq.query_start], alone[seq.query_start])
 
 
-def test_mixed_step_keeps_prompt_chunks_on_the_reference(kernel):
-    """Decodes on the kernel, a fresh prompt and a later chunk on torch, in one batch."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_keeps_prompt_chunks_on_the_reference(kernel, dtype):
+    """Decodes on the kernel, a fresh prompt and a later chunk on torch, in one batch.
+    In bfloat16 the prompt rows are torch's own bfloat16 attention (which rounds its
+    softmax to bfloat16), the decode rows the kernel's, within bfloat16's rounding."""
     chunks = [(40, 1), (0, 9), (5, 1), (33, 12), (200, 1)]
-    step = make_step(torch.float32, 64, 16, num_kv_heads=3, group=3, chunks=chunks, seed=11)
-    check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel))
+    step = make_step(dtype, 64, 16, num_kv_heads=3, group=3, chunks=chunks, seed=11)
+    if dtype == torch.float32:
+        check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel))
+        return
+    torch_cache = copy.deepcopy(step.kernel_cache)
+    got, on_torch = (
+        backend.attend(0, step.query, step.key, step.value, step.scale, backend.prepare(step.sequences, 24))
+        for backend in (CpuAttentionBackend(step.kernel_cache, kernel), TorchAttentionBackend(torch_cache))
+    )
+    prompt_rows = [seq.query_start + i for seq in step.sequences if seq.query_len > 1 for i in range(seq.query_len)]
+    decode_rows = [seq.query_start for seq in step.sequences if seq.query_len == 1]
+    assert torch.equal(got[prompt_rows], on_torch[prompt_rows])
+    torch.testing.assert_close(got[decode_rows].float(), reference_output(step)[decode_rows],
+                               **TOLERANCES[torch.bfloat16])  # fmt: skip
 
 
 def test_a_step_without_decodes():
@@ -84,19 +118,36 @@ def test_a_step_without_decodes():
     check_against_reference(step, CpuAttentionBackend(step.kernel_cache))
 
 
-def test_blocks_past_2_31_elements(kernel):
-    """Slot offsets are 64-bit: blocks past 2^31 floats of the pool are read where they are."""
-    step = make_step(torch.float32, 128, 16, num_kv_heads=8, group=4, chunks=decode_chunks([70, 45]), seed=5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_past_2_31_elements(kernel, dtype):
+    """Slot offsets are 64-bit: blocks past 2^31 elements of the pool are read where they are."""
+    step = make_step(dtype, 128, 16, num_kv_heads=8, group=4, chunks=decode_chunks([70, 45]), seed=5)
     base = 2**31 // (16 * 8 * 128) + 3
     cache, sequences = far_cache(step, base)
     assert cache.key_pools[0].numel() > 2**31
     check_far_cache_against_reference(step, cache, sequences, CpuAttentionBackend(cache, kernel), base)
 
 
-def test_float32_cpu_caches_get_the_kernel_others_the_reference():
+def test_float32_and_bfloat16_cpu_caches_get_the_kernel_others_the_reference():
     shape = KVShape(num_layers=1, num_kv_heads=3, head_dim=64)
     assert type(select_backend(PagedKVCache(shape, 4, 16, torch.float32))) is CpuAttentionBackend
-    assert type(select_backend(PagedKVCache(shape, 4, 16, torch.bfloat16))) is TorchAttentionBackend
+    assert type(select_backend(PagedKVCache(shape, 4, 16, torch.bfloat16))) is CpuAttentionBackend
+    assert type(select_backend(PagedKVCache(shape, 4, 16, torch.float16))) is TorchAttentionBackend
+
+
+def test_bfloat16_special_values_round_like_torch(kernel):
+    """The output's rounding to bfloat16: nearest-even as torch rounds, a NaN stays NaN."""
+    step = make_step(torch.bfloat16, 64, 16, num_kv_heads=1, group=1, chunks=decode_chunks([1, 1, 20]), seed=3)
+    cache = step.kernel_cache
+    backend = CpuAttentionBackend(cache, kernel)
+    # One-token contexts: the output is the value row itself, whatever its bits.
+    halfway = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8], dtype=torch.float32)  # ties in bfloat16
+    value = torch.randn(3, 1, 64).to(torch.bfloat16)
+    value[0, 0, :2] = halfway.to(torch.bfloat16)
+    value[1, 0, 0] = float("nan")
+    out = backend.attend(0, step.query, step.key, value, step.scale, backend.prepare(step.sequences, 3))
+    assert torch.equal(out[0, 0], value[0, 0])
+    assert out[1, 0, 0].isnan() and torch.equal(out[1, 0, 1:], value[1, 0, 1:])
 
 
 def test_without_a_compiler_the_engine_uses_the_reference(monkeypatch, tmp_path, caplog):

@@ -1,4 +1,5 @@
-"""The fused CPU modules compute what the modules they replace compute."""
+"""The fused CPU modules compute what the modules they replace compute, in float32 and
+bfloat16."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from gpu.cpu.native_build import PORTABLE_CPU_CXX_FLAGS
+from gpu.cpu.native_build import PORTABLE_CPU_CXX_FLAGS, cpu_identity
 from gpu.cpu import fusions as cpu_fusions
 from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm, fuse_for_cpu, fused_ops
 
@@ -33,13 +34,17 @@ def tiny(config) -> nn.Module:
     return model
 
 
-@pytest.fixture(params=["native", "portable", "torch"])
+@pytest.fixture(params=["native", "avx2", "portable", "torch"])
 def ops(request, monkeypatch):
-    """The one-pass operations as built for this CPU, built portable (no AVX2), and absent
-    (no g++: the torch fallback)."""
+    """The one-pass operations as built for this CPU, for AVX2 alone (bfloat16 rounded
+    without AVX-512 BF16), built portable (no AVX2), and absent (no g++: the torch
+    fallback)."""
     if request.param != "torch" and fused_ops() is None:
         pytest.skip("g++ cannot build the CPU fused ops here")
+    if request.param == "avx2" and not {"avx2", "fma"} <= set(cpu_identity().split()):
+        pytest.skip("this CPU has no AVX2")
     library = {"native": fused_ops, "portable": lambda: fused_ops(PORTABLE_CPU_CXX_FLAGS),
+               "avx2": lambda: fused_ops((*PORTABLE_CPU_CXX_FLAGS, "-mavx2", "-mfma")),
                "torch": lambda: None}[request.param]()  # fmt: skip
     monkeypatch.setattr(cpu_fusions, "fused_ops", lambda: library)
     return request.param
@@ -59,12 +64,46 @@ def test_fused_model_gives_the_same_logits(arch, ops):
         torch.testing.assert_close(fused(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_norms_keep_their_own_rounding():
-    """HF's norm casts back to bfloat16 before applying the weight; F.rms_norm would not."""
-    model = tiny(CONFIGS["llama"]).to(torch.bfloat16)
-    fuse_for_cpu(model)
-    assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
-    assert sum(isinstance(m, FusedGatedMLP) for m in model.modules()) == 2
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_fused_bfloat16_model_gives_the_same_logits(arch, ops):
+    """Within bfloat16's rounding: the fused operations round where HF's modules do, but
+    sum the norm's squares in another order and SiLU's exponential differs in the last bit."""
+    model = tiny(CONFIGS[arch]).to(torch.bfloat16)
+    fused = copy.deepcopy(model)
+    assert fuse_for_cpu(fused) == 2 * 3 + 1
+    ids = torch.randint(0, 512, (1, 37))
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(ids).logits.float(), model(ids).logits.float(), atol=4e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])
+def test_bfloat16_norm_keeps_hfs_rounding(ops, rows):
+    """HF's norm casts back to bfloat16 before applying the weight (F.rms_norm would not):
+    the fused norm gives HF's bits, but where the sum of squares' order moves the scale by
+    an ulp, and those few elements differ by one bfloat16 step."""
+    torch.manual_seed(rows)
+    hf_norm = tiny(CONFIGS["llama"]).model.norm.to(torch.bfloat16)
+    x = (torch.randn(1, rows, 64) * 3).to(torch.bfloat16)
+    with torch.inference_mode():
+        want, got = hf_norm(x), FusedRMSNorm(hf_norm)(x)
+    assert got.dtype == torch.bfloat16
+    assert (got == want).float().mean() >= 0.99
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 700])
+def test_bfloat16_gated_product_matches_torch(ops, rows):
+    torch.manual_seed(rows)
+    mlp = type("MLP", (), {})()
+    mlp.gate_proj = nn.Linear(50, 100, bias=False).to(torch.bfloat16)
+    mlp.up_proj = nn.Linear(50, 100, bias=False).to(torch.bfloat16)
+    mlp.down_proj = nn.Identity()
+    x = (torch.randn(1, rows, 50) * 4).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+        got = FusedGatedMLP(mlp)(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2**-7)
 
 
 def test_other_architectures_are_left_alone():

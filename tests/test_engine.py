@@ -250,8 +250,15 @@ def test_bfloat16_engine_serves_with_a_bfloat16_cache(make_engine):
     from workers.config import ModelConfig
     from workers.model_loader import load_model
 
+    from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel
+    from gpu.cpu.fusions import FusedRMSNorm, fused_ops
+
     engine = make_engine(load_model(ModelConfig(dtype="bfloat16")))
     assert engine.runner.kv_cache.key_pools[0].dtype == torch.bfloat16
+    # The fast CPU paths cover bfloat16: the decode kernel and the fused norms.
+    if cpu_kernel() is not None and fused_ops() is not None:
+        assert type(engine.runner.backend) is CpuAttentionBackend
+        assert any(isinstance(m, FusedRMSNorm) for m in engine.runner.model.modules())
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     token_ids, final, text = run_to_completion(engine, {0: [("bf16", chat, SamplingParams(max_tokens=16))]})["bf16"]
     assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and "Paris" in text

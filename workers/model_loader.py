@@ -80,7 +80,7 @@ def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> Loaded
         tokenizer = random_models.build_tokenizer(model.config.vocab_size)
         name = f"{random_name} (random weights, {config.dtype})"
         from_cache = False
-    elif (gguf := _gguf_source(config.source)) is None:
+    elif (gguf := gguf_source(config.source)) is None:
         model, tokenizer = _load_folder(config.source, dtype, attn_implementation)
         name = f"{_display_name(config.source)} ({config.dtype})"
         from_cache = False
@@ -160,7 +160,7 @@ def _kind(value: object) -> str:
     return type(value).__name__
 
 
-def _gguf_source(source: str) -> Path | None:
+def gguf_source(source: str) -> Path | None:
     """The GGUF file `source` names ("" is the bundled one), or None for an HF folder or hub id."""
     if not source:
         return bundled_gguf_path()

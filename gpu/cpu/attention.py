@@ -7,8 +7,9 @@ instead of once. The kernel reads every K and V row of a context once, for all t
 query heads that share it (figures in docs/benchmarks.md, "The CPU kernels").
 
 The library is built with g++ for this CPU on first use and cached
-(`gpu.cpu.native_build`); where it cannot be built, or for dtypes other than float32,
-`cpu_kernel()` is None and the engine stays on the torch reference.
+(`gpu.cpu.native_build`); where it cannot be built `cpu_kernel()` is None, and there,
+or for a cache in float16, the engine stays on the torch reference. It has an entry
+point for float32 and one for bfloat16 (scores and sums in fp32 either way).
 """
 
 from __future__ import annotations
@@ -30,29 +31,38 @@ _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
 
 
+# The kernel's entry point for each cache dtype it covers.
+ENTRY_POINTS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
+
+
 @functools.cache
 def cpu_kernel():
-    """The kernel's entry point, or None where g++ cannot build it (logged once)."""
+    """The kernel, or None where g++ cannot build it (logged once)."""
     library = try_load_cpu_library("cpu_paged_decode", CPU_CXX_FLAGS, instead="torch attention")
-    return None if library is None else _entry(library)
+    return None if library is None else Kernel(library)
 
 
 def load_kernel(flags: tuple[str, ...]):
     """The kernel built with `flags` (raises if it cannot be built)."""
-    return _entry(load_cpu_library("cpu_paged_decode", flags))
+    return Kernel(load_cpu_library("cpu_paged_decode", flags))
 
 
-def _entry(library: ctypes.CDLL):
-    entry = library.paged_decode_attention
-    entry.argtypes = _ARGTYPES
-    entry.restype = ctypes.c_int
-    return entry
+class Kernel:
+    """The library's entry points, by the dtype of the cache they read."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.entries = {}
+        for dtype, name in ENTRY_POINTS.items():
+            entry = getattr(library, name)
+            entry.argtypes = _ARGTYPES
+            entry.restype = ctypes.c_int
+            self.entries[dtype] = entry
 
 
 def kernel_applies(kv_cache: PagedKVCache) -> bool:
     return (
         kv_cache.blocks.device.type == "cpu"
-        and kv_cache.blocks.dtype == torch.float32
+        and kv_cache.blocks.dtype in ENTRY_POINTS
         and cpu_kernel() is not None
     )
 
@@ -73,8 +83,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """`kernel` None is `cpu_kernel()`, built for this CPU."""
         super().__init__(kv_cache)
         if kernel is None and not kernel_applies(kv_cache):
-            raise ValueError("the CPU decode kernel needs a float32 cache in host memory and g++")
-        self._kernel = kernel or cpu_kernel()
+            raise ValueError("the CPU decode kernel needs a float32 or bfloat16 cache in host memory and g++")
+        self._entry = (kernel or cpu_kernel()).entries[kv_cache.blocks.dtype]
         self._tables = BlockTables()
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
@@ -87,8 +97,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def attend_decodes(self, out, query, key_pool, value_pool, scale, decodes: CpuDecodes) -> None:
         if decodes.num_seqs == 0:
             return
-        assert query.stride(2) == 1 and out.is_contiguous()
-        status = self._kernel(
+        assert query.stride(2) == 1 and out.is_contiguous() and query.dtype == key_pool.dtype == out.dtype
+        status = self._entry(
             out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
             key_pool.data_ptr(), value_pool.data_ptr(),
             decodes.query_rows.data_ptr(), decodes.context_lens.data_ptr(), decodes.block_tables.data_ptr(),

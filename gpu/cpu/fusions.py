@@ -5,14 +5,16 @@ runs 30 layers of them. Two module swaps, for the RMSNorm and gated MLP of Llama
 and Mistral (the classes are named, so another architecture's variant, such as Gemma's
 `1 + weight` norm, is never swapped by accident):
 
-- RMSNorm as one pass over each row instead of six operations (float32 models only, where
-  it is the same arithmetic: HF's norm computes in float32 and casts back);
+- RMSNorm as one pass over each row instead of six operations, with HF's arithmetic: the
+  norm in float32, cast back to the model's dtype, then times the weight (in bfloat16 that
+  cast is a rounding the one-pass operation makes too);
 - the MLP's gate and up projections as one linear of twice the width (one call, one
   pass over the activations), then SiLU of the first half times the second in one pass.
 
 The one-pass operations are C++ (`gpu/cpu/kernels/cpu_fused_ops.cpp`, built for this CPU
-like the decode kernel); where it cannot be built they fall back to torch
-(`F.rms_norm`, `F.silu` and a multiply), which computes the same to rounding.
+like the decode kernel) for float32 and bfloat16; where it cannot be built, or for other
+dtypes, they fall back to torch (the norm's own formula, `F.silu` and a multiply), which
+computes the same to rounding.
 
 Run before `pack_linears`, which then packs the fused projection like any other linear.
 """
@@ -32,6 +34,10 @@ RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
 GATED_MLPS = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
 
 
+# The C++ operations' suffix for each dtype they cover.
+KERNEL_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}
+
+
 class FusedRMSNorm(nn.Module):
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
@@ -41,13 +47,24 @@ class FusedRMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         ops = fused_ops()
+        dtype = hidden_states.dtype
         rows = hidden_states.reshape(-1, self.shape[0])
-        if ops is None or hidden_states.dtype != torch.float32 or rows.stride(1) != 1:
-            return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
-        out = torch.empty(hidden_states.shape, dtype=torch.float32)
-        ops.rms_norm(rows.data_ptr(), rows.stride(0), self.weight.data_ptr(), out.data_ptr(), rows.shape[0],
-                     self.shape[0], self.eps, torch.get_num_threads())  # fmt: skip
+        if ops is None or dtype not in KERNEL_DTYPES or self.weight.dtype != dtype or rows.stride(1) != 1:
+            return self._torch(hidden_states)
+        out = torch.empty(hidden_states.shape, dtype=dtype)
+        getattr(ops, "rms_norm" + KERNEL_DTYPES[dtype])(
+            rows.data_ptr(), rows.stride(0), self.weight.data_ptr(), out.data_ptr(), rows.shape[0], self.shape[0],
+            self.eps, torch.get_num_threads(),
+        )  # fmt: skip
         return out
+
+    def _torch(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(hidden_states, self.shape, self.weight, self.eps)
+        # HF's own formula: the norm in float32, cast back before the weight is applied.
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(hidden_states.dtype)
 
 
 class FusedGatedMLP(nn.Module):
@@ -66,24 +83,25 @@ class FusedGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         ops = fused_ops()
-        if ops is None or gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
+        if ops is None or gate_up.dtype not in KERNEL_DTYPES or not gate_up.is_contiguous():
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             return self.down_proj(F.silu(gate, inplace=True).mul_(up))
         product = gate_up.new_empty((*gate_up.shape[:-1], self.intermediate_size))
         rows = product.numel() // self.intermediate_size
-        ops.silu_mul(gate_up.data_ptr(), gate_up.shape[-1], product.data_ptr(), rows, self.intermediate_size,
-                     torch.get_num_threads())  # fmt: skip
+        getattr(ops, "silu_mul" + KERNEL_DTYPES[gate_up.dtype])(
+            gate_up.data_ptr(), gate_up.shape[-1], product.data_ptr(), rows, self.intermediate_size,
+            torch.get_num_threads(),
+        )  # fmt: skip
         return self.down_proj(product)
 
 
 def fuse_for_cpu(model: nn.Module) -> int:
     """Swap the model's norms and MLPs in place; returns how many modules were swapped."""
-    float32 = next(model.parameters()).dtype == torch.float32
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
-            if kind in RMS_NORMS and float32:
+            if kind in RMS_NORMS:
                 setattr(parent, name, FusedRMSNorm(child))
             elif kind in GATED_MLPS and _is_silu(child.act_fn):
                 setattr(parent, name, FusedGatedMLP(child))
@@ -100,10 +118,11 @@ def fused_ops(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
     if library is None:
         return None
     P, I, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    library.rms_norm.argtypes = (P, I64, P, P, I64, I, ctypes.c_float, I)
-    library.rms_norm.restype = None
-    library.silu_mul.argtypes = (P, I64, P, I64, I, I)
-    library.silu_mul.restype = None
+    for suffix in KERNEL_DTYPES.values():
+        getattr(library, "rms_norm" + suffix).argtypes = (P, I64, P, P, I64, I, ctypes.c_float, I)
+        getattr(library, "rms_norm" + suffix).restype = None
+        getattr(library, "silu_mul" + suffix).argtypes = (P, I64, P, I64, I, I)
+        getattr(library, "silu_mul" + suffix).restype = None
     return library
 
 

@@ -2,12 +2,16 @@
 // request's blocks where they lie in the pool (no gather into a padded batch).
 //
 // Every K and V row of a context is read once per step and layer, for all the query
-// heads that share it (grouped-query attention). Scores and sums are fp32. Two builds of
-// the same passes (scores, softmax, weighted V):
+// heads that share it (grouped-query attention). Queries, cache and output are float32
+// or bfloat16 (one entry point each); scores and sums are fp32 either way, and a
+// bfloat16 output is rounded once, at the end. Two builds of the same passes (scores,
+// softmax, weighted V):
 // - on AVX2 (head sizes 64 and 128), one work item per group of requests that share
 //   leading blocks (often a group of one): blocks are read whole and in order, a shared
 //   block once for the whole group, the next block is prefetched (blocks are scattered,
-//   so the hardware cannot guess it), and the exponentials are vectorised;
+//   so the hardware cannot guess it), and the exponentials are vectorised; bfloat16
+//   scores use AVX-512 BF16 dot products where the CPU has them, bfloat16 rows are
+//   widened by a shift otherwise;
 // - elsewhere, plain loops the compiler vectorises, one work item per (request, KV head).
 //
 // Cache layout, per layer: K and V pools `[slots, num_kv_heads, head_dim]`, token p of a
@@ -20,19 +24,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vector_math.h"
 
 namespace {
 
+template <typename T>
 struct Args {
-    float* out;
-    const float* query;
+    T* out;
+    const T* query;
     int64_t query_token_stride;
     int64_t query_head_stride;
-    const float* key_pool;
-    const float* value_pool;
+    const T* key_pool;
+    const T* value_pool;
     const int32_t* query_rows;    // [seqs] the batch row of each decode token
     const int32_t* context_lens;  // [seqs]
     const int32_t* block_tables;  // [seqs, max_blocks]
@@ -46,8 +52,8 @@ struct Args {
 
 // HEAD_DIM > 0 is known at compile time (the loops unroll and vectorize fully);
 // 0 takes it from `head_dim`.
-template <int HEAD_DIM>
-void attend_one(const Args& a, int head_dim, int seq, int kv_head, std::vector<float>& scores,
+template <typename T, int HEAD_DIM>
+void attend_one(const Args<T>& a, int head_dim, int seq, int kv_head, std::vector<float>& scores,
                 std::vector<float>& acc) {
     const int dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
     const int group = a.num_heads / a.num_kv_heads;
@@ -63,12 +69,12 @@ void attend_one(const Args& a, int head_dim, int seq, int kv_head, std::vector<f
         const int64_t slot0 = (int64_t)table[start / a.block_size] * a.block_size;
         const int count = std::min(a.block_size, n - start);
         for (int j = 0; j < count; ++j) {
-            const float* k = a.key_pool + (slot0 + j) * row_stride + (int64_t)kv_head * dim;
+            const T* k = a.key_pool + (slot0 + j) * row_stride + (int64_t)kv_head * dim;
             for (int g = 0; g < group; ++g) {
-                const float* q = a.query + row * a.query_token_stride + (int64_t)(kv_head * group + g) * a.query_head_stride;
+                const T* q = a.query + row * a.query_token_stride + (int64_t)(kv_head * group + g) * a.query_head_stride;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < dim; ++d) s += q[d] * k[d];
+                for (int d = 0; d < dim; ++d) s += to_float(q[d]) * to_float(k[d]);
                 scores[(size_t)g * n + start + j] = s * a.scale;
             }
         }
@@ -91,46 +97,79 @@ void attend_one(const Args& a, int head_dim, int seq, int kv_head, std::vector<f
         const int64_t slot0 = (int64_t)table[start / a.block_size] * a.block_size;
         const int count = std::min(a.block_size, n - start);
         for (int j = 0; j < count; ++j) {
-            const float* v = a.value_pool + (slot0 + j) * row_stride + (int64_t)kv_head * dim;
+            const T* v = a.value_pool + (slot0 + j) * row_stride + (int64_t)kv_head * dim;
             for (int g = 0; g < group; ++g) {
                 const float p = scores[(size_t)g * n + start + j];
                 float* o = acc.data() + (size_t)g * dim;
 #pragma omp simd
-                for (int d = 0; d < dim; ++d) o[d] += p * v[d];
+                for (int d = 0; d < dim; ++d) o[d] += p * to_float(v[d]);
             }
         }
     }
     for (int g = 0; g < group; ++g) {
-        float* out = a.out + (row * a.num_heads + kv_head * group + g) * dim;
+        T* out = a.out + (row * a.num_heads + kv_head * group + g) * dim;
         const float inv = 1.0f / sums[g];
         const float* o = acc.data() + (size_t)g * dim;
-#pragma omp simd
-        for (int d = 0; d < dim; ++d) out[d] = o[d] * inv;
+        for (int d = 0; d < dim; ++d) store_float(out + d, o[d] * inv);
     }
 }
 
 
 #ifdef INFLIGHT_AVX2
+#ifdef INFLIGHT_AVX512BF16
+inline __m512bh bf16_vector32(const bf16* p) {
+    __m512bh v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+// The 16 lanes of `v` summed pairwise into 8.
+inline __m256 fold16(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#endif
+
 // The eight dot products of `q` with eight K rows `row_stride` apart, as one vector.
 // Each row's 8-lane partial sums are folded with horizontal adds, a few instructions for
 // all eight instead of a full horizontal sum per row.
-template <int HEAD_DIM>
-inline __m256 dot8(const float* q, const float* k, int64_t row_stride) {
+template <int HEAD_DIM, typename T>
+inline __m256 dot8(const T* q, const T* k, int64_t row_stride) {
     __m256 acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-    for (int d = 0; d < HEAD_DIM; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * row_stride + d), acc[r]);
+#ifdef INFLIGHT_AVX512BF16
+    if constexpr (std::is_same_v<T, bf16>) {
+        // 32 products a row per instruction (bf16 pairs, summed in fp32), folded to 8 lanes.
+        __m512 wide[8];
+        for (int r = 0; r < 8; ++r) wide[r] = _mm512_setzero_ps();
+        for (int d = 0; d < HEAD_DIM; d += 32) {
+            const __m512bh qv = bf16_vector32(q + d);
+            for (int r = 0; r < 8; ++r) wide[r] = _mm512_dpbf16_ps(wide[r], qv, bf16_vector32(k + r * row_stride + d));
+        }
+        for (int r = 0; r < 8; ++r) acc[r] = fold16(wide[r]);
+    } else
+#endif
+    {
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+        for (int d = 0; d < HEAD_DIM; d += 8) {
+            const __m256 qv = load8(q + d);
+            for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qv, load8(k + r * row_stride + d), acc[r]);
+        }
     }
     const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-template <int HEAD_DIM>
-inline float dot1(const float* q, const float* k) {
+template <int HEAD_DIM, typename T>
+inline float dot1(const T* q, const T* k) {
     __m256 acc = _mm256_setzero_ps();
-    for (int d = 0; d < HEAD_DIM; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+#ifdef INFLIGHT_AVX512BF16
+    if constexpr (std::is_same_v<T, bf16>) {
+        __m512 wide = _mm512_setzero_ps();
+        for (int d = 0; d < HEAD_DIM; d += 32) wide = _mm512_dpbf16_ps(wide, bf16_vector32(q + d), bf16_vector32(k + d));
+        acc = fold16(wide);
+    } else
+#endif
+        for (int d = 0; d < HEAD_DIM; d += 8) acc = _mm256_fmadd_ps(load8(q + d), load8(k + d), acc);
     const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
     return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
@@ -161,12 +200,14 @@ inline float exp_scores(float* s, int n) {
 
 // Ask for the block's rows ahead of their use: a request's blocks are scattered over
 // the pool, so the hardware prefetcher cannot guess the next one.
-inline void prefetch_block(const float* block, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(block + i), _MM_HINT_T0);
+template <typename T>
+inline void prefetch_block(const T* block, int64_t elements) {
+    for (int64_t i = 0; i < elements; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(block + i), _MM_HINT_T0);
 }
 
 // The block holding token `start` of a context of `n` tokens; the next block is prefetched.
-inline const float* block_at(const float* pool, const Args& a, const int32_t* table, int start, int n,
+template <typename T>
+inline const T* block_at(const T* pool, const Args<T>& a, const int32_t* table, int start, int n,
                              int64_t row_stride) {
     const int index = start / a.block_size;
     if (start + a.block_size < n)
@@ -189,14 +230,14 @@ struct Group {
 };
 
 // Scores of one sequence's query heads against `count` K rows of `block`, from token `start`.
-template <int HEAD_DIM>
-inline void score_block(const Args& a, const float* query, const float* block, int count, float* scores, int n,
+template <int HEAD_DIM, typename T>
+inline void score_block(const Args<T>& a, const T* query, const T* block, int count, float* scores, int n,
                         int64_t row_stride) {
     const int group = a.num_heads / a.num_kv_heads;
     const __m256 scale = _mm256_set1_ps(a.scale);
     for (int h = 0; h < a.num_heads; ++h) {
-        const float* q = query + (int64_t)h * a.query_head_stride;
-        const float* k = block + (int64_t)(h / group) * HEAD_DIM;
+        const T* q = query + (int64_t)h * a.query_head_stride;
+        const T* k = block + (int64_t)(h / group) * HEAD_DIM;
         float* s = scores + (size_t)h * n;
         int j = 0;
         for (; j + 8 <= count; j += 8)
@@ -206,21 +247,21 @@ inline void score_block(const Args& a, const float* query, const float* block, i
 }
 
 // Adds `count` V rows of `block`, weighted by the scores from token `start`, to each head's sum.
-template <int HEAD_DIM>
-inline void weigh_block(const Args& a, const float* block, int count, const float* scores, int n, float* acc,
+template <int HEAD_DIM, typename T>
+inline void weigh_block(const Args<T>& a, const T* block, int count, const float* scores, int n, float* acc,
                         int64_t row_stride) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     const int group = a.num_heads / a.num_kv_heads;
     for (int h = 0; h < a.num_heads; ++h) {
         const float* p = scores + (size_t)h * n;
-        const float* v = block + (int64_t)(h / group) * HEAD_DIM;
+        const T* v = block + (int64_t)(h / group) * HEAD_DIM;
         float* o = acc + (size_t)h * HEAD_DIM;
         __m256 out[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) out[c] = _mm256_loadu_ps(o + 8 * c);
         for (int j = 0; j < count; ++j) {
             const __m256 weight = _mm256_set1_ps(p[j]);
             for (int c = 0; c < CHUNKS; ++c)
-                out[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * row_stride + 8 * c), out[c]);
+                out[c] = _mm256_fmadd_ps(weight, load8(v + j * row_stride + 8 * c), out[c]);
         }
         for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + 8 * c, out[c]);
     }
@@ -230,8 +271,8 @@ inline void weigh_block(const Args& a, const float* block, int count, const floa
 // group's sequences at once: a block's rows are read whole and in order (reading one
 // head's slice of every row leaves the hardware prefetcher fetching the other heads'
 // for nothing), and stay in L1 while every query head uses them.
-template <int HEAD_DIM>
-void attend_group_avx2(const Args& a, const Group& g, std::vector<float>& scores, std::vector<float>& acc) {
+template <int HEAD_DIM, typename T>
+void attend_group_avx2(const Args<T>& a, const Group& g, std::vector<float>& scores, std::vector<float>& acc) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     const int heads = a.num_heads;
     const int64_t row_stride = (int64_t)a.num_kv_heads * HEAD_DIM;
@@ -244,7 +285,7 @@ void attend_group_avx2(const Args& a, const Group& g, std::vector<float>& scores
     auto query_of = [&](int i) { return a.query + (int64_t)a.query_rows[g.seqs[i]] * a.query_token_stride; };
 
     for (int start = 0; start < shared_tokens; start += a.block_size) {
-        const float* block = block_at(a.key_pool, a, shared_table, start, shared_tokens, row_stride);
+        const T* block = block_at(a.key_pool, a, shared_table, start, shared_tokens, row_stride);
         for (int i = 0; i < g.count; ++i)
             score_block<HEAD_DIM>(a, query_of(i), block, a.block_size, scores.data() + offsets[i] + start,
                                   a.context_lens[g.seqs[i]], row_stride);
@@ -264,7 +305,7 @@ void attend_group_avx2(const Args& a, const Group& g, std::vector<float>& scores
             sums[i][h] = exp_scores(scores.data() + offsets[i] + (size_t)h * n, n);
         }
     for (int start = 0; start < shared_tokens; start += a.block_size) {
-        const float* block = block_at(a.value_pool, a, shared_table, start, shared_tokens, row_stride);
+        const T* block = block_at(a.value_pool, a, shared_table, start, shared_tokens, row_stride);
         for (int i = 0; i < g.count; ++i)
             weigh_block<HEAD_DIM>(a, block, a.block_size, scores.data() + offsets[i] + start,
                                   a.context_lens[g.seqs[i]], acc.data() + (size_t)i * heads * HEAD_DIM,
@@ -280,10 +321,10 @@ void attend_group_avx2(const Args& a, const Group& g, std::vector<float>& scores
                                   seq_acc, row_stride);
         const int64_t row = a.query_rows[g.seqs[i]];
         for (int h = 0; h < heads; ++h) {
-            float* out = a.out + (row * heads + h) * HEAD_DIM;
+            T* out = a.out + (row * heads + h) * HEAD_DIM;
             const __m256 inv = _mm256_set1_ps(1.0f / sums[i][h]);
             for (int c = 0; c < CHUNKS; ++c)
-                _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(seq_acc + h * HEAD_DIM + 8 * c), inv));
+                store8(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(seq_acc + h * HEAD_DIM + 8 * c), inv));
         }
     }
 }
@@ -293,7 +334,8 @@ void attend_group_avx2(const Args& a, const Group& g, std::vector<float>& scores
 // The batch in groups of up to MAX_GROUP sequences: sequences with the same first block
 // are taken in batch order, and a group ends where the next one shares fewer full blocks
 // with its first sequence than the group does.
-std::vector<Group> form_groups(const Args& a, std::vector<int>& order) {
+template <typename T>
+std::vector<Group> form_groups(const Args<T>& a, std::vector<int>& order) {
     order.resize(a.num_seqs);
     for (int s = 0; s < a.num_seqs; ++s) order[s] = s;
     auto table_of = [&](int s) { return a.block_tables + (int64_t)s * a.max_blocks; };
@@ -320,30 +362,51 @@ std::vector<Group> form_groups(const Args& a, std::vector<int>& order) {
 }
 #endif
 
-template <int HEAD_DIM>
-void attend_all(const Args& a, int head_dim, int num_threads) {
+// No more threads than work items: a single decode (one user's chat) runs on the calling
+// thread instead of waking a team that would wait at the barrier.
+inline int team_size(int items, int num_threads) { return std::max(1, std::min(items, num_threads)); }
+
+template <typename T, int HEAD_DIM>
+void attend_all(const Args<T>& a, int head_dim, int num_threads) {
 #ifdef INFLIGHT_AVX2
     if constexpr (HEAD_DIM > 0) {
         std::vector<int> order;
         const std::vector<Group> groups = form_groups(a, order);
         const int num_groups = (int)groups.size();
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(team_size(num_groups, num_threads))
         {
             std::vector<float> scores, acc;  // per thread, reused across its groups
 #pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < num_groups; ++i) attend_group_avx2<HEAD_DIM>(a, groups[i], scores, acc);
+            for (int i = 0; i < num_groups; ++i) attend_group_avx2<HEAD_DIM, T>(a, groups[i], scores, acc);
         }
         return;
     }
 #endif
     const int items = a.num_seqs * a.num_kv_heads;
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(team_size(items, num_threads))
     {
         std::vector<float> scores, acc;  // per thread, reused across its items
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; ++item)
-            attend_one<HEAD_DIM>(a, head_dim, item / a.num_kv_heads, item % a.num_kv_heads, scores, acc);
+            attend_one<T, HEAD_DIM>(a, head_dim, item / a.num_kv_heads, item % a.num_kv_heads, scores, acc);
     }
+}
+
+template <typename T>
+int attend(T* out, const T* query, int64_t query_token_stride, int64_t query_head_stride, const T* key_pool,
+           const T* value_pool, const int32_t* query_rows, const int32_t* context_lens, const int32_t* block_tables,
+           int num_seqs, int max_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim, float scale,
+           int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64 || num_heads > 1024)
+        return -1;
+    const Args<T> a{out, query, query_token_stride, query_head_stride, key_pool, value_pool, query_rows,
+                    context_lens, block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, scale};
+    switch (head_dim) {
+        case 64: attend_all<T, 64>(a, head_dim, num_threads); break;
+        case 128: attend_all<T, 128>(a, head_dim, num_threads); break;
+        default: attend_all<T, 0>(a, head_dim, num_threads); break;
+    }
+    return 0;
 }
 
 }  // namespace
@@ -354,14 +417,18 @@ extern "C" int paged_decode_attention(
     const float* key_pool, const float* value_pool, const int32_t* query_rows,
     const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
     int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64 || num_heads > 1024)
-        return -1;
-    const Args a{out, query, query_token_stride, query_head_stride, key_pool, value_pool, query_rows,
-                 context_lens, block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, scale};
-    switch (head_dim) {
-        case 64: attend_all<64>(a, head_dim, num_threads); break;
-        case 128: attend_all<128>(a, head_dim, num_threads); break;
-        default: attend_all<0>(a, head_dim, num_threads); break;
-    }
-    return 0;
+    return attend(out, query, query_token_stride, query_head_stride, key_pool, value_pool, query_rows, context_lens,
+                  block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, scale,
+                  num_threads);
+}
+
+// The same over bfloat16 queries, cache and output (`bf16` is layout-compatible with uint16).
+extern "C" int paged_decode_attention_bf16(
+    bf16* out, const bf16* query, int64_t query_token_stride, int64_t query_head_stride,
+    const bf16* key_pool, const bf16* value_pool, const int32_t* query_rows,
+    const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
+    int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
+    return attend(out, query, query_token_stride, query_head_stride, key_pool, value_pool, query_rows, context_lens,
+                  block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, scale,
+                  num_threads);
 }

@@ -1,10 +1,49 @@
 // Vector math shared by the CPU kernels: AVX2 where the build has it (-march=native on
-// a CPU with AVX2 and FMA defines INFLIGHT_AVX2), nothing otherwise.
+// a CPU with AVX2 and FMA defines INFLIGHT_AVX2), AVX-512 BF16 dot products where it has
+// those too (INFLIGHT_AVX512BF16), plain loops otherwise.
+//
+// Element types: float, and bfloat16 (`bf16`, the top 16 bits of a float). bfloat16 is
+// only a storage type here: it is widened to fp32 on load (a 16-bit shift), all
+// arithmetic is fp32, and results are rounded to nearest-even on store.
 #pragma once
+
+#include <cstdint>
+#include <cstring>
+
+struct bf16 {
+    uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+    const uint32_t u = (uint32_t)x.bits << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Round to nearest even; a NaN stays a (quiet) NaN.
+inline bf16 to_bf16(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{(uint16_t)((u >> 16) | 0x40)};
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return bf16{(uint16_t)(u >> 16)};
+}
+
+inline void store_float(float* p, float x) { *p = x; }
+inline void store_float(bf16* p, float x) { *p = to_bf16(x); }
+
+// x as the element type T would hold it, back in fp32 (identity for float).
+inline float rounded_as(float x, const float*) { return x; }
+inline float rounded_as(float x, const bf16*) { return to_float(to_bf16(x)); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define INFLIGHT_AVX2 1
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512F__)
+#define INFLIGHT_AVX512BF16 1
+#endif
 
 // e^x, 8 at a time, for x in [-87, 88] (clamped there): x = n ln2 + r with |r| <= ln2/2,
 // e^r by the Cephes polynomial, 2^n by building the exponent bits. Relative error about
@@ -24,6 +63,42 @@ inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+// Eight elements widened to fp32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// Eight fp32 values rounded to nearest even as bfloat16 bits, in the low 16 bits of each lane.
+inline __m256i bf16_bits8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16* p, __m256 v) {
+#ifdef INFLIGHT_AVX512BF16
+    const __m128bh packed = _mm256_cvtneps_pbh(v);
+    std::memcpy(p, &packed, 16);
+#else
+    const __m256i bits = bf16_bits8(v);
+    // Pack the eight 32-bit lanes' low halves in order (packus works within 128-bit lanes).
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+#endif
+}
+
+// v as the element type T would hold it, back in fp32 (identity for float).
+inline __m256 rounded_as8(__m256 v, const float*) { return v; }
+inline __m256 rounded_as8(__m256 v, const bf16*) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
 }
 
 #endif
