@@ -31,7 +31,9 @@ from workers.scheduler import StepPlan
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: torch.Tensor | None  # [chunks that sample, vocab], in the order of the plan's chunks
+    # [chunks that sample, vocab], in the order of the plan's chunks; a chunk with drafts
+    # has a row for its decode token and one for each draft.
+    logits: torch.Tensor | None
     forward_s: float
     swap_s: float
 
@@ -93,7 +95,9 @@ class ModelRunner:
                 positions.append(start)
             else:
                 positions.extend(range(start, start + num_tokens))
-            if chunk.samples:
+            if chunk.drafts:  # logits at the decode token and at every draft, to verify them
+                sample_rows.extend(range(len(token_ids) - 1 - len(chunk.drafts), len(token_ids)))
+            elif chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
 
         graphs = self.graphs
