@@ -83,13 +83,26 @@ class StepRecord:
     step_s: float
     num_swapped_out: int = 0  # requests among `num_preempted` swapped to host; the rest recompute
     num_swapped_in: int = 0  # requests swapped back in
-    num_draft_tokens: int = 0  # speculative drafts verified (among the decode tokens)
-    num_accepted_tokens: int = 0  # of those, accepted
-    acceptance: tuple[float, ...] = ()  # accepted / drafted of each request that verified drafts
+    # (drafted, accepted) of each request that verified drafts (speculative decoding).
+    verified: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified (among the decode tokens)."""
+        return sum(drafted for drafted, _ in self.verified)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(accepted for _, accepted in self.verified)
+
+    @property
+    def acceptance(self) -> tuple[float, ...]:
+        """Accepted / drafted of each request that verified drafts."""
+        return tuple(accepted / drafted for drafted, accepted in self.verified)
 
 
 @dataclass(frozen=True)
@@ -358,9 +371,7 @@ class Engine:
             time.perf_counter() - started,
             num_swapped_out=num_swapped_out,
             num_swapped_in=len(plan.resumed),
-            num_draft_tokens=sum(drafted for drafted, _ in verified),
-            num_accepted_tokens=sum(accepted for _, accepted in verified),
-            acceptance=tuple(accepted / drafted for drafted, accepted in verified),
+            verified=tuple(verified),
         )
         return events, record
 
