@@ -1,7 +1,8 @@
 """`inflight bench --scenario spec`: speculative decoding by prompt lookup, on against off.
 
-Two workloads, each run with speculation off and then on, in the same process, so each
-ratio compares runs minutes apart on the same machine:
+Two workloads, each run on two engines over the same loaded model, speculation off and
+on, stepped alternately: one step of one, then one of the other. Each engine's time is
+the sum of its own steps, so both see the same machine, however busy it is:
 
 - `copy`: 8 chat requests whose answers quote their prompts (quote, copy or repeat a
   paragraph; extract fields), greedy, ending at EOS or `--spec-max-tokens`. Run one
@@ -13,9 +14,9 @@ ratio compares runs minutes apart on the same machine:
   the gate must keep speculation from costing throughput.
 
 Greedy decoding makes both runs produce the same tokens (checked: `identical`), so
-output tok/s compares the same work. Per run: acceptance (accepted / drafted draft
+output tok/s compares the same work. Per engine: acceptance (accepted / drafted draft
 tokens), steps, tokens verified per speculating request-step (1 + its drafts) and how
-often each length occurred, and the load average before and after.
+often each length occurred; per comparison the load average before and after.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import gc
 import os
 import random
+import time
 from collections import Counter
 
 from bench.drive import Driver, StepRecorder, random_prompts
@@ -98,63 +100,75 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
 
 
 def compare(loaded, args, on: SpeculativeConfig, requests: list[tuple], concurrency: int) -> dict:
-    """Run `requests` with speculation off, then on; their figures and the ratio."""
-    runs = {}
-    for name, speculative in (("off", SpeculativeConfig(enabled=False)), ("on", on)):
-        runs[name] = run_once(loaded, args, speculative, requests, concurrency)
-        gc.collect()
+    """Run `requests` on two engines, speculation off and on, stepped alternately (see the
+    module doc); their figures and the ratio of their output tok/s."""
+    runs = {name: Run(loaded, args, speculative, requests, concurrency)
+            for name, speculative in (("off", SpeculativeConfig(enabled=False)), ("on", on))}
+    load_before = os.getloadavg()[0]
+    while any(run.going for run in runs.values()):
+        for run in runs.values():
+            if run.going:
+                run.step()
     off, spec = runs["off"], runs["on"]
-    figures = {name: {k: v for k, v in r.items() if k != "tokens"} for name, r in runs.items()}
-    return figures | {
+    result = {name: run.figures() for name, run in runs.items()}
+    del runs
+    gc.collect()
+    return result | {
         "requests": len(requests),
         "concurrency": concurrency,
-        "identical": off["tokens"] == spec["tokens"],
-        "speedup": spec["output_tok_s"] / off["output_tok_s"],
-        "copied_fraction": copied_fraction([r[1] for r in requests], [off["tokens"][r[0]] for r in requests]),
-    }
-
-
-def run_once(loaded, args, speculative: SpeculativeConfig, requests: list[tuple], concurrency: int) -> dict:
-    engine = Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype),
-                                         speculative=speculative))
-    steps = StepRecorder(engine)
-    verified: Counter[int] = Counter()
-    previous = engine.observer
-
-    def observe(stats) -> None:  # each speculating request's tokens verified in the step: 1 + its drafts
-        if stats.step is not None:
-            for drafted, _ in stats.step.verified:
-                verified[1 + drafted] += 1
-        previous(stats)
-
-    load_before = os.getloadavg()[0]
-    driver = Driver(engine)
-    engine.observer = observe
-    pending = list(requests)
-    while pending or engine.has_unfinished():
-        while pending and len(engine.scheduler.running) + engine.scheduler.num_waiting < concurrency:
-            request_id, prompt_ids, max_tokens, ignore_eos = pending.pop(0)
-            driver.submit(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
-        driver.step()
-    wall = max(times[-1] for times in driver.token_times.values() if times)
-    drafted = sum(s.num_draft_tokens for s in steps)
-    accepted = sum(s.num_accepted_tokens for s in steps)
-    output = sum(len(t) for t in driver.tokens.values())
-    return {
-        "tokens": dict(driver.tokens),
-        "output_tokens": output,
-        "wall_s": wall,
-        "output_tok_s": output / wall,
-        "steps": len(steps),
-        "tokens_per_step": sum(s.num_tokens for s in steps) / max(1, len(steps)),
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
-        "acceptance": accepted / drafted if drafted else None,
-        "verified_tokens_per_request_step": dict(sorted(verified.items())),
-        "mean_verified_tokens": (sum(n * c for n, c in verified.items()) / sum(verified.values())
-                                 if verified else None),
+        "identical": off.driver.tokens == spec.driver.tokens,
+        "speedup": result["on"]["output_tok_s"] / result["off"]["output_tok_s"],
+        "copied_fraction": copied_fraction([r[1] for r in requests], [off.driver.tokens[r[0]] for r in requests]),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+
+
+class Run:
+    """One engine working through the requests, `concurrency` at a time, one step per call;
+    its time is the sum of its own steps."""
+
+    def __init__(self, loaded, args, speculative: SpeculativeConfig, requests: list[tuple], concurrency: int):
+        self.engine = Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype),
+                                                  speculative=speculative))
+        self.steps = StepRecorder(self.engine)
+        self.driver = Driver(self.engine)
+        self.pending = list(requests)
+        self.concurrency = concurrency
+        self.busy_s = 0.0
+
+    @property
+    def going(self) -> bool:
+        return bool(self.pending) or self.engine.has_unfinished()
+
+    def step(self) -> None:
+        scheduler = self.engine.scheduler
+        while self.pending and len(scheduler.running) + scheduler.num_waiting < self.concurrency:
+            request_id, prompt_ids, max_tokens, ignore_eos = self.pending.pop(0)
+            self.driver.submit(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        started = time.perf_counter()
+        self.driver.step()
+        self.busy_s += time.perf_counter() - started
+
+    def figures(self) -> dict:
+        steps = list(self.steps)
+        drafted = sum(s.num_draft_tokens for s in steps)
+        accepted = sum(s.num_accepted_tokens for s in steps)
+        # Each speculating request's tokens verified in a step: 1 + its drafts.
+        verified = Counter(1 + drafts for s in steps for drafts, _ in s.verified)
+        output = sum(len(t) for t in self.driver.tokens.values())
+        return {
+            "output_tokens": output,
+            "busy_s": self.busy_s,
+            "output_tok_s": output / self.busy_s,
+            "steps": len(steps),
+            "mean_step_s": self.busy_s / max(1, len(steps)),
+            "tokens_per_step": sum(s.num_tokens for s in steps) / max(1, len(steps)),
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "verified_tokens_per_request_step": dict(sorted(verified.items())),
+            "mean_verified_tokens": sum(n * c for n, c in verified.items()) / max(1, sum(verified.values())),
+        }
 
 
 def copied_fraction(prompts: list[list[int]], outputs: list[list[int]], n: int = 4) -> float:

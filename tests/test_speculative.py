@@ -299,3 +299,17 @@ def test_speculative_config_is_validated():
                 {"acceptance_threshold": 1.5}, {"cooldown_steps": 0}):
         with pytest.raises(ValueError):
             SpeculativeConfig(**bad)
+
+
+def test_the_worker_flags_map_onto_the_speculative_config():
+    import argparse
+
+    from service.config import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args([])).speculative == SpeculativeConfig()
+    config = engine_config_from_args(parser.parse_args(
+        ["--no-speculative", "--max-draft-tokens", "3", "--spec-acceptance-threshold", "0.6",
+         "--spec-cooldown-steps", "10"])).speculative
+    assert config == SpeculativeConfig(enabled=False, max_draft_tokens=3, acceptance_threshold=0.6, cooldown_steps=10)

@@ -35,7 +35,7 @@ COPYING = [
     [{"role": "user", "content": "Copy this text exactly, word for word:\n\n" + PARAGRAPHS[1]}],
     [{"role": "user", "content": "Quote the first two sentences of this text:\n\n" + PARAGRAPHS[1]}],
 ]
-MAX_TOKENS = 24
+MAX_TOKENS = 20
 OFF = SpeculativeConfig(enabled=False)
 BLOCK_BYTES = 16 * 46080  # one block of 16 tokens of SmolLM2's K/V in float32
 
@@ -65,9 +65,9 @@ def drafted_and_accepted(records) -> tuple[int, int]:
     return sum(r.num_draft_tokens for r in records), sum(r.num_accepted_tokens for r in records)
 
 
-@pytest.mark.parametrize("chunk", [7, 64])
-def test_greedy_tokens_are_identical_with_speculation_on_and_off(make_engine, baseline, chunk):
-    engine = make_engine(max_batch_tokens=96, max_prefill_chunk=chunk)
+def test_greedy_tokens_are_identical_with_speculation_on_and_off(make_engine, baseline):
+    """Staggered arrivals, prompts prefilled in chunks of 7 tokens."""
+    engine = make_engine(max_batch_tokens=96, max_prefill_chunk=7)
     records = StepRecorder(engine)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     arrivals: dict[int, list[tuple]] = {}
@@ -128,11 +128,11 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_request_as_without_specul
     finals = {}
     for speculative in (OFF, SpeculativeConfig()):
         engine = make_engine(speculative=speculative)
-        params = SamplingParams(max_tokens=MAX_TOKENS, stop=("weekend",))
+        params = SamplingParams(max_tokens=MAX_TOKENS, stop=("holiday",))
         tokens, final, text = run_to_completion(engine, {0: [("stop", baseline["copy1"][0], params)]})["stop"]
         finals[speculative.enabled] = (tokens, final.finish_reason, final.usage, text)
     assert finals[True] == finals[False]
-    assert finals[True][1] is FinishReason.STOP and "weekend" not in finals[True][3]
+    assert finals[True][1] is FinishReason.STOP and "holiday" not in finals[True][3]
 
 
 def test_random_cancels_mid_speculation_leave_no_block_behind(make_engine, baseline):
@@ -147,7 +147,7 @@ def test_random_cancels_mid_speculation_leave_no_block_behind(make_engine, basel
     live = {f"r{i}" for i in range(12)}
     cancelled_while_drafting = 0
     while engine.has_unfinished():
-        drafting = {c.request.request_id for c in engine.scheduler.running if c.draft_gate and c.draft_gate.total_drafted}
+        drafting = {r.request_id for r in engine.scheduler.running if r.draft_gate and r.draft_gate.total_drafted}
         if live and rng.random() < 0.3:
             victim = rng.choice(sorted(live))
             cancelled_while_drafting += victim in drafting
