@@ -141,8 +141,8 @@ class Run:
         return bool(self.pending) or self.engine.has_unfinished()
 
     def step(self) -> None:
-        scheduler = self.engine.scheduler
-        while self.pending and len(scheduler.running) + scheduler.num_waiting < self.concurrency:
+        driver = self.driver
+        while self.pending and len(driver.arrivals) - len(driver.finals) < self.concurrency:
             request_id, prompt_ids, max_tokens, ignore_eos = self.pending.pop(0)
             self.driver.submit(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
         started = time.perf_counter()

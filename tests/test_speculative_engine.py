@@ -66,8 +66,8 @@ def drafted_and_accepted(records) -> tuple[int, int]:
 
 
 def test_greedy_tokens_are_identical_with_speculation_on_and_off(make_engine, baseline):
-    """Staggered arrivals, prompts prefilled in chunks of 7 tokens."""
-    engine = make_engine(max_batch_tokens=96, max_prefill_chunk=7)
+    """Staggered arrivals, prompts prefilled in chunks of 16 tokens."""
+    engine = make_engine(max_batch_tokens=96, max_prefill_chunk=16)
     records = StepRecorder(engine)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     arrivals: dict[int, list[tuple]] = {}

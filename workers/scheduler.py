@@ -414,6 +414,7 @@ class Scheduler:
         if not wanted:
             return
         wanted.sort(key=lambda entry: entry[1].queue_key)
+        del wanted[room:]  # each takes a token at least
         histories = []
         for _, request, _ in wanted:
             history = request.history
