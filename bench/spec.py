@@ -166,7 +166,7 @@ class Run:
             "drafted_tokens": drafted,
             "accepted_tokens": accepted,
             "acceptance": accepted / drafted if drafted else None,
-            "verified_tokens_per_request_step": dict(sorted(verified.items())),
+            "verified_tokens_per_request_step": {str(n): c for n, c in sorted(verified.items())},
             "mean_verified_tokens": sum(n * c for n, c in verified.items()) / max(1, sum(verified.values())),
         }
 

@@ -193,11 +193,11 @@ def test_overhead_scenario_reports_the_host_time_of_each_phase(tmp_path):
 
 @pytest.mark.slow
 def test_spec_scenario_compares_speculation_on_and_off_on_the_same_tokens(tmp_path):
-    report = bench(tmp_path, "--scenario", "spec", "--spec-copy-requests", "2", "--spec-max-tokens", "16",
-                   "--spec-concurrency", "1,2", "--requests", "2", "--prompt-len", "8", "12", "--output-len", "4", "6")
+    report = bench(tmp_path, "--scenario", "spec", "--spec-copy-requests", "1", "--spec-max-tokens", "12",
+                   "--spec-concurrency", "1", "--requests", "2", "--prompt-len", "8", "12", "--output-len", "4", "6")
     figures = report["spec"]
-    assert set(figures) == {"max_draft_tokens", "copy_c1", "copy_c2", "default"}
-    for name in ("copy_c1", "copy_c2", "default"):
+    assert set(figures) == {"max_draft_tokens", "copy_c1", "default"}
+    for name in ("copy_c1", "default"):
         run = figures[name]
         assert run["identical"] and finite_positive(run["speedup"])
         assert run["off"]["output_tokens"] == run["on"]["output_tokens"] > 0

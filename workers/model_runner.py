@@ -89,7 +89,14 @@ class ModelRunner:
         sample_rows: list[int] = []
         for chunk in plan.chunks:
             start, num_tokens = chunk.start, len(chunk.token_ids)
-            sequences.append(SequenceSlice(len(token_ids), num_tokens, start + num_tokens, chunk.block_ids))
+            if chunk.drafts:
+                # A token and its drafts attend as one-token decodes, each over the context
+                # up to its own position: every token's K/V is written before attention, so
+                # they take the decode kernel rather than the path of prompt chunks.
+                sequences.extend(SequenceSlice(len(token_ids) + i, 1, start + i + 1, chunk.block_ids)
+                                 for i in range(num_tokens))
+            else:
+                sequences.append(SequenceSlice(len(token_ids), num_tokens, start + num_tokens, chunk.block_ids))
             token_ids.extend(chunk.token_ids)
             if num_tokens == 1:
                 positions.append(start)
