@@ -1,8 +1,9 @@
 """`inflight bench --scenario spec`: speculative decoding by prompt lookup, on against off.
 
 Two workloads, each run on two engines over the same loaded model, speculation off and
-on, stepped alternately: one step of one, then one of the other. Each engine's time is
-the sum of its own steps, so both see the same machine, however busy it is:
+on, stepped in turns: the one that has produced fewer tokens steps next, so both cross
+the workload over the same stretch of time. Each engine's time is the sum of its own
+steps, so both see the same machine, however busy it is:
 
 - `copy`: 8 chat requests whose answers quote their prompts (quote, copy or repeat a
   paragraph; extract fields), greedy, ending at EOS or `--spec-max-tokens`. Run one
@@ -106,9 +107,8 @@ def compare(loaded, args, on: SpeculativeConfig, requests: list[tuple], concurre
             for name, speculative in (("off", SpeculativeConfig(enabled=False)), ("on", on))}
     load_before = os.getloadavg()[0]
     while any(run.going for run in runs.values()):
-        for run in runs.values():
-            if run.going:
-                run.step()
+        # The one behind steps next, so both cross the workload over the same stretch of time.
+        min((run for run in runs.values() if run.going), key=lambda run: run.num_output_tokens).step()
     off, spec = runs["off"], runs["on"]
     result = {name: run.figures() for name, run in runs.items()}
     del runs
@@ -135,6 +135,10 @@ class Run:
         self.pending = list(requests)
         self.concurrency = concurrency
         self.busy_s = 0.0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self.driver.tokens.values())
 
     @property
     def going(self) -> bool:
