@@ -108,7 +108,9 @@ class ModelRunner:
                 sample_rows.append(len(token_ids) - 1)
 
         graphs = self.graphs
-        if graphs is not None and graphs.backend is self.backend and graphs.applies(sequences):
+        # Steps that verify drafts run eagerly: their several logit rows per request were never checked under a graph.
+        if graphs is not None and graphs.backend is self.backend and not plan.num_draft_tokens \
+                and graphs.applies(sequences):
             started = time.perf_counter()
             logits = graphs.run(token_ids, positions, sequences, sample_rows)
             return StepOutput(logits, time.perf_counter() - started, swap_s)
