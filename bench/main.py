@@ -47,7 +47,7 @@ from workers.config import DTYPES
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp")
 SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak",
-             "intake", "overhead", "gateway", "structured")
+             "intake", "overhead", "gateway", "structured", "spec")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 # The single-stream scenario's workload, where the flags are left at their defaults.
@@ -59,10 +59,10 @@ SCENARIO_MODULES = {
     "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
     "overhead": "bench.overhead", "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis",
     "edge": "bench.edge", "soak": "bench.soak", "intake": "bench.intake", "gateway": "bench.gateway",
-    "structured": "bench.structured",
+    "structured": "bench.structured", "spec": "bench.spec",
 }  # fmt: skip
 # Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.
-MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead", "structured")
+MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead", "structured", "spec")
 
 
 def scenario_module(name: str):

@@ -12,7 +12,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.config import DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, default_cache_dir
+from workers.config import (DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+                            default_cache_dir)
 
 @dataclass(frozen=True)
 class RedisConfig:
@@ -170,7 +171,7 @@ def worker_config_from_args(args, url: str) -> WorkerConfig:
 
 def add_engine_arguments(parser) -> None:
     """The command-line flags that map onto `EngineConfig` (defaults shown in --help)."""
-    model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
+    model, cache, sched, spec = ModelConfig(), CacheConfig(), SchedulerConfig(), SpeculativeConfig()
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=model.source, help="HF model dir or hub id, a .gguf file, or random:NAME (random weights, e.g. random:smollm2-135m) (default: bundled SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=model.dtype, choices=DTYPES)
@@ -189,6 +190,10 @@ def add_engine_arguments(parser) -> None:
     group.add_argument("--max-prefill-chunk", type=int, default=sched.max_prefill_chunk, help="prompt tokens of one request per step (default: %(default)s)")
     group.add_argument("--max-running-requests", type=int, default=sched.max_running_requests, help="requests holding KV blocks at once (default: %(default)s)")
     group.add_argument("--priority-bound-s", type=float, default=sched.priority_bound_s, help="no request is overtaken by one arriving this much later (default: %(default)s)")
+    group.add_argument("--no-speculative", dest="speculative", action="store_false", help="never draft tokens by prompt lookup (speculative decoding)")
+    group.add_argument("--max-draft-tokens", type=int, default=spec.max_draft_tokens, help="draft tokens one request verifies per step, at most (default: %(default)s)")
+    group.add_argument("--spec-acceptance-threshold", type=float, default=spec.acceptance_threshold, help="a request whose drafts are accepted less than this stops drafting for a cool-down (default: %(default)s)")
+    group.add_argument("--spec-cooldown-steps", type=int, default=spec.cooldown_steps, help="steps a gated request waits before drafting again, doubled after each pause that follows another (default: %(default)s)")
 
 
 def engine_config_from_args(args) -> EngineConfig:
@@ -208,6 +213,12 @@ def engine_config_from_args(args) -> EngineConfig:
             max_prefill_chunk=args.max_prefill_chunk,
             max_running_requests=args.max_running_requests,
             priority_bound_s=args.priority_bound_s,
+        ),
+        speculative=SpeculativeConfig(
+            enabled=args.speculative,
+            max_draft_tokens=args.max_draft_tokens,
+            acceptance_threshold=args.spec_acceptance_threshold,
+            cooldown_steps=args.spec_cooldown_steps,
         ),
     )
 

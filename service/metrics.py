@@ -5,8 +5,9 @@ It is fed from three places, none of which imports prometheus_client:
 - `observe_step`, the engine's observer (`Engine.observer`), called in the stepping
   thread after every step with an `EngineStats`: the queue, first-token and
   inter-token latencies it made, batch composition, step time, budget use,
-  requests by state and priority, KV blocks, preemptions and swaps, and the prefix
-  cache (tokens queried, hits and cached blocks by tier, evictions, offloads);
+  requests by state and priority, KV blocks, preemptions and swaps, the prefix
+  cache (tokens queried, hits and cached blocks by tier, evictions, offloads), and
+  speculative decoding (draft tokens verified and accepted, acceptance per verification);
 - `observe_finished`, `observe_outcome` and `observe_dead_letter`, from the worker;
 - `poll_ingest`, from the worker's event loop every `ingest_poll_s`: Redis lag, pending
   entries and dead letters (a few round trips, never in the model thread).
@@ -35,6 +36,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.
 PUBLISH_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+# A verification accepts none, some or all of its drafts; 0.5 is the gate's default threshold.
+ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.8, 0.99, 1.0)
 
 # Requests end with a finish reason, or are rejected before reaching the engine (a job
 # that cannot be decoded, delivered too often, or a duplicate id).
@@ -115,6 +118,14 @@ class Metrics:
                                      "Fraction of a step's token budget used: batch (prefill + decode), prefill, decode.",
                                      ["budget"], buckets=RATIO_BUCKETS, registry=registry)
 
+        # -- speculative decoding (after each step) ---------------------------------------
+        self.speculative_tokens = Counter("inflight_speculative_tokens",
+                                          "Draft tokens verified by speculative decoding, by kind (drafted; accepted, "
+                                          "of those).", ["kind"], registry=registry)
+        self.speculative_acceptance = Histogram("inflight_speculative_acceptance_ratio",
+                                                "Accepted / drafted tokens of one request's verification in one step.",
+                                                buckets=ACCEPTANCE_BUCKETS, registry=registry)
+
         # -- Redis ingest -----------------------------------------------------------------
         self.ingest_lag = Gauge("inflight_ingest_lag_entries",
                                 "Entries in the request stream not yet delivered to the consumer group (XINFO GROUPS lag).",
@@ -144,6 +155,8 @@ class Metrics:
             self.prefix_evicted.labels(pool)
         for kind in ("prefill", "decode"):
             self.step_tokens.labels(kind)
+        for kind in ("drafted", "accepted"):
+            self.speculative_tokens.labels(kind)
         for budget in ("batch", "prefill", "decode"):
             self.step_budget.labels(budget)
         self._priorities_seen: set[tuple[str, int]] = set()
@@ -179,6 +192,11 @@ class Metrics:
             self.swapped_requests.labels("in").inc(step.num_swapped_in)
             self.swapped_blocks.labels("out").inc(step.num_blocks_swapped_out)
             self.swapped_blocks.labels("in").inc(step.num_blocks_swapped_in)
+            if step.num_draft_tokens:
+                self.speculative_tokens.labels("drafted").inc(step.num_draft_tokens)
+                self.speculative_tokens.labels("accepted").inc(step.num_accepted_tokens)
+                for ratio in step.acceptance:
+                    self.speculative_acceptance.observe(ratio)
 
         census = stats.census
         now = {(state, priority): count for state, counts in zip(STATES, (census.running, census.waiting, census.swapped))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from workers.engine import Engine
 from workers.model_loader import LoadedModel, load_model
 
@@ -45,12 +45,14 @@ def make_engine(smollm2):
 
     def build(loaded: LoadedModel | None = None, kv_memory_bytes: int = TEST_KV_MEMORY,
               swap_memory_bytes: int = TEST_SWAP_MEMORY, block_size: int = CacheConfig.block_size,
-              prefix_caching: bool = CacheConfig.prefix_caching, **scheduler) -> Engine:
+              prefix_caching: bool = CacheConfig.prefix_caching,
+              speculative: SpeculativeConfig = SpeculativeConfig(), **scheduler) -> Engine:
         config = EngineConfig(
             model=ModelConfig(),
             cache=CacheConfig(kv_memory_bytes=kv_memory_bytes, swap_memory_bytes=swap_memory_bytes,
                               block_size=block_size, prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(**scheduler),
+            speculative=speculative,
         )
         engine = Engine(loaded or smollm2, config)
         engines.append(engine)

@@ -189,3 +189,21 @@ def test_overhead_scenario_reports_the_host_time_of_each_phase(tmp_path):
         phases = sum(per_step[phase]["mean"] for phase in ("scheduling", "metadata", "sampling",
                                                            "detokenization", "events", "other"))
         assert phases == pytest.approx(per_step["total"]["mean"])
+
+
+@pytest.mark.slow
+def test_spec_scenario_compares_speculation_on_and_off_on_the_same_tokens(tmp_path):
+    report = bench(tmp_path, "--scenario", "spec", "--spec-copy-requests", "1", "--spec-max-tokens", "12",
+                   "--spec-concurrency", "1", "--requests", "2", "--prompt-len", "8", "12", "--output-len", "4", "6")
+    figures = report["spec"]
+    assert set(figures) == {"max_draft_tokens", "copy_c1", "default"}
+    for name in ("copy_c1", "default"):
+        run = figures[name]
+        assert run["identical"] and finite_positive(run["speedup"])
+        assert run["off"]["output_tokens"] == run["on"]["output_tokens"] > 0
+        assert run["off"]["drafted_tokens"] == 0
+    copy = figures["copy_c1"]
+    assert copy["copied_fraction"] > 0.5  # the model quotes its prompt
+    on = copy["on"]
+    assert 0 < on["accepted_tokens"] <= on["drafted_tokens"] and on["steps"] < copy["off"]["steps"]
+    assert sum(on["verified_tokens_per_request_step"].values()) > 0 and on["mean_verified_tokens"] > 1

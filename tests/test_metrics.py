@@ -243,3 +243,26 @@ def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits():
     assert result.returncode == 1
     [line] = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     assert (line["event"], line["level"], line["port"]) == ("metrics_port_unavailable", "error", port)
+
+
+@pytest.mark.slow
+def test_speculative_decoding_counts_drafted_and_accepted_tokens_and_each_verification(make_engine):
+    from tests.test_speculative_engine import COPYING
+
+    engine = make_engine()
+    metrics = Metrics(engine.config.scheduler)
+    verifications = []
+
+    def observe(stats):
+        verifications.extend(stats.step.acceptance if stats.step else ())
+        metrics.observe_step(stats)
+
+    engine.observer = observe
+    engine.add_request("copies", COPYING[1], SamplingParams(max_tokens=24))
+    while engine.has_unfinished():
+        engine.step()
+    drafted = value(metrics, "inflight_speculative_tokens_total", kind="drafted")
+    accepted = value(metrics, "inflight_speculative_tokens_total", kind="accepted")
+    assert 0 < accepted <= drafted
+    assert value(metrics, "inflight_speculative_acceptance_ratio_count") == len(verifications) > 0
+    assert value(metrics, "inflight_speculative_acceptance_ratio_sum") == pytest.approx(sum(verifications))

@@ -100,13 +100,19 @@ class FakeRunner:
                 block = blocks[index]
                 assert pool.holders(block) == 1, f"{rid} writes block {block}, held by {pool.holders(block)}"
                 assert pool.address(block) is None, f"{rid} writes block {block}, cached under an address"
-            assert tuple(request.token_slice(chunk.start, end)) == chunk.token_ids
+            known = end - len(chunk.drafts)  # drafts are not the request's tokens (yet)
+            assert tuple(request.token_slice(chunk.start, known)) == chunk.token_ids[: chunk.num_tokens - len(chunk.drafts)]
+            context = tuple(request.token_slice(0, known)) + chunk.drafts
             for pos in range(chunk.start, end):
-                self.device.setdefault(blocks[pos // BLOCK], {})[pos % BLOCK] = (pos, tuple(request.token_slice(0, pos + 1)))
-        sampled = [SAMPLED for chunk in plan.chunks if chunk.samples]
-        took = self.scheduler.update_from_output(plan, sampled)
+                self.device.setdefault(blocks[pos // BLOCK], {})[pos % BLOCK] = (pos, context[: pos + 1])
+        took = self.scheduler.update_from_output(plan, *self.sample(plan))
         self.check_registered_blocks()
         return [r for r in took if r.status is RequestStatus.FINISHED]
+
+    def sample(self, plan: StepPlan) -> tuple[list[int], list[int]]:
+        """Each sampling chunk's token (always SAMPLED) and its accepted drafts (none)."""
+        num_sampling = sum(1 for chunk in plan.chunks if chunk.samples)
+        return [SAMPLED] * num_sampling, [0] * num_sampling
 
     def check_registered_blocks(self) -> None:
         """Every block registered under an address (device or host tier) holds the K/V

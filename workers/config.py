@@ -127,8 +127,44 @@ class StructuredConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (`workers/speculative.py`).
+
+    On by default: a request whose drafts are mostly rejected stops drafting (the
+    gate), and drafts only take what the step's budgets and free blocks leave over, so
+    a workload that copies nothing pays little (figures in docs/benchmarks.md).
+    Requests with a constraint or log probabilities never speculate.
+    """
+
+    enabled: bool = True
+    # Most draft tokens one request verifies in a step (K); each counts against
+    # max_decode_tokens and max_batch_tokens.
+    max_draft_tokens: int = 5
+    # Prompt lookup matches the last n tokens, n from max_ngram down to min_ngram.
+    min_ngram: int = 2
+    max_ngram: int = 3
+    # A request whose recent acceptance (accepted / drafted tokens) falls below this
+    # stops speculating for a cool-down.
+    acceptance_threshold: float = 0.5
+    # Steps a paused request waits before drafting again (doubled after each pause
+    # that follows another, up to 8 times this).
+    cooldown_steps: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("max_draft_tokens", "min_ngram", "cooldown_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.max_ngram, bool) or not isinstance(self.max_ngram, int) or self.max_ngram < self.min_ngram:
+            raise ValueError(f"max_ngram must be an integer >= min_ngram, got {self.max_ngram!r}")
+        if not 0.0 <= self.acceptance_threshold <= 1.0:
+            raise ValueError(f"acceptance_threshold must be in [0, 1], got {self.acceptance_threshold!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -5,7 +5,19 @@ the scheduler picks this step's tokens, the model runner runs one forward over t
 the sampler draws a token for every request that reached the end of its known
 tokens, and the scheduler moves each request on and retires the finished ones, their
 blocks freed at once. The engine turns what changed into events (detokenized text,
-stop strings, timings).
+stop strings, timings), one token event per token.
+
+**Verifying drafts** (speculative decoding, `workers/speculative.py`). A speculating
+request's chunk is its last token and K drafts, and the step returns logits at each of
+them. The sampler draws at the first position as for any request; while the drawn token
+equals the draft at that position, the draft is accepted and the next position is drawn
+(with the request's own generator, one draw per position, as without speculation), up
+to the position after the last draft. The last token drawn is the model's own next
+token. Greedy, this keeps the longest prefix of drafts that the argmax agrees with.
+Sampled, it is rejection sampling against a point-mass draft: a draft x is accepted
+with probability p(x), and on rejection the token drawn is distributed as p with x
+removed, renormalized (the residual max(p - q, 0)); so the output keeps the model's
+distribution, and a seeded request draws the very tokens it draws without speculation.
 
 `add_request` and `cancel` may be called from another thread than `step` (the async
 front end steps in a worker thread): they only validate and post a command
@@ -48,7 +60,7 @@ from workers.request import (
     validate_priority,
 )
 from workers.sampler import Sampler, make_generator
-from workers.scheduler import CacheStats, Census, Scheduler
+from workers.scheduler import CacheStats, Census, ScheduledChunk, Scheduler
 from workers.structured import Grammars, GrammarState, InvalidGrammar
 
 _log = logging.getLogger("inflight.engine")
@@ -58,7 +70,8 @@ Prompt = str | list[dict] | list[int]
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did and what it cost (for benchmarks and metrics)."""
+    """What one step did and what it cost (for benchmarks and metrics). Decode tokens
+    include the draft tokens verified; `num_sampled` counts requests that sampled."""
 
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -71,10 +84,26 @@ class StepRecord:
     step_s: float
     num_swapped_out: int = 0  # requests among `num_preempted` swapped to host; the rest recompute
     num_swapped_in: int = 0  # requests swapped back in
+    # (drafted, accepted) of each request that verified drafts (speculative decoding).
+    verified: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified (among the decode tokens)."""
+        return sum(drafted for drafted, _ in self.verified)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(accepted for _, accepted in self.verified)
+
+    @property
+    def acceptance(self) -> tuple[float, ...]:
+        """Accepted / drafted of each request that verified drafts."""
+        return tuple(accepted / drafted for drafted, accepted in self.verified)
 
 
 @dataclass(frozen=True)
@@ -157,7 +186,7 @@ class Engine:
         # Cached blocks are only valid for the K/V of this model in this dtype.
         salt = hashlib.blake2b(f"{config.model.source}|{config.model.dtype}".encode(), digest_size=16).digest()
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.host_allocator,
-                                   salt if config.cache.prefix_caching else None)
+                                   salt if config.cache.prefix_caching else None, config.speculative)
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
         self._token_texts: dict[int, str] = {}  # single tokens' text, shared by the detokenizers
@@ -303,7 +332,7 @@ class Engine:
             return events, None
         num_swapped_out = sum(1 for r in plan.preempted if r.status is RequestStatus.SWAPPED)
         num_decode = plan.num_decode_tokens
-        sampling = [c.request for c in plan.chunks if c.samples]
+        sampling = [c for c in plan.chunks if c.samples]
         first_scheduled = [c.request for c in plan.chunks if c.request.scheduled_time is None]
         try:
             copied = False
@@ -312,7 +341,7 @@ class Engine:
                 copied = True
             finally:
                 self.scheduler.swaps_done(plan, copied)
-            token_ids = self._sample(output.logits, sampling) if sampling else []
+            token_ids, num_accepted = self._sample(output.logits, sampling) if sampling else ([], [])
         except Exception as error:  # a failed step fails its requests, not the engine
             message = f"model step failed: {type(error).__name__}: {error}"
             # The requests it ran, and those whose blocks it was moving (their K/V may be lost).
@@ -326,8 +355,11 @@ class Engine:
         for request in first_scheduled:
             request.scheduled_time = started
             self._queue_s.append(started - request.arrival_time)
-        for request in self.scheduler.update_from_output(plan, token_ids):
-            events.extend(self._token_events(request, now))
+        num_outputs = [len(c.request.output_token_ids) for c in sampling]
+        took = self.scheduler.update_from_output(plan, token_ids, num_accepted)
+        for request, before in zip(took, num_outputs):
+            events.extend(self._token_events(request, now, len(request.output_token_ids) - before))
+        verified = [(len(c.drafts), accepted) for c, accepted in zip(sampling, num_accepted) if c.drafts]
         record = StepRecord(
             plan.num_tokens - num_decode,
             num_decode,
@@ -340,12 +372,47 @@ class Engine:
             time.perf_counter() - started,
             num_swapped_out=num_swapped_out,
             num_swapped_in=len(plan.resumed),
+            verified=tuple(verified),
         )
         return events, record
 
     # -- internals -----------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+        """A token for each sampling chunk, and how many of its drafts were accepted (the
+        token follows them). `logits` has a row for each chunk and for each of its drafts."""
+        if not any(chunk.drafts for chunk in chunks):
+            return self._sample_rows(logits, [c.request for c in chunks]), [0] * len(chunks)
+        firsts, row = [], 0
+        for chunk in chunks:
+            firsts.append(row)
+            row += 1 + len(chunk.drafts)
+        token_ids = self._sample_rows(logits[firsts], [c.request for c in chunks])
+        return token_ids, self._verify(logits, chunks, firsts, token_ids)
+
+    def _verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk], firsts: list[int],
+                token_ids: list[int]) -> list[int]:
+        """Accept each chunk's drafts while the token drawn at a draft's position is that
+        draft, drawing the next position's token in its place (see the module doc);
+        `token_ids` ends holding each chunk's last token drawn. Returns the accepted counts."""
+        accepted = [0] * len(chunks)
+        going = [i for i, chunk in enumerate(chunks) if chunk.drafts]
+        depth = 0
+        while going:
+            going = [i for i in going if token_ids[i] == chunks[i].drafts[depth]]
+            depth += 1
+            if not going:
+                break
+            requests = [chunks[i].request for i in going]
+            drawn = self.sampler.sample(logits[[firsts[i] + depth for i in going]], [r.params for r in requests],
+                                        [self._choice(r).generator for r in requests])
+            for i, token_id in zip(going, drawn):
+                token_ids[i] = token_id
+                accepted[i] = depth
+            going = [i for i in going if depth < len(chunks[i].drafts)]
+        return accepted
+
+    def _sample_rows(self, logits: torch.Tensor, sampling: list[Request]) -> list[int]:
         """A token for each sampling row: log probabilities taken first (the model's own),
         then the constrained rows masked, then sampled; grammars take their tokens."""
         choices = [self._choice(r) for r in sampling]
@@ -467,24 +534,35 @@ class Engine:
     def _choice(self, request: Request) -> _Choice:
         return self._live[request.request_id].choices[request.index]
 
-    def _token_events(self, request: Request, now: float) -> list[Event]:
-        """The events of the token `request` just took: its text, and its end if the
-        scheduler retired it or its text reached a stop string."""
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self._first_token_s.append(now - request.arrival_time)
-        else:
-            self._inter_token_s.append(now - request.token_times[-1])
-        request.token_times.append(now)
-        token_id = request.output_token_ids[-1]
+    def _token_events(self, request: Request, now: float, num_tokens: int) -> list[Event]:
+        """The events of the `num_tokens` tokens `request` just took, one each: its text,
+        and its end if the scheduler retired it or its text reached a stop string (the
+        tokens after that one are dropped)."""
         choice = self._choice(request)
         detokenizer = choice.detokenizer
-        stop_token = token_id in request.stop_token_ids
-        text = "" if stop_token else detokenizer.push([token_id])
-        events: list[Event] = [TokenEvent(request.request_id, (token_id,), text, request.index,
-                                          *(choice.logprobs or (None, None, ())))]
-        if request.status is not RequestStatus.FINISHED and detokenizer.stopped:
-            self.scheduler.finish(request, FinishReason.STOP)
+        events: list[Event] = []
+        first = len(request.output_token_ids) - num_tokens
+        for position in range(first, first + num_tokens):
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self._first_token_s.append(now - request.arrival_time)
+            else:
+                self._inter_token_s.append(now - request.token_times[-1])
+            request.token_times.append(now)
+            token_id = request.output_token_ids[position]
+            stop_token = token_id in request.stop_token_ids
+            text = "" if stop_token else detokenizer.push([token_id])
+            events.append(TokenEvent(request.request_id, (token_id,), text, request.index,
+                                     *(choice.logprobs or (None, None, ()))))
+            if detokenizer.stopped:
+                if request.status is not RequestStatus.FINISHED:
+                    self.scheduler.finish(request, FinishReason.STOP, position + 1)
+                elif position + 1 < len(request.output_token_ids):
+                    # Retired at a later token of this step (max_tokens, a stop token):
+                    # the stop string came first.
+                    del request.output_token_ids[position + 1:]
+                    request.finish_reason = FinishReason.STOP
+                break
         if request.status is not RequestStatus.FINISHED and choice.grammar is not None:
             self._end_by_grammar(request, choice.grammar)
         if request.status is RequestStatus.FINISHED:

@@ -31,7 +31,9 @@ from workers.scheduler import StepPlan
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: torch.Tensor | None  # [chunks that sample, vocab], in the order of the plan's chunks
+    # [chunks that sample, vocab], in the order of the plan's chunks; a chunk with drafts
+    # has a row for its decode token and one for each draft.
+    logits: torch.Tensor | None
     forward_s: float
     swap_s: float
 
@@ -87,17 +89,28 @@ class ModelRunner:
         sample_rows: list[int] = []
         for chunk in plan.chunks:
             start, num_tokens = chunk.start, len(chunk.token_ids)
-            sequences.append(SequenceSlice(len(token_ids), num_tokens, start + num_tokens, chunk.block_ids))
+            if chunk.drafts:
+                # A token and its drafts attend as one-token decodes, each over the context
+                # up to its own position: every token's K/V is written before attention, so
+                # they take the decode kernel rather than the path of prompt chunks.
+                sequences.extend(SequenceSlice(len(token_ids) + i, 1, start + i + 1, chunk.block_ids)
+                                 for i in range(num_tokens))
+            else:
+                sequences.append(SequenceSlice(len(token_ids), num_tokens, start + num_tokens, chunk.block_ids))
             token_ids.extend(chunk.token_ids)
             if num_tokens == 1:
                 positions.append(start)
             else:
                 positions.extend(range(start, start + num_tokens))
-            if chunk.samples:
+            if chunk.drafts:  # logits at the decode token and at every draft, to verify them
+                sample_rows.extend(range(len(token_ids) - 1 - len(chunk.drafts), len(token_ids)))
+            elif chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
 
         graphs = self.graphs
-        if graphs is not None and graphs.backend is self.backend and graphs.applies(sequences):
+        # Steps that verify drafts run eagerly: their several logit rows per request were never checked under a graph.
+        if graphs is not None and graphs.backend is self.backend and not plan.num_draft_tokens \
+                and graphs.applies(sequences):
             started = time.perf_counter()
             logits = graphs.run(token_ids, positions, sequences, sample_rows)
             return StepOutput(logits, time.perf_counter() - started, swap_s)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from workers.speculative import DraftGate, TokenHistory
 
 
 class InvalidRequest(ValueError):
@@ -182,6 +185,10 @@ class Request:
     queue_key: tuple[float, int] = (0.0, 0)
     running_since_step: int = 0
     finish_reason: FinishReason | None = None
+    # Speculative decoding (`workers/speculative.py`): how many tokens it may draft, and
+    # its tokens as the proposer indexes them. None for a request that never speculates.
+    draft_gate: DraftGate | None = None
+    history: TokenHistory | None = None
     # Timestamps (time.perf_counter) for the final event's timings.
     scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -60,10 +60,20 @@ token lies in is shared, so it is copied first (copy on write: the plan's `copie
 device to device). A block held by more than one request is never written. The lead
 is admitted only when the running set has room for all its choices.
 
+**Speculation** (`workers/speculative.py`; on with a `SpeculativeConfig`). Last in
+each step, once decodes and prompt chunks are planned, decoding requests whose gate
+allows it (best queue key first) may extend their one-token chunk with draft tokens
+from the proposer: what is left of `max_decode_tokens` and `max_batch_tokens` after
+everyone else, and blocks only while more stay free than there are running requests
+(each may need one next step). So under load speculation yields first: it never takes
+another request's tokens or forces a preemption. The drafts' K/V slots are written by
+the step; `update_from_output` keeps the accepted ones and frees every block that held
+only rejected ones.
+
 **After the step** the scheduler owns what changed: `update_from_output` moves each
-chunk's request past the tokens it ran, appends the sampled tokens, and retires the
-requests that reached a stop token or max_tokens. The engine retires the rest through
-`finish` (stop strings, cancels, deadlines, a failed step).
+chunk's request past the tokens it ran, appends the sampled tokens (after any accepted
+drafts), and retires the requests that reached a stop token or max_tokens. The engine
+retires the rest through `finish` (stop strings, cancels, deadlines, a failed step).
 """
 
 from __future__ import annotations
@@ -74,9 +84,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from workers.config import SchedulerConfig
+from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.block_manager import BlockPool, block_hash, blocks_needed
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus
+from workers.speculative import DraftGate, PromptLookup, Proposer, TokenHistory
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
@@ -96,7 +107,10 @@ class ScheduledChunk(NamedTuple):
     # appends to it only in a later step, so it holds still while this one runs).
     block_ids: list[int]
     samples: bool  # reaches the request's last known token: a new token is sampled
-    is_decode: bool  # the one token a decoding request runs
+    is_decode: bool  # the one token a decoding request runs (and its drafts)
+    # Draft tokens run after the decode token, to be verified (the last of `token_ids`);
+    # the step samples a token at each of them as well.
+    drafts: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +137,12 @@ class StepPlan:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if c.is_decode)
+        """Decode tokens, drafts included: they spend the decode budget."""
+        return sum(len(c.token_ids) for c in self.chunks if c.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.drafts) for c in self.chunks)
 
     @property
     def has_work(self) -> bool:
@@ -173,8 +192,16 @@ class Scheduler:
         block_size: int,
         host_allocator: BlockPool | None = None,
         cache_salt: bytes | None = None,
+        speculative: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`speculative` (enabled) turns speculation on, drafting with `proposer` (default:
+        prompt lookup)."""
         self.config = config
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+        if self.speculative is not None and proposer is None:
+            proposer = PromptLookup(self.speculative.min_ngram, self.speculative.max_ngram)
+        self.proposer = proposer if self.speculative is not None else None
         self.allocator = allocator
         self.host_allocator = host_allocator  # None: no host pool, preemption recomputes
         self.block_size = block_size
@@ -199,14 +226,26 @@ class Scheduler:
             raise ValueError(f"request {request.request_id} needs more KV blocks than the pool has")
         if 1 + len(request.forks) > self.config.max_running_requests:
             raise ValueError(f"request {request.request_id} has more choices than max_running_requests")
+        if self.speculative is not None:
+            for choice in (request, *request.forks):
+                params = choice.params
+                # A constraint or log probabilities would need every draft checked by the
+                # grammar or given its own: such requests do not speculate.
+                if not params.constrained and not params.wants_logprobs:
+                    choice.draft_gate = DraftGate(self.speculative)
+                    choice.history = TokenHistory()
         virtual_arrival = request.arrival_time - (request.priority - PRIORITY_MIN) * self._priority_weight
         request.queue_key = (virtual_arrival, next(self._order))  # the count breaks ties first come first
         self._enqueue(request, RequestStatus.WAITING)
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """Retire a request (finished, cancelled, expired or failed); free all its blocks at once."""
+    def finish(self, request: Request, reason: FinishReason, num_output_tokens: int | None = None) -> None:
+        """Retire a request (finished, cancelled, expired or failed); free all its blocks at once.
+        `num_output_tokens`: it ends after that many output tokens (a stop string found
+        among the tokens one verified step took); the later ones are dropped."""
+        if num_output_tokens is not None:
+            del request.output_token_ids[num_output_tokens:]
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.FORKING:
@@ -253,23 +292,32 @@ class Scheduler:
                           self.allocator.num_evictions, host.num_evictions if host else 0,
                           self.allocator.num_cached, host.num_cached if host else 0)
 
-    def update_from_output(self, plan: StepPlan, sampled_token_ids: list[int]) -> list[Request]:
+    def update_from_output(self, plan: StepPlan, sampled_token_ids: list[int],
+                           num_accepted: list[int] | None = None) -> list[Request]:
         """The step ran `plan`: its chunks' K/V are cached now, and `sampled_token_ids`
-        holds one token per sampling chunk, in plan order. Moves each request on and
-        retires those that reached a stop token or max_tokens (`finish_reason` set).
-        Returns the requests that took a token, in plan order."""
+        holds one token per sampling chunk, in plan order; `num_accepted` (same order) how
+        many of each chunk's drafts were accepted: the sampled token follows those.
+        Moves each request on and retires those that reached a stop token or max_tokens
+        (`finish_reason` set). Returns the requests that took tokens, in plan order."""
         caching, block_size = self.cache_salt is not None, self.block_size
         for chunk in plan.chunks:
+            if chunk.drafts:
+                continue  # moved on below, by what was accepted
             request = chunk.request
             start = request.num_computed
             end = start + len(chunk.token_ids)
             if caching and end // block_size > start // block_size:  # it filled a block
                 self._register_full_blocks(request, start, end)
             request.num_computed = end
-        sampled = [chunk.request for chunk in plan.chunks if chunk.samples]
-        if len(sampled) != len(sampled_token_ids):
-            raise ValueError(f"{len(sampled)} chunks sample, got {len(sampled_token_ids)} tokens")
-        for request, token_id in zip(sampled, sampled_token_ids):
+        sampling = [chunk for chunk in plan.chunks if chunk.samples]
+        if len(sampling) != len(sampled_token_ids):
+            raise ValueError(f"{len(sampling)} chunks sample, got {len(sampled_token_ids)} tokens")
+        if num_accepted is None:
+            num_accepted = [0] * len(sampling)
+        for chunk, token_id, accepted in zip(sampling, sampled_token_ids, num_accepted):
+            request = chunk.request
+            if chunk.drafts and not self._settle_drafts(chunk, accepted):
+                continue  # an accepted draft was a stop token
             if request.forks:
                 self._fork(request)
             request.output_token_ids.append(token_id)
@@ -277,7 +325,31 @@ class Scheduler:
                 self.finish(request, FinishReason.STOP)
             elif len(request.output_token_ids) >= request.params.max_tokens:
                 self.finish(request, FinishReason.LENGTH)
-        return sampled
+        return [chunk.request for chunk in sampling]
+
+    def _settle_drafts(self, chunk: ScheduledChunk, accepted: int) -> bool:
+        """Keep the first `accepted` drafts of a verified chunk as output, move the request
+        past them and free the blocks that only rejected drafts were written to. False
+        when a kept draft is a stop token (the request is retired)."""
+        request = chunk.request
+        kept = list(chunk.drafts[:accepted])
+        stop = next((i for i, token in enumerate(kept) if token in request.stop_token_ids), None)
+        if stop is not None:
+            kept = kept[: stop + 1]
+        request.output_token_ids.extend(kept)
+        end = chunk.start + 1 + len(kept)
+        if self.cache_salt is not None and end // self.block_size > chunk.start // self.block_size:
+            self._register_full_blocks(request, chunk.start, end)
+        request.num_computed = end
+        request.draft_gate.record(self._step, len(chunk.drafts), accepted)
+        if stop is not None:
+            self.finish(request, FinishReason.STOP)
+            return False
+        keep = blocks_needed(end, self.block_size)
+        if len(request.block_ids) > keep:
+            self.allocator.free(reversed(request.block_ids[keep:]))
+            request.block_ids = request.block_ids[:keep]  # a new list: block lists only grow
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self._num_queued or self.running)
@@ -319,8 +391,51 @@ class Scheduler:
             # Every running request is stuck mid-prompt with no free block: preempt a
             # victim so the others can go on, and plan again.
             self._preempt_one(plan)
+        if self.proposer is not None:
+            self._plan_drafts(plan)
         self._plan_offloads(plan)
         return plan
+
+    def _plan_drafts(self, plan: StepPlan) -> None:
+        """3. Drafts last, with what the budgets and the free blocks leave (see the module doc)."""
+        config = self.config
+        room = min(config.max_decode_tokens - plan.num_decode_tokens, config.max_batch_tokens - plan.num_tokens)
+        if room <= 0:
+            return
+        wanted = []  # (chunk's place in the plan, request, most drafts)
+        for place, chunk in enumerate(plan.chunks):
+            request = chunk.request
+            if chunk.is_decode and request.draft_gate is not None:
+                # The drafts and the token after them must fit in max_tokens.
+                k = min(request.draft_gate.draft_length(self._step),
+                        request.params.max_tokens - len(request.output_token_ids) - 1)
+                if k > 0:
+                    wanted.append((place, request, k))
+        if not wanted:
+            return
+        wanted.sort(key=lambda entry: entry[1].queue_key)
+        del wanted[room:]  # each takes a token at least
+        histories = []
+        for _, request, _ in wanted:
+            history = request.history
+            if len(history.tokens) < request.num_tokens:
+                history.tokens.extend(request.token_slice(len(history.tokens), request.num_tokens))
+            histories.append(history)
+        proposals = self.proposer.propose(histories, [k for _, _, k in wanted])
+        block_size = self.block_size
+        for (place, request, k), draft in zip(wanted, proposals):
+            # Room in its own blocks, and in free blocks beyond one for each running request.
+            spare = max(0, self.allocator.num_free - len(self.running))
+            fits = len(request.block_ids) * block_size + spare * block_size - request.num_computed - 1
+            draft = tuple(draft[: min(k, room, fits)])
+            if not draft:
+                continue
+            self._allocate(request, request.num_computed + 1 + len(draft))
+            chunk = plan.chunks[place]
+            plan.chunks[place] = chunk._replace(token_ids=chunk.token_ids + draft, drafts=draft)
+            room -= len(draft)
+            if room == 0:
+                break
 
     def _plan_decodes(self, plan: StepPlan) -> None:
         """1. Decodes first; preempt victims when blocks run out."""

@@ -104,6 +104,19 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
             mean_per_step("inflight_step_budget_used_ratio", "budget"),
         ], "Mean fraction of each token budget a step used: batch, prefill, decode."),
     ]),
+    ("Speculative decoding", [
+        ("Draft tokens", "short", [
+            (f"sum by (kind) (rate(inflight_speculative_tokens_total[{RATE}]))", "{{kind}}/s"),
+            (f'sum(rate(inflight_speculative_tokens_total{{kind="accepted"}}[{RATE}]))'
+             f' / clamp_min(sum(rate(inflight_speculative_tokens_total{{kind="drafted"}}[{RATE}])), 1e-9)',
+             "acceptance (0 when none drafted)"),
+        ], "Prompt-lookup draft tokens verified and accepted per second, and the accepted share. Requests below the "
+           "acceptance threshold stop drafting for a cool-down, so a low share should not last."),
+        ("Draft acceptance per verification", "short", [
+            (f"sum by (le) (rate(inflight_speculative_acceptance_ratio_bucket[{RATE}]))", "≤ {{le}}"),
+        ], "Verifications per second whose accepted / drafted share is at most each bucket's bound (cumulative): "
+           "copying requests sit at 1, requests about to be gated below 0.5."),
+    ]),
     ("Gateway", [
         ("Gateway requests by route and status", "reqps", [
             (f"sum by (route, status) (rate(inflight_gateway_requests_total[{RATE}]))", "{{route}} {{status}}"),

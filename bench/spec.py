@@ -1,0 +1,187 @@
+"""`inflight bench --scenario spec`: speculative decoding by prompt lookup, on against off.
+
+Two workloads, each run on two engines over the same loaded model, speculation off and
+on, stepped in turns: the one that has produced fewer tokens steps next, so both cross
+the workload over the same stretch of time. Each engine's time is the sum of its own
+steps, so both see the same machine, however busy it is:
+
+- `copy`: 8 chat requests whose answers quote their prompts (quote, copy or repeat a
+  paragraph; extract fields), greedy, ending at EOS or `--spec-max-tokens`. Run one
+  request at a time (concurrency 1, each after the previous ended) and all 8 at t0.
+  The report says how much the model actually copied: the share of output tokens that
+  end a 4-gram found in the prompt.
+- `default`: the default random-token workload of `inflight bench` (`--requests`,
+  `--prompt-len`, `--output-len`, `--seed`; EOS ignored), where drafts rarely match and
+  the gate must keep speculation from costing throughput.
+
+Greedy decoding makes both runs produce the same tokens (checked: `identical`), so
+output tok/s compares the same work. Per engine: acceptance (accepted / drafted draft
+tokens), steps, tokens verified per speculating request-step (1 + its drafts) and how
+often each length occurred; per comparison the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import time
+from collections import Counter
+
+from bench.drive import Driver, StepRecorder, random_prompts
+from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
+from workers.engine import Engine
+from workers.model_loader import encode_prompt
+from workers.request import SamplingParams
+
+WORKLOADS = ("copy", "default")
+
+PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog near the river bank. Every morning the farmer walks to the "
+    "market with a basket of apples, pears and plums, and sells them to the villagers who gather by the old "
+    "stone well.",
+    "Our office will be closed on Monday for the public holiday. All support requests received over the weekend "
+    "will be answered on Tuesday morning, in the order they arrived. For urgent problems with billing, please "
+    "call the emergency line listed on your invoice.",
+    "The library opens at nine in the morning and closes at six in the evening. Visitors may borrow up to five "
+    "books at a time for three weeks. Late returns cost ten cents a day, and lost books must be replaced or paid "
+    "for at the front desk.",
+    "To reset your password, open the settings page and choose Security. Click the button labelled Reset "
+    "Password, enter the code we send to your email address, and then type your new password twice. The new "
+    "password must have at least twelve characters.",
+]
+# Chat requests whose answers quote their prompts (SmolLM2-135M-Instruct copies these).
+COPY_PROMPTS = [
+    "Copy this text exactly, word for word:\n\n" + PARAGRAPHS[1],
+    "Quote this text:\n\n" + PARAGRAPHS[0],
+    "Quote the first two sentences of this text:\n\n" + PARAGRAPHS[1],
+    "Copy this text exactly, word for word:\n\n" + PARAGRAPHS[2],
+    "Copy this text exactly, word for word:\n\n" + PARAGRAPHS[3],
+    "Quote this text:\n\n" + PARAGRAPHS[2],
+    "Quote the first two sentences of this text:\n\n" + PARAGRAPHS[3],
+    "Extract the fields as JSON with keys name, city, email and phone:\n\nName: Maria Gonzalez\nCity: Barcelona\n"
+    "Email: maria.gonzalez@example.com\nPhone: +34 612 345 678",
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("spec scenario")
+    group.add_argument("--spec-workloads", default=",".join(WORKLOADS),
+                       help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    group.add_argument("--spec-copy-requests", type=int, default=len(COPY_PROMPTS),
+                       help=f"copy: requests (at most {len(COPY_PROMPTS)})")
+    group.add_argument("--spec-concurrency", default="1,8",
+                       help="copy: comma-separated concurrencies (1: one request at a time; n: n at t0)")
+    group.add_argument("--spec-max-tokens", type=int, default=160, help="copy: max_tokens of each request")
+    group.add_argument("--spec-max-draft-tokens", type=int, default=SpeculativeConfig.max_draft_tokens,
+                       help="drafts a request verifies per step, at most (K)")
+
+
+def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
+    workloads = [w.strip() for w in args.spec_workloads.split(",") if w.strip()]
+    if not workloads or set(workloads) - set(WORKLOADS):
+        raise SystemExit(f"--spec-workloads must be a subset of {','.join(WORKLOADS)}, got {args.spec_workloads!r}")
+    if not 1 <= args.spec_copy_requests <= len(COPY_PROMPTS):
+        raise SystemExit(f"--spec-copy-requests must be in [1, {len(COPY_PROMPTS)}]")
+    on = SpeculativeConfig(max_draft_tokens=args.spec_max_draft_tokens)
+    report = {"max_draft_tokens": on.max_draft_tokens}
+    if "copy" in workloads:
+        prompts = [encode_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
+                   for text in COPY_PROMPTS[: args.spec_copy_requests]]
+        for concurrency in (int(c) for c in args.spec_concurrency.split(",") if c.strip()):
+            requests = [(f"copy{i}", ids, args.spec_max_tokens, False) for i, ids in enumerate(prompts)]
+            report[f"copy_c{concurrency}"] = compare(loaded, args, on, requests, concurrency)
+    if "default" in workloads:
+        rng = random.Random(args.seed)
+        prompts = random_prompts(rng, args.requests, tuple(args.prompt_len), vocab_ids)
+        requests = [(f"r{i}", ids, rng.randint(*args.output_len), True) for i, ids in enumerate(prompts)]
+        report["default"] = compare(loaded, args, on, requests, len(requests))
+    return report
+
+
+def compare(loaded, args, on: SpeculativeConfig, requests: list[tuple], concurrency: int) -> dict:
+    """Run `requests` on two engines, speculation off and on, stepped alternately (see the
+    module doc); their figures and the ratio of their output tok/s."""
+    runs = {name: Run(loaded, args, speculative, requests, concurrency)
+            for name, speculative in (("off", SpeculativeConfig(enabled=False)), ("on", on))}
+    load_before = os.getloadavg()[0]
+    while any(run.going for run in runs.values()):
+        # The one behind steps next, so both cross the workload over the same stretch of time.
+        min((run for run in runs.values() if run.going), key=lambda run: run.num_output_tokens).step()
+    off, spec = runs["off"], runs["on"]
+    result = {name: run.figures() for name, run in runs.items()}
+    del runs
+    gc.collect()
+    return result | {
+        "requests": len(requests),
+        "concurrency": concurrency,
+        "identical": off.driver.tokens == spec.driver.tokens,
+        "speedup": result["on"]["output_tok_s"] / result["off"]["output_tok_s"],
+        "copied_fraction": copied_fraction([r[1] for r in requests], [off.driver.tokens[r[0]] for r in requests]),
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+class Run:
+    """One engine working through the requests, `concurrency` at a time, one step per call;
+    its time is the sum of its own steps."""
+
+    def __init__(self, loaded, args, speculative: SpeculativeConfig, requests: list[tuple], concurrency: int):
+        self.engine = Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype),
+                                                  speculative=speculative))
+        self.steps = StepRecorder(self.engine)
+        self.driver = Driver(self.engine)
+        self.pending = list(requests)
+        self.concurrency = concurrency
+        self.busy_s = 0.0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self.driver.tokens.values())
+
+    @property
+    def going(self) -> bool:
+        return bool(self.pending) or self.engine.has_unfinished()
+
+    def step(self) -> None:
+        driver = self.driver
+        while self.pending and len(driver.arrivals) - len(driver.finals) < self.concurrency:
+            request_id, prompt_ids, max_tokens, ignore_eos = self.pending.pop(0)
+            self.driver.submit(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        started = time.perf_counter()
+        self.driver.step()
+        self.busy_s += time.perf_counter() - started
+
+    def figures(self) -> dict:
+        steps = list(self.steps)
+        drafted = sum(s.num_draft_tokens for s in steps)
+        accepted = sum(s.num_accepted_tokens for s in steps)
+        # Each speculating request's tokens verified in a step: 1 + its drafts.
+        verified = Counter(1 + drafts for s in steps for drafts, _ in s.verified)
+        output = sum(len(t) for t in self.driver.tokens.values())
+        return {
+            "output_tokens": output,
+            "busy_s": self.busy_s,
+            "output_tok_s": output / self.busy_s,
+            "steps": len(steps),
+            "mean_step_s": self.busy_s / max(1, len(steps)),
+            "tokens_per_step": sum(s.num_tokens for s in steps) / max(1, len(steps)),
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+            "acceptance": accepted / drafted if drafted else None,
+            "verified_tokens_per_request_step": {str(n): c for n, c in sorted(verified.items())},
+            "mean_verified_tokens": sum(n * c for n, c in verified.items()) / max(1, sum(verified.values())),
+        }
+
+
+def copied_fraction(prompts: list[list[int]], outputs: list[list[int]], n: int = 4) -> float:
+    """Share of output tokens that end an n-gram (of the output) found in its prompt."""
+    copied = total = 0
+    for prompt, output in zip(prompts, outputs):
+        grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+        tokens = prompt[-(n - 1):] + output
+        for i in range(len(output)):
+            copied += tuple(tokens[i : i + n]) in grams
+        total += len(output)
+    return copied / max(1, total)

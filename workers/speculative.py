@@ -1,0 +1,134 @@
+"""Speculative decoding: who drafts tokens, how many, and whether a request still may.
+
+Plain Python over token ids, like the scheduler that calls it.
+
+**Drafts** come from a `Proposer`. The one built in is `PromptLookup`: the request's own
+prompt and output are its draft model. It finds the latest earlier occurrence of the
+last n tokens (n from `max_ngram` down to `min_ngram`) and proposes the tokens that
+followed it, so a request that copies from its input (extraction, quotes, code edits,
+templates) gets its next tokens for the price of verifying them. A draft model would be
+another `Proposer`: `propose` gets every request that may speculate this step at once,
+so it can run one batched forward of a small model (on the runner's device, from its
+own KV cache, which it rolls back itself) and return its greedy tokens; the scheduler
+keeps deciding how many tokens each request may verify. A draft model's tokens are also
+point masses (its greedy choice), so verification stays as it is; a sampled draft
+distribution would need its probabilities passed to the verifier.
+
+**Verification** happens in the engine (`Engine._verify`): a speculating request runs
+its last token and its K drafts as one chunk, and the token the sampler draws at each
+position is compared with the draft there. See `workers/engine.py`.
+
+**Gating** (`DraftGate`, one per request). K adapts to the request's recent acceptance:
+it grows by one after a step whose drafts were all accepted, and falls to one more than
+the accepted count after one that was not. Acceptance is the accepted share of drafted
+tokens, decayed by `DECAY` each verified step; once `MIN_JUDGED` tokens have been
+drafted since it (re)started and it is below the threshold, the request stops speculating for a cool-down of
+`cooldown_steps` steps, doubled after each pause that follows another (at most
+`MAX_BACKOFF` times), and starts again from K = 1. A step whose whole draft (of two or
+more tokens) is accepted forgets earlier pauses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from workers.config import SpeculativeConfig
+
+# How much of a request's acceptance record a verified step keeps.
+DECAY = 0.75
+# Tokens a request must have drafted since it (re)started before it can be paused.
+MIN_JUDGED = 4
+# The longest cool-down is cooldown_steps * 2 ** MAX_BACKOFF.
+MAX_BACKOFF = 3
+
+
+class Proposer(Protocol):
+    """Drafts tokens for requests that may speculate this step."""
+
+    def propose(self, histories: Sequence[TokenHistory], lengths: Sequence[int]) -> list[list[int]]:
+        """Up to `lengths[i]` tokens to follow each history (fewer, or none, when it has no guess)."""
+        ...
+
+
+@dataclass(eq=False)
+class TokenHistory:
+    """A request's tokens so far (prompt, then output), as a proposer sees them, with an
+    index of where each n-gram last occurred. The scheduler appends new tokens."""
+
+    tokens: list[int] = field(default_factory=list)
+    # n-gram -> the position just past its latest occurrence that is not the history's suffix.
+    last_seen: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # positions whose n-grams ending there are in `last_seen`
+
+
+class PromptLookup:
+    """Prompt lookup (n-gram) drafts: the continuation of the suffix's latest earlier occurrence."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.sizes = range(max_ngram, min_ngram - 1, -1)  # longest match first
+
+    def propose(self, histories: Sequence[TokenHistory], lengths: Sequence[int]) -> list[list[int]]:
+        return [self._propose(history, k) for history, k in zip(histories, lengths)]
+
+    def _propose(self, history: TokenHistory, k: int) -> list[int]:
+        tokens, last_seen = history.tokens, history.last_seen
+        end = len(tokens)
+        # Index every n-gram that ends before the last token: the suffix itself never
+        # matches, so a match always has at least one token after it.
+        for stop in range(max(history.indexed, 1), end):
+            for n in self.sizes:
+                if stop >= n:
+                    last_seen[tuple(tokens[stop - n : stop])] = stop
+        history.indexed = max(history.indexed, end)
+        for n in self.sizes:
+            if end >= n:
+                after = last_seen.get(tuple(tokens[end - n :]))
+                if after is not None:
+                    return tokens[after : after + k]
+        return []
+
+
+@dataclass(eq=False)
+class DraftGate:
+    """One request's speculation state: how many tokens it drafts next, and whether it is
+    paused for low acceptance (see the module doc)."""
+
+    config: SpeculativeConfig
+    k: int = 1
+    drafted: float = 0.0  # decayed totals
+    accepted: float = 0.0
+    since_start: int = 0  # tokens drafted since it last (re)started
+    paused_until: int = 0  # the first step it may speculate again
+    backoff: int = 0  # pauses in a row
+    # Totals over the request's life, for its acceptance figures.
+    total_drafted: int = 0
+    total_accepted: int = 0
+
+    def draft_length(self, step: int) -> int:
+        """Tokens it may draft in `step`: 0 while paused."""
+        return 0 if step < self.paused_until else self.k
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 1.0
+
+    def record(self, step: int, drafted: int, accepted: int) -> None:
+        """`drafted` tokens were verified in `step` and the first `accepted` of them kept."""
+        self.total_drafted += drafted
+        self.total_accepted += accepted
+        self.drafted = self.drafted * DECAY + drafted
+        self.accepted = self.accepted * DECAY + accepted
+        self.since_start += drafted
+        config = self.config
+        if accepted == drafted:
+            self.k = min(config.max_draft_tokens, drafted + 1)
+            if drafted >= 2:
+                self.backoff = 0
+        else:
+            self.k = accepted + 1
+        if self.since_start >= MIN_JUDGED and self.acceptance < config.acceptance_threshold:
+            self.paused_until = step + 1 + config.cooldown_steps * 2 ** self.backoff
+            self.backoff = min(self.backoff + 1, MAX_BACKOFF)
+            self.k, self.drafted, self.accepted, self.since_start = 1, 0.0, 0.0, 0
