@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.metrics import percentile
-from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 STUB_VOCAB = 256
@@ -71,6 +71,7 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
         cache=CacheConfig(kv_memory_bytes=_kv_bytes(loaded.model, (size + 8) * longest), swap_memory_bytes=0),
         scheduler=SchedulerConfig(max_running_requests=size, max_decode_tokens=size,
                                   max_batch_tokens=size + 128, max_prefill_tokens=128),
+        speculative=SpeculativeConfig(enabled=False),  # the stub forward gives one row of logits per request
     )  # fmt: skip
     engine = Engine(loaded, config)
     runner = engine.runner

@@ -22,7 +22,7 @@ import argparse
 import gc
 import random
 
-from workers.config import EngineConfig, ModelConfig, SchedulerConfig
+from workers.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from bench.drive import Driver, random_prompts
 from bench.metrics import inter_token_latencies, percentile
 
@@ -75,7 +75,10 @@ def _start(loaded, args: argparse.Namespace, vocab_ids: list[int], max_prefill_t
     from workers.engine import Engine
 
     scheduler = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
-    drive = Driver(Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), scheduler=scheduler)))
+    # Without speculation: the scenario measures what prompt budgets do to the decodes'
+    # pace, and tokens accepted together would share one time.
+    drive = Driver(Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), scheduler=scheduler,
+                                               speculative=SpeculativeConfig(enabled=False))))
     rng = random.Random(args.seed)
     for i, prompt in enumerate(random_prompts(rng, args.storm_running, (32, 96), vocab_ids)):
         drive.add(f"long-{i}", prompt, output_len=4000)
