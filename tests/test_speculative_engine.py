@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench.drive import StepRecorder
+from bench.spec import PARAGRAPHS as BENCH_PARAGRAPHS
 from tests.conftest import run_to_completion
 from tests.test_engine import PROMPTS
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -21,14 +22,7 @@ from workers.request import FinishReason, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.slow
 
-PARAGRAPHS = [
-    "The quick brown fox jumps over the lazy dog near the river bank. Every morning the farmer walks to the "
-    "market with a basket of apples, pears and plums, and sells them to the villagers who gather by the old "
-    "stone well.",
-    "Our office will be closed on Monday for the public holiday. All support requests received over the weekend "
-    "will be answered on Tuesday morning, in the order they arrived. For urgent problems with billing, please "
-    "call the emergency line listed on your invoice.",
-]
+PARAGRAPHS = BENCH_PARAGRAPHS[:2]  # the copy workload's first two
 # Chat prompts whose greedy answers SmolLM2-135M copies from the prompt.
 COPYING = [
     [{"role": "user", "content": "Quote this text:\n\n" + PARAGRAPHS[0]}],
