@@ -224,6 +224,10 @@ class Worker:
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
         # A taken-over stream keeps its submission time, so it goes ahead of newer jobs.
         arrived_at = stream_id(entry.entry_id)[0] / 1000 if seq else None
+        # A job this worker lost and has claimed back: its old request ends at the engine's
+        # next step (it was cancelled), and none of its events may reach the new stream.
+        while self.front.holds(entry.entry_id):
+            await asyncio.sleep(0.02)
         published = self.outbox.open(entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts,
                                      choices=job.params.n)
         resumed = claim.token_ids if job.params.n == 1 else [claim.choices.get(i, []) for i in range(job.params.n)]

@@ -80,3 +80,26 @@ def test_bad_input_arrives_as_a_final_error_event(make_engine):
 
     (event,) = asyncio.run(main())
     assert event.finish_reason is FinishReason.ERROR and "empty" in event.error
+
+
+def test_an_enqueued_request_is_held_until_its_final_event_is_handed_on(make_engine):
+    """A worker that lost a job and claims it back waits on `holds`: the old request's
+    id is taken, and its events would reach the new stream, until its final event is out."""
+    engine = make_engine()
+    handed_on: list = []
+
+    async def main():
+        async with AsyncEngine(engine, handed_on.extend) as front:
+            front.enqueue("Tell me about the moon.", SamplingParams(max_tokens=200, ignore_eos=True), "job-1")
+            await eventually(lambda: any(isinstance(e, TokenEvent) for e in handed_on), 60, "a token")
+            front.cancel("job-1")
+            assert front.holds("job-1")  # the cancel ends it at the next step, not now
+            await eventually(lambda: not front.holds("job-1"), 60, "the cancelled final event")
+            final = handed_on[-1]
+            assert isinstance(final, FinalEvent) and final.finish_reason is FinishReason.CANCELLED
+            front.enqueue("Tell me about the moon.", SamplingParams(max_tokens=2, ignore_eos=True), "job-1")  # the id is free
+            await eventually(lambda: not front.holds("job-1"), 60, "the second final event")
+
+    asyncio.run(main())
+    assert [e.finish_reason for e in handed_on if isinstance(e, FinalEvent)] == [FinishReason.CANCELLED,
+                                                                                 FinishReason.LENGTH]

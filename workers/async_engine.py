@@ -41,6 +41,7 @@ class AsyncEngine:
         self.engine = engine
         self.on_events = on_events
         self._queues: dict[str, asyncio.Queue[Event]] = {}
+        self._enqueued: set[str] = set()  # ids queued with `enqueue` whose final event is not yet handed on
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
@@ -95,7 +96,13 @@ class AsyncEngine:
     ) -> None:
         """Queue a request whose events go to `on_events`, with the rest of their step's."""
         self.engine.add_request(request_id, prompt, params, priority, deadline, arrived_at, resumed_output_ids)
+        self._enqueued.add(request_id)
         self._wakeup.set()
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request queued with `enqueue` under `request_id` has yet to hand its
+        final event to `on_events` (a cancelled one ends at the engine's next step)."""
+        return request_id in self._enqueued
 
     async def generate(
         self,
@@ -145,6 +152,8 @@ class AsyncEngine:
                 queue.put_nowait(event)
             else:
                 unrouted.append(event)
+                if isinstance(event, FinalEvent):
+                    self._enqueued.discard(event.request_id)
         if unrouted and self.on_events is not None:
             self.on_events(unrouted)
 
