@@ -4,8 +4,9 @@ On a GPU a small model's forward takes a few milliseconds, so what the host does
 it every step caps tokens/s. This scenario measures that work on the CPU: the real
 engine, scheduler, sampler and detokenizer (the bundled model's tokenizer), and the CUDA
 backend's `prepare` (its metadata, built here on the CPU), with a stub forward that
-does no model math. The stub's logits span the first 256 token ids, so the sampler's
-argmax, device work on a GPU, costs next to nothing here. The model behind the engine
+does no model math. The stub's logits span 256 columns, so the sampler's argmax, device
+work on a GPU, costs next to nothing here; each column stands for one of the 256 most
+frequent tokens of the README, so the detokenizers see text as a model writes it. The model behind the engine
 is the bundled one's config cut to one layer: only the KV pool's size depends on it.
 
 At each size (64, 256 and 1,024 decoding requests) requests keep arriving as others
@@ -18,7 +19,9 @@ phase's time per step is reported:
 - events: the token events and final events, and the per-token latency bookkeeping;
 - other: the rest of `Engine.step` (the inbox, the step record, the stats for metrics).
 Each is wall time; the step's total is also given as the stepping thread's CPU time,
-which other processes on the host do not stretch.
+which other processes on the host do not stretch. The totals come from steps run as
+they are; the phases from as many steps after them, each phase timed by a wrapper
+(whose own small cost per call lands in the phases, not in the totals).
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ import dataclasses
 import gc
 import random
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
 from bench.metrics import percentile
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from workers.detokenizer import IncrementalDetokenizer
 from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 STUB_VOCAB = 256
@@ -76,8 +81,10 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
     engine = Engine(loaded, config)
     runner = engine.runner
     runner.backend = _cuda_backend_metadata_only(runner.kv_cache)
-    stub = StubForward(loaded.tokenizer, size + 8, args.seed)
+    stub = StubForward(size + 8, args.seed)
     runner.model = stub
+    # Every request is greedy: the sampler's argmax picks each token.
+    engine.sampler.argmax = _as_text_tokens(engine.sampler.argmax, common_token_ids(loaded.tokenizer))
 
     rng = random.Random(args.seed)
     made = 0
@@ -99,57 +106,69 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
             submit()
     engine.scheduler.config = config.scheduler
 
-    clock = PhaseClock()
-    clock.wrap(engine.scheduler, "schedule", "scheduling")
-    clock.wrap(engine.scheduler, "update_from_output", "scheduling")
-    clock.wrap(engine.scheduler, "expired", "scheduling")
-    clock.wrap(runner, "execute", "execute")
-    clock.wrap(engine.sampler, "sample", "sampling")
-    clock.wrap(engine, "_token_events", "token_events")
-    detokenizers = [choice.detokenizer for live in engine._live.values() for choice in live.choices]
-    detokenizer_class = type(detokenizers[0]) if detokenizers else None
-    clock.wrap(detokenizer_class, "push", "detokenization")
-
-    steps, tokens = [], []
     # One torch thread: the stub leaves no math to spread, and a second thread only adds
     # its wake-ups to every small tensor op.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     gc.collect()
     gc.freeze()  # as the worker does once it serves
+    clock = PhaseClock()
     try:
-        for _ in range(args.overhead_steps):
-            clock.begin_step()
-            stub.forward_s = 0.0
-            started, started_cpu = time.perf_counter(), time.thread_time()
-            events = engine.step()
-            total = time.perf_counter() - started
-            phases = clock.end_step()
-            # CPU time too: other processes on the host stretch wall time, not this.
-            phases["total_cpu"] = time.thread_time() - started_cpu
-            phases["metadata"] = phases.pop("execute", 0.0) - stub.forward_s
-            phases["events"] = phases.pop("token_events", 0.0) - phases.get("detokenization", 0.0)
-            phases["total"] = total - stub.forward_s
-            phases["other"] = phases["total"] - sum(phases.get(p, 0.0) for p in PHASES if p != "other")
-            steps.append(phases)
-            tokens.append(sum(1 for event in events if isinstance(event, TokenEvent)))
-            for _ in _finals(events):
-                submit()
+        # First the steps as they run, then the same number again with each phase timed:
+        # the timing wrappers cost a little per call, which the totals should not carry.
+        totals, tokens = _run_steps(engine, stub, args.overhead_steps, submit)
+        clock.wrap(engine.scheduler, "schedule", "scheduling")
+        clock.wrap(engine.scheduler, "update_from_output", "scheduling")
+        clock.wrap(engine.scheduler, "expired", "scheduling")
+        clock.wrap(runner, "execute", "execute")
+        clock.wrap(engine.sampler, "sample", "sampling")
+        clock.wrap(engine.sampler, "argmax", "sampling")
+        clock.wrap(engine, "_token_events", "token_events")
+        clock.wrap(IncrementalDetokenizer, "push", "detokenization")
+        steps, _ = _run_steps(engine, stub, args.overhead_steps, submit, clock)
     finally:
         gc.unfreeze()
         clock.restore()
         torch.set_num_threads(threads)
+    for phases in steps:
+        phases["metadata"] = phases.pop("execute", 0.0) - phases["forward"]
+        phases["events"] = phases.pop("token_events", 0.0) - phases.get("detokenization", 0.0)
+        phases["other"] = phases["timed_total"] - sum(phases.get(p, 0.0) for p in PHASES if p != "other")
     per_step = {
         phase: {
-            "mean": 1e3 * sum(s.get(phase, 0.0) for s in steps) / len(steps),
-            "p50": 1e3 * percentile([s.get(phase, 0.0) for s in steps], 50),
-            "p99": 1e3 * percentile([s.get(phase, 0.0) for s in steps], 99),
+            "mean": 1e3 * sum(s.get(phase, 0.0) for s in source) / len(source),
+            "p50": 1e3 * percentile([s.get(phase, 0.0) for s in source], 50),
+            "p99": 1e3 * percentile([s.get(phase, 0.0) for s in source], 99),
         }
-        for phase in (*PHASES, "total", "total_cpu")
+        for phase, source in [*((phase, steps) for phase in PHASES), ("total", totals), ("total_cpu", totals)]
     }
     # Tokens each step made: the decodes, and the prompts that finished their prefill.
-    return {"decoding_requests": size, "steps": len(steps), "tokens_per_step": sum(tokens) / len(tokens),
+    return {"decoding_requests": size, "steps": len(totals), "tokens_per_step": sum(tokens) / len(tokens),
             "per_step_ms": per_step}
+
+
+def _run_steps(engine, stub, count: int, submit, clock: PhaseClock | None = None) -> tuple[list[dict], list[int]]:
+    """`count` steps, a new request submitted for each one that ends; each step's host
+    time (wall and the stepping thread's CPU, the stub's forward left out), its phases
+    when `clock` times them, and the token events it made."""
+    steps, tokens = [], []
+    for _ in range(count):
+        if clock is not None:
+            clock.begin_step()
+        stub.forward_s = 0.0
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        events = engine.step()
+        total = time.perf_counter() - started
+        # CPU time too: other processes on the host stretch wall time, not this.
+        phases = {"total_cpu": time.thread_time() - started_cpu}
+        if clock is not None:
+            phases |= clock.end_step() | {"timed_total": total - stub.forward_s}
+        phases |= {"total": total - stub.forward_s, "forward": stub.forward_s}
+        steps.append(phases)
+        tokens.append(sum(1 for event in events if isinstance(event, TokenEvent)))
+        for _ in _finals(events):
+            submit()
+    return steps, tokens
 
 
 def _finals(events: list) -> list[FinalEvent]:
@@ -194,14 +213,12 @@ class PhaseClock:
 
 
 class StubForward:
-    """Stands in for the model: no math, logits over the first `STUB_VOCAB` token ids
-    (special tokens never win), from a few prepared tensors in turn."""
+    """Stands in for the model: no math, logits over `STUB_VOCAB` columns (each standing
+    for a token of text, `_as_text_tokens`), from a few prepared tensors in turn."""
 
-    def __init__(self, tokenizer, max_rows: int, seed: int) -> None:
+    def __init__(self, max_rows: int, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         self._logits = [torch.randn(max_rows, STUB_VOCAB, generator=generator) for _ in range(8)]
-        for logits in self._logits:
-            logits[:, list(set(tokenizer.all_special_ids) & set(range(STUB_VOCAB)))] = float("-inf")
         self._turn = 0
         self.forward_s = 0.0
 
@@ -211,6 +228,25 @@ class StubForward:
         logits = self._logits[self._turn][: logits_to_keep.numel()]
         self.forward_s += time.perf_counter() - started
         return SimpleNamespace(logits=logits[None])
+
+
+def common_token_ids(tokenizer) -> list[int]:
+    """The `STUB_VOCAB` most frequent tokens of the README's text: what the stub's columns
+    stand for, so that the detokenizers see text as a model writes it (the first ids of a
+    byte-level vocabulary are single bytes, half of them pieces of a character)."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    counts = Counter(tokenizer.encode(text, add_special_tokens=False))
+    special = set(tokenizer.all_special_ids)
+    return [token_id for token_id, _ in counts.most_common() if token_id not in special][:STUB_VOCAB]
+
+
+def _as_text_tokens(argmax, token_ids: list[int]):
+    """`argmax`, with each column it picks read as the text token it stands for."""
+
+    def argmax_text_tokens(logits) -> list[int]:
+        return [token_ids[column] for column in argmax(logits)]
+
+    return argmax_text_tokens
 
 
 def _one_layer_copy(model):

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,6 +40,10 @@ class SequenceSlice(NamedTuple):
     @property
     def past_len(self) -> int:
         return self.context_len - self.query_len
+
+
+# A field of every slice in a list, read at C speed: `map(CONTEXT_LEN, sequences)`.
+QUERY_START, QUERY_LEN, CONTEXT_LEN = itemgetter(0), itemgetter(1), itemgetter(2)
 
 
 def slot_mapping(sequences: Sequence[SequenceSlice], block_size: int) -> list[int]:
@@ -84,19 +89,22 @@ class BlockTables:
     def gather(self, sequences: Sequence[SequenceSlice], block_size: int) -> np.ndarray:
         """[len(sequences), most blocks of a context] as `padded_block_tables` builds it
         (past each context: later ids or 0, never read)."""
-        rows, width, seen = [], 0, {}
+        rows, seen = [], {}
+        known = self._rows
         for seq in sequences:
             ids = seq.block_table
-            row = self._rows.get(id(ids))
+            key = id(ids)
+            row = known.get(key)
             if row is None or row.ids is not ids:
                 row = self._add(ids)
             if len(ids) != row.copied:
                 self._copy(row)
-            seen[id(ids)] = row
+            seen[key] = row
             rows.append(row.index)
-            width = max(width, (seq.context_len + block_size - 1) // block_size)
-        for key in self._rows.keys() - seen.keys():
-            self._free.append(self._rows.pop(key).index)
+        if len(seen) != len(self._rows):
+            self._free.extend(self._rows[key].index for key in self._rows.keys() - seen.keys())
+        self._rows = seen
+        width = -(-max(map(CONTEXT_LEN, sequences), default=0) // block_size)
         return self._table[rows, :width]
 
     def _add(self, ids: list[int]) -> _Row:

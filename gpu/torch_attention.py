@@ -74,7 +74,7 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
                 prefills.append(PrefillSlice(rows, blocks, seq.context_len, mask))
         assert len(slots) == num_tokens
-        return TorchMetadata(torch.tensor(slots), self.prepare_decodes(decodes), prefills)
+        return TorchMetadata(torch.from_numpy(np.array(slots, dtype=np.int64)), self.prepare_decodes(decodes), prefills)
 
     def prepare_decodes(self, decodes: list[SequenceSlice]):
         """The decode tokens' index tensors (what `attend_decodes` takes)."""

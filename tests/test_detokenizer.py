@@ -109,6 +109,28 @@ def test_any_text_streams_whole_characters(tokenizer, prompt_ids, text):
     assert "".join(deltas) == reference(tokenizer, output) == text
 
 
+class WindowOnly:
+    """The tokenizer without its fast backend: every push decodes the window."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids, **kwargs):
+        return self._tokenizer.decode(token_ids, **kwargs)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_cached_token_texts_give_the_deltas_that_decoding_the_window_gives(tokenizer, awkward_ids, data):
+    """A byte-level tokenizer's text is its tokens' texts joined: most pushes read one
+    cached token text instead of decoding, and no delta may differ for it."""
+    ids = st.one_of(st.integers(0, len(tokenizer) - 1), st.sampled_from(awkward_ids))
+    prompt = data.draw(st.lists(ids, max_size=8), label="prompt")
+    output = data.draw(st.lists(ids, max_size=40), label="output") + tokenizer.encode(data.draw(st.sampled_from(TEXTS)))
+    cached = stream(IncrementalDetokenizer(tokenizer, prompt, token_texts=TOKEN_TEXTS), output)
+    assert cached == stream(IncrementalDetokenizer(WindowOnly(tokenizer), prompt), output)
+
+
 def test_first_token_keeps_its_leading_space(tokenizer):
     prompt = tokenizer.encode("Hello")
     output = tokenizer.encode(" world, again")

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenizers import decoders
+
 # Prompt tokens decoded ahead of the output: tokenizers such as SentencePiece drop the
 # leading space of the first token they decode, so the first output token needs context.
 _CONTEXT_TOKENS = 5
 # What a decoder shows for bytes that do not (yet) form a whole UTF-8 character.
 _REPLACEMENT = "\ufffd"
+# Decoders whose text of a token sequence is its tokens' texts joined, wherever each
+# token's text is whole characters (byte-level BPE joins bytes; Fuse joins pieces).
+_JOINING_DECODERS = (decoders.ByteLevel, decoders.Fuse)
 
 
 class IncrementalDetokenizer:
@@ -29,6 +34,8 @@ class IncrementalDetokenizer:
         # A fast tokenizer's Rust decoder, called directly: `tokenizer.decode` adds
         # several times its cost in Python argument handling, on the stepping thread.
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        # Then a token after released text is usually its own cached text: no decode at all.
+        self._joins = isinstance(getattr(self._backend, "decoder", None), _JOINING_DECODERS)
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         context_text = self._decode(context)
         if context_text.endswith(_REPLACEMENT):
@@ -55,6 +62,13 @@ class IncrementalDetokenizer:
         """Append generated tokens; return the text they made final (possibly empty)."""
         if self.stopped:
             return ""
+        if self._joins and len(token_ids) == 1 and len(self._window) == self._num_context:
+            text = self.token_text(token_ids[0])
+            if text and _REPLACEMENT not in text:
+                # What `_decode_unread` makes of it, read from the cache: the window's text
+                # is the context's plus this token's, which then becomes the context.
+                self._window, self._num_context, self._context_text = [token_ids[0]], 1, text
+                return self._release(text, final=False)
         self._window.extend(token_ids)
         return self._release(self._decode_unread(final=False), final=False)
 
@@ -93,6 +107,10 @@ class IncrementalDetokenizer:
         return text
 
     def _release(self, new_text: str, final: bool) -> str:
+        if not self._stop:
+            if new_text:
+                self._released.append(new_text)
+            return new_text
         pending = self._held + new_text
         stop_at = self._first_stop(pending)
         if stop_at is not None:

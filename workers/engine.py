@@ -64,6 +64,7 @@ from workers.scheduler import CacheStats, Census, ScheduledChunk, Scheduler
 from workers.structured import Grammars, GrammarState, InvalidGrammar
 
 _log = logging.getLogger("inflight.engine")
+_NO_LOGPROBS = (None, None, ())  # a token event's logprob, token and top_logprobs, unasked
 
 Prompt = str | list[dict] | list[int]
 
@@ -415,6 +416,8 @@ class Engine:
     def _sample_rows(self, logits: torch.Tensor, sampling: list[Request]) -> list[int]:
         """A token for each sampling row: log probabilities taken first (the model's own),
         then the constrained rows masked, then sampled; grammars take their tokens."""
+        if all(r.params.argmax_only for r in sampling):
+            return self.sampler.argmax(logits)  # most steps, at every size
         choices = [self._choice(r) for r in sampling]
         wanting = [row for row, r in enumerate(sampling) if r.params.wants_logprobs]
         logprobs = log_probs(logits, wanting) if wanting else None
@@ -537,33 +540,35 @@ class Engine:
     def _token_events(self, request: Request, now: float, num_tokens: int) -> list[Event]:
         """The events of the `num_tokens` tokens `request` just took, one each: its text,
         and its end if the scheduler retired it or its text reached a stop string (the
-        tokens after that one are dropped)."""
-        choice = self._choice(request)
+        tokens after that one are dropped). Runs for every request every step: kept lean."""
+        choice = self._live[request.request_id].choices[request.index]
         detokenizer = choice.detokenizer
+        logprobs = choice.logprobs or _NO_LOGPROBS
+        output, times = request.output_token_ids, request.token_times
+        if times:
+            self._inter_token_s.append(now - times[-1])
+        else:
+            request.first_token_time = now
+            self._first_token_s.append(now - request.arrival_time)
         events: list[Event] = []
-        first = len(request.output_token_ids) - num_tokens
+        first = len(output) - num_tokens
         for position in range(first, first + num_tokens):
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self._first_token_s.append(now - request.arrival_time)
-            else:
-                self._inter_token_s.append(now - request.token_times[-1])
-            request.token_times.append(now)
-            token_id = request.output_token_ids[position]
-            stop_token = token_id in request.stop_token_ids
-            text = "" if stop_token else detokenizer.push([token_id])
-            events.append(TokenEvent(request.request_id, (token_id,), text, request.index,
-                                     *(choice.logprobs or (None, None, ()))))
+            if position > first:
+                self._inter_token_s.append(0.0)  # accepted drafts: taken with the token before
+            times.append(now)
+            token_id = output[position]
+            text = "" if token_id in request.stop_token_ids else detokenizer.push((token_id,))
+            events.append(TokenEvent(request.request_id, (token_id,), text, request.index, *logprobs))
             if detokenizer.stopped:
                 if request.status is not RequestStatus.FINISHED:
                     self.scheduler.finish(request, FinishReason.STOP, position + 1)
-                elif position + 1 < len(request.output_token_ids):
+                elif position + 1 < len(output):
                     # Retired at a later token of this step (max_tokens, a stop token):
                     # the stop string came first.
-                    del request.output_token_ids[position + 1:]
+                    del output[position + 1:]
                     request.finish_reason = FinishReason.STOP
                 break
-        if request.status is not RequestStatus.FINISHED and choice.grammar is not None:
+        if choice.grammar is not None and request.status is not RequestStatus.FINISHED:
             self._end_by_grammar(request, choice.grammar)
         if request.status is RequestStatus.FINISHED:
             events.extend(self._choice_ended(request))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -29,6 +30,10 @@ PRIORITY_MIN, PRIORITY_MAX, DEFAULT_PRIORITY = -10, 10, 0
 def validate_priority(priority) -> None:
     if isinstance(priority, bool) or not isinstance(priority, int) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise InvalidRequest(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
+
+
+# Temperatures this small are argmax in all but name, and dividing by them overflows float32.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,15 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @cached_property  # read for every request every step; the fields never change
+    def argmax_only(self) -> bool:
+        """Its token is the argmax of the model's logits, with nothing else to compute."""
+        return self.greedy and not self.constrained and not self.wants_logprobs
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -205,7 +219,8 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """Past its prompt with exactly the last sampled token left to run."""
-        return bool(self.output_token_ids) and self.num_tokens - self.num_computed == 1
+        output = self.output_token_ids  # read for every running request every step: no nested property
+        return bool(output) and len(self.prompt_token_ids) + len(output) - self.num_computed == 1
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output."""
@@ -225,7 +240,7 @@ class TopLogprob(NamedTuple):
     logprob: float
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass builds several times slower, and one is built per token
 class TokenEvent:
     """New tokens of one request's choice: their ids and the text they complete."""
 

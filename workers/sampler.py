@@ -9,8 +9,6 @@ import torch
 
 from workers.request import SamplingParams
 
-# Temperatures this small are argmax in all but name, and dividing by them overflows float32.
-_GREEDY_BELOW = 1e-5
 # How many of the best tokens to rank when looking for a top-p nucleus; rows whose nucleus
 # is wider sort their whole vocabulary instead. Ranking a few candidates is much cheaper
 # than sorting the whole vocabulary on CPU (see docs/benchmarks.md).
@@ -45,14 +43,14 @@ class Sampler:
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(generators)} generators")
         # Every step of a greedy batch ends here: one argmax, one copy to the host.
-        tokens = logits.argmax(dim=-1).tolist()
-        if all(_is_greedy(p) for p in params):
+        tokens = self.argmax(logits)
+        if all(p.greedy for p in params):
             return tokens
 
         vocab_size = logits.shape[-1]
         groups: dict[tuple[int | str, int | None], list[int]] = defaultdict(list)
         for row, (p, generator) in enumerate(zip(params, generators)):
-            if not _is_greedy(p):
+            if not p.greedy:
                 # A seeded row is sampled on its own, so neither its float math nor its
                 # draws depend on which other rows share the batch.
                 alone = row if generator is not None else None
@@ -66,9 +64,10 @@ class Sampler:
                 tokens[row] = token
         return tokens
 
-
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.temperature < _GREEDY_BELOW
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> list[int]:
+        """The greedy token of each row."""
+        return logits.argmax(dim=-1).tolist()
 
 
 def _candidate_rule(params: SamplingParams, vocab_size: int) -> int | str:

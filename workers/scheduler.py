@@ -299,23 +299,24 @@ class Scheduler:
         many of each chunk's drafts were accepted: the sampled token follows those.
         Moves each request on and retires those that reached a stop token or max_tokens
         (`finish_reason` set). Returns the requests that took tokens, in plan order."""
+        chunks = plan.chunks
+        if sum(chunk.samples for chunk in chunks) != len(sampled_token_ids):
+            raise ValueError(f"{sum(c.samples for c in chunks)} chunks sample, got {len(sampled_token_ids)} tokens")
         caching, block_size = self.cache_salt is not None, self.block_size
-        for chunk in plan.chunks:
-            if chunk.drafts:
-                continue  # moved on below, by what was accepted
+        sampled = iter(zip(sampled_token_ids, num_accepted or itertools.repeat(0)))
+        took = []
+        for chunk in chunks:  # one pass: this runs for every request every step
             request = chunk.request
-            start = request.num_computed
-            end = start + len(chunk.token_ids)
-            if caching and end // block_size > start // block_size:  # it filled a block
-                self._register_full_blocks(request, start, end)
-            request.num_computed = end
-        sampling = [chunk for chunk in plan.chunks if chunk.samples]
-        if len(sampling) != len(sampled_token_ids):
-            raise ValueError(f"{len(sampling)} chunks sample, got {len(sampled_token_ids)} tokens")
-        if num_accepted is None:
-            num_accepted = [0] * len(sampling)
-        for chunk, token_id, accepted in zip(sampling, sampled_token_ids, num_accepted):
-            request = chunk.request
+            if not chunk.drafts:  # a verified chunk moves on by what was accepted, below
+                start = request.num_computed
+                end = start + len(chunk.token_ids)
+                if caching and end // block_size > start // block_size:  # it filled a block
+                    self._register_full_blocks(request, start, end)
+                request.num_computed = end
+            if not chunk.samples:
+                continue
+            token_id, accepted = next(sampled)
+            took.append(request)
             if chunk.drafts and not self._settle_drafts(chunk, accepted):
                 continue  # an accepted draft was a stop token
             if request.forks:
@@ -325,7 +326,7 @@ class Scheduler:
                 self.finish(request, FinishReason.STOP)
             elif len(request.output_token_ids) >= request.params.max_tokens:
                 self.finish(request, FinishReason.LENGTH)
-        return [chunk.request for chunk in sampling]
+        return took
 
     def _settle_drafts(self, chunk: ScheduledChunk, accepted: int) -> bool:
         """Keep the first `accepted` drafts of a verified chunk as output, move the request

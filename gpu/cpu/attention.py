@@ -18,9 +18,10 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from gpu.attention import BlockTables, SequenceSlice
+from gpu.attention import CONTEXT_LEN, QUERY_START, BlockTables, SequenceSlice
 from gpu.kv_cache import PagedKVCache
 from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.torch_attention import TorchAttentionBackend
@@ -89,8 +90,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
         return CpuDecodes(
-            torch.tensor([seq.query_start for seq in decodes], dtype=torch.int32),
-            torch.tensor([seq.context_len for seq in decodes], dtype=torch.int32),
+            torch.from_numpy(np.fromiter(map(QUERY_START, decodes), np.int32, len(decodes))),
+            torch.from_numpy(np.fromiter(map(CONTEXT_LEN, decodes), np.int32, len(decodes))),
             torch.from_numpy(self._tables.gather(decodes, self.kv_cache.block_size)),
         )
 

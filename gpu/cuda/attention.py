@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from gpu.cuda import source as cuda_source
-from gpu.attention import AttentionBackend, BlockTables, SequenceSlice, slot_mapping
+from gpu.attention import CONTEXT_LEN, QUERY_LEN, QUERY_START, AttentionBackend, BlockTables, SequenceSlice
 from gpu.kv_cache import PagedKVCache
 
 # A decode launch should have a few blocks per SM; short of that, contexts are split
@@ -93,25 +94,30 @@ class CupyAttentionBackend(AttentionBackend):
         self._prefill = cuda_source.prefill(dtype, head_dim, block_size)
 
     def prepare(self, sequences: Sequence[SequenceSlice], num_tokens: int) -> KernelMetadata:
-        slots = slot_mapping(sequences, self.kv_cache.block_size)
-        assert len(slots) == num_tokens
+        # Built with numpy from columns of the slices: at hundreds of decodes a step, this
+        # is host time the device waits for.
         decodes = [seq for seq in sequences if seq.query_len == 1]
-        prefills = [seq for seq in sequences if seq.query_len != 1]
-        slots = torch.tensor(slots, dtype=torch.long).to(self.device)
-        return KernelMetadata(slots, self._decode_batch(decodes), self._prefill_batch(prefills))
+        prefills = [seq for seq in sequences if seq.query_len != 1] if len(decodes) < len(sequences) else []
+        assert len(decodes) + sum(map(QUERY_LEN, prefills)) == num_tokens
+        slots = np.empty(num_tokens, np.int64)
+        decode = self._decode_batch(decodes, slots)
+        prefill = self._prefill_batch(prefills, slots)
+        return KernelMetadata(torch.from_numpy(slots).to(self.device), decode, prefill)
 
-    def _decode_batch(self, decodes: list[SequenceSlice]) -> DecodeBatch | None:
+    def _decode_batch(self, decodes: list[SequenceSlice], slots: np.ndarray) -> DecodeBatch | None:
+        """The decodes' batch; writes their tokens' cache slots into `slots`."""
         if not decodes:
             return None
-        longest = max(seq.context_len for seq in decodes)
+        block_size = self.kv_cache.block_size
+        rows = np.fromiter(map(QUERY_START, decodes), np.int32, len(decodes))
+        context_lens = np.fromiter(map(CONTEXT_LEN, decodes), np.int32, len(decodes))
+        tables = self._decode_tables.gather(decodes, block_size)
+        positions = context_lens - 1  # of each decode's one new token
+        slots[rows] = tables[np.arange(len(decodes)), positions // block_size] * block_size + positions % block_size
+        longest = int(context_lens.max())
         size = self.partition_size or self._auto_partition_size(len(decodes), longest)
-        return DecodeBatch(
-            _int32([seq.query_start for seq in decodes], self.device),
-            _int32([seq.context_len for seq in decodes], self.device),
-            self._block_tables(decodes, self._decode_tables),
-            size,
-            -(-longest // size),
-        )
+        return DecodeBatch(_on(rows, self.device), _on(context_lens, self.device), _on(tables, self.device),
+                           size, -(-longest // size))
 
     def decode_partition_size(self, num_seqs: int, longest: int) -> int:
         """Tokens per decode partition for `num_seqs` contexts of up to `longest` tokens
@@ -125,20 +131,24 @@ class CupyAttentionBackend(AttentionBackend):
             size //= 2
         return size
 
-    def _prefill_batch(self, prefills: list[SequenceSlice]) -> PrefillBatch | None:
+    def _prefill_batch(self, prefills: list[SequenceSlice], slots: np.ndarray) -> PrefillBatch | None:
+        """The prompt chunks' batch; writes their tokens' cache slots into `slots`."""
         if not prefills:
             return None
+        block_size = self.kv_cache.block_size
+        tables = self._prefill_tables.gather(prefills, block_size)
+        for table, seq in zip(tables, prefills):
+            positions = np.arange(seq.past_len, seq.context_len)
+            slots[seq.query_start : seq.query_start + seq.query_len] = (
+                table[positions // block_size] * block_size + positions % block_size
+            )
         return PrefillBatch(
             _int32([seq.query_start for seq in prefills], self.device),
             _int32([seq.query_len for seq in prefills], self.device),
             [seq.query_len for seq in prefills],
             _int32([seq.context_len for seq in prefills], self.device),
-            self._block_tables(prefills, self._prefill_tables),
+            _on(tables, self.device),
         )
-
-    def _block_tables(self, sequences: list[SequenceSlice], tables: BlockTables) -> torch.Tensor:
-        """[len(sequences), max_blocks] int32; past each context, ids never read."""
-        return torch.from_numpy(tables.gather(sequences, self.kv_cache.block_size)).to(self.device)
 
     def attend(self, layer_idx, query, key, value, scale, metadata: KernelMetadata) -> torch.Tensor:
         key_pool = self.kv_cache.key_pools[layer_idx]
@@ -185,7 +195,11 @@ class CupyAttentionBackend(AttentionBackend):
 
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).to(device)
+    return _on(np.array(values, dtype=np.int32), device)
+
+
+def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
