@@ -7,14 +7,15 @@ float (float32 or bfloat16); only the weights are int8.
 
 Two kernels, picked by the number of rows (tokens) in the call:
 
-- few rows (decode steps): torch's `_weight_int8pack_mm`, which reads the int8 weight
-  and converts it on the fly, so a step streams half the bytes of bfloat16;
-- more rows (prompt chunks, large decode batches): dequantize the weight into a scratch
+- few rows (decode steps) in bfloat16: torch's `_weight_int8pack_mm`, which reads the
+  int8 weight and converts it on the fly, so a step streams half the bytes of bfloat16;
+- more rows (prompt chunks, large decode batches), and float32 at any row count:
+  dequantize the weight into a scratch
   buffer shared by every linear of that shape, then one dense matmul. The dequantization
   is a fixed cost per call, small against a matmul of many rows, and the matmul runs on
   the fastest dense kernel of the CPU: in the activations' dtype where oneDNN has native
-  kernels for it, else in float32 (on a CPU without AVX-512 a bfloat16 matmul is several
-  times slower than float32's).
+  kernels for it, else in float32 (on a CPU without AVX-512 a bfloat16 matmul is much
+  slower than float32's).
 
 Where the kernels cross over is in `INT8PACK_MAX_ROWS` (figures in docs/benchmarks.md,
 "int8 weights").
@@ -29,16 +30,16 @@ from torch import nn
 from gpu.cpu.packed_linear import _packs
 
 # The most rows a call runs on `_weight_int8pack_mm`; more rows dequantize and run dense.
-# Measured on a 2-core AMD EPYC with AVX2 only (torch 2.13): in bfloat16 the int8 kernel
-# is 1.4-2.2x as fast as dequantizing at 1-4 rows, even at 16, and 1.3-2x slower from 48
-# rows, where its cost grows with every row while the dense matmul's barely does. In
-# float32 torch's int8 kernel has no vectorized path on such CPUs: 3x slower than the
-# dense linear at one row and 40x at 256, so float32 always dequantizes.
+# The int8 kernel's cost grows with every row while the dequantized matmul's is mostly a
+# fixed cost, so they cross; on the AVX2 EPYC they cross at about 16 rows in bfloat16.
+# In float32 torch's int8 kernel loses to the dense linear there even at one row (the
+# AVX-512 EPYC was not measured in float32), so float32 always dequantizes (figures in
+# docs/benchmarks.md, "int8 weights").
 INT8PACK_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 0}
 QUANTIZABLE_DTYPES = tuple(INT8PACK_MAX_ROWS)
-# Linears `quantize_model` leaves dense, by attribute name. Quantizing the MLP's down
-# projection too costs SmolLM2 about one point of top-1 agreement with float32, which
-# takes it under the quality gate's 97% (tests/test_int8_weights.py; docs/benchmarks.md).
+# Linears `quantize_model` leaves dense, by attribute name. Quantizing SmolLM2's MLP down
+# projections too takes its top-1 agreement with float32 under the quality gate's 97%
+# (tests/test_int8_weights.py; figures in docs/benchmarks.md).
 DENSE_LINEARS = frozenset({"down_proj"})
 
 # Dequantized weights, one buffer per (shape, dtype), reused by every call of every linear.
@@ -102,7 +103,8 @@ class Int8Linear(nn.Module):
                 f"bias={self.bias is not None}, dtype={self.dtype}")
 
 
-def quantize_linears(model: nn.Module, skip: tuple[nn.Module, ...] = (), skip_names: frozenset[str] = frozenset()) -> int:
+def quantize_linears(model: nn.Module, skip: tuple[nn.Module, ...] = (),
+                     skip_names: frozenset[str] = frozenset()) -> int:
     """Replace every `nn.Linear` of `model` in place, except the modules in `skip` and those
     whose attribute name is in `skip_names`; returns how many were replaced."""
     replaced = 0
