@@ -10,9 +10,9 @@ Two kernels, picked by the number of rows (tokens) in the call:
 - few rows (decode steps) in bfloat16: torch's `_weight_int8pack_mm`, which reads the
   int8 weight and converts it on the fly, so a step streams half the bytes of bfloat16;
 - more rows (prompt chunks, large decode batches), and float32 at any row count:
-  dequantize the weight into a scratch
-  buffer shared by every linear of that shape, then one dense matmul. The dequantization
-  is a fixed cost per call, small against a matmul of many rows, and the matmul runs on
+  dequantize the weight into a scratch buffer shared by every linear of that shape, then
+  one dense matmul. The dequantization is a fixed cost per call, small against a matmul
+  of many rows, and the matmul runs on
   the fastest dense kernel of the CPU: in the activations' dtype where oneDNN has native
   kernels for it, else in float32 (on a CPU without AVX-512 a bfloat16 matmul is much
   slower than float32's).
