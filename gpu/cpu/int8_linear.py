@@ -12,10 +12,9 @@ Two kernels, picked by the number of rows (tokens) in the call:
 - more rows (prompt chunks, large decode batches), and float32 at any row count:
   dequantize the weight into a scratch buffer shared by every linear of that shape, then
   one dense matmul. The dequantization is a fixed cost per call, small against a matmul
-  of many rows, and the matmul runs on
-  the fastest dense kernel of the CPU: in the activations' dtype where oneDNN has native
-  kernels for it, else in float32 (on a CPU without AVX-512 a bfloat16 matmul is much
-  slower than float32's).
+  of many rows, and the matmul runs on the CPU's fastest dense kernel: in the
+  activations' dtype where oneDNN has native kernels for it, else in float32 (on a CPU
+  without AVX-512 a bfloat16 matmul is much slower than float32's).
 
 Where the kernels cross over is in `INT8PACK_MAX_ROWS` (figures in docs/benchmarks.md,
 "int8 weights").
