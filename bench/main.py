@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
     parser.add_argument("--weights", default="dense", choices=WEIGHTS,
-                        help="the engine's linear weights: dense (in --dtype) or int8; the peers stay dense")
+                        help="the engine's linear weights in the throughput and single scenarios: dense (in "
+                             "--dtype) or int8; the peers and the ceiling stay dense")
     parser.add_argument("--model", default="", help='HF folder/hub id or .gguf; "" is the bundled SmolLM2')
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--hf-batch-tokens", default="512,1024,2048",

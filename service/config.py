@@ -199,8 +199,9 @@ def add_engine_arguments(parser) -> None:
 
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(source=args.model, dtype=args.dtype, weights=args.weights, cache_dir=args.cache_dir, threads=args.threads,
-                          device=args.device, cuda_graphs=args.cuda_graphs, max_graph_batch=args.max_graph_batch),
+        model=ModelConfig(source=args.model, dtype=args.dtype, cache_dir=args.cache_dir, threads=args.threads,
+                          weights=args.weights, device=args.device, cuda_graphs=args.cuda_graphs,
+                          max_graph_batch=args.max_graph_batch),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_memory_bytes=args.kv_memory_mb << 20,

@@ -35,8 +35,8 @@ class ModelConfig:
     # int8 per weight and one scale per output channel, activations still in `dtype`,
     # which must be float32 or bfloat16; `gpu/cpu/int8_linear.py`). int8 runs on a CPU
     # only and leaves the LM head (tied to the embeddings) dense, so logits keep the
-    # dense model's precision. A quarter of float32's weight bytes per step, half of
-    # bfloat16's; quality against float32 in docs/benchmarks.md ("int8 weights").
+    # dense model's precision, and the MLP down projections, for quality. Fewer weight
+    # bytes per step; speed and quality against float32 in docs/benchmarks.md ("int8 weights").
     weights: str = "dense"
     # Dequantized GGUF weights are cached here as safetensors so a second start is fast.
     cache_dir: Path = field(default_factory=default_cache_dir)
