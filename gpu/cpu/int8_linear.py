@@ -41,7 +41,8 @@ QUANTIZABLE_DTYPES = tuple(INT8PACK_MAX_ROWS)
 # (tests/test_int8_weights.py; figures in docs/benchmarks.md).
 DENSE_LINEARS = frozenset({"down_proj"})
 
-# Dequantized weights, one buffer per (shape, dtype), reused by every call of every linear.
+# Dequantized weights, one buffer per (shape, dtype), reused by every call of every linear:
+# one forward at a time per process (the engine steps on one thread).
 _scratch: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
 
