@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers.config import DTYPES
+from workers.config import DTYPES, WEIGHTS
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp")
 SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak",
@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output length range in tokens (inclusive); EOS is ignored")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
+    parser.add_argument("--weights", default="dense", choices=WEIGHTS,
+                        help="the engine's linear weights in the throughput and single scenarios: dense (in "
+                             "--dtype) or int8; the peers and the ceiling stay dense")
     parser.add_argument("--model", default="", help='HF folder/hub id or .gguf; "" is the bundled SmolLM2')
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--hf-batch-tokens", default="512,1024,2048",
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     # Other processes on the host skew every figure; the load average says whether there were any.
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
-        children = _Children(Path(tmp), args.model, args.dtype)
+        children = _Children(Path(tmp), args.model, args.dtype, args.weights)
         prepared = children.run("prepare", requests=args.requests, prompt_len=args.prompt_len,
                                 output_len=args.output_len, seed=args.seed)
         workload = Workload.load(children.workload_path)
@@ -143,7 +146,8 @@ def run(args: argparse.Namespace) -> dict:
                     "system_info", "load_rss_mb", "load_average_1m")
             results["llamacpp"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
 
-    description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype, "scenario": args.scenario}
+    description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype, "weights": args.weights,
+                                         "scenario": args.scenario}
     environment = {
         "python": platform.python_version(),
         "torch": prepared["torch"],
@@ -278,17 +282,18 @@ def _continuous_figures(children: _Children, sweep: list[int]) -> dict:
 class _Children:
     """Runs one system per child process and reads back its JSON result."""
 
-    def __init__(self, tmp: Path, model: str, dtype: str) -> None:
+    def __init__(self, tmp: Path, model: str, dtype: str, weights: str = "dense") -> None:
         self.tmp = tmp
         self.model = model
         self.dtype = dtype
+        self.weights = weights
         self.workload_path = tmp / "workload.json"
         self.count = 0
 
     def run(self, system: str, **params) -> dict:
         self.count += 1
         stem = self.tmp / f"{self.count:02d}-{system}"
-        job = {"system": system, "model": self.model, "dtype": self.dtype,
+        job = {"system": system, "model": self.model, "dtype": self.dtype, "weights": self.weights,
                "workload": str(self.workload_path), "params": params}
         Path(f"{stem}.job.json").write_text(json.dumps(job))
         env = dict(os.environ)
@@ -321,7 +326,8 @@ def run_child(job_path: Path, out_path: Path) -> None:
 
     job = json.loads(Path(job_path).read_text())
     system, params = job["system"], job["params"]
-    model_config = ModelConfig(source=job["model"], dtype=job["dtype"])
+    # The weights setting only changes the engine: the ceiling and the peers run the loaded (dense) model.
+    model_config = ModelConfig(source=job["model"], dtype=job["dtype"], weights=job.get("weights", "dense"))
     if system == "llamacpp":
         _run_llamacpp_child(job, Path(out_path))
         return

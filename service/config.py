@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workers.config import (DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
+from workers.config import (DTYPES, WEIGHTS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig,
                             default_cache_dir)
 
 @dataclass(frozen=True)
@@ -175,6 +175,7 @@ def add_engine_arguments(parser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=model.source, help="HF model dir or hub id, a .gguf file, or random:NAME (random weights, e.g. random:smollm2-135m) (default: bundled SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=model.dtype, choices=DTYPES)
+    group.add_argument("--weights", default=model.weights, choices=WEIGHTS, help="linear weights: dense (in --dtype) or int8 per output channel, on a CPU (default: %(default)s)")
     group.add_argument("--cache-dir", type=Path, default=model.cache_dir, help="where converted GGUF weights are cached (default: %(default)s)")
     group.add_argument("--threads", type=int, default=model.threads, help="torch threads, 0 = one per core")
     group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")
@@ -199,7 +200,8 @@ def add_engine_arguments(parser) -> None:
 def engine_config_from_args(args) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(source=args.model, dtype=args.dtype, cache_dir=args.cache_dir, threads=args.threads,
-                          device=args.device, cuda_graphs=args.cuda_graphs, max_graph_batch=args.max_graph_batch),
+                          weights=args.weights, device=args.device, cuda_graphs=args.cuda_graphs,
+                          max_graph_batch=args.max_graph_batch),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_memory_bytes=args.kv_memory_mb << 20,

@@ -46,9 +46,10 @@ def make_engine(smollm2):
     def build(loaded: LoadedModel | None = None, kv_memory_bytes: int = TEST_KV_MEMORY,
               swap_memory_bytes: int = TEST_SWAP_MEMORY, block_size: int = CacheConfig.block_size,
               prefix_caching: bool = CacheConfig.prefix_caching,
-              speculative: SpeculativeConfig = SpeculativeConfig(), **scheduler) -> Engine:
+              speculative: SpeculativeConfig = SpeculativeConfig(), model: ModelConfig = ModelConfig(),
+              **scheduler) -> Engine:
         config = EngineConfig(
-            model=ModelConfig(),
+            model=model,
             cache=CacheConfig(kv_memory_bytes=kv_memory_bytes, swap_memory_bytes=swap_memory_bytes,
                               block_size=block_size, prefix_caching=prefix_caching),
             scheduler=SchedulerConfig(**scheduler),

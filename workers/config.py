@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
+WEIGHTS = ("dense", "int8")
 
 
 def default_cache_dir() -> Path:
@@ -30,6 +31,13 @@ class ModelConfig:
     source: str = ""
     # Weights and activations dtype: float32, bfloat16 or float16.
     dtype: str = "float32"
+    # How the layers' linear weights are stored: "dense" (in `dtype`) or "int8" (one
+    # int8 per weight and one scale per output channel, activations still in `dtype`,
+    # which must be float32 or bfloat16; `gpu/cpu/int8_linear.py`). int8 runs on a CPU
+    # only and leaves the LM head (tied to the embeddings) dense, so logits keep the
+    # dense model's precision, and the MLP down projections, for quality. Fewer weight
+    # bytes per step; speed and quality against float32 in docs/benchmarks.md ("int8 weights").
+    weights: str = "dense"
     # Dequantized GGUF weights are cached here as safetensors so a second start is fast.
     cache_dir: Path = field(default_factory=default_cache_dir)
     # Torch intra-op threads; 0 means torch's default (one per core).
@@ -52,6 +60,12 @@ class ModelConfig:
             raise ValueError("max_graph_batch must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.weights == "int8" and self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"weights=int8 needs dtype float32 or bfloat16, got {self.dtype!r}")
+        if self.weights == "int8" and self.device.startswith("cuda"):
+            raise ValueError("weights=int8 runs on a CPU only; use device cpu (or auto without a GPU)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))

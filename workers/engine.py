@@ -184,8 +184,9 @@ class Engine:
         self.block_size = config.cache.block_size
         self.allocator = BlockPool(self.runner.kv_cache.num_blocks)
         self.host_allocator = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
-        # Cached blocks are only valid for the K/V of this model in this dtype.
-        salt = hashlib.blake2b(f"{config.model.source}|{config.model.dtype}".encode(), digest_size=16).digest()
+        # Cached blocks are only valid for the K/V of this model in this dtype with these weights.
+        salt = hashlib.blake2b(f"{config.model.source}|{config.model.dtype}|{config.model.weights}".encode(),
+                               digest_size=16).digest()
         self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.host_allocator,
                                    salt if config.cache.prefix_caching else None, config.speculative)
         self.sampler = Sampler()

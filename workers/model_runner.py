@@ -5,7 +5,8 @@ The plan's chunks are packed into a single `[1, T]` sequence with their own posi
 (no padding to the longest request). Logits are computed only for the last token of
 each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
 are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packed
-weights (`gpu.cpu.packed_linear`). Attention runs on the CUDA kernels on a GPU, on the
+weights (`gpu.cpu.packed_linear`), or, with `ModelConfig.weights` "int8", for int8 ones
+(`gpu.cpu.int8_linear`; the LM head stays packed and dense). Attention runs on the CUDA kernels on a GPU, on the
 C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`). On
 the CUDA kernels, a decode-only step (one token per request) replays a CUDA graph
 (`gpu.cuda.graphs`).
@@ -25,6 +26,7 @@ from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from workers.config import CacheConfig, ModelConfig
 from gpu.cpu.fusions import fuse_for_cpu
+from gpu.cpu.int8_linear import quantize_model
 from gpu.cpu.packed_linear import can_pack, pack_linears
 from gpu.cuda.graphs import decode_graphs
 from workers.scheduler import StepPlan
@@ -43,11 +45,19 @@ class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] | None = None,
                  model_config: ModelConfig | None = None):
         """`backend_class` None picks one (`gpu.backends`): the CUDA kernels on a GPU, else torch.
-        `model_config` says whether decode-only steps replay CUDA graphs (default: yes)."""
+        `model_config` says how the linears' weights are stored and whether decode-only steps
+        replay CUDA graphs (default: dense, yes)."""
+        settings = model_config or ModelConfig()
         self.model = model
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if next(model.parameters()).device.type == "cpu":
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        if settings.weights == "int8" and not on_cpu:
+            raise ValueError("weights=int8 runs on a CPU only; this model is on "
+                             f"{next(model.parameters()).device} (use --device cpu, or --weights dense)")
+        if on_cpu:
             fuse_for_cpu(model)
+        if settings.weights == "int8":
+            quantize_model(model)  # the LM head stays dense: logits keep the dense model's precision
         if can_pack(model):
             pack_linears(model)
         self.device = next(model.parameters()).device
@@ -62,7 +72,6 @@ class ModelRunner:
         # With the CUDA kernels, swaps are kernel launches too.
         self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, self.backend.kernels)
         # With the CUDA kernels on a GPU, decode-only steps replay CUDA graphs (`gpu.cuda.graphs`).
-        settings = model_config or ModelConfig()
         self.graphs = decode_graphs(model, self.backend, settings.max_graph_batch) if settings.cuda_graphs else None
 
     @property

@@ -1,0 +1,95 @@
+"""int8 weights on the real SmolLM2: the quality gate against float32 (issue 18), and the
+engine serving them token for token as `generate` does on the same quantized model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_to_completion
+from tests.test_engine import generate_alone
+from workers.config import ModelConfig
+from workers.model_loader import load_model
+from workers.request import FinishReason, SamplingParams
+from gpu.cpu.int8_linear import Int8Linear, quantize_model
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+# Teacher forcing over real text: the repo's own README and docs, in chunks of at most
+# CHUNK tokens, at least POSITIONS predicted tokens in all.
+CHUNK = 1001
+POSITIONS = 4000
+MIN_TOP1_AGREEMENT = 0.97
+MAX_PERPLEXITY_CHANGE = 0.02
+
+
+def doc_chunks(tokenizer) -> list[list[int]]:
+    text = "\n\n".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    ids = tokenizer(text).input_ids
+    chunks = [ids[start:start + CHUNK] for start in range(0, len(ids), CHUNK)]
+    chunks = chunks[:-(-POSITIONS // (CHUNK - 1))]
+    assert sum(len(c) - 1 for c in chunks) >= POSITIONS, "the docs are too short for the quality gate"
+    return chunks
+
+
+@torch.inference_mode()
+def teacher_forced(model, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's top-1 token and the negative log-likelihood of the true next token."""
+    top1, nll = [], []
+    for chunk in chunks:
+        ids = torch.tensor([chunk])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        top1.append(logits.argmax(-1))
+        nll.append(-torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0])
+    return torch.cat(top1), torch.cat(nll)
+
+
+def test_int8_weights_agree_with_float32():
+    """float32 activations, int8 weights: the model a user gets with --weights int8."""
+    loaded = load_model(ModelConfig())  # its own copy: quantized in place below
+    chunks = doc_chunks(loaded.tokenizer)
+    want_top1, want_nll = teacher_forced(loaded.model, chunks)
+    assert quantize_model(loaded.model) > 0
+    got_top1, got_nll = teacher_forced(loaded.model, chunks)
+    agreement = (got_top1 == want_top1).float().mean().item()
+    perplexity_ratio = (got_nll.mean() - want_nll.mean()).exp().item()
+    assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.4f} over {len(want_top1)} positions"
+    assert abs(perplexity_ratio - 1) <= MAX_PERPLEXITY_CHANGE, f"perplexity ratio {perplexity_ratio:.4f}"
+
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return", "List three fruits:"]
+MAX_TOKENS = 8
+
+
+def test_engine_with_int8_weights_equals_generate_on_the_same_quantized_model(make_engine):
+    reference = load_model(ModelConfig())
+    quantize_model(reference.model)
+    prompts = {f"p{i}": reference.tokenizer(p).input_ids for i, p in enumerate(PROMPTS)}
+    expected = {rid: generate_alone(reference, ids, MAX_TOKENS) for rid, ids in prompts.items()}
+
+    engine = make_engine(load_model(ModelConfig()), model=ModelConfig(weights="int8"))
+    assert any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    results = run_to_completion(engine, {0: [(rid, ids, params) for rid, ids in prompts.items()]})
+    for rid, want in expected.items():
+        assert results[rid][0] == want, rid
+
+
+def test_bfloat16_engine_serves_int8_weights(make_engine):
+    """bfloat16 activations run decode steps on the int8 kernel and prompts on the dense path."""
+    engine = make_engine(load_model(ModelConfig(dtype="bfloat16")), model=ModelConfig(dtype="bfloat16", weights="int8"))
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    tokens, final, text = run_to_completion(engine, {0: [("bf16", chat, SamplingParams(max_tokens=16))]})["bf16"]
+    assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and "Paris" in text
+
+
+def test_int8_weights_are_refused_off_the_cpu_and_in_float16():
+    with pytest.raises(ValueError, match="CPU only"):
+        ModelConfig(weights="int8", device="cuda")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ModelConfig(weights="int8", dtype="float16")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        ModelConfig(weights="int4")
