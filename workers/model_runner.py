@@ -5,7 +5,9 @@ The plan's chunks are packed into a single `[1, T]` sequence with their own posi
 (no padding to the longest request). Logits are computed only for the last token of
 each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
 are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packed
-weights (`gpu.cpu.packed_linear`). Attention runs on the CUDA kernels on a GPU, on the
+weights (`gpu.cpu.packed_linear`), and a Llama, Qwen2 or Mistral stack runs the lean
+forward (`gpu.cpu.lean_forward`: the same modules without the eager forward's per-layer
+host overhead; the Hugging Face forward for any other model). Attention runs on the CUDA kernels on a GPU, on the
 C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`). On
 the CUDA kernels, a decode-only step (one token per request) replays a CUDA graph
 (`gpu.cuda.graphs`).
@@ -24,6 +26,7 @@ from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from workers.config import CacheConfig, ModelConfig
 from gpu.cpu.fusions import fuse_for_cpu
+from gpu.cpu.lean_forward import LeanForward, lean_forward_applies
 from gpu.cpu.packed_linear import can_pack, pack_linears
 from gpu.cuda.graphs import decode_graphs
 from workers.scheduler import StepPlan
@@ -63,6 +66,8 @@ class ModelRunner:
         # With the CUDA kernels on a GPU, decode-only steps replay CUDA graphs (`gpu.cuda.graphs`).
         settings = model_config or ModelConfig()
         self.graphs = decode_graphs(model, self.backend, settings.max_graph_batch) if settings.cuda_graphs else None
+        # Built last: it keeps the modules the swaps above put in place.
+        self.lean = LeanForward(model) if self.device.type == "cpu" and lean_forward_applies(model) else None
 
     @property
     def num_host_blocks(self) -> int:
@@ -116,11 +121,23 @@ class ModelRunner:
             return StepOutput(logits, time.perf_counter() - started, swap_s)
         metadata = self.backend.prepare(sequences, len(token_ids))
         started = time.perf_counter()
-        logits = self.model(
+        logits = self.forward(token_ids, positions, sample_rows, PagedBatch(self.backend, metadata))
+        return StepOutput(logits, time.perf_counter() - started, swap_s)
+
+    def forward(self, token_ids: list[int], positions: list[int], sample_rows: list[int],
+                batch: PagedBatch) -> torch.Tensor:
+        """Logits at `sample_rows` of one packed step: the lean forward where it applies
+        (and the model was not replaced since), else the Hugging Face forward."""
+        if self.lean is not None and self.lean.model is self.model:
+            return self.lean(token_ids, positions, sample_rows, batch)
+        return self.hf_forward(token_ids, positions, sample_rows, batch)
+
+    def hf_forward(self, token_ids: list[int], positions: list[int], sample_rows: list[int],
+                   batch: PagedBatch) -> torch.Tensor:
+        return self.model(
             input_ids=torch.tensor([token_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             logits_to_keep=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             use_cache=False,
-            paged_batch=PagedBatch(self.backend, metadata),
+            paged_batch=batch,
         ).logits[0]
-        return StepOutput(logits, time.perf_counter() - started, swap_s)
