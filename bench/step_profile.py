@@ -8,8 +8,10 @@ CPU). Against them, the step's math alone: every linear module of the model call
 to back on inputs of the step's row count (30 layers of q/k/v/o, gate-and-up and down,
 then the LM head), and the attention backend's `attend` for every layer with the step's
 metadata. What a forward takes beyond that math is the host's: Python, module calls,
-operator dispatch and the small element-wise operations. Each forward's operator count
-comes from `torch.profiler` (one step).
+operator dispatch and the small element-wise operations. The host's share is also
+measured directly: both forwards again with every linear and MLP swapped for a module
+that returns a fixed tensor (what is left is attention, norms, rotary and the host's
+work). Each forward's operator count comes from `torch.profiler` (one step).
 
     python -m bench.step_profile [--dtype float32 bfloat16] [--batch 1 48] [--threads 1]
 
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from gpu.attention import SequenceSlice
+from gpu.cpu.lean_forward import LeanForward
 from gpu.kv_cache import KVShape
 from workers.config import CacheConfig, ModelConfig
 from workers.model_loader import load_model
@@ -97,6 +100,47 @@ def runner_sequences(plan: StepPlan) -> list[SequenceSlice]:
     return [SequenceSlice(i, 1, c.start + 1, c.block_ids) for i, c in enumerate(plan.chunks)]
 
 
+class _Fixed(nn.Module):
+    """Stands in for a linear or an MLP: the same output shape, no math."""
+
+    def __init__(self, rows: int, features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out = torch.zeros(rows, features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out.view(*x.shape[:-1], -1)
+
+
+def stubbed(runner: ModelRunner, rows: int, dtype: torch.dtype, calls: dict) -> dict:
+    """Median CPU ms of each of `calls` with the model's linears and MLPs stubbed out."""
+    model = runner.model
+    saved = []
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for owner, name in [(attention, "q_proj"), (attention, "k_proj"), (attention, "v_proj"),
+                            (attention, "o_proj"), (layer, "mlp")]:  # fmt: skip
+            module = getattr(owner, name)
+            features = module.out_features if name != "mlp" else model.config.hidden_size
+            saved.append((owner, name, module))
+            setattr(owner, name, _Fixed(rows, features, dtype))
+    saved.append((model, "lm_head", model.lm_head))
+    model.lm_head = _Fixed(rows, model.config.vocab_size, dtype)
+    lean = runner.lean
+    runner.lean = LeanForward(model)
+    try:
+        for call in calls.values():
+            call()
+        cpu = {name: [] for name in calls}
+        for _ in range(10):
+            for name, call in calls.items():
+                cpu[name].append(timed(call, 1)[1])
+        return {name: round(statistics.median(values), 3) for name, values in cpu.items()}
+    finally:
+        runner.lean = lean
+        for owner, name, module in saved:
+            setattr(owner, name, module)
+
+
 def operator_count(call) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,10 +151,8 @@ def operator_count(call) -> int:
 
 def profile_step(runner: ModelRunner, batch: int, context: int, steps: int, dtype: torch.dtype) -> dict:
     plan = decode_plan(runner, batch, context)
-    lean = runner.lean
-
     def hf_step():
-        runner.lean = None
+        lean, runner.lean = runner.lean, None
         try:
             runner.execute(plan)
         finally:
@@ -128,14 +170,18 @@ def profile_step(runner: ModelRunner, batch: int, context: int, steps: int, dtyp
             for name, call in cases.items():
                 samples[name].append(timed(call, 1))
         operators = {name: operator_count(forwards[name]) for name in forwards}
+        without_math = stubbed(runner, batch, dtype, forwards)
     median = {name: [round(statistics.median(s[i] for s in runs), 3) for i in (0, 1)] for name, runs in samples.items()}
-    math_ms = median["linears"][0] + median["attention"][0]
+    math_cpu_ms = median["linears"][1] + median["attention"][1]
     return {
         "batch": batch,
         "context": context,
         "ms_wall_cpu": median,
-        "math_ms": round(math_ms, 3),
-        "host_ms": {name: round(median[name][0] - math_ms, 3) for name in forwards},
+        "math_cpu_ms": round(math_cpu_ms, 3),
+        # CPU time beyond the math: a step's CPU time less the linears' and attention's
+        "beyond_math_cpu_ms": {name: round(median[name][1] - math_cpu_ms, 3) for name in forwards},
+        # CPU time of a step whose linears and MLPs return fixed tensors
+        "stubbed_cpu_ms": without_math,
         "operators_per_step": operators,
         "layers": runner.model.config.num_hidden_layers,
     }
