@@ -77,7 +77,7 @@ class LeanForward:
         config = model.config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = inner.layers[0].self_attn.head_dim
         self.embed = inner.embed_tokens.forward
         self.layers = [_Layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
         self.final_norm = inner.norm.forward
