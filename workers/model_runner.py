@@ -8,9 +8,9 @@ are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packe
 weights (`gpu.cpu.packed_linear`), and a Llama, Qwen2 or Mistral stack runs the lean
 forward (`gpu.cpu.lean_forward`: the same modules without the eager forward's per-layer
 host overhead; the Hugging Face forward for any other model). Attention runs on the
-CUDA kernels on a GPU, on the C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`). On
-the CUDA kernels, a decode-only step (one token per request) replays a CUDA graph
-(`gpu.cuda.graphs`).
+CUDA kernels on a GPU, on the C++ decode kernel on a CPU, and on the torch reference
+otherwise (`gpu.backends`). On the CUDA kernels, a decode-only step (one token per
+request) replays a CUDA graph (`gpu.cuda.graphs`).
 """
 
 from __future__ import annotations
