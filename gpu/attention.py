@@ -46,6 +46,12 @@ class SequenceSlice(NamedTuple):
 QUERY_START, QUERY_LEN, CONTEXT_LEN = itemgetter(0), itemgetter(1), itemgetter(2)
 
 
+def long_tensor(values: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """An int64 tensor of a list of ints, built through numpy: several times faster than
+    `torch.tensor` on a list, which counts at hundreds of requests a step."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
+
+
 def slot_mapping(sequences: Sequence[SequenceSlice], block_size: int) -> list[int]:
     """The cache slot of every new token, in batch order."""
     slots: list[int] = []

@@ -6,10 +6,12 @@ The plan's chunks are packed into a single `[1, T]` sequence with their own posi
 each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
 are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packed
 weights (`gpu.cpu.packed_linear`), or, with `ModelConfig.weights` "int8", for int8 ones
-(`gpu.cpu.int8_linear`; the LM head stays packed and dense). Attention runs on the CUDA kernels on a GPU, on the
-C++ decode kernel on a CPU, and on the torch reference otherwise (`gpu.backends`). On
-the CUDA kernels, a decode-only step (one token per request) replays a CUDA graph
-(`gpu.cuda.graphs`).
+(`gpu.cpu.int8_linear`; the LM head stays packed and dense); a Llama, Qwen2 or Mistral
+stack runs the lean forward (`gpu.cpu.lean_forward`: the same modules without the eager
+forward's per-layer host overhead; the Hugging Face forward for any other model).
+Attention runs on the CUDA kernels on a GPU, on the C++ decode kernel on a CPU, and on
+the torch reference otherwise (`gpu.backends`). On the CUDA kernels, a decode-only step
+(one token per request) replays a CUDA graph (`gpu.cuda.graphs`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, SequenceSlice
+from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, SequenceSlice, long_tensor
 from gpu.backends import select_backend
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from workers.config import CacheConfig, ModelConfig
 from gpu.cpu.fusions import fuse_for_cpu
 from gpu.cpu.int8_linear import quantize_model
+from gpu.cpu.lean_forward import LeanForward, lean_forward_applies
 from gpu.cpu.packed_linear import can_pack, pack_linears
 from gpu.cuda.graphs import decode_graphs
 from workers.scheduler import StepPlan
@@ -73,6 +75,8 @@ class ModelRunner:
         self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, self.backend.kernels)
         # With the CUDA kernels on a GPU, decode-only steps replay CUDA graphs (`gpu.cuda.graphs`).
         self.graphs = decode_graphs(model, self.backend, settings.max_graph_batch) if settings.cuda_graphs else None
+        # Built last: it keeps the modules the swaps above put in place.
+        self.lean = LeanForward(model) if self.device.type == "cpu" and lean_forward_applies(model) else None
 
     @property
     def num_host_blocks(self) -> int:
@@ -130,16 +134,24 @@ class ModelRunner:
             return StepOutput(logits, time.perf_counter() - started, swap_s)
         metadata = self.backend.prepare(sequences, len(token_ids))
         started = time.perf_counter()
-        logits = self.model(
-            input_ids=_long_tensor(token_ids, self.device)[None],
-            position_ids=_long_tensor(positions, self.device)[None],
-            logits_to_keep=_long_tensor(sample_rows, self.device),
-            use_cache=False,
-            paged_batch=PagedBatch(self.backend, metadata),
-        ).logits[0]
+        logits = self.forward(token_ids, positions, sample_rows, PagedBatch(self.backend, metadata))
         return StepOutput(logits, time.perf_counter() - started, swap_s)
 
+    def forward(self, token_ids: list[int], positions: list[int], sample_rows: list[int],
+                batch: PagedBatch) -> torch.Tensor:
+        """Logits at `sample_rows` of one packed step: the lean forward where it applies
+        (and the model was not replaced since), else the Hugging Face forward."""
+        if self.lean is not None and self.lean.model is self.model:
+            return self.lean(token_ids, positions, sample_rows, batch)
+        return self.hf_forward(token_ids, positions, sample_rows, batch)
 
-def _long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    # Through numpy: several times faster than torch.tensor on a list of ints.
-    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
+    def hf_forward(self, token_ids: list[int], positions: list[int], sample_rows: list[int],
+                   batch: PagedBatch) -> torch.Tensor:
+        return self.model(
+            input_ids=long_tensor(token_ids, self.device)[None],
+            position_ids=long_tensor(positions, self.device)[None],
+            logits_to_keep=long_tensor(sample_rows, self.device),
+            use_cache=False,
+            paged_batch=batch,
+        ).logits[0]
+

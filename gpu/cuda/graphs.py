@@ -47,7 +47,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from gpu.attention import PagedBatch, SequenceSlice
+from gpu.attention import PagedBatch, SequenceSlice, long_tensor
 from gpu.cuda.attention import CupyAttentionBackend, DecodeBatch, KernelMetadata
 
 _log = logging.getLogger("inflight.graphs")
@@ -194,7 +194,7 @@ class DecodeGraphs:
         self.inputs.fill(token_ids, positions, sequences, bucket)
         logits = graph.replay()
         self.replays += 1
-        return logits.index_select(0, torch.tensor(sample_rows, dtype=torch.long).to(self.device))
+        return logits.index_select(0, long_tensor(sample_rows, self.device))
 
     def key(self, bucket: int, longest: int) -> tuple[int, int, int]:
         """(bucket, partition size, partitions) of the graph that runs `bucket` rows with

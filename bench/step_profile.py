@@ -1,0 +1,215 @@
+"""`python -m bench.step_profile`: where one decode step's time goes on a CPU, on the
+Hugging Face forward and on the lean forward (`gpu/cpu/lean_forward.py`).
+
+For each dtype and batch size: one runner over the model, one decode-only step of
+`--batch` requests at `--context` tokens each, run as the engine runs it
+(`ModelRunner.execute`), timed in turns on both forwards (median of `--steps`, wall and
+CPU). Against them, the step's math alone: every linear module of the model called back
+to back on inputs of the step's row count (30 layers of q/k/v/o, gate-and-up and down,
+then the LM head), and the attention backend's `attend` for every layer with the step's
+metadata. What a forward takes beyond that math is the host's: Python, module calls,
+operator dispatch and the small element-wise operations. The host's share is also
+measured directly: both forwards again with every linear and MLP swapped for a module
+that returns a fixed tensor (what is left is attention, norms, rotary and the host's
+work). Each forward's operator count comes from `torch.profiler` (one step).
+
+    python -m bench.step_profile [--dtype float32 bfloat16] [--batch 1 48] [--threads 1]
+
+Prints one JSON line per (dtype, batch). Takes a minute or two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from gpu.attention import SequenceSlice
+from gpu.cpu.lean_forward import LeanForward
+from gpu.kv_cache import KVShape
+from workers.config import CacheConfig, ModelConfig
+from workers.model_loader import load_model
+from workers.model_runner import ModelRunner
+from workers.scheduler import ScheduledChunk, StepPlan
+
+
+def decode_plan(runner: ModelRunner, batch: int, context: int) -> StepPlan:
+    blocks_each = -(-context // runner.kv_cache.block_size)
+    ids = list(range(1, runner.kv_cache.num_blocks))
+    random.Random(0).shuffle(ids)  # scattered, as a running engine's blocks are
+    return StepPlan([
+        ScheduledChunk(None, context - 1, (100 + i,), ids[i * blocks_each:(i + 1) * blocks_each], True, True)
+        for i in range(batch)
+    ])  # fmt: skip
+
+
+def timed(call, repeats: int) -> tuple[float, float]:
+    """Median wall and CPU milliseconds of `call()`."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        call()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return 1e3 * statistics.median(walls), 1e3 * statistics.median(cpus)
+
+
+def linears_call(model: nn.Module, rows: int, dtype: torch.dtype):
+    """Every linear of the step (the LM head on `rows` too), each on inputs of `rows` rows."""
+    calls = []
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        modules = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+                   *[m for m in layer.mlp.children() if hasattr(m, "in_features")]]  # fmt: skip
+        calls.extend((m.forward, torch.randn(rows, m.in_features).to(dtype)) for m in modules)
+    calls.append((model.lm_head.forward, torch.randn(rows, model.lm_head.in_features).to(dtype)))
+
+    def run():
+        for forward, x in calls:
+            forward(x)
+
+    return run
+
+
+def attention_call(runner: ModelRunner, plan: StepPlan, dtype: torch.dtype):
+    """The backend's `attend` for every layer, with one step's metadata."""
+    shape = runner.kv_cache.shape
+    config = runner.model.config
+    rows = len(plan.chunks)
+    sequences = runner_sequences(plan)
+    metadata = runner.backend.prepare(sequences, rows)
+    heads = config.num_attention_heads
+    query = torch.randn(rows, heads, shape.head_dim).to(dtype)
+    key, value = torch.randn(2, rows, shape.num_kv_heads, shape.head_dim).to(dtype)
+    scale = shape.head_dim**-0.5
+
+    def run():
+        for layer in range(shape.num_layers):
+            runner.backend.attend(layer, query, key, value, scale, metadata)
+
+    return run
+
+
+def runner_sequences(plan: StepPlan) -> list[SequenceSlice]:
+    return [SequenceSlice(i, 1, c.start + 1, c.block_ids) for i, c in enumerate(plan.chunks)]
+
+
+class _Fixed(nn.Module):
+    """Stands in for a linear or an MLP: the same output shape, no math."""
+
+    def __init__(self, rows: int, features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out = torch.zeros(rows, features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out.view(*x.shape[:-1], -1)
+
+
+def stubbed(runner: ModelRunner, rows: int, dtype: torch.dtype, calls: dict) -> dict:
+    """Median CPU ms of each of `calls` with the model's linears and MLPs stubbed out."""
+    model = runner.model
+    saved = []
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for owner, name in [(attention, "q_proj"), (attention, "k_proj"), (attention, "v_proj"),
+                            (attention, "o_proj"), (layer, "mlp")]:  # fmt: skip
+            module = getattr(owner, name)
+            features = module.out_features if name != "mlp" else model.config.hidden_size
+            saved.append((owner, name, module))
+            setattr(owner, name, _Fixed(rows, features, dtype))
+    saved.append((model, "lm_head", model.lm_head))
+    model.lm_head = _Fixed(rows, model.config.vocab_size, dtype)
+    lean = runner.lean
+    runner.lean = LeanForward(model)
+    try:
+        for call in calls.values():
+            call()
+        cpu = {name: [] for name in calls}
+        for _ in range(10):
+            for name, call in calls.items():
+                cpu[name].append(timed(call, 1)[1])
+        return {name: round(statistics.median(values), 3) for name, values in cpu.items()}
+    finally:
+        runner.lean = lean
+        for owner, name, module in saved:
+            setattr(owner, name, module)
+
+
+def operator_count(call) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(event.count for event in prof.key_averages() if event.key.startswith(("aten::", "mkldnn::")))
+
+
+def profile_step(runner: ModelRunner, batch: int, context: int, steps: int, dtype: torch.dtype) -> dict:
+    plan = decode_plan(runner, batch, context)
+    def hf_step():
+        lean, runner.lean = runner.lean, None
+        try:
+            runner.execute(plan)
+        finally:
+            runner.lean = lean
+
+    forwards = {"hf": hf_step, "lean": lambda: runner.execute(plan)}
+    math = {"linears": linears_call(runner.model, batch, dtype), "attention": attention_call(runner, plan, dtype)}
+    cases = {**forwards, **math}
+    with torch.inference_mode():
+        for call in cases.values():  # warm-up
+            call()
+            call()
+        samples = {name: [] for name in cases}
+        for _ in range(steps):  # in turns, so load on a shared machine disturbs them alike
+            for name, call in cases.items():
+                samples[name].append(timed(call, 1))
+        operators = {name: operator_count(forwards[name]) for name in forwards}
+        without_math = stubbed(runner, batch, dtype, forwards)
+    median = {name: [round(statistics.median(s[i] for s in runs), 3) for i in (0, 1)] for name, runs in samples.items()}
+    math_cpu_ms = median["linears"][1] + median["attention"][1]
+    return {
+        "batch": batch,
+        "context": context,
+        "ms_wall_cpu": median,
+        "math_cpu_ms": round(math_cpu_ms, 3),
+        # CPU time beyond the math: a step's CPU time less the linears' and attention's
+        "beyond_math_cpu_ms": {name: round(median[name][1] - math_cpu_ms, 3) for name in forwards},
+        # CPU time of a step whose linears and MLPs return fixed tensors
+        "stubbed_cpu_ms": without_math,
+        "operators_per_step": operators,
+        "layers": runner.model.config.num_hidden_layers,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", default="", help="ModelConfig.source (default: the bundled SmolLM2-135M)")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 48])
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for dtype_name in args.dtype:
+        loaded = load_model(ModelConfig(source=args.source, dtype=dtype_name))
+        dtype = loaded.model.dtype
+        blocks = max(args.batch) * (args.context // CacheConfig.block_size + 2) + 8
+        block_bytes = CacheConfig.block_size * KVShape.of(loaded.model.config).bytes_per_token(dtype)
+        runner = ModelRunner(loaded.model, CacheConfig(kv_memory_bytes=blocks * block_bytes, swap_memory_bytes=0))
+        for batch in args.batch:
+            load = os.getloadavg()[0]
+            figures = profile_step(runner, batch, args.context, args.steps, dtype)
+            print(json.dumps({"dtype": dtype_name, "threads": args.threads, "backend": type(runner.backend).__name__,
+                              "lean": runner.lean is not None, "load": [round(load, 1), round(os.getloadavg()[0], 1)],
+                              **figures}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

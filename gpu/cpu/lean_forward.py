@@ -1,0 +1,136 @@
+"""A lean forward for Llama-family decoder stacks (Llama, Qwen2, Mistral) over the paged
+cache: the same modules and weights as the Hugging Face forward, called directly.
+
+At batch 1 on a CPU a decode step's math is a few milliseconds, and the eager Hugging
+Face forward adds its own host time to every layer: `nn.Module.__call__` on each
+sublayer, rotary cos/sin computed again for every step, the attention function looked
+up and called through keyword plumbing, causal-mask and output bookkeeping no paged
+step uses (figures in docs/benchmarks.md, "Per-step overhead"). Here one step is a
+loop over the layers that calls each module's `forward` (so norms, MLPs and linears
+swapped in by `gpu.cpu.fusions`, `gpu.cpu.packed_linear` or any other module with the
+same call run unchanged), reads cos/sin from tables built once and indexed by
+position, rotates queries and keys in one pass, and hands each layer to the attention
+backend with the step's metadata, prepared once.
+
+The arithmetic is Hugging Face's, operation for operation in the model's dtype (the
+residual adds, the rotary products and sums, the norms on rows that sample), so in
+float32 it agrees with the Hugging Face forward to rounding and in bfloat16 it
+computes the same roundings. The Hugging Face forward stays the fallback for every
+other model, and the oracle in the tests (`tests/test_lean_forward.py`).
+
+Build it after every module swap: it keeps each module's bound `forward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from gpu.attention import PagedBatch, long_tensor
+
+# Decoder stacks whose layer is exactly: norm, attention (q/k/v projections, rotary,
+# attention, o projection), residual add, norm, MLP, residual add.
+CAUSAL_LMS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+DECODER_LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer"}
+# Rotary kinds whose cos/sin depend on the position alone (not on the sequence length,
+# as dynamic and long-rope scaling do), so a table indexed by position holds them.
+STATIC_ROPE_TYPES = {"default", "linear", "llama3"}
+# Positions the first cos/sin table covers; it doubles when a step goes past it.
+FIRST_TABLE_POSITIONS = 2048
+
+
+def lean_forward_applies(model: nn.Module) -> bool:
+    """Whether `model` is a decoder stack this forward computes exactly as Hugging Face does."""
+    inner = getattr(model, "model", None)
+    return (
+        type(model).__name__ in CAUSAL_LMS
+        and inner is not None
+        and getattr(getattr(inner, "rotary_emb", None), "rope_type", None) in STATIC_ROPE_TYPES
+        and all(type(layer).__name__ in DECODER_LAYERS for layer in inner.layers)
+    )
+
+
+class _Layer:
+    """One decoder layer's bound module calls and constants."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attention = layer.self_attn
+        self.index = attention.layer_idx
+        self.scale = attention.scaling
+        self.input_norm = layer.input_layernorm.forward
+        self.q_proj = attention.q_proj.forward
+        self.k_proj = attention.k_proj.forward
+        self.v_proj = attention.v_proj.forward
+        self.o_proj = attention.o_proj.forward
+        self.post_attention_norm = layer.post_attention_layernorm.forward
+        self.mlp = layer.mlp.forward
+
+
+class LeanForward:
+    def __init__(self, model: nn.Module) -> None:
+        if not lean_forward_applies(model):
+            raise ValueError(f"the lean forward does not cover {type(model).__name__}")
+        self.model = model
+        inner = model.model
+        config = model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = inner.layers[0].self_attn.head_dim
+        self.embed = inner.embed_tokens.forward
+        self.layers = [_Layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        self.final_norm = inner.norm.forward
+        self.lm_head = model.lm_head.forward
+        self.rotary = inner.rotary_emb
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device
+        self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+
+    def __call__(self, token_ids: Sequence[int], positions: Sequence[int], sample_rows: Sequence[int],
+                 batch: PagedBatch) -> torch.Tensor:
+        """Logits [len(sample_rows), vocab] of one packed step: `token_ids` at `positions`,
+        attention through `batch`'s backend and metadata."""
+        num_tokens = len(token_ids)
+        device = self.device
+        positions_t = long_tensor(positions, device)
+        cos, sin = self._rotary(positions_t, max(positions) + 1)
+        hidden = self.embed(long_tensor(token_ids, device))  # [T, hidden]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        half = head_dim // 2
+        attend, metadata = batch.backend.attend, batch.metadata
+        for layer in self.layers:
+            x = layer.input_norm(hidden)
+            q = layer.q_proj(x).view(num_tokens, heads, head_dim)
+            k = layer.k_proj(x).view(num_tokens, kv_heads, head_dim)
+            v = layer.v_proj(x).view(num_tokens, kv_heads, head_dim)
+            # Hugging Face's q * cos + rotate_half(q) * sin, for queries and keys at once;
+            # rotate_half(x) * sin is x with its halves swapped times sin with its first
+            # half negated (the same products: negation is exact).
+            qk = torch.cat((q, k), dim=1)
+            rotated = qk * cos
+            rotated.add_(qk.roll(half, dims=-1).mul_(sin))
+            out = attend(layer.index, rotated[:, :heads], rotated[:, heads:], v, layer.scale, metadata)
+            hidden.add_(layer.o_proj(out.view(num_tokens, heads * head_dim)))
+            hidden.add_(layer.mlp(layer.post_attention_norm(hidden)))
+        if len(sample_rows) != num_tokens:  # a decode-only step samples at every row
+            hidden = hidden.index_select(0, long_tensor(sample_rows, device))
+        return self.lm_head(self.final_norm(hidden))
+
+    def _rotary(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at `positions`: [T, 1, head_dim] each."""
+        if needed > self._cos.shape[0]:
+            self._build_tables(max(needed, 2 * self._cos.shape[0], FIRST_TABLE_POSITIONS))
+        return self._cos.index_select(0, positions).unsqueeze(1), self._sin.index_select(0, positions).unsqueeze(1)
+
+    def _build_tables(self, num_positions: int) -> None:
+        # The model's own rotary module, so its scaling (linear, llama3) applies; cos/sin at
+        # a position do not depend on the other positions computed with it.
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        all_positions = torch.arange(num_positions, device=self.device).unsqueeze(0)
+        with torch.inference_mode():
+            cos, sin = self.rotary(probe, position_ids=all_positions)
+        half = self.head_dim // 2
+        sin = sin[0].clone()
+        sin[:, :half].neg_()
+        self._cos, self._sin = cos[0].contiguous(), sin
