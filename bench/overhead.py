@@ -140,7 +140,8 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
             "p50": 1e3 * percentile([s.get(phase, 0.0) for s in source], 50),
             "p99": 1e3 * percentile([s.get(phase, 0.0) for s in source], 99),
         }
-        for phase, source in [*((phase, steps) for phase in PHASES), ("total", totals), ("total_cpu", totals)]
+        for phase, source in [*((phase, steps) for phase in (*PHASES, "timed_total")), ("total", totals),
+                              ("total_cpu", totals)]
     }
     # Tokens each step made: the decodes, and the prompts that finished their prefill.
     return {"decoding_requests": size, "steps": len(totals), "tokens_per_step": sum(tokens) / len(tokens),
