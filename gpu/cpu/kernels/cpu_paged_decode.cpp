@@ -177,12 +177,17 @@ inline float dot1(const T* q, const T* k) {
 
 // Softmax weights of one head's scores, in place and unnormalised; returns their sum.
 inline float exp_scores(float* s, int n) {
-    float m = s[0];
-    for (int t = 1; t < n; ++t) m = std::max(m, s[t]);
+    __m256 max8 = _mm256_set1_ps(s[0]);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + t));
+    alignas(32) float top[8];
+    _mm256_store_ps(top, max8);
+    float m = top[0];
+    for (int i = 1; i < 8; ++i) m = std::max(m, top[i]);
+    for (; t < n; ++t) m = std::max(m, s[t]);
     const __m256 max = _mm256_set1_ps(m);
     __m256 sum8 = _mm256_setzero_ps();
-    int t = 0;
-    for (; t + 8 <= n; t += 8) {
+    for (t = 0; t + 8 <= n; t += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), max));
         _mm256_storeu_ps(s + t, e);
         sum8 = _mm256_add_ps(sum8, e);
@@ -247,6 +252,50 @@ inline void score_block(const Args<T>& a, const T* query, const T* block, int co
 }
 
 // Adds `count` V rows of `block`, weighted by the scores from token `start`, to each head's sum.
+#ifdef INFLIGHT_AVX512
+// Each V row is loaded and widened once for its KV head and added into up to
+// `HEADS_AT_ONCE` of the query heads that share it, whose sums stay in registers: the
+// loads and widening, not the multiply-adds, were most of the work. Every sum adds the
+// same products in the same order as one head at a time would.
+template <int HEAD_DIM, int HEADS, typename T>
+inline void weigh_heads(const T* v, int count, const float* scores, int n, float* acc, int64_t row_stride) {
+    constexpr int CHUNKS = HEAD_DIM / 16;
+    __m512 out[HEADS][CHUNKS];
+    for (int g = 0; g < HEADS; ++g)
+        for (int c = 0; c < CHUNKS; ++c) out[g][c] = _mm512_loadu_ps(acc + g * HEAD_DIM + 16 * c);
+    for (int j = 0; j < count; ++j) {
+        __m512 row[CHUNKS];
+        for (int c = 0; c < CHUNKS; ++c) row[c] = load16(v + j * row_stride + 16 * c);
+        for (int g = 0; g < HEADS; ++g) {
+            const __m512 weight = _mm512_set1_ps(scores[(size_t)g * n + j]);
+            for (int c = 0; c < CHUNKS; ++c) out[g][c] = _mm512_fmadd_ps(weight, row[c], out[g][c]);
+        }
+    }
+    for (int g = 0; g < HEADS; ++g)
+        for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(acc + g * HEAD_DIM + 16 * c, out[g][c]);
+}
+
+template <int HEAD_DIM, typename T>
+inline void weigh_block(const Args<T>& a, const T* block, int count, const float* scores, int n, float* acc,
+                        int64_t row_stride) {
+    // Sums held at once: HEADS_AT_ONCE × HEAD_DIM / 16 registers of the 32, with room for the row.
+    constexpr int HEADS_AT_ONCE = HEAD_DIM <= 64 ? 4 : 2;
+    const int group = a.num_heads / a.num_kv_heads;
+    for (int kv = 0; kv < a.num_kv_heads; ++kv) {
+        const T* v = block + (int64_t)kv * HEAD_DIM;
+        for (int first = kv * group; first < (kv + 1) * group; first += HEADS_AT_ONCE) {
+            const float* p = scores + (size_t)first * n;
+            float* o = acc + (size_t)first * HEAD_DIM;
+            switch (std::min(HEADS_AT_ONCE, (kv + 1) * group - first)) {
+                case 4: weigh_heads<HEAD_DIM, 4>(v, count, p, n, o, row_stride); break;
+                case 3: weigh_heads<HEAD_DIM, 3>(v, count, p, n, o, row_stride); break;
+                case 2: weigh_heads<HEAD_DIM, 2>(v, count, p, n, o, row_stride); break;
+                default: weigh_heads<HEAD_DIM, 1>(v, count, p, n, o, row_stride); break;
+            }
+        }
+    }
+}
+#else
 template <int HEAD_DIM, typename T>
 inline void weigh_block(const Args<T>& a, const T* block, int count, const float* scores, int n, float* acc,
                         int64_t row_stride) {
@@ -266,6 +315,7 @@ inline void weigh_block(const Args<T>& a, const T* block, int count, const float
         for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(o + 8 * c, out[c]);
     }
 }
+#endif
 
 // attend_one for head sizes that are multiples of 8, on AVX2, for all the KV heads of a
 // group's sequences at once: a block's rows are read whole and in order (reading one

@@ -1,6 +1,7 @@
 // Vector math shared by the CPU kernels: AVX2 where the build has it (-march=native on
-// a CPU with AVX2 and FMA defines INFLIGHT_AVX2), AVX-512 BF16 dot products where it has
-// those too (INFLIGHT_AVX512BF16), plain loops otherwise.
+// a CPU with AVX2 and FMA defines INFLIGHT_AVX2), 16-lane loads where it has AVX-512
+// (INFLIGHT_AVX512), AVX-512 BF16 dot products where it has those too
+// (INFLIGHT_AVX512BF16), plain loops otherwise.
 //
 // Element types: float, and bfloat16 (`bf16`, the top 16 bits of a float). bfloat16 is
 // only a storage type here: it is widened to fp32 on load (a 16-bit shift), all
@@ -41,6 +42,9 @@ inline float rounded_as(float x, const bf16*) { return to_float(to_bf16(x)); }
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define INFLIGHT_AVX2 1
+#if defined(__AVX512F__)
+#define INFLIGHT_AVX512 1
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512F__)
 #define INFLIGHT_AVX512BF16 1
 #endif
@@ -71,6 +75,15 @@ inline __m256 load8(const bf16* p) {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+
+#ifdef INFLIGHT_AVX512
+// Sixteen elements widened to fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
 
 // Eight fp32 values rounded to nearest even as bfloat16 bits, in the low 16 bits of each lane.
 inline __m256i bf16_bits8(__m256 v) {
