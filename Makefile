@@ -30,7 +30,7 @@ install: $(INSTALLED)
 # 0.3.36 crashed at the first decode on a Xeon. Several minutes on 2 cores.
 llamacpp: $(INSTALLED)
 	CMAKE_ARGS="$$($(PYTHON) -m bench.llamacpp_build)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(PYTHON) -m pip install --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+		$(PYTHON) -m pip install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
 
 # On a machine with a CUDA GPU, torch with CUDA and cupy (a stock PyTorch image will do;
 # no venv, no network): the kernels' device checks, the end-to-end equality on

@@ -3,7 +3,9 @@
 ggml's native build (`-march=native`) of llama-cpp-python 0.3.36 segfaulted at the first
 decode on a Xeon with AMX; an explicit instruction-set list builds a working library.
 The list comes from the CPU's flags in /proc/cpuinfo, so an AVX2-only machine gets no
-AVX-512 and a machine with AMX gets it.
+AVX-512. AMX stays off: ggml 0.3.36's AMX matmul died of SIGILL at its first `tilezero`
+on a Xeon with AMX (a batch of prompt tokens, with the process holding Linux's AMX
+permission), so llama.cpp runs its AVX-512 VNNI kernels there.
 
 `python -m bench.llamacpp_build` prints the CMAKE_ARGS value (`make llamacpp` uses it).
 """
@@ -27,10 +29,8 @@ GGML_OPTIONS: dict[str, tuple[str, ...]] = {
     "GGML_AVX512_VBMI": (*_AVX512_BASE, "avx512vbmi"),
     "GGML_AVX512_VNNI": (*_AVX512_BASE, "avx512_vnni"),
     "GGML_AVX512_BF16": (*_AVX512_BASE, "avx512_bf16"),
-    "GGML_AMX_TILE": ("amx_tile",),
-    "GGML_AMX_INT8": ("amx_tile", "amx_int8"),
-    "GGML_AMX_BF16": ("amx_tile", "amx_bf16"),
 }
+NEVER = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -47,6 +47,7 @@ def cmake_args(flags: set[str]) -> str:
     args = ["-DGGML_NATIVE=OFF"]
     for option, needed in GGML_OPTIONS.items():
         args.append(f"-D{option}={'ON' if all(f in flags for f in needed) else 'OFF'}")
+    args += [f"-D{option}=OFF" for option in NEVER]
     return " ".join(args)
 
 

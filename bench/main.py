@@ -82,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
     parser.add_argument("--weights", default="dense", choices=WEIGHTS,
                         help="the engine's linear weights in the throughput and single scenarios: dense (in "
-                             "--dtype) or int8; the peers and the ceiling stay dense")
+                             "--dtype), int8 or int4; the peers and the ceiling stay dense")
+    parser.add_argument("--speculation", default="on", choices=("on", "off"),
+                        help="the engine's speculative decoding by prompt lookup (on by default, as in a worker)")
     parser.add_argument("--model", default="", help='HF folder/hub id or .gguf; "" is the bundled SmolLM2')
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     parser.add_argument("--hf-batch-tokens", default="512,1024,2048",
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         workload = Workload.load(children.workload_path)
         results: dict[str, dict] = {}
         if "engine" in systems:
-            results["engine"] = _engine_figures(children)
+            results["engine"] = _engine_figures(children, args.speculation == "on")
         if "hf_continuous" in systems:
             results["hf_continuous"] = _continuous_figures(children, sweep)
         if "hf_static" in systems:
@@ -147,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
             results["llamacpp"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
 
     description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype, "weights": args.weights,
-                                         "scenario": args.scenario}
+                                         "speculation": args.speculation, "scenario": args.scenario}
     environment = {
         "python": platform.python_version(),
         "torch": prepared["torch"],
@@ -233,11 +235,11 @@ def run_scenario(args: argparse.Namespace) -> dict:
     return report
 
 
-def _engine_figures(children: _Children) -> dict:
+def _engine_figures(children: _Children, speculation: bool) -> dict:
     """The engine's run, then the ceiling replay of its step schedule."""
     from bench.metrics import summarize
 
-    engine = children.run("engine")
+    engine = children.run("engine", speculation=int(speculation))
     steps = engine["steps"]
     ceiling = children.run("ceiling", step_tokens=[s["num_tokens"] for s in steps])
     figures = summarize(engine["token_times"], engine["peak_rss_mb"])
@@ -318,7 +320,7 @@ def run_child(job_path: Path, out_path: Path) -> None:
     import torch
     import transformers
 
-    from workers.config import EngineConfig, ModelConfig
+    from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
     from bench import engine_side, peers
     from bench.metrics import peak_rss_mb
     from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
@@ -353,7 +355,8 @@ def run_child(job_path: Path, out_path: Path) -> None:
     else:
         workload = Workload.load(Path(job["workload"]))
         if system == "engine":
-            result = engine_side.run_engine(loaded, workload, EngineConfig(model=model_config))
+            speculative = SpeculativeConfig(enabled=bool(params.get("speculation", 1)))
+            result = engine_side.run_engine(loaded, workload, EngineConfig(model=model_config, speculative=speculative))
         elif system == "ceiling":
             result = engine_side.run_ceiling(model, params["step_tokens"], seed=workload.seed)
         elif system == "hf_continuous":

@@ -175,7 +175,7 @@ def add_engine_arguments(parser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=model.source, help="HF model dir or hub id, a .gguf file, or random:NAME (random weights, e.g. random:smollm2-135m) (default: bundled SmolLM2-135M-Instruct)")
     group.add_argument("--dtype", default=model.dtype, choices=DTYPES)
-    group.add_argument("--weights", default=model.weights, choices=WEIGHTS, help="linear weights: dense (in --dtype) or int8 per output channel, on a CPU (default: %(default)s)")
+    group.add_argument("--weights", default=model.weights, choices=WEIGHTS, help="linear weights: dense (in --dtype), int8 per output channel or int4 in groups of 32 (bfloat16), on a CPU (default: %(default)s)")
     group.add_argument("--cache-dir", type=Path, default=model.cache_dir, help="where converted GGUF weights are cached (default: %(default)s)")
     group.add_argument("--threads", type=int, default=model.threads, help="torch threads, 0 = one per core")
     group.add_argument("--device", default=model.device, help="auto, cpu, cuda or cuda:N (default: %(default)s)")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
-WEIGHTS = ("dense", "int8")
+WEIGHTS = ("dense", "int8", "int4")
 
 
 def default_cache_dir() -> Path:
@@ -37,6 +37,9 @@ class ModelConfig:
     # only and leaves the LM head (tied to the embeddings) dense, so logits keep the
     # dense model's precision, and the MLP down projections, for quality. Fewer weight
     # bytes per step; speed and quality against float32 in docs/benchmarks.md ("int8 weights").
+    # "int4": 4 bits a weight with a scale and offset per group of 32, as llama.cpp's
+    # Q4_1 (`gpu/cpu/int4_linear.py`), for every layer linear; bfloat16 on a CPU only, the
+    # LM head dense. For one request's speed: a coarser model (docs/benchmarks.md, "int4 weights").
     weights: str = "dense"
     # Dequantized GGUF weights are cached here as safetensors so a second start is fast.
     cache_dir: Path = field(default_factory=default_cache_dir)
@@ -64,8 +67,10 @@ class ModelConfig:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.weights == "int8" and self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"weights=int8 needs dtype float32 or bfloat16, got {self.dtype!r}")
-        if self.weights == "int8" and self.device.startswith("cuda"):
-            raise ValueError("weights=int8 runs on a CPU only; use device cpu (or auto without a GPU)")
+        if self.weights == "int4" and self.dtype != "bfloat16":
+            raise ValueError(f"weights=int4 needs dtype bfloat16, got {self.dtype!r}")
+        if self.weights != "dense" and self.device.startswith("cuda"):
+            raise ValueError(f"weights={self.weights} runs on a CPU only; use device cpu (or auto without a GPU)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))

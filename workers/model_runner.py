@@ -5,8 +5,9 @@ The plan's chunks are packed into a single `[1, T]` sequence with their own posi
 (no padding to the longest request). Logits are computed only for the last token of
 each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
 are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packed
-weights (`gpu.cpu.packed_linear`), or, with `ModelConfig.weights` "int8", for int8 ones
-(`gpu.cpu.int8_linear`; the LM head stays packed and dense); a Llama, Qwen2 or Mistral
+weights (`gpu.cpu.packed_linear`), or, with `ModelConfig.weights` "int8" or "int4", for
+quantized ones (`gpu.cpu.int8_linear`, `gpu.cpu.int4_linear`; the LM head stays packed
+and dense); a Llama, Qwen2 or Mistral
 stack runs the lean forward (`gpu.cpu.lean_forward`: the same modules without the eager
 forward's per-layer host overhead; the Hugging Face forward for any other model).
 Attention runs on the CUDA kernels on a GPU, on the C++ decode kernel on a CPU, and on
@@ -27,7 +28,7 @@ from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from workers.config import CacheConfig, ModelConfig
 from gpu.cpu.fusions import fuse_for_cpu
-from gpu.cpu.int8_linear import quantize_model
+from gpu.cpu import int4_linear, int8_linear
 from gpu.cpu.lean_forward import LeanForward, lean_forward_applies
 from gpu.cpu.packed_linear import can_pack, pack_linears
 from gpu.cuda.graphs import decode_graphs
@@ -53,13 +54,15 @@ class ModelRunner:
         self.model = model
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         on_cpu = next(model.parameters()).device.type == "cpu"
-        if settings.weights == "int8" and not on_cpu:
-            raise ValueError("weights=int8 runs on a CPU only; this model is on "
+        if settings.weights != "dense" and not on_cpu:
+            raise ValueError(f"weights={settings.weights} runs on a CPU only; this model is on "
                              f"{next(model.parameters()).device} (use --device cpu, or --weights dense)")
         if on_cpu:
             fuse_for_cpu(model)
         if settings.weights == "int8":
-            quantize_model(model)  # the LM head stays dense: logits keep the dense model's precision
+            int8_linear.quantize_model(model)  # the LM head stays dense: logits keep the dense model's precision
+        elif settings.weights == "int4":
+            int4_linear.quantize_model(model)
         if can_pack(model):
             pack_linears(model)
         self.device = next(model.parameters()).device
