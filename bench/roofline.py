@@ -4,9 +4,9 @@ A decode step reads every weight of the model once, whatever its batch, so no st
 take less than the weight bytes divided by the memory bandwidth: the floor. This
 measures, in one process and with the same threads:
 
-- the weight bytes one step reads: every tensor of the model's modules (int8 weights
-  with their scales, oneDNN's packed weights as packed), the LM head included, the
-  embedding table not (a step reads one row of it per token);
+- the weight bytes one step reads: every tensor of the model's modules (int8 and int4
+  weights with their scales, oneDNN's packed weights as packed), the LM head included,
+  the embedding table not (a step reads one row of it per token);
 - the read bandwidth, as the best of repeated `torch.sum`s over a buffer of exactly the
   weight bytes (what a step streams: on a CPU with a large L3 it may stay there) and over
   one of 2 GiB (DRAM);
@@ -37,7 +37,7 @@ from torch import nn
 
 from bench.step_profile import decode_plan, timed
 from gpu.kv_cache import KVShape
-from workers.config import CacheConfig, ModelConfig
+from workers.config import WEIGHTS, CacheConfig, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 
@@ -93,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", default="", help="ModelConfig.source (default: the bundled SmolLM2-135M)")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--weights", default="dense", choices=("dense", "int8"))
+    parser.add_argument("--weights", default="dense", choices=WEIGHTS)
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 48])
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--steps", type=int, default=30)

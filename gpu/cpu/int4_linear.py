@@ -84,10 +84,9 @@ class Int4Linear(nn.Module):
         self.out_features = linear.out_features
         q, scales, zeros = quantize_groupwise(linear.weight)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
-        # The kernel's [K/G, N, 2]; the dense path's [N, K/G, 1] each.
+        # The kernel's [K/G, N, 2]; the dense path reads it as [N, K/G, 1] views.
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.scales = scales.to(torch.bfloat16)[..., None]
-        self.zeros = zeros.to(torch.bfloat16)[..., None]
+        self.scales, self.zeros = self.scales_and_zeros.permute(1, 0, 2).split(1, dim=2)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
