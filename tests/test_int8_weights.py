@@ -92,4 +92,4 @@ def test_int8_weights_are_refused_off_the_cpu_and_in_float16():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ModelConfig(weights="int8", dtype="float16")
     with pytest.raises(ValueError, match="weights must be one of"):
-        ModelConfig(weights="int4")
+        ModelConfig(weights="int2")
