@@ -26,6 +26,14 @@ def test_greedy_is_argmax(dtype):
     assert sample(logits, [GREEDY] * 8) == logits.float().argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_of_tied_maxima_and_a_nan_as_argmax_does(dtype):
+    logits = torch.randint(0, 3, (64, 4096), generator=torch.Generator().manual_seed(1)).to(dtype)  # ties everywhere
+    logits[5, 17] = float("nan")
+    logits[9, 4000] = float("inf")
+    assert sample(logits, [GREEDY] * 64) == logits.argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize("temperature", [0.1, 1.0, 5.0, 100.0])
 def test_top_k_one_is_greedy_at_any_temperature(temperature):
     logits = random_logits(16)
