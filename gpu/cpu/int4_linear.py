@@ -10,9 +10,9 @@ spanning the group's minimum to maximum, `weight ≈ (q - 8) × scale + zero` wi
 zero are rounded to bfloat16 first, and q is chosen against the rounded values.
 
 Two paths, picked by the number of rows in the call:
-- up to `INT4PACK_MAX_ROWS` (one request's decodes): torch's int4 kernel, which unpacks
-  the weights on the fly and runs at about the memory's speed at one row, but whose
-  cost grows with every row;
+- up to `INT4PACK_MAX_ROWS` (decode steps, with their speculative drafts): torch's int4
+  kernel, which unpacks the weights on the fly and runs at about the memory's speed at
+  one row, but whose cost grows with every row;
 - more rows (prompt chunks, batches): the weight is unpacked into a bfloat16 scratch
   buffer shared by every linear of that shape, then one dense matmul.
 
@@ -29,9 +29,11 @@ from torch import nn
 from gpu.cpu.int8_linear import Int8Linear
 
 GROUP_SIZE = 32
-# Rows the int4 kernel takes; more unpack and run dense. At one row it streams a third of
-# a dense bfloat16 linear's time; at four it is already slower (docs/benchmarks.md, "int4 weights").
-INT4PACK_MAX_ROWS = 2
+# Rows the int4 kernel takes; more unpack and run dense. The kernel's cost grows with every
+# row and the unpacking is a fixed cost per call; they cross near 64 rows on the Xeon
+# (docs/benchmarks.md, "int4 weights"), so decodes, speculative drafts and decode
+# batches run on the kernel and prompt chunks unpack.
+INT4PACK_MAX_ROWS = 64
 # The kernel packs 64 output rows at a time: byte [block, k, j] holds row 64·block + j in
 # its low nibble and row 64·block + 32 + j in its high one.
 _BLOCK_N = 64
