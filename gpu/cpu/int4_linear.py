@@ -40,6 +40,7 @@ _BLOCK_N = 64
 _INNER_K_TILES = 2
 
 _scratch: dict[tuple[int, int], torch.Tensor] = {}
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 
 def applies(linear: nn.Linear) -> bool:
@@ -92,11 +93,12 @@ class Int4Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= INT4PACK_MAX_ROWS and self.bias is None and x.is_contiguous():
+            return _int4_mm(x, self.packed, GROUP_SIZE, self.scales_and_zeros)  # a decode step, as the lean forward calls
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= INT4PACK_MAX_ROWS:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP_SIZE,
-                                                             self.scales_and_zeros)  # fmt: skip
+            out = _int4_mm(rows.contiguous(), self.packed, GROUP_SIZE, self.scales_and_zeros)
             if self.bias is not None:
                 out += self.bias
         else:
