@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
 from torch import nn
@@ -64,14 +63,8 @@ def read_bandwidth(nbytes: int, repeats: int = 20) -> float:
     """Bytes a second of the best of `repeats` sums over a float32 buffer of `nbytes`."""
     buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
     buffer.sum()  # pages touched, caches warm as a step's weights are
-    best = min(_seconds(buffer.sum) for _ in range(repeats))
-    return buffer.numel() * 4 / best
-
-
-def _seconds(call) -> float:
-    started = time.perf_counter()
-    call()
-    return time.perf_counter() - started
+    best_ms = min(timed(buffer.sum, 1)[0] for _ in range(repeats))
+    return buffer.numel() * 4 / (best_ms / 1e3)
 
 
 def measure(runner: ModelRunner, batch: int, context: int, steps: int, weight_bytes: int, bandwidth: float) -> dict:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu.int8_linear import Int8Linear
+from gpu.cpu.int8_linear import Int8Linear, quantize_linears, scratch_buffer
 
 GROUP_SIZE = 32
 # Rows the int4 kernel takes; more unpack and run dense. The kernel's cost grows with every
@@ -39,7 +39,6 @@ INT4PACK_MAX_ROWS = 64
 _BLOCK_N = 64
 _INNER_K_TILES = 2
 
-_scratch: dict[tuple[int, int], torch.Tensor] = {}
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 
 
@@ -107,13 +106,9 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight in bfloat16 (a shared buffer: valid until the next call)."""
-        key = (self.out_features, self.in_features)
-        scratch = _scratch.get(key)
-        if scratch is None:
-            with torch.inference_mode(False):  # a normal tensor, writable outside inference mode too
-                scratch = _scratch[key] = torch.empty(key, dtype=torch.bfloat16)
+        scratch = scratch_buffer((self.out_features, self.in_features), torch.bfloat16)
         groups = scratch.view(self.out_features, -1, GROUP_SIZE)
-        groups.copy_(unpack(self.packed, *key).view_as(groups)).sub_(8).mul_(self.scales).add_(self.zeros)
+        groups.copy_(unpack(self.packed, self.out_features, self.in_features).view_as(groups)).sub_(8).mul_(self.scales).add_(self.zeros)
         return scratch
 
     def extra_repr(self) -> str:
@@ -126,12 +121,8 @@ def quantize_model(model: nn.Module) -> int:
     Q8_0 for it (a tied embedding table stays dense for the lookups). Returns how many
     linears were replaced."""
     head = model.get_output_embeddings()
+    replaced = 0
     if type(head) is nn.Linear:
         model.set_output_embeddings(Int8Linear(head))
-    replaced = 1 if type(head) is nn.Linear else 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child is not head and applies(child):
-                setattr(parent, name, Int4Linear(child))
-                replaced += 1
-    return replaced
+        replaced = 1
+    return replaced + quantize_linears(model, skip=(head,), make=Int4Linear, fits=applies)

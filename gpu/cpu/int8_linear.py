@@ -90,12 +90,7 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight as floats in the dense path's dtype (a shared buffer: valid until the next call)."""
-        key = (self.out_features, self.in_features, self.dense_dtype)
-        scratch = _scratch.get(key)
-        if scratch is None:
-            # A normal tensor even when created under inference mode, so it can be written outside it too.
-            with torch.inference_mode(False):
-                scratch = _scratch[key] = torch.empty(key[:2], dtype=self.dense_dtype)
+        scratch = scratch_buffer((self.out_features, self.in_features), self.dense_dtype)
         return scratch.copy_(self.weight_int8).mul_(self.dense_scales)
 
     def extra_repr(self) -> str:
@@ -103,15 +98,29 @@ class Int8Linear(nn.Module):
                 f"bias={self.bias is not None}, dtype={self.dtype}")
 
 
+def scratch_buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The process's one buffer of `shape` and `dtype` for dequantized weights."""
+    key = (*shape, dtype)
+    scratch = _scratch.get(key)
+    if scratch is None:
+        # A normal tensor even when created under inference mode, so it can be written outside it too.
+        with torch.inference_mode(False):
+            scratch = _scratch[key] = torch.empty(shape, dtype=dtype)
+    return scratch
+
+
 def quantize_linears(model: nn.Module, skip: tuple[nn.Module, ...] = (),
-                     skip_names: frozenset[str] = frozenset()) -> int:
-    """Replace every `nn.Linear` of `model` in place, except the modules in `skip` and those
-    whose attribute name is in `skip_names`; returns how many were replaced."""
+                     skip_names: frozenset[str] = frozenset(), make=None, fits=lambda linear: True) -> int:
+    """Replace every `nn.Linear` of `model` in place by `make(linear)` (default `Int8Linear`),
+    except the modules in `skip`, those whose attribute name is in `skip_names` and those
+    `fits` refuses; returns how many were replaced."""
+    make = make or Int8Linear
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and name not in skip_names and not any(child is kept for kept in skip):
-                setattr(parent, name, Int8Linear(child))
+            if (type(child) is nn.Linear and name not in skip_names and fits(child)
+                    and not any(child is kept for kept in skip)):  # fmt: skip
+                setattr(parent, name, make(child))
                 replaced += 1
     return replaced
 
