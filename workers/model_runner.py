@@ -9,7 +9,8 @@ weights (`gpu.cpu.packed_linear`), or, with `ModelConfig.weights` "int8" or "int
 quantized ones (`gpu.cpu.int8_linear`, `gpu.cpu.int4_linear`; the LM head stays packed
 and dense); a Llama, Qwen2 or Mistral
 stack runs the lean forward (`gpu.cpu.lean_forward`: the same modules without the eager
-forward's per-layer host overhead; the Hugging Face forward for any other model).
+forward's per-layer host overhead; the Hugging Face forward for any other model), and
+with int4 weights its decode steps run every layer in one C++ call (`gpu.cpu.int4_decode`).
 Attention runs on the CUDA kernels on a GPU, on the C++ decode kernel on a CPU, and on
 the torch reference otherwise (`gpu.backends`). On the CUDA kernels, a decode-only step
 (one token per request) replays a CUDA graph (`gpu.cuda.graphs`).
@@ -29,6 +30,7 @@ from gpu.offload import HostKVPool
 from workers.config import CacheConfig, ModelConfig
 from gpu.cpu.fusions import fuse_for_cpu
 from gpu.cpu import int4_linear, int8_linear
+from gpu.cpu.int4_decode import Int4DecodeLayers
 from gpu.cpu.lean_forward import LeanForward, lean_forward_applies
 from gpu.cpu.packed_linear import can_pack, pack_linears
 from gpu.cuda.graphs import decode_graphs
@@ -78,8 +80,12 @@ class ModelRunner:
         self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, self.backend.kernels)
         # With the CUDA kernels on a GPU, decode-only steps replay CUDA graphs (`gpu.cuda.graphs`).
         self.graphs = decode_graphs(model, self.backend, settings.max_graph_batch) if settings.cuda_graphs else None
-        # Built last: it keeps the modules the swaps above put in place.
-        self.lean = LeanForward(model) if self.device.type == "cpu" and lean_forward_applies(model) else None
+        # Built last: it keeps the modules the swaps above put in place. With int4 weights,
+        # decode steps run its layers in one C++ call (`gpu.cpu.int4_decode`).
+        self.lean = None
+        if self.device.type == "cpu" and lean_forward_applies(model):
+            decode_layers = Int4DecodeLayers.build(model, self.backend) if settings.weights == "int4" else None
+            self.lean = LeanForward(model, decode_layers)
 
     @property
     def num_host_blocks(self) -> int:

@@ -85,7 +85,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         super().__init__(kv_cache)
         if kernel is None and not kernel_applies(kv_cache):
             raise ValueError("the CPU decode kernel needs a float32 or bfloat16 cache in host memory and g++")
-        self._entry = (kernel or cpu_kernel()).entries[kv_cache.blocks.dtype]
+        self.entry = (kernel or cpu_kernel()).entries[kv_cache.blocks.dtype]
         self._tables = BlockTables()
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
@@ -99,7 +99,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if decodes.num_seqs == 0:
             return
         assert query.stride(2) == 1 and out.is_contiguous() and query.dtype == key_pool.dtype == out.dtype
-        status = self._entry(
+        status = self.entry(
             out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
             key_pool.data_ptr(), value_pool.data_ptr(),
             decodes.query_rows.data_ptr(), decodes.context_lens.data_ptr(), decodes.block_tables.data_ptr(),

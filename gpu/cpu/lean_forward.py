@@ -18,7 +18,9 @@ float32 it agrees with the Hugging Face forward to rounding and in bfloat16 it
 computes the same roundings. The Hugging Face forward stays the fallback for every
 other model, and the oracle in the tests (`tests/test_lean_forward.py`).
 
-Build it after every module swap: it keeps each module's bound `forward`.
+Build it after every module swap: it keeps each module's bound `forward`. With
+`decode_layers` (`gpu.cpu.int4_decode`), the steps that object takes run every layer in
+one C++ call instead of the loop here; embedding, final norm and LM head stay here.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class _Layer:
 
 
 class LeanForward:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, decode_layers=None) -> None:
         if not lean_forward_applies(model):
             raise ValueError(f"the lean forward does not cover {type(model).__name__}")
         self.model = model
@@ -86,6 +88,7 @@ class LeanForward:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
+        self.decode_layers = decode_layers
 
     def __call__(self, token_ids: Sequence[int], positions: Sequence[int], sample_rows: Sequence[int],
                  batch: PagedBatch) -> torch.Tensor:
@@ -94,8 +97,21 @@ class LeanForward:
         num_tokens = len(token_ids)
         device = self.device
         positions_t = long_tensor(positions, device)
-        cos, sin = self._rotary(positions_t, max(positions) + 1)
+        self._cover(max(positions) + 1)
         hidden = self.embed(long_tensor(token_ids, device))  # [T, hidden]
+        if self.decode_layers is not None and self.decode_layers.takes(batch.metadata, num_tokens):
+            self.decode_layers(hidden, positions_t, self._cos, self._sin, batch.metadata)
+        else:
+            self._layers(hidden, positions_t, batch)
+        if len(sample_rows) != num_tokens:  # a decode-only step samples at every row
+            hidden = hidden.index_select(0, long_tensor(sample_rows, device))
+        return self.lm_head(self.final_norm(hidden))
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> None:
+        """Every decoder layer over `hidden` [T, hidden], in place."""
+        num_tokens = hidden.shape[0]
+        cos = self._cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim]
+        sin = self._sin.index_select(0, positions).unsqueeze(1)
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         half = head_dim // 2
         attend, metadata = batch.backend.attend, batch.metadata
@@ -113,15 +129,11 @@ class LeanForward:
             out = attend(layer.index, rotated[:, :heads], rotated[:, heads:], v, layer.scale, metadata)
             hidden.add_(layer.o_proj(out.view(num_tokens, heads * head_dim)))
             hidden.add_(layer.mlp(layer.post_attention_norm(hidden)))
-        if len(sample_rows) != num_tokens:  # a decode-only step samples at every row
-            hidden = hidden.index_select(0, long_tensor(sample_rows, device))
-        return self.lm_head(self.final_norm(hidden))
 
-    def _rotary(self, positions: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin at `positions`: [T, 1, head_dim] each."""
+    def _cover(self, needed: int) -> None:
+        """cos/sin tables (`_cos`, and `_sin` with its first half negated) for `needed` positions."""
         if needed > self._cos.shape[0]:
             self._build_tables(max(needed, 2 * self._cos.shape[0], FIRST_TABLE_POSITIONS))
-        return self._cos.index_select(0, positions).unsqueeze(1), self._sin.index_select(0, positions).unsqueeze(1)
 
     def _build_tables(self, num_positions: int) -> None:
         # The model's own rotary module, so its scaling (linear, llama3) applies; cos/sin at

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cpu_vector_math.h"
+#include "cpu_row_ops.h"
 
 namespace {
 
@@ -13,51 +13,6 @@ namespace {
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 15;
 
 inline int threads_for(int64_t elements, int num_threads) { return elements < PARALLEL_ELEMENTS ? 1 : num_threads; }
-
-// HF: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the product in the weight's dtype;
-// in float32 both roundings are no-ops.
-template <typename T>
-void rms_norm_row(const T* x, const T* weight, T* out, int dim, float eps) {
-    int i = 0;
-    float sum = 0.0f;
-#ifdef INFLIGHT_AVX2
-    __m256 sum8 = _mm256_setzero_ps();
-    for (; i + 8 <= dim; i += 8) {
-        const __m256 v = load8(x + i);
-        sum8 = _mm256_fmadd_ps(v, v, sum8);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, sum8);
-    for (float lane : lanes) sum += lane;
-#endif
-    for (; i < dim; ++i) sum += to_float(x[i]) * to_float(x[i]);
-    const float inv = 1.0f / std::sqrt(sum / dim + eps);
-    i = 0;
-#ifdef INFLIGHT_AVX2
-    const __m256 inv8 = _mm256_set1_ps(inv);
-    for (; i + 8 <= dim; i += 8)
-        store8(out + i, _mm256_mul_ps(load8(weight + i), rounded_as8(_mm256_mul_ps(load8(x + i), inv8), out)));
-#endif
-    for (; i < dim; ++i) store_float(out + i, to_float(weight[i]) * rounded_as(to_float(x[i]) * inv, out));
-}
-
-// HF: act_fn(gate) * up, SiLU's result in the activations' dtype.
-template <typename T>
-void silu_mul_row(const T* gate, const T* up, T* out, int dim) {
-    int i = 0;
-#ifdef INFLIGHT_AVX2
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; i + 8 <= dim; i += 8) {
-        const __m256 g = load8(gate + i);
-        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        store8(out + i, _mm256_mul_ps(rounded_as8(silu, out), load8(up + i)));
-    }
-#endif
-    for (; i < dim; ++i) {
-        const float g = to_float(gate[i]);
-        store_float(out + i, rounded_as(g / (1.0f + std::exp(-g)), out) * to_float(up[i]));
-    }
-}
 
 template <typename T>
 void rms_norm_rows(const T* x, int64_t x_row_stride, const T* weight, T* out, int64_t rows, int dim, float eps,

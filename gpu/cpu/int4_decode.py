@@ -1,0 +1,133 @@
+"""A decode step's decoder layers in one C++ call, for int4 weights on a CPU.
+
+With int4 weights a step at one request reads under 100 MB, and on two cores the
+torch path's host work (some twenty operations a layer, called from Python) costs more
+than the matmuls (figures in docs/benchmarks.md, "One request in one call"). The C++
+code (`gpu/cpu/kernels/cpu_int4_decode.cpp`) runs every layer of the lean forward in one
+call over the same weights, in place: `Int4Linear`'s packed bytes, scales and zeros,
+the fused norms' weights, and the KV cache's pools; attention is the paged decode
+kernel the CPU backend calls. It rounds to bfloat16 wherever the torch path does.
+
+It takes steps whose every token is a decode (speculative drafts included) and that
+have at most `MAX_TOKENS`; prompt chunks and larger batches run the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+import torch
+from torch import nn
+
+from gpu.cpu.attention import CpuAttentionBackend
+from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm
+from gpu.cpu.int4_linear import Int4Linear
+from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
+from gpu.torch_attention import TorchMetadata
+
+# Tokens a step may have to run here: the C++ matmul reads the weights once per four
+# tokens, so larger batches are cheaper on torch's kernels.
+MAX_TOKENS = 8
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def decode_library(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
+    """The C++ layers, or None where g++ cannot build them (logged once)."""
+    library = try_load_cpu_library("cpu_int4_decode", flags, instead="the torch path for int4 decodes")
+    if library is None:
+        return None
+    library.int4_stack_create.argtypes = (_I, _P, _I, _I, _I, _I, _I, _F, _F, _P)
+    library.int4_stack_create.restype = _P
+    library.int4_stack_free.argtypes = (_P,)
+    library.int4_stack_free.restype = None
+    library.int4_decode.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I)
+    library.int4_decode.restype = _I
+    library.int4_linear.argtypes = (_P, _P, _I, _I, _P, _I, _P, _I)
+    library.int4_linear.restype = None
+    return library
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers[: model.config.num_hidden_layers])
+
+
+def _layer_pointers(layer: nn.Module, key_pool: torch.Tensor, value_pool: torch.Tensor) -> list[int] | None:
+    """The 16 addresses the C++ stack takes for one layer, or None if a module is not one it runs."""
+    attention, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(type(norm) is FusedRMSNorm and norm.weight.dtype == torch.bfloat16 for norm in norms):
+        return None
+    if type(mlp) is not FusedGatedMLP:
+        return None
+    linears = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not all(type(linear) is Int4Linear and linear.bias is None for linear in linears):
+        return None
+    pointers = [norm.weight.data_ptr() for norm in norms]
+    for linear in linears:
+        pointers += [linear.packed.data_ptr(), linear.scales_and_zeros.data_ptr()]
+    return pointers + [key_pool.data_ptr(), value_pool.data_ptr()]
+
+
+class Int4DecodeLayers:
+    """Every decoder layer of `model` as one call, for the steps `takes` accepts."""
+
+    def __init__(self, model: nn.Module, backend: CpuAttentionBackend, library: ctypes.CDLL, pointers: list[int]) -> None:
+        config, layers = model.config, _layers(model)
+        attention = layers[0].self_attn
+        self.model = model  # the weights the stack points into stay alive with it
+        self.kv_cache = backend.kv_cache
+        self.library = library
+        self.hidden_size = config.hidden_size
+        addresses = np.array(pointers, dtype=np.int64)  # alive through the call that copies it
+        self._stack = library.int4_stack_create(
+            len(layers), addresses.ctypes.data, config.hidden_size,
+            config.num_attention_heads, config.num_key_value_heads, attention.head_dim,
+            layers[0].mlp.intermediate_size, layers[0].input_layernorm.eps, attention.scaling,
+            ctypes.cast(backend.entry, ctypes.c_void_p).value,
+        )  # fmt: skip
+        if not self._stack:
+            raise ValueError("the int4 decode stack does not take this model's shapes")
+
+    @classmethod
+    def build(cls, model: nn.Module, backend) -> Int4DecodeLayers | None:
+        """The stack over `model`'s int4 layers and `backend`'s cache, or None where it does not apply."""
+        if not isinstance(backend, CpuAttentionBackend) or backend.kv_cache.blocks.dtype != torch.bfloat16:
+            return None
+        library = decode_library()
+        if library is None:
+            return None
+        cache = backend.kv_cache
+        pointers: list[int] = []
+        layers = _layers(model)
+        for index, layer in enumerate(layers):
+            found = _layer_pointers(layer, cache.key_pools[index], cache.value_pools[index])
+            if found is None:
+                return None
+            pointers += found
+        if len({norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}) != 1:
+            return None
+        return cls(model, backend, library, pointers)
+
+    def takes(self, metadata, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` with this attention metadata runs here: decodes only."""
+        return num_tokens <= MAX_TOKENS and isinstance(metadata, TorchMetadata) and not metadata.prefills
+
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, metadata: TorchMetadata) -> None:
+        """Run every layer over `hidden` [tokens, hidden size] (bfloat16, contiguous), in place."""
+        decodes = metadata.decodes
+        status = self.library.int4_decode(
+            self._stack, hidden.data_ptr(), hidden.shape[0], cos_table.data_ptr(), sin_table.data_ptr(),
+            positions.data_ptr(), metadata.slot_mapping.data_ptr(), decodes.query_rows.data_ptr(),
+            decodes.context_lens.data_ptr(), decodes.block_tables.data_ptr(), decodes.num_seqs,
+            decodes.block_tables.shape[1], self.kv_cache.block_size, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError("the CPU decode kernel rejected this model's heads")
+
+    def __del__(self) -> None:
+        if getattr(self, "_stack", None):
+            self.library.int4_stack_free(self._stack)

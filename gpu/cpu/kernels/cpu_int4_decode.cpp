@@ -1,0 +1,298 @@
+// A decode step's decoder layers on int4 weights in one call: for every layer of a
+// Llama-family stack, norm, q/k/v, rotary, KV write, attention, o, residual, norm,
+// gate/up, SiLU, down, residual, over the step's few tokens (`gpu/cpu/int4_decode.py`).
+// At one request a layer's math takes microseconds, and the torch path spends more than
+// that again calling some twenty operations a layer from Python.
+//
+// Weights are read where `Int4Linear` holds them, in torch's CPU int4 layout: per block
+// of 64 output rows, byte [k, j] holds row j's 4-bit weight in its low nibble and row
+// 32 + j's in its high one; scales and zeros are [K/32, N, 2] bfloat16, and a weight is
+// (q - 8) × scale + zero. A block's bytes are read once for up to `ROW_TILE` tokens:
+// q·x is summed per group of 32 in fp32, then the group's scale and zero applied.
+//
+// Roundings follow the torch path operation for operation: every tensor it holds in
+// bfloat16 (norm outputs, projections, rotated queries and keys, attention output, the
+// residual stream) is rounded to bfloat16 here at the same point; sums are fp32.
+// Attention is the paged decode kernel (`cpu_paged_decode.cpp`), passed in by address:
+// every token is a query row of its own, over its own context.
+//
+// Threads: the matmuls split their blocks of 64 rows over OpenMP (torch's runtime, as
+// the other kernels); the element-wise work runs on the calling thread.
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "cpu_row_ops.h"
+
+namespace {
+
+constexpr int BLOCK_N = 64;
+constexpr int GROUP = 32;
+constexpr int ROW_TILE = 4;
+
+struct Int4Weight {
+    const uint8_t* packed;     // [N/64, K, 32]
+    const bf16* scales_zeros;  // [K/32, N, 2]
+    int n, k;
+};
+
+using AttendFn = int (*)(bf16* out, const bf16* query, int64_t token_stride, int64_t head_stride,
+                         const bf16* key_pool, const bf16* value_pool, const int32_t* query_rows,
+                         const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
+                         int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int threads);
+
+struct Layer {
+    const bf16* input_norm;
+    const bf16* post_attention_norm;
+    Int4Weight q, k, v, o, gate_up, down;
+    bf16* key_pool;  // [slots, kv_heads, head_dim]
+    bf16* value_pool;
+};
+
+struct Stack {
+    int hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    AttendFn attend;
+    std::vector<Layer> layers;
+};
+
+// One matmul's input rows widened to fp32, with each group's sum.
+struct Activations {
+    std::vector<float> x;           // [rows, k]
+    std::vector<float> group_sums;  // [rows, k / GROUP]
+    int rows = 0, k = 0;
+
+    void load(const bf16* in, int num_rows, int width) {
+        rows = num_rows;
+        k = width;
+        x.resize((size_t)rows * k);
+        group_sums.resize((size_t)rows * (k / GROUP));
+        for (int r = 0; r < rows; ++r)
+            for (int g = 0; g < k / GROUP; ++g) {
+                float sum = 0.0f;
+                for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
+                    const float v = to_float(in[(size_t)r * k + i]);
+                    x[(size_t)r * k + i] = v;
+                    sum += v;
+                }
+                group_sums[(size_t)r * (k / GROUP) + g] = sum;
+            }
+    }
+};
+
+// acc[r][j] += the group's q·x for the block's 64 rows, scaled: scale_j · (Σ q·x − 8 Σ x)
+// + zero_j · Σ x, with q·x summed over the group's 32 columns in fp32.
+template <int R>
+void add_group(const uint8_t* bytes, const bf16* scale_zero, const float* x, int64_t x_stride, const float* sums,
+               float acc[ROW_TILE][BLOCK_N]) {
+#ifdef INFLIGHT_AVX512
+    __m512 d[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) d[r][i] = _mm512_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int c = 0; c < GROUP; ++c) {
+        const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + c * 32));
+        const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + c * 32 + 16));
+        const __m512 w[4] = {
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, low))),
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, low))),
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), low))),
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), low))),
+        };
+        for (int r = 0; r < R; ++r) {
+            const __m512 xc = _mm512_set1_ps(x[r * x_stride + c]);
+            for (int i = 0; i < 4; ++i) d[r][i] = _mm512_fmadd_ps(w[i], xc, d[r][i]);
+        }
+    }
+    // Each 32-bit lane of scale_zero holds one row's bfloat16 scale (low half) and zero (high half).
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int i = 0; i < 4; ++i) {
+        const __m512i pairs = _mm512_loadu_si512(scale_zero + 32 * i);
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+        for (int r = 0; r < R; ++r) {
+            const __m512 sum = _mm512_set1_ps(sums[r]);
+            __m512 a = _mm512_loadu_ps(acc[r] + 16 * i);
+            a = _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), sum, d[r][i]), a);
+            _mm512_storeu_ps(acc[r] + 16 * i, _mm512_fmadd_ps(zero, sum, a));
+        }
+    }
+#else
+    float dot[ROW_TILE][BLOCK_N] = {};
+    for (int c = 0; c < GROUP; ++c) {
+        const uint8_t* row = bytes + c * 32;
+        for (int r = 0; r < R; ++r) {
+            const float xc = x[r * x_stride + c];
+#pragma omp simd
+            for (int j = 0; j < 32; ++j) {
+                dot[r][j] += (float)(row[j] & 0x0F) * xc;
+                dot[r][j + 32] += (float)(row[j] >> 4) * xc;
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < BLOCK_N; ++j)
+            acc[r][j] += to_float(scale_zero[2 * j]) * (dot[r][j] - 8.0f * sums[r]) + to_float(scale_zero[2 * j + 1]) * sums[r];
+#endif
+}
+
+// out[r, column + j] for one block of 64 output rows and up to ROW_TILE tokens, rounded to bfloat16.
+template <int R>
+void matmul_block_tile(const Int4Weight& w, int block, const Activations& a, int row0, bf16* out,
+                       int64_t out_stride) {
+    const int groups = w.k / GROUP;
+    const uint8_t* bytes = w.packed + (int64_t)block * w.k * (BLOCK_N / 2);
+    float acc[ROW_TILE][BLOCK_N] = {};
+    for (int g = 0; g < groups; ++g) {
+        float sums[ROW_TILE];
+        for (int r = 0; r < R; ++r) sums[r] = a.group_sums[(size_t)(row0 + r) * groups + g];
+        add_group<R>(bytes + (int64_t)g * GROUP * 32, w.scales_zeros + ((int64_t)g * w.n + block * BLOCK_N) * 2,
+                     a.x.data() + (size_t)row0 * a.k + g * GROUP, a.k, sums, acc);
+    }
+    for (int r = 0; r < R; ++r)
+        for (int j = 0; j < BLOCK_N; ++j) out[(int64_t)(row0 + r) * out_stride + j] = to_bf16(acc[r][j]);
+}
+
+void matmul_block(const Int4Weight& w, int block, const Activations& a, bf16* out, int64_t out_stride) {
+    bf16* column = out + block * BLOCK_N;
+    for (int row0 = 0; row0 < a.rows; row0 += ROW_TILE) {
+        switch (std::min(ROW_TILE, a.rows - row0)) {
+            case 1: matmul_block_tile<1>(w, block, a, row0, column, out_stride); break;
+            case 2: matmul_block_tile<2>(w, block, a, row0, column, out_stride); break;
+            case 3: matmul_block_tile<3>(w, block, a, row0, column, out_stride); break;
+            default: matmul_block_tile<4>(w, block, a, row0, column, out_stride); break;
+        }
+    }
+}
+
+// One or more matmuls of the same input, their outputs side by side in rows of `out_stride`
+// (q, k and v into one buffer): every weight's blocks of 64 rows shared out over the team.
+struct Output {
+    const Int4Weight* weight;
+    bf16* out;  // the first column of this weight's output
+};
+
+void matmuls(std::initializer_list<Output> outputs, const Activations& a, int64_t out_stride, int threads) {
+    std::vector<std::pair<const Output*, int>> items;
+    for (const Output& o : outputs)
+        for (int block = 0; block < o.weight->n / BLOCK_N; ++block) items.emplace_back(&o, block);
+    const int count = (int)items.size();
+#pragma omp parallel for num_threads(std::min(threads, count)) schedule(static)
+    for (int i = 0; i < count; ++i) matmul_block(*items[i].first->weight, items[i].second, a, items[i].first->out, out_stride);
+}
+
+// HF's q·cos + rotate_half(q)·sin as the torch path computes it: each product rounded, then the sum.
+void rotate(bf16* x, const bf16* cos, const bf16* signed_sin, int head_dim) {
+    const int half = head_dim / 2;
+    float rotated[512];
+    for (int i = 0; i < head_dim; ++i) {
+        const float straight = rounded_as(to_float(x[i]) * to_float(cos[i]), x);
+        const float swapped = rounded_as(to_float(x[(i + half) % head_dim]) * to_float(signed_sin[i]), x);
+        rotated[i] = straight + swapped;
+    }
+    for (int i = 0; i < head_dim; ++i) x[i] = to_bf16(rotated[i]);
+}
+
+void add_rounded(bf16* hidden, const bf16* delta, int n) {
+    for (int i = 0; i < n; ++i) hidden[i] = to_bf16(to_float(hidden[i]) + to_float(delta[i]));
+}
+
+int decode(const Stack& s, bf16* hidden, int tokens, const bf16* cos_table, const bf16* sin_table,
+           const int64_t* positions, const int64_t* slots, const int32_t* query_rows, const int32_t* context_lens,
+           const int32_t* block_tables, int num_seqs, int max_blocks, int block_size, int threads) {
+    const int d = s.head_dim, q_width = s.heads * d, kv_width = s.kv_heads * d;
+    const int qkv_width = q_width + 2 * kv_width;
+    std::vector<bf16> normed((size_t)tokens * s.hidden), qkv((size_t)tokens * qkv_width),
+        attended((size_t)tokens * q_width), projected((size_t)tokens * s.hidden),
+        gate_up((size_t)tokens * 2 * s.intermediate), product((size_t)tokens * s.intermediate);
+    Activations a;
+    for (const Layer& layer : s.layers) {
+        for (int t = 0; t < tokens; ++t)
+            rms_norm_row(hidden + (size_t)t * s.hidden, layer.input_norm, &normed[(size_t)t * s.hidden], s.hidden, s.eps);
+        a.load(normed.data(), tokens, s.hidden);
+        bf16* q = qkv.data();
+        matmuls({{&layer.q, q}, {&layer.k, q + q_width}, {&layer.v, q + q_width + kv_width}}, a, qkv_width, threads);
+        for (int t = 0; t < tokens; ++t) {
+            bf16* row = &qkv[(size_t)t * qkv_width];
+            const bf16* cos = cos_table + positions[t] * d;
+            const bf16* sin = sin_table + positions[t] * d;
+            for (int h = 0; h < s.heads + s.kv_heads; ++h) rotate(row + h * d, cos, sin, d);
+            std::copy(row + q_width, row + q_width + kv_width, layer.key_pool + slots[t] * kv_width);
+            std::copy(row + q_width + kv_width, row + qkv_width, layer.value_pool + slots[t] * kv_width);
+        }
+        const int status = s.attend(attended.data(), qkv.data(), qkv_width, d, layer.key_pool, layer.value_pool,
+                                    query_rows, context_lens, block_tables, num_seqs, max_blocks, block_size, s.heads,
+                                    s.kv_heads, d, s.scale, threads);
+        if (status != 0) return status;
+        a.load(attended.data(), tokens, q_width);
+        matmuls({{&layer.o, projected.data()}}, a, s.hidden, threads);
+        add_rounded(hidden, projected.data(), tokens * s.hidden);
+        for (int t = 0; t < tokens; ++t)
+            rms_norm_row(hidden + (size_t)t * s.hidden, layer.post_attention_norm, &normed[(size_t)t * s.hidden],
+                         s.hidden, s.eps);
+        a.load(normed.data(), tokens, s.hidden);
+        matmuls({{&layer.gate_up, gate_up.data()}}, a, 2 * s.intermediate, threads);
+        for (int t = 0; t < tokens; ++t) {
+            const bf16* row = &gate_up[(size_t)t * 2 * s.intermediate];
+            silu_mul_row(row, row + s.intermediate, &product[(size_t)t * s.intermediate], s.intermediate);
+        }
+        a.load(product.data(), tokens, s.intermediate);
+        matmuls({{&layer.down, projected.data()}}, a, s.hidden, threads);
+        add_rounded(hidden, projected.data(), tokens * s.hidden);
+    }
+    return 0;
+}
+
+Int4Weight weight_at(const int64_t* p, int n, int k) {
+    return {reinterpret_cast<const uint8_t*>(p[0]), reinterpret_cast<const bf16*>(p[1]), n, k};
+}
+
+}  // namespace
+
+// Per layer, `pointers` holds 16 addresses: input norm, post-attention norm, then the
+// packed weight and scales/zeros of q, k, v, o, gate_up and down, then the K and V pools.
+// Returns a stack for `int4_decode`, or null if a shape is one this code does not take.
+extern "C" void* int4_stack_create(int num_layers, const int64_t* pointers, int hidden, int heads, int kv_heads,
+                                   int head_dim, int intermediate, float eps, float scale, void* attend) {
+    if (head_dim > 512 || head_dim % 2 || hidden % BLOCK_N || hidden % GROUP || intermediate % BLOCK_N ||
+        (heads * head_dim) % BLOCK_N || (kv_heads * head_dim) % BLOCK_N)
+        return nullptr;
+    auto* stack = new Stack{hidden, heads, kv_heads, head_dim, intermediate, eps, scale,
+                            reinterpret_cast<AttendFn>(attend), {}};
+    const int q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+    for (int i = 0; i < num_layers; ++i) {
+        const int64_t* p = pointers + 16 * i;
+        stack->layers.push_back(Layer{
+            reinterpret_cast<const bf16*>(p[0]), reinterpret_cast<const bf16*>(p[1]),
+            weight_at(p + 2, q_width, hidden), weight_at(p + 4, kv_width, hidden), weight_at(p + 6, kv_width, hidden),
+            weight_at(p + 8, hidden, q_width), weight_at(p + 10, 2 * intermediate, hidden),
+            weight_at(p + 12, hidden, intermediate),
+            reinterpret_cast<bf16*>(p[14]), reinterpret_cast<bf16*>(p[15]),
+        });
+    }
+    return stack;
+}
+
+extern "C" void int4_stack_free(void* stack) { delete static_cast<Stack*>(stack); }
+
+// out [rows, n] = x [rows, k] · weight, one linear as the stack computes it (bfloat16 in and out).
+extern "C" void int4_linear(const uint8_t* packed, const bf16* scales_zeros, int n, int k, const bf16* x, int rows,
+                            bf16* out, int threads) {
+    const Int4Weight weight{packed, scales_zeros, n, k};
+    Activations a;
+    a.load(x, rows, k);
+    matmuls({{&weight, out}}, a, n, threads);
+}
+
+// Runs every layer over `hidden` [tokens, hidden] in place: token t at positions[t],
+// its K/V written to slots[t]; `num_seqs` decodes attend as the attention kernel's
+// metadata says (every token a decode of one query row). cos/sin tables are [positions, head_dim],
+// sin with its first half negated. Returns 0, or the attention kernel's error.
+extern "C" int int4_decode(void* stack, bf16* hidden, int tokens, const bf16* cos_table, const bf16* sin_table,
+                           const int64_t* positions, const int64_t* slots, const int32_t* query_rows,
+                           const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
+                           int block_size, int threads) {
+    return decode(*static_cast<Stack*>(stack), hidden, tokens, cos_table, sin_table, positions, slots, query_rows,
+                  context_lens, block_tables, num_seqs, max_blocks, block_size, threads);
+}
