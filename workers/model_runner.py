@@ -10,7 +10,7 @@ quantized ones (`gpu.cpu.int8_linear`, `gpu.cpu.int4_linear`; the LM head stays 
 and dense); a Llama, Qwen2 or Mistral
 stack runs the lean forward (`gpu.cpu.lean_forward`: the same modules without the eager
 forward's per-layer host overhead; the Hugging Face forward for any other model), and
-with int4 weights its decode steps run every layer in one C++ call (`gpu.cpu.int4_decode`).
+with int4 weights its decode steps run in one C++ call, layers and head (`gpu.cpu.int4_decode`).
 Attention runs on the CUDA kernels on a GPU, on the C++ decode kernel on a CPU, and on
 the torch reference otherwise (`gpu.backends`). On the CUDA kernels, a decode-only step
 (one token per request) replays a CUDA graph (`gpu.cuda.graphs`).
@@ -30,7 +30,7 @@ from gpu.offload import HostKVPool
 from workers.config import CacheConfig, ModelConfig
 from gpu.cpu.fusions import fuse_for_cpu
 from gpu.cpu import int4_linear, int8_linear
-from gpu.cpu.int4_decode import Int4DecodeLayers
+from gpu.cpu.int4_decode import Int4DecodeStep
 from gpu.cpu.lean_forward import LeanForward, lean_forward_applies
 from gpu.cpu.packed_linear import can_pack, pack_linears
 from gpu.cuda.graphs import decode_graphs
@@ -81,11 +81,11 @@ class ModelRunner:
         # With the CUDA kernels on a GPU, decode-only steps replay CUDA graphs (`gpu.cuda.graphs`).
         self.graphs = decode_graphs(model, self.backend, settings.max_graph_batch) if settings.cuda_graphs else None
         # Built last: it keeps the modules the swaps above put in place. With int4 weights,
-        # decode steps run its layers in one C++ call (`gpu.cpu.int4_decode`).
+        # decode steps run in one C++ call (`gpu.cpu.int4_decode`).
         self.lean = None
         if self.device.type == "cpu" and lean_forward_applies(model):
-            decode_layers = Int4DecodeLayers.build(model, self.backend) if settings.weights == "int4" else None
-            self.lean = LeanForward(model, decode_layers)
+            decode_step = Int4DecodeStep.build(model, self.backend) if settings.weights == "int4" else None
+            self.lean = LeanForward(model, decode_step)
 
     @property
     def num_host_blocks(self) -> int:

@@ -1,4 +1,5 @@
-"""A decode step's decoder layers in one C++ call, for int4 weights on a CPU.
+"""A decode step in one C++ call, for int4 weights on a CPU: every decoder layer, the
+final norm and the LM head.
 
 With int4 weights a step at one request reads under 100 MB, and on two cores the
 torch path's host work (some twenty operations a layer, called from Python) costs more
@@ -6,7 +7,11 @@ than the matmuls (figures in docs/benchmarks.md, "One request in one call"). The
 code (`gpu/cpu/kernels/cpu_int4_decode.cpp`) runs every layer of the lean forward in one
 call over the same weights, in place: `Int4Linear`'s packed bytes, scales and zeros,
 the fused norms' weights, and the KV cache's pools; attention is the paged decode
-kernel the CPU backend calls. It rounds to bfloat16 wherever the torch path does.
+kernel the CPU backend calls. It rounds to bfloat16 wherever the torch path does. The LM
+head (`Int8Linear`'s int8 weights, copied once) takes its input quantized to int8 per
+group of 32, llama.cpp's way, so that AVX-512 VNNI sums 64 products an instruction; its
+logits are fp32 and differ from the torch path's by that quantization (quality in
+docs/benchmarks.md, "One request in one call").
 
 It takes steps whose every token is a decode (speculative drafts included) and that
 have at most `MAX_TOKENS`; prompt chunks and larger batches run the torch path.
@@ -24,6 +29,7 @@ from torch import nn
 from gpu.cpu.attention import CpuAttentionBackend
 from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm
 from gpu.cpu.int4_linear import Int4Linear
+from gpu.cpu.int8_linear import Int8Linear
 from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 from gpu.torch_attention import TorchMetadata
 
@@ -39,11 +45,13 @@ def decode_library(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None
     library = try_load_cpu_library("cpu_int4_decode", flags, instead="the torch path for int4 decodes")
     if library is None:
         return None
-    library.int4_stack_create.argtypes = (_I, _P, _I, _I, _I, _I, _I, _F, _F, _P)
+    library.int4_stack_create.argtypes = (_I, _P, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _P, _I)
     library.int4_stack_create.restype = _P
     library.int4_stack_free.argtypes = (_P,)
     library.int4_stack_free.restype = None
-    library.int4_decode.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I)
+    library.int4_decode.argtypes = (_P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _P, _I)
+    library.int4_stack_head.argtypes = (_P, _P, _I, _P, _I)
+    library.int4_stack_head.restype = None
     library.int4_decode.restype = _I
     library.int4_linear.argtypes = (_P, _P, _I, _I, _P, _I, _P, _I)
     library.int4_linear.restype = None
@@ -71,8 +79,8 @@ def _layer_pointers(layer: nn.Module, key_pool: torch.Tensor, value_pool: torch.
     return pointers + [key_pool.data_ptr(), value_pool.data_ptr()]
 
 
-class Int4DecodeLayers:
-    """Every decoder layer of `model` as one call, for the steps `takes` accepts."""
+class Int4DecodeStep:
+    """A decode step of `model` as one call, for the steps `takes` accepts: logits from token embeddings."""
 
     def __init__(self, model: nn.Module, backend: CpuAttentionBackend, library: ctypes.CDLL, pointers: list[int]) -> None:
         config, layers = model.config, _layers(model)
@@ -81,19 +89,22 @@ class Int4DecodeLayers:
         self.kv_cache = backend.kv_cache
         self.library = library
         self.hidden_size = config.hidden_size
+        head, final_norm = model.get_output_embeddings(), model.model.norm
+        self.vocab_size = head.out_features
         addresses = np.array(pointers, dtype=np.int64)  # alive through the call that copies it
         self._stack = library.int4_stack_create(
             len(layers), addresses.ctypes.data, config.hidden_size,
             config.num_attention_heads, config.num_key_value_heads, attention.head_dim,
             layers[0].mlp.intermediate_size, layers[0].input_layernorm.eps, attention.scaling,
-            ctypes.cast(backend.entry, ctypes.c_void_p).value,
+            ctypes.cast(backend.entry, ctypes.c_void_p).value, final_norm.weight.data_ptr(),
+            head.weight_int8.data_ptr(), head.scales.data_ptr(), head.out_features,
         )  # fmt: skip
         if not self._stack:
             raise ValueError("the int4 decode stack does not take this model's shapes")
 
     @classmethod
-    def build(cls, model: nn.Module, backend) -> Int4DecodeLayers | None:
-        """The stack over `model`'s int4 layers and `backend`'s cache, or None where it does not apply."""
+    def build(cls, model: nn.Module, backend) -> Int4DecodeStep | None:
+        """The step over `model`'s int4 layers, int8 head and `backend`'s cache, or None where it does not apply."""
         if not isinstance(backend, CpuAttentionBackend) or backend.kv_cache.blocks.dtype != torch.bfloat16:
             return None
         library = decode_library()
@@ -107,7 +118,13 @@ class Int4DecodeLayers:
             if found is None:
                 return None
             pointers += found
-        if len({norm.eps for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)}) != 1:
+        head, final_norm = model.get_output_embeddings(), model.model.norm
+        if type(head) is not Int8Linear or head.bias is not None or head.dtype != torch.bfloat16:
+            return None
+        if type(final_norm) is not FusedRMSNorm or final_norm.weight.dtype != torch.bfloat16:
+            return None
+        norms = [final_norm] + [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if len({norm.eps for norm in norms}) != 1:
             return None
         return cls(model, backend, library, pointers)
 
@@ -116,17 +133,28 @@ class Int4DecodeLayers:
         return num_tokens <= MAX_TOKENS and isinstance(metadata, TorchMetadata) and not metadata.prefills
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                 sin_table: torch.Tensor, metadata: TorchMetadata) -> None:
-        """Run every layer over `hidden` [tokens, hidden size] (bfloat16, contiguous), in place."""
+                 sin_table: torch.Tensor, metadata: TorchMetadata) -> torch.Tensor:
+        """Logits [tokens, vocab] (float32) of every token; `hidden` [tokens, hidden size]
+        (the embeddings, bfloat16, contiguous) is overwritten."""
         decodes = metadata.decodes
+        logits = torch.empty(hidden.shape[0], self.vocab_size)
         status = self.library.int4_decode(
             self._stack, hidden.data_ptr(), hidden.shape[0], cos_table.data_ptr(), sin_table.data_ptr(),
             positions.data_ptr(), metadata.slot_mapping.data_ptr(), decodes.query_rows.data_ptr(),
             decodes.context_lens.data_ptr(), decodes.block_tables.data_ptr(), decodes.num_seqs,
-            decodes.block_tables.shape[1], self.kv_cache.block_size, torch.get_num_threads(),
+            decodes.block_tables.shape[1], self.kv_cache.block_size, logits.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise ValueError("the CPU decode kernel rejected this model's heads")
+        return logits
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head alone: logits [rows, vocab] (float32) of the final norm's output [rows, hidden]."""
+        normed = normed.contiguous()
+        logits = torch.empty(normed.shape[0], self.vocab_size)
+        self.library.int4_stack_head(self._stack, normed.data_ptr(), normed.shape[0], logits.data_ptr(),
+                                     torch.get_num_threads())  # fmt: skip
+        return logits
 
     def __del__(self) -> None:
         if getattr(self, "_stack", None):

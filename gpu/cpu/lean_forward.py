@@ -19,8 +19,8 @@ computes the same roundings. The Hugging Face forward stays the fallback for eve
 other model, and the oracle in the tests (`tests/test_lean_forward.py`).
 
 Build it after every module swap: it keeps each module's bound `forward`. With
-`decode_layers` (`gpu.cpu.int4_decode`), the steps that object takes run every layer in
-one C++ call instead of the loop here; embedding, final norm and LM head stay here.
+`decode_step` (`gpu.cpu.int4_decode`), the steps that object takes run in one C++ call
+from the embeddings to the logits instead of the loop here.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class _Layer:
 
 
 class LeanForward:
-    def __init__(self, model: nn.Module, decode_layers=None) -> None:
+    def __init__(self, model: nn.Module, decode_step=None) -> None:
         if not lean_forward_applies(model):
             raise ValueError(f"the lean forward does not cover {type(model).__name__}")
         self.model = model
@@ -88,7 +88,7 @@ class LeanForward:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
-        self.decode_layers = decode_layers
+        self.decode_step = decode_step
 
     def __call__(self, token_ids: Sequence[int], positions: Sequence[int], sample_rows: Sequence[int],
                  batch: PagedBatch) -> torch.Tensor:
@@ -99,10 +99,12 @@ class LeanForward:
         positions_t = long_tensor(positions, device)
         self._cover(max(positions) + 1)
         hidden = self.embed(long_tensor(token_ids, device))  # [T, hidden]
-        if self.decode_layers is not None and self.decode_layers.takes(batch.metadata, num_tokens):
-            self.decode_layers(hidden, positions_t, self._cos, self._sin, batch.metadata)
-        else:
-            self._layers(hidden, positions_t, batch)
+        if self.decode_step is not None and self.decode_step.takes(batch.metadata, num_tokens):
+            logits = self.decode_step(hidden, positions_t, self._cos, self._sin, batch.metadata)
+            if len(sample_rows) != num_tokens:
+                logits = logits.index_select(0, long_tensor(sample_rows, device))
+            return logits
+        self._layers(hidden, positions_t, batch)
         if len(sample_rows) != num_tokens:  # a decode-only step samples at every row
             hidden = hidden.index_select(0, long_tensor(sample_rows, device))
         return self.lm_head(self.final_norm(hidden))

@@ -16,9 +16,16 @@
 // Attention is the paged decode kernel (`cpu_paged_decode.cpp`), passed in by address:
 // every token is a query row of its own, over its own context.
 //
-// Threads: the matmuls split their blocks of 64 rows over OpenMP (torch's runtime, as
-// the other kernels); the element-wise work runs on the calling thread.
+// The step ends with the final norm and the LM head, whose int8 weights (one scale per
+// output row, `Int8Linear`'s) the stack copies once as uint8 (w + 128). The head's input is
+// quantized to int8 per group of 32 (llama.cpp's Q8_0), so that on AVX-512 VNNI a single
+// instruction sums 64 products; logits come out in fp32.
+//
+// Threads: the matmuls split their blocks of 64 rows (the head, groups of 4 rows) over
+// OpenMP (torch's runtime, as the other kernels); the element-wise work runs on the
+// calling thread.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <vector>
@@ -50,11 +57,19 @@ struct Layer {
     bf16* value_pool;
 };
 
+struct Head {
+    const bf16* norm;              // the final norm's weight
+    std::vector<uint8_t> weights;  // [vocab, hidden], each int8 weight + 128
+    const float* scales;           // [vocab]
+    int vocab;
+};
+
 struct Stack {
     int hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     AttendFn attend;
     std::vector<Layer> layers;
+    Head head;
 };
 
 // One matmul's input rows widened to fp32, with each group's sum.
@@ -198,9 +213,87 @@ void add_rounded(bf16* hidden, const bf16* delta, int n) {
     for (int i = 0; i < n; ++i) hidden[i] = to_bf16(to_float(hidden[i]) + to_float(delta[i]));
 }
 
+
+// The head's input, one token: int8 values and a scale per group of 32 (the group's
+// largest magnitude to ±127), each scale repeated over its group's 8 lanes of a VNNI sum.
+struct QuantizedRow {
+    std::vector<int8_t> values;       // [hidden]
+    std::vector<float> lane_scales;   // [hidden / 4]: lane j covers values 4j..4j+3
+    float offset = 0.0f;              // 128 · Σ_g scale_g · Σ values_g: the weights' +128, taken back
+};
+
+void quantize_row(const bf16* x, int k, QuantizedRow& q) {
+    q.values.resize(k);
+    q.lane_scales.resize(k / 4);
+    q.offset = 0.0f;
+    for (int g = 0; g < k / GROUP; ++g) {
+        float largest = 0.0f;
+        for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) largest = std::max(largest, std::fabs(to_float(x[i])));
+        const float scale = largest / 127.0f;
+        const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+        int sum = 0;
+        for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
+            const int v = (int)std::nearbyint(to_float(x[i]) * inverse);
+            q.values[i] = (int8_t)std::min(127, std::max(-127, v));
+            sum += q.values[i];
+        }
+        for (int j = g * GROUP / 4; j < (g + 1) * GROUP / 4; ++j) q.lane_scales[j] = scale;
+        q.offset += 128.0f * scale * (float)sum;
+    }
+}
+
+// logits[t, n] for output rows n0..n0+COUNT-1: scale_n · (Σ_g scale_g Σ_k (w + 128) x − offset).
+template <int COUNT>
+void head_rows(const Head& h, int k, const QuantizedRow* rows, int tokens, int n0, float* logits) {
+    for (int t = 0; t < tokens; ++t) {
+        const QuantizedRow& q = rows[t];
+        float sums[COUNT];
+#if defined(INFLIGHT_AVX512) && defined(__AVX512VNNI__)
+        if (k % 64 == 0) {
+            __m512 acc[COUNT];
+            for (int i = 0; i < COUNT; ++i) acc[i] = _mm512_setzero_ps();
+            for (int c = 0; c < k; c += 64) {
+                const __m512i x = _mm512_loadu_si512(q.values.data() + c);
+                const __m512 lane_scales = _mm512_loadu_ps(q.lane_scales.data() + c / 4);
+                for (int i = 0; i < COUNT; ++i) {
+                    const __m512i w = _mm512_loadu_si512(h.weights.data() + (size_t)(n0 + i) * k + c);
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lane_scales, acc[i]);
+                }
+            }
+            for (int i = 0; i < COUNT; ++i) sums[i] = _mm512_reduce_add_ps(acc[i]);
+        } else
+#endif
+        {
+            for (int i = 0; i < COUNT; ++i) {
+                const uint8_t* w = h.weights.data() + (size_t)(n0 + i) * k;
+                float sum = 0.0f;
+                for (int j = 0; j < k / 4; ++j) {
+                    int dot = 0;
+                    for (int b = 4 * j; b < 4 * j + 4; ++b) dot += (int)w[b] * (int)q.values[b];
+                    sum += (float)dot * q.lane_scales[j];
+                }
+                sums[i] = sum;
+            }
+        }
+        for (int i = 0; i < COUNT; ++i) logits[(size_t)t * h.vocab + n0 + i] = h.scales[n0 + i] * (sums[i] - q.offset);
+    }
+}
+
+// logits [tokens, vocab] (fp32) of `normed` [tokens, hidden], the final norm's output.
+void head_logits(const Head& h, int k, const bf16* normed, int tokens, float* logits, int threads) {
+    std::vector<QuantizedRow> rows(tokens);
+    for (int t = 0; t < tokens; ++t) quantize_row(normed + (size_t)t * k, k, rows[t]);
+    const int quads = h.vocab / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int i = 0; i < quads; ++i) head_rows<4>(h, k, rows.data(), tokens, 4 * i, logits);
+    for (int n = 4 * quads; n < h.vocab; ++n) head_rows<1>(h, k, rows.data(), tokens, n, logits);
+}
+
 int decode(const Stack& s, bf16* hidden, int tokens, const bf16* cos_table, const bf16* sin_table,
            const int64_t* positions, const int64_t* slots, const int32_t* query_rows, const int32_t* context_lens,
-           const int32_t* block_tables, int num_seqs, int max_blocks, int block_size, int threads) {
+           const int32_t* block_tables, int num_seqs, int max_blocks, int block_size, float* logits,
+           int threads) {
     const int d = s.head_dim, q_width = s.heads * d, kv_width = s.kv_heads * d;
     const int qkv_width = q_width + 2 * kv_width;
     std::vector<bf16> normed((size_t)tokens * s.hidden), qkv((size_t)tokens * qkv_width),
@@ -241,6 +334,9 @@ int decode(const Stack& s, bf16* hidden, int tokens, const bf16* cos_table, cons
         matmuls({{&layer.down, projected.data()}}, a, s.hidden, threads);
         add_rounded(hidden, projected.data(), tokens * s.hidden);
     }
+    for (int t = 0; t < tokens; ++t)
+        rms_norm_row(hidden + (size_t)t * s.hidden, s.head.norm, &normed[(size_t)t * s.hidden], s.hidden, s.eps);
+    head_logits(s.head, s.hidden, normed.data(), tokens, logits, threads);
     return 0;
 }
 
@@ -252,14 +348,21 @@ Int4Weight weight_at(const int64_t* p, int n, int k) {
 
 // Per layer, `pointers` holds 16 addresses: input norm, post-attention norm, then the
 // packed weight and scales/zeros of q, k, v, o, gate_up and down, then the K and V pools.
-// Returns a stack for `int4_decode`, or null if a shape is one this code does not take.
+// The head: the final norm's weight, int8 weights [vocab, hidden] (copied here) and
+// their fp32 scales [vocab]. Returns a stack for `int4_decode`, or null if a shape is one
+// this code does not take.
 extern "C" void* int4_stack_create(int num_layers, const int64_t* pointers, int hidden, int heads, int kv_heads,
-                                   int head_dim, int intermediate, float eps, float scale, void* attend) {
+                                   int head_dim, int intermediate, float eps, float scale, void* attend,
+                                   const bf16* final_norm, const int8_t* head_weights, const float* head_scales,
+                                   int vocab) {
     if (head_dim > 512 || head_dim % 2 || hidden % BLOCK_N || hidden % GROUP || intermediate % BLOCK_N ||
         (heads * head_dim) % BLOCK_N || (kv_heads * head_dim) % BLOCK_N)
         return nullptr;
+    std::vector<uint8_t> shifted((size_t)vocab * hidden);
+    for (size_t i = 0; i < shifted.size(); ++i) shifted[i] = (uint8_t)(head_weights[i] + 128);
     auto* stack = new Stack{hidden, heads, kv_heads, head_dim, intermediate, eps, scale,
-                            reinterpret_cast<AttendFn>(attend), {}};
+                            reinterpret_cast<AttendFn>(attend), {},
+                            Head{final_norm, std::move(shifted), head_scales, vocab}};
     const int q_width = heads * head_dim, kv_width = kv_heads * head_dim;
     for (int i = 0; i < num_layers; ++i) {
         const int64_t* p = pointers + 16 * i;
@@ -287,12 +390,20 @@ extern "C" void int4_linear(const uint8_t* packed, const bf16* scales_zeros, int
 
 // Runs every layer over `hidden` [tokens, hidden] in place: token t at positions[t],
 // its K/V written to slots[t]; `num_seqs` decodes attend as the attention kernel's
-// metadata says (every token a decode of one query row). cos/sin tables are [positions, head_dim],
-// sin with its first half negated. Returns 0, or the attention kernel's error.
+// metadata says (every token a decode of one query row); then the final norm and the head
+// into `logits` [tokens, vocab] (fp32). cos/sin tables are [positions, head_dim], sin with
+// its first half negated. Returns 0, or the attention kernel's error.
 extern "C" int int4_decode(void* stack, bf16* hidden, int tokens, const bf16* cos_table, const bf16* sin_table,
                            const int64_t* positions, const int64_t* slots, const int32_t* query_rows,
                            const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
-                           int block_size, int threads) {
+                           int block_size, float* logits, int threads) {
     return decode(*static_cast<Stack*>(stack), hidden, tokens, cos_table, sin_table, positions, slots, query_rows,
-                  context_lens, block_tables, num_seqs, max_blocks, block_size, threads);
+                  context_lens, block_tables, num_seqs, max_blocks, block_size, logits, threads);
+}
+
+// logits [tokens, vocab] (fp32) of `normed` [tokens, hidden], the final norm's output: the
+// stack's LM head alone.
+extern "C" void int4_stack_head(void* stack, const bf16* normed, int tokens, float* logits, int threads) {
+    const Stack& s = *static_cast<Stack*>(stack);
+    head_logits(s.head, s.hidden, normed, tokens, logits, threads);
 }
