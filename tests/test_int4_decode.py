@@ -15,7 +15,7 @@ from torch import nn
 from gpu.attention import SequenceSlice
 from gpu.cpu.int4_decode import MAX_TOKENS, Int4DecodeStep, decode_library
 from gpu.cpu.int4_linear import Int4Linear, quantize_model
-from gpu.cpu.native_build import CPU_CXX_FLAGS, PORTABLE_CPU_CXX_FLAGS
+from gpu.cpu.native_build import CPU_CXX_FLAGS, PORTABLE_CPU_CXX_FLAGS, cpu_identity
 from tests.test_int4_linear import MAX_PERPLEXITY_CHANGE, MIN_TOP1_AGREEMENT
 from tests.test_int8_weights import doc_chunks, teacher_forced
 from workers.config import CacheConfig, ModelConfig
@@ -27,11 +27,28 @@ CACHE = CacheConfig(kv_memory_bytes=16 << 20, swap_memory_bytes=0)
 BLOCKS_PER_REQUEST = 20
 
 
-@pytest.mark.parametrize("flags", [CPU_CXX_FLAGS, PORTABLE_CPU_CXX_FLAGS], ids=["native", "portable"])
+def cpu_flags() -> set[str]:
+    return set(cpu_identity().split())
+
+
+# The builds the matmul has: bfloat16 dot products on repacked weights (AVX-512 BF16),
+# torch's layout widened 16 at a time (AVX-512 without BF16), plain loops (the rest),
+# each where this CPU can run it.
+BUILDS = {
+    "native": (CPU_CXX_FLAGS, set()),
+    "avx512": (PORTABLE_CPU_CXX_FLAGS + ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"),
+               {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
+    "portable": (PORTABLE_CPU_CXX_FLAGS, set()),
+}
+
+
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
-def test_the_matmul_computes_torchs_int4_linear(flags, rows):
-    """Both builds (AVX-512 where the CPU has it, plain loops otherwise), over tiles of
-    up to four tokens."""
+def test_the_matmul_computes_torchs_int4_linear(build, rows):
+    """Every build, over tiles of up to four tokens."""
+    flags, needs = BUILDS[build]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
     torch.manual_seed(rows)
     linear = Int4Linear(nn.Linear(1536, 192, bias=False).to(torch.bfloat16))
     x = torch.randn(rows, 1536).to(torch.bfloat16)
@@ -139,10 +156,15 @@ def test_only_decode_steps_of_few_tokens_take_the_one_call(full_runner):
     assert not layers.takes(prompt, 5)
 
 
-def test_the_head_sums_int8_inputs_per_group_of_32(full_runner):
-    """The head's arithmetic: each group of 32 inputs scaled to ±127 and rounded, summed
-    against the int8 weights, times the group's and the row's scales."""
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_head_sums_int8_inputs_per_group_of_32(full_runner, build):
+    """The head's arithmetic, in every build: each group of 32 inputs scaled to ±127 and
+    rounded, summed against the int8 weights, times the group's and the row's scales."""
+    flags, needs = BUILDS[build]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
     runner, _ = full_runner
+    step = Int4DecodeStep.build(runner.model, runner.backend, decode_library(flags))
     head = runner.model.get_output_embeddings()
     torch.manual_seed(0)
     normed = (torch.randn(3, head.in_features) * torch.rand(3, head.in_features) * 4).to(torch.bfloat16)
@@ -151,7 +173,7 @@ def test_the_head_sums_int8_inputs_per_group_of_32(full_runner):
     scales = groups.abs().amax(-1, keepdim=True) / 127
     quantized = (torch.round(groups / scales) * scales).reshape(3, -1)
     want = (quantized @ head.weight_int8.double().t()) * head.scales.double()
-    got = runner.lean.decode_step.head(normed)
+    got = step.head(normed)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
 

@@ -103,11 +103,12 @@ class Int4DecodeStep:
             raise ValueError("the int4 decode stack does not take this model's shapes")
 
     @classmethod
-    def build(cls, model: nn.Module, backend) -> Int4DecodeStep | None:
-        """The step over `model`'s int4 layers, int8 head and `backend`'s cache, or None where it does not apply."""
+    def build(cls, model: nn.Module, backend, library: ctypes.CDLL | None = None) -> Int4DecodeStep | None:
+        """The step over `model`'s int4 layers, int8 head and `backend`'s cache, or None where
+        it does not apply; `library` None is `decode_library()`, built for this CPU."""
         if not isinstance(backend, CpuAttentionBackend) or backend.kv_cache.blocks.dtype != torch.bfloat16:
             return None
-        library = decode_library()
+        library = library or decode_library()
         if library is None:
             return None
         cache = backend.kv_cache

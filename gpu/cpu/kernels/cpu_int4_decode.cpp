@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <vector>
 
@@ -38,10 +39,53 @@ constexpr int BLOCK_N = 64;
 constexpr int GROUP = 32;
 constexpr int ROW_TILE = 4;
 
+// On AVX-512 BF16 the weights are read from a copy made once, repacked for bfloat16 dot
+// products: per 16 output rows and group of 32 columns, four 64-byte chunks of 8 columns,
+// one 32-bit lane per row with its 8 nibbles (columns c..c+3 in the low 16 bits, c+4..c+7
+// in the high 16), then the 16 rows' scales and their 16 zeros. Shifting each 16-bit half
+// right by 4·s and or-ing in 0x4300 makes the bfloat16 128 + q of columns c + s and
+// c + 4 + s, a pair one `vdpbf16ps` multiplies by two inputs at once (exact products in
+// fp32); the 128 is taken back with the group's sum. Elsewhere torch's layout is read as is.
+#ifdef INFLIGHT_AVX512BF16
+constexpr int ITEM_ROWS = 16;
+#else
+constexpr int ITEM_ROWS = BLOCK_N;
+#endif
+
 struct Int4Weight {
     const uint8_t* packed;     // [N/64, K, 32]
     const bf16* scales_zeros;  // [K/32, N, 2]
     int n, k;
+    std::vector<uint32_t> lanes;            // the repacked copy (AVX-512 BF16 only)
+    std::vector<bf16> lane_scales_zeros;
+
+    Int4Weight(const uint8_t* packed_, const bf16* scales_zeros_, int n_, int k_)
+        : packed(packed_), scales_zeros(scales_zeros_), n(n_), k(k_) {
+#ifdef INFLIGHT_AVX512BF16
+        repack();
+#endif
+    }
+
+    void repack() {
+        const int groups = k / GROUP;
+        lanes.assign((size_t)n / 16 * groups * 4 * 16, 0u);
+        lane_scales_zeros.resize((size_t)n / 16 * groups * 32);
+        for (int row = 0; row < n; ++row) {
+            const int block = row / BLOCK_N, j = row % BLOCK_N;
+            for (int column = 0; column < k; ++column) {
+                const uint8_t byte = packed[((size_t)block * k + column) * 32 + j % 32];
+                const uint32_t q = j < 32 ? (byte & 0x0F) : (byte >> 4);
+                const int g = column / GROUP, chunk = (column % GROUP) / 8, offset = column % 8;
+                lanes[(((size_t)(row / 16) * groups + g) * 4 + chunk) * 16 + row % 16] |=
+                    q << ((offset / 4) * 16 + (offset % 4) * 4);
+            }
+            for (int g = 0; g < groups; ++g) {
+                bf16* scales = &lane_scales_zeros[((size_t)(row / 16) * groups + g) * 32];
+                scales[row % 16] = scales_zeros[((size_t)g * n + row) * 2];
+                scales[16 + row % 16] = scales_zeros[((size_t)g * n + row) * 2 + 1];
+            }
+        }
+    }
 };
 
 using AttendFn = int (*)(bf16* out, const bf16* query, int64_t token_stride, int64_t head_stride,
@@ -72,23 +116,36 @@ struct Stack {
     Head head;
 };
 
-// One matmul's input rows widened to fp32, with each group's sum.
+// One matmul's input rows: widened to fp32, or on AVX-512 BF16 as the pairs of bfloat16
+// the repacked weights' lanes meet; with each group's sum.
 struct Activations {
     std::vector<float> x;           // [rows, k]
+    std::vector<uint32_t> pairs;    // [rows, k / 2]: per group, chunk c and shift s, columns (8c + s, 8c + 4 + s)
     std::vector<float> group_sums;  // [rows, k / GROUP]
     int rows = 0, k = 0;
 
     void load(const bf16* in, int num_rows, int width) {
         rows = num_rows;
         k = width;
-        x.resize((size_t)rows * k);
         group_sums.resize((size_t)rows * (k / GROUP));
+#ifdef INFLIGHT_AVX512BF16
+        pairs.resize((size_t)rows * k / 2);
+        for (int r = 0; r < rows; ++r)
+            for (int column = 0; column < k; column += 8)
+                for (int s = 0; s < 4; ++s)
+                    pairs[((size_t)r * k + column) / 2 + s] =
+                        in[(size_t)r * k + column + s].bits | (uint32_t)in[(size_t)r * k + column + 4 + s].bits << 16;
+#else
+        x.resize((size_t)rows * k);
+#endif
         for (int r = 0; r < rows; ++r)
             for (int g = 0; g < k / GROUP; ++g) {
                 float sum = 0.0f;
                 for (int i = g * GROUP; i < (g + 1) * GROUP; ++i) {
                     const float v = to_float(in[(size_t)r * k + i]);
+#ifndef INFLIGHT_AVX512BF16
                     x[(size_t)r * k + i] = v;
+#endif
                     sum += v;
                 }
                 group_sums[(size_t)r * (k / GROUP) + g] = sum;
@@ -169,20 +226,73 @@ void matmul_block_tile(const Int4Weight& w, int block, const Activations& a, int
         for (int j = 0; j < BLOCK_N; ++j) out[(int64_t)(row0 + r) * out_stride + j] = to_bf16(acc[r][j]);
 }
 
-void matmul_block(const Int4Weight& w, int block, const Activations& a, bf16* out, int64_t out_stride) {
-    bf16* column = out + block * BLOCK_N;
+#ifdef INFLIGHT_AVX512BF16
+// out[r, column + i] for 16 output rows (`item`) and R tokens, from the repacked copy.
+template <int R>
+void matmul_item_tile(const Int4Weight& w, int item, const Activations& a, int row0, bf16* out, int64_t out_stride) {
+    const int groups = w.k / GROUP;
+    const uint32_t* lanes = w.lanes.data() + (size_t)item * groups * 64;
+    const bf16* scales_zeros = w.lane_scales_zeros.data() + (size_t)item * groups * 32;
+    const __m512i nibble = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+    __m512 total[R];
+    for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        __m512 acc[4][R];
+        for (int c = 0; c < 4; ++c)
+            for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
+        for (int c = 0; c < 4; ++c) {
+            const __m512i chunk = _mm512_loadu_si512(lanes + ((size_t)g * 4 + c) * 16);
+            for (int s = 0; s < 4; ++s) {
+                const __m512i shifted = s == 0 ? chunk : _mm512_srli_epi16(chunk, 4 * s);
+                const __m512bh weights = (__m512bh)_mm512_ternarylogic_epi32(shifted, nibble, bias, 0xEA);  // (a & b) | c
+                for (int r = 0; r < R; ++r) {
+                    const uint32_t pair = a.pairs[(size_t)(row0 + r) * a.k / 2 + g * 16 + c * 4 + s];
+                    acc[c][r] = _mm512_dpbf16_ps(acc[c][r], weights, (__m512bh)_mm512_set1_epi32((int)pair));
+                }
+            }
+        }
+        const bf16* group_scales = scales_zeros + (size_t)g * 32;
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales))), 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + 16))), 16));
+        // Σ (q - 8)·x = Σ (128 + q)·x - 136 Σ x.
+        const __m512 zero_minus = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero);
+        for (int r = 0; r < R; ++r) {
+            const __m512 dot = _mm512_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]), _mm512_add_ps(acc[2][r], acc[3][r]));
+            total[r] = _mm512_fmadd_ps(scale, dot, total[r]);
+            total[r] = _mm512_fmadd_ps(zero_minus, _mm512_set1_ps(a.group_sums[(size_t)(row0 + r) * groups + g]), total[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const __m256bh rounded = _mm512_cvtneps_pbh(total[r]);
+        std::memcpy(out + (int64_t)(row0 + r) * out_stride, &rounded, 32);
+    }
+}
+#endif
+
+// One item of ITEM_ROWS output rows for every token, up to ROW_TILE tokens at a time.
+void matmul_item(const Int4Weight& w, int item, const Activations& a, bf16* out, int64_t out_stride) {
+    bf16* column = out + item * ITEM_ROWS;
     for (int row0 = 0; row0 < a.rows; row0 += ROW_TILE) {
         switch (std::min(ROW_TILE, a.rows - row0)) {
-            case 1: matmul_block_tile<1>(w, block, a, row0, column, out_stride); break;
-            case 2: matmul_block_tile<2>(w, block, a, row0, column, out_stride); break;
-            case 3: matmul_block_tile<3>(w, block, a, row0, column, out_stride); break;
-            default: matmul_block_tile<4>(w, block, a, row0, column, out_stride); break;
+#ifdef INFLIGHT_AVX512BF16
+            case 1: matmul_item_tile<1>(w, item, a, row0, column, out_stride); break;
+            case 2: matmul_item_tile<2>(w, item, a, row0, column, out_stride); break;
+            case 3: matmul_item_tile<3>(w, item, a, row0, column, out_stride); break;
+            default: matmul_item_tile<4>(w, item, a, row0, column, out_stride); break;
+#else
+            case 1: matmul_block_tile<1>(w, item, a, row0, column, out_stride); break;
+            case 2: matmul_block_tile<2>(w, item, a, row0, column, out_stride); break;
+            case 3: matmul_block_tile<3>(w, item, a, row0, column, out_stride); break;
+            default: matmul_block_tile<4>(w, item, a, row0, column, out_stride); break;
+#endif
         }
     }
 }
 
 // One or more matmuls of the same input, their outputs side by side in rows of `out_stride`
-// (q, k and v into one buffer): every weight's blocks of 64 rows shared out over the team.
+// (q, k and v into one buffer): every weight's items of ITEM_ROWS rows shared out over the team.
 struct Output {
     const Int4Weight* weight;
     bf16* out;  // the first column of this weight's output
@@ -191,10 +301,10 @@ struct Output {
 void matmuls(std::initializer_list<Output> outputs, const Activations& a, int64_t out_stride, int threads) {
     std::vector<std::pair<const Output*, int>> items;
     for (const Output& o : outputs)
-        for (int block = 0; block < o.weight->n / BLOCK_N; ++block) items.emplace_back(&o, block);
+        for (int item = 0; item < o.weight->n / ITEM_ROWS; ++item) items.emplace_back(&o, item);
     const int count = (int)items.size();
 #pragma omp parallel for num_threads(std::min(threads, count)) schedule(static)
-    for (int i = 0; i < count; ++i) matmul_block(*items[i].first->weight, items[i].second, a, items[i].first->out, out_stride);
+    for (int i = 0; i < count; ++i) matmul_item(*items[i].first->weight, items[i].second, a, items[i].first->out, out_stride);
 }
 
 // HF's q·cos + rotate_half(q)·sin as the torch path computes it: each product rounded, then the sum.
@@ -341,7 +451,7 @@ int decode(const Stack& s, bf16* hidden, int tokens, const bf16* cos_table, cons
 }
 
 Int4Weight weight_at(const int64_t* p, int n, int k) {
-    return {reinterpret_cast<const uint8_t*>(p[0]), reinterpret_cast<const bf16*>(p[1]), n, k};
+    return Int4Weight(reinterpret_cast<const uint8_t*>(p[0]), reinterpret_cast<const bf16*>(p[1]), n, k);
 }
 
 }  // namespace
