@@ -14,7 +14,7 @@ logits are fp32 and differ from the torch path's by that quantization (quality i
 docs/benchmarks.md, "One request in one call").
 
 It takes steps whose every token is a decode (speculative drafts included) and that
-have at most `MAX_TOKENS`; prompt chunks and larger batches run the torch path.
+have at most `MAX_TOKENS` tokens; prompt chunks and larger batches run the torch path.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from gpu.cpu.int8_linear import Int8Linear
 from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 from gpu.torch_attention import TorchMetadata
 
-# Tokens a step may have to run here: the C++ matmul reads the weights once per four
-# tokens, so larger batches are cheaper on torch's kernels.
-MAX_TOKENS = 8
+# Tokens a step may have to run here. The C++ matmul's cost grows with every token (a dot
+# product per token per weight); up to 32 tokens it still beat the torch path in a
+# measurement (docs/benchmarks.md, "One request in one call"), larger batches were not
+# measured and run the torch path.
+MAX_TOKENS = 32
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
