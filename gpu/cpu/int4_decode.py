@@ -5,9 +5,10 @@ With int4 weights a step at one request reads under 100 MB, and on two cores the
 torch path's host work (some twenty operations a layer, called from Python) costs more
 than the matmuls (figures in docs/benchmarks.md, "One request in one call"). The C++
 code (`gpu/cpu/kernels/cpu_int4_decode.cpp`) runs every layer of the lean forward in one
-call over the same weights, in place: `Int4Linear`'s packed bytes, scales and zeros,
-the fused norms' weights, and the KV cache's pools; attention is the paged decode
-kernel the CPU backend calls. It rounds to bfloat16 wherever the torch path does. The LM
+call over the same weights: `Int4Linear`'s packed bytes, scales and zeros (on CPUs with
+AVX-512 BF16, a copy repacked at start for bfloat16 dot products), the fused norms'
+weights, and the KV cache's pools in place; attention is the paged decode kernel the CPU
+backend calls. It rounds to bfloat16 wherever the torch path does. The LM
 head (`Int8Linear`'s int8 weights, copied once) takes its input quantized to int8 per
 group of 32, llama.cpp's way, so that AVX-512 VNNI sums 64 products an instruction; its
 logits are fp32 and differ from the torch path's by that quantization (quality in
@@ -38,7 +39,7 @@ from gpu.torch_attention import TorchMetadata
 # measurement (docs/benchmarks.md, "One request in one call"), larger batches were not
 # measured and run the torch path.
 MAX_TOKENS = 32
-_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 @functools.cache

@@ -1,14 +1,17 @@
-// A decode step's decoder layers on int4 weights in one call: for every layer of a
-// Llama-family stack, norm, q/k/v, rotary, KV write, attention, o, residual, norm,
-// gate/up, SiLU, down, residual, over the step's few tokens (`gpu/cpu/int4_decode.py`).
-// At one request a layer's math takes microseconds, and the torch path spends more than
-// that again calling some twenty operations a layer from Python.
+// A decode step on int4 weights in one call: for every layer of a Llama-family stack,
+// norm, q/k/v, rotary, KV write, attention, o, residual, norm, gate/up, SiLU, down,
+// residual, then the final norm and the LM head, over the step's few tokens
+// (`gpu/cpu/int4_decode.py`). At one request a layer's math takes microseconds, and the
+// torch path spends more than that again calling some twenty operations a layer from
+// Python.
 //
-// Weights are read where `Int4Linear` holds them, in torch's CPU int4 layout: per block
-// of 64 output rows, byte [k, j] holds row j's 4-bit weight in its low nibble and row
-// 32 + j's in its high one; scales and zeros are [K/32, N, 2] bfloat16, and a weight is
-// (q - 8) × scale + zero. A block's bytes are read once for up to `ROW_TILE` tokens:
-// q·x is summed per group of 32 in fp32, then the group's scale and zero applied.
+// The weights are `Int4Linear`'s, in torch's CPU int4 layout: per block of 64 output rows,
+// byte [k, j] holds row j's 4-bit weight in its low nibble and row 32 + j's in its high
+// one; scales and zeros are [K/32, N, 2] bfloat16, and a weight is (q - 8) × scale + zero.
+// Every matmul reads the weights once for up to `ROW_TILE` tokens and sums q·x per group
+// of 32 in fp32, then applies the group's scale and zero. Where the CPU has AVX-512 BF16
+// it reads a repacked copy with bfloat16 dot products (`Int4Weight`); elsewhere torch's
+// layout as it is.
 //
 // Roundings follow the torch path operation for operation: every tensor it holds in
 // bfloat16 (norm outputs, projections, rotated queries and keys, attention output, the
@@ -16,14 +19,14 @@
 // Attention is the paged decode kernel (`cpu_paged_decode.cpp`), passed in by address:
 // every token is a query row of its own, over its own context.
 //
-// The step ends with the final norm and the LM head, whose int8 weights (one scale per
-// output row, `Int8Linear`'s) the stack copies once as uint8 (w + 128). The head's input is
-// quantized to int8 per group of 32 (llama.cpp's Q8_0), so that on AVX-512 VNNI a single
-// instruction sums 64 products; logits come out in fp32.
+// The LM head's int8 weights (one scale per output row, `Int8Linear`'s) are copied once
+// as uint8 (w + 128). The head's input is quantized to int8 per group of 32 (llama.cpp's
+// Q8_0), so that on AVX-512 VNNI a single instruction sums 64 products; logits come out
+// in fp32.
 //
-// Threads: the matmuls split their blocks of 64 rows (the head, groups of 4 rows) over
-// OpenMP (torch's runtime, as the other kernels); the element-wise work runs on the
-// calling thread.
+// Threads: the matmuls split their output rows (`ITEM_ROWS` at a time; the head's, 4 at
+// a time) over OpenMP (torch's runtime, as the other kernels); the element-wise work
+// runs on the calling thread.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
