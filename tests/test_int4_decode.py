@@ -17,7 +17,7 @@ from gpu.cpu.int4_decode import MAX_TOKENS, Int4DecodeStep, decode_library
 from gpu.cpu.int4_linear import Int4Linear, quantize_model
 from gpu.cpu.native_build import CPU_CXX_FLAGS, PORTABLE_CPU_CXX_FLAGS, cpu_identity
 from tests.test_int4_linear import MAX_PERPLEXITY_CHANGE, MIN_TOP1_AGREEMENT
-from tests.test_int8_weights import doc_chunks, teacher_forced
+from tests.test_int8_weights import float32_on_the_docs, teacher_forced
 from workers.config import CacheConfig, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
@@ -196,9 +196,7 @@ def test_the_one_calls_head_stays_close_to_float32(full_runner):
     the one call's head: quantizing the head's input costs about half a point of top-1
     agreement (docs/benchmarks.md, "One request in one call")."""
     runner, _ = full_runner
-    reference = load_model(ModelConfig())
-    chunks = doc_chunks(reference.tokenizer)
-    want_top1, want_nll = teacher_forced(reference.model, chunks)
+    chunks, want_top1, want_nll = float32_on_the_docs()
     loaded = load_model(ModelConfig(dtype="bfloat16"))
     quantize_model(loaded.model)  # the same int4 layers and int8 head as the runner's model
     got_top1, got_nll = teacher_forced(_HiddenThenHead(loaded.model, runner.lean.decode_step), chunks)

@@ -10,7 +10,7 @@ from torch import nn
 from gpu.cpu.int4_linear import GROUP_SIZE, INT4PACK_MAX_ROWS, Int4Linear, dequantize, quantize_groupwise, quantize_model, unpack
 from gpu.cpu.int8_linear import Int8Linear
 from tests.conftest import run_to_completion
-from tests.test_int8_weights import doc_chunks, teacher_forced
+from tests.test_int8_weights import float32_on_the_docs, teacher_forced
 from workers.config import ModelConfig
 from workers.model_loader import load_model
 from workers.request import SamplingParams
@@ -68,9 +68,7 @@ MAX_PERPLEXITY_CHANGE = 0.02
 
 @pytest.mark.slow
 def test_int4_weights_stay_close_to_float32():
-    reference = load_model(ModelConfig())
-    chunks = doc_chunks(reference.tokenizer)
-    want_top1, want_nll = teacher_forced(reference.model, chunks)
+    chunks, want_top1, want_nll = float32_on_the_docs()
     loaded = load_model(ModelConfig(dtype="bfloat16"))
     assert quantize_model(loaded.model) == 1 + 7 * loaded.model.config.num_hidden_layers
     assert isinstance(loaded.model.get_output_embeddings(), Int8Linear)

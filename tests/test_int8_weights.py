@@ -3,6 +3,7 @@ engine serving them token for token as `generate` does on the same quantized mod
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,15 @@ def doc_chunks(tokenizer) -> list[list[int]]:
     return chunks
 
 
+@functools.cache
+def float32_on_the_docs() -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """(chunks, top-1, negative log-likelihoods) of the float32 model over the docs: the
+    reference of every quality gate, computed once per test session."""
+    reference = load_model(ModelConfig())
+    chunks = doc_chunks(reference.tokenizer)
+    return (chunks, *teacher_forced(reference.model, chunks))
+
+
 @torch.inference_mode()
 def teacher_forced(model, chunks) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's top-1 token and the negative log-likelihood of the true next token."""
@@ -49,9 +59,8 @@ def teacher_forced(model, chunks) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_int8_weights_agree_with_float32():
     """float32 activations, int8 weights: the model a user gets with --weights int8."""
+    chunks, want_top1, want_nll = float32_on_the_docs()
     loaded = load_model(ModelConfig())  # its own copy: quantized in place below
-    chunks = doc_chunks(loaded.tokenizer)
-    want_top1, want_nll = teacher_forced(loaded.model, chunks)
     assert quantize_model(loaded.model) > 0
     got_top1, got_nll = teacher_forced(loaded.model, chunks)
     agreement = (got_top1 == want_top1).float().mean().item()
@@ -81,9 +90,11 @@ def test_engine_with_int8_weights_equals_generate_on_the_same_quantized_model(ma
 def test_bfloat16_engine_serves_int8_weights(make_engine):
     """bfloat16 activations run decode steps on the int8 kernel and prompts on the dense path."""
     engine = make_engine(load_model(ModelConfig(dtype="bfloat16")), model=ModelConfig(dtype="bfloat16", weights="int8"))
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    tokens, final, text = run_to_completion(engine, {0: [("bf16", chat, SamplingParams(max_tokens=16))]})["bf16"]
-    assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and "Paris" in text
+    # A completion rather than a chat: the chat's greedy answer differs between CPUs (on
+    # the AVX-512 EPYC it lists Paris's landmarks without naming the city).
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    tokens, final, text = run_to_completion(engine, {0: [("bf16", prompt, SamplingParams(max_tokens=4))]})["bf16"]
+    assert final.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and "Rome" in text
 
 
 def test_int8_weights_are_refused_off_the_cpu_and_in_float16():
