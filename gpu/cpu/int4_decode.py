@@ -91,7 +91,6 @@ class Int4DecodeStep:
         self.model = model  # the weights the stack points into stay alive with it
         self.kv_cache = backend.kv_cache
         self.library = library
-        self.hidden_size = config.hidden_size
         head, final_norm = model.get_output_embeddings(), model.model.norm
         self.vocab_size = head.out_features
         addresses = np.array(pointers, dtype=np.int64)  # alive through the call that copies it
@@ -130,7 +129,10 @@ class Int4DecodeStep:
         norms = [final_norm] + [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
         if len({norm.eps for norm in norms}) != 1:
             return None
-        return cls(model, backend, library, pointers)
+        try:
+            return cls(model, backend, library, pointers)
+        except ValueError:  # shapes the C++ code does not take: the torch path serves the model
+            return None
 
     def takes(self, metadata, num_tokens: int) -> bool:
         """Whether a step of `num_tokens` with this attention metadata runs here: decodes only."""
