@@ -42,13 +42,19 @@ BUILDS = {
 }
 
 
+def flags_this_cpu_runs(build: str) -> tuple[str, ...]:
+    """`build`'s g++ flags; the test skips where this CPU cannot run what they build."""
+    flags, needs = BUILDS[build]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
+    return flags
+
+
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
 def test_the_matmul_computes_torchs_int4_linear(build, rows):
     """Every build, over tiles of up to four tokens."""
-    flags, needs = BUILDS[build]
-    if not needs <= cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
+    flags = flags_this_cpu_runs(build)
     torch.manual_seed(rows)
     linear = Int4Linear(nn.Linear(1536, 192, bias=False).to(torch.bfloat16))
     x = torch.randn(rows, 1536).to(torch.bfloat16)
@@ -160,9 +166,7 @@ def test_only_decode_steps_of_few_tokens_take_the_one_call(full_runner):
 def test_the_head_sums_int8_inputs_per_group_of_32(full_runner, build):
     """The head's arithmetic, in every build: each group of 32 inputs scaled to ±127 and
     rounded, summed against the int8 weights, times the group's and the row's scales."""
-    flags, needs = BUILDS[build]
-    if not needs <= cpu_flags():
-        pytest.skip(f"this CPU lacks {sorted(needs - cpu_flags())}")
+    flags = flags_this_cpu_runs(build)
     runner, _ = full_runner
     step = Int4DecodeStep.build(runner.model, runner.backend, decode_library(flags))
     head = runner.model.get_output_embeddings()

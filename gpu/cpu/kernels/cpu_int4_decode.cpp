@@ -111,14 +111,6 @@ struct Head {
     int vocab;
 };
 
-struct Stack {
-    int hidden, heads, kv_heads, head_dim, intermediate;
-    float eps, scale;
-    AttendFn attend;
-    std::vector<Layer> layers;
-    Head head;
-};
-
 // One matmul's input rows: widened to fp32, or on AVX-512 BF16 as the pairs of bfloat16
 // the repacked weights' lanes meet; with each group's sum.
 struct Activations {
@@ -301,8 +293,12 @@ struct Output {
     bf16* out;  // the first column of this weight's output
 };
 
-void matmuls(std::initializer_list<Output> outputs, const Activations& a, int64_t out_stride, int threads) {
-    std::vector<std::pair<const Output*, int>> items;
+using Items = std::vector<std::pair<const Output*, int>>;
+
+// `items` is scratch space, kept by the caller so that a step allocates nothing.
+void matmuls(std::initializer_list<Output> outputs, const Activations& a, int64_t out_stride, int threads,
+             Items& items) {
+    items.clear();
     for (const Output& o : outputs)
         for (int item = 0; item < o.weight->n / ITEM_ROWS; ++item) items.emplace_back(&o, item);
     const int count = (int)items.size();
@@ -394,8 +390,10 @@ void head_rows(const Head& h, int k, const QuantizedRow* rows, int tokens, int n
 }
 
 // logits [tokens, vocab] (fp32) of `normed` [tokens, hidden], the final norm's output.
-void head_logits(const Head& h, int k, const bf16* normed, int tokens, float* logits, int threads) {
-    std::vector<QuantizedRow> rows(tokens);
+// `rows` is scratch space, kept by the caller so that a step allocates nothing.
+void head_logits(const Head& h, int k, const bf16* normed, int tokens, float* logits, int threads,
+                 std::vector<QuantizedRow>& rows) {
+    rows.resize(tokens);
     for (int t = 0; t < tokens; ++t) quantize_row(normed + (size_t)t * k, k, rows[t]);
     const int quads = h.vocab / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -403,22 +401,46 @@ void head_logits(const Head& h, int k, const bf16* normed, int tokens, float* lo
     for (int n = 4 * quads; n < h.vocab; ++n) head_rows<1>(h, k, rows.data(), tokens, n, logits);
 }
 
-int decode(const Stack& s, bf16* hidden, int tokens, const bf16* cos_table, const bf16* sin_table,
+// The buffers of a step, kept across steps (one step at a time per stack: the engine
+// steps on one thread); each is written whole before it is read.
+struct Workspace {
+    std::vector<bf16> normed, qkv, attended, projected, gate_up, product;
+    Activations activations;
+    std::vector<QuantizedRow> quantized;
+    Items items;
+};
+
+struct Stack {
+    int hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    AttendFn attend;
+    std::vector<Layer> layers;
+    Head head;
+    Workspace workspace;
+};
+
+int decode(Stack& s, bf16* hidden, int tokens, const bf16* cos_table, const bf16* sin_table,
            const int64_t* positions, const int64_t* slots, const int32_t* query_rows, const int32_t* context_lens,
            const int32_t* block_tables, int num_seqs, int max_blocks, int block_size, float* logits,
            int threads) {
     const int d = s.head_dim, q_width = s.heads * d, kv_width = s.kv_heads * d;
     const int qkv_width = q_width + 2 * kv_width;
-    std::vector<bf16> normed((size_t)tokens * s.hidden), qkv((size_t)tokens * qkv_width),
-        attended((size_t)tokens * q_width), projected((size_t)tokens * s.hidden),
-        gate_up((size_t)tokens * 2 * s.intermediate), product((size_t)tokens * s.intermediate);
-    Activations a;
+    Workspace& w = s.workspace;
+    std::vector<bf16>&normed = w.normed, &qkv = w.qkv, &attended = w.attended, &projected = w.projected,
+                     &gate_up = w.gate_up, &product = w.product;
+    normed.resize((size_t)tokens * s.hidden);
+    qkv.resize((size_t)tokens * qkv_width);
+    attended.resize((size_t)tokens * q_width);
+    projected.resize((size_t)tokens * s.hidden);
+    gate_up.resize((size_t)tokens * 2 * s.intermediate);
+    product.resize((size_t)tokens * s.intermediate);
+    Activations& a = w.activations;
     for (const Layer& layer : s.layers) {
         for (int t = 0; t < tokens; ++t)
             rms_norm_row(hidden + (size_t)t * s.hidden, layer.input_norm, &normed[(size_t)t * s.hidden], s.hidden, s.eps);
         a.load(normed.data(), tokens, s.hidden);
         bf16* q = qkv.data();
-        matmuls({{&layer.q, q}, {&layer.k, q + q_width}, {&layer.v, q + q_width + kv_width}}, a, qkv_width, threads);
+        matmuls({{&layer.q, q}, {&layer.k, q + q_width}, {&layer.v, q + q_width + kv_width}}, a, qkv_width, threads, w.items);
         for (int t = 0; t < tokens; ++t) {
             bf16* row = &qkv[(size_t)t * qkv_width];
             const bf16* cos = cos_table + positions[t] * d;
@@ -432,24 +454,24 @@ int decode(const Stack& s, bf16* hidden, int tokens, const bf16* cos_table, cons
                                     s.kv_heads, d, s.scale, threads);
         if (status != 0) return status;
         a.load(attended.data(), tokens, q_width);
-        matmuls({{&layer.o, projected.data()}}, a, s.hidden, threads);
+        matmuls({{&layer.o, projected.data()}}, a, s.hidden, threads, w.items);
         add_rounded(hidden, projected.data(), tokens * s.hidden);
         for (int t = 0; t < tokens; ++t)
             rms_norm_row(hidden + (size_t)t * s.hidden, layer.post_attention_norm, &normed[(size_t)t * s.hidden],
                          s.hidden, s.eps);
         a.load(normed.data(), tokens, s.hidden);
-        matmuls({{&layer.gate_up, gate_up.data()}}, a, 2 * s.intermediate, threads);
+        matmuls({{&layer.gate_up, gate_up.data()}}, a, 2 * s.intermediate, threads, w.items);
         for (int t = 0; t < tokens; ++t) {
             const bf16* row = &gate_up[(size_t)t * 2 * s.intermediate];
             silu_mul_row(row, row + s.intermediate, &product[(size_t)t * s.intermediate], s.intermediate);
         }
         a.load(product.data(), tokens, s.intermediate);
-        matmuls({{&layer.down, projected.data()}}, a, s.hidden, threads);
+        matmuls({{&layer.down, projected.data()}}, a, s.hidden, threads, w.items);
         add_rounded(hidden, projected.data(), tokens * s.hidden);
     }
     for (int t = 0; t < tokens; ++t)
         rms_norm_row(hidden + (size_t)t * s.hidden, s.head.norm, &normed[(size_t)t * s.hidden], s.hidden, s.eps);
-    head_logits(s.head, s.hidden, normed.data(), tokens, logits, threads);
+    head_logits(s.head, s.hidden, normed.data(), tokens, logits, threads, w.quantized);
     return 0;
 }
 
@@ -498,7 +520,8 @@ extern "C" void int4_linear(const uint8_t* packed, const bf16* scales_zeros, int
     const Int4Weight weight{packed, scales_zeros, n, k};
     Activations a;
     a.load(x, rows, k);
-    matmuls({{&weight, out}}, a, n, threads);
+    Items items;
+    matmuls({{&weight, out}}, a, n, threads, items);
 }
 
 // Runs every layer over `hidden` [tokens, hidden] in place: token t at positions[t],
@@ -517,6 +540,6 @@ extern "C" int int4_decode(void* stack, bf16* hidden, int tokens, const bf16* co
 // logits [tokens, vocab] (fp32) of `normed` [tokens, hidden], the final norm's output: the
 // stack's LM head alone.
 extern "C" void int4_stack_head(void* stack, const bf16* normed, int tokens, float* logits, int threads) {
-    const Stack& s = *static_cast<Stack*>(stack);
-    head_logits(s.head, s.hidden, normed, tokens, logits, threads);
+    Stack& s = *static_cast<Stack*>(stack);
+    head_logits(s.head, s.hidden, normed, tokens, logits, threads, s.workspace.quantized);
 }
