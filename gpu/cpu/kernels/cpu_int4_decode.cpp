@@ -322,7 +322,6 @@ void add_rounded(bf16* hidden, const bf16* delta, int n) {
     for (int i = 0; i < n; ++i) hidden[i] = to_bf16(to_float(hidden[i]) + to_float(delta[i]));
 }
 
-
 // The head's input, one token: int8 values and a scale per group of 32 (the group's
 // largest magnitude to ±127), each scale repeated over its group's 8 lanes of a VNNI sum.
 struct QuantizedRow {
