@@ -46,9 +46,12 @@ constexpr int ROW_TILE = 4;
 // products: per 16 output rows and group of 32 columns, four 64-byte chunks of 8 columns,
 // one 32-bit lane per row with its 8 nibbles (columns c..c+3 in the low 16 bits, c+4..c+7
 // in the high 16), then the 16 rows' scales and their 16 zeros. Shifting each 16-bit half
-// right by 4·s and or-ing in 0x4300 makes the bfloat16 128 + q of columns c + s and
-// c + 4 + s, a pair one `vdpbf16ps` multiplies by two inputs at once (exact products in
-// fp32); the 128 is taken back with the group's sum. Elsewhere torch's layout is read as is.
+// right by 4·s and looking its low bits up in a table (`vpermw`) makes the bfloat16 q - 8
+// of columns c + s and c + 4 + s, a pair one `vdpbf16ps` multiplies by two inputs at once
+// (exact products in fp32). Why q - 8 and not 128 + q (an `or` of 0x4300, one table
+// lookup cheaper): summing (128 + q)·x carries sums some 17 times the result's size, and
+// taking 136·Σx back lost about four bits of the fp32 sums, enough to flip a bfloat16
+// rounding ten times as often as torch's kernel does. Elsewhere torch's layout is read as is.
 #ifdef INFLIGHT_AVX512BF16
 constexpr int ITEM_ROWS = 16;
 #else
@@ -228,7 +231,14 @@ void matmul_item_tile(const Int4Weight& w, int item, const Activations& a, int r
     const int groups = w.k / GROUP;
     const uint32_t* lanes = w.lanes.data() + (size_t)item * groups * 64;
     const bf16* scales_zeros = w.lane_scales_zeros.data() + (size_t)item * groups * 32;
-    const __m512i nibble = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+    // Word i is the bfloat16 (i mod 16) - 8: `vpermw` reads an index's low five bits, the
+    // fifth being the next nibble's.
+    alignas(64) static const uint16_t centred[32] = {
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    const __m512i table = _mm512_load_si512(centred);
     __m512 total[R];
     for (int r = 0; r < R; ++r) total[r] = _mm512_setzero_ps();
     for (int g = 0; g < groups; ++g) {
@@ -239,7 +249,7 @@ void matmul_item_tile(const Int4Weight& w, int item, const Activations& a, int r
             const __m512i chunk = _mm512_loadu_si512(lanes + ((size_t)g * 4 + c) * 16);
             for (int s = 0; s < 4; ++s) {
                 const __m512i shifted = s == 0 ? chunk : _mm512_srli_epi16(chunk, 4 * s);
-                const __m512bh weights = (__m512bh)_mm512_ternarylogic_epi32(shifted, nibble, bias, 0xEA);  // (a & b) | c
+                const __m512bh weights = (__m512bh)_mm512_permutexvar_epi16(shifted, table);
                 for (int r = 0; r < R; ++r) {
                     const uint32_t pair = a.pairs[(size_t)(row0 + r) * a.k / 2 + g * 16 + c * 4 + s];
                     acc[c][r] = _mm512_dpbf16_ps(acc[c][r], weights, (__m512bh)_mm512_set1_epi32((int)pair));
@@ -251,12 +261,10 @@ void matmul_item_tile(const Int4Weight& w, int item, const Activations& a, int r
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales))), 16));
         const __m512 zero = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_scales + 16))), 16));
-        // Σ (q - 8)·x = Σ (128 + q)·x - 136 Σ x.
-        const __m512 zero_minus = _mm512_fnmadd_ps(_mm512_set1_ps(136.0f), scale, zero);
         for (int r = 0; r < R; ++r) {
             const __m512 dot = _mm512_add_ps(_mm512_add_ps(acc[0][r], acc[1][r]), _mm512_add_ps(acc[2][r], acc[3][r]));
             total[r] = _mm512_fmadd_ps(scale, dot, total[r]);
-            total[r] = _mm512_fmadd_ps(zero_minus, _mm512_set1_ps(a.group_sums[(size_t)(row0 + r) * groups + g]), total[r]);
+            total[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(a.group_sums[(size_t)(row0 + r) * groups + g]), total[r]);
         }
     }
     for (int r = 0; r < R; ++r) {
