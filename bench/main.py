@@ -24,6 +24,10 @@ peak RSS is per system and one system's allocations cannot slow another. Order:
 4. `hf_static`.
 5. `llamacpp`: llama.cpp (llama-cpp-python) on the same GGUF (`bench.peer_llamacpp`);
    skipped, with a line saying so, where llama-cpp-python is not installed.
+6. `vllm`: vLLM's CPU backend on the same converted folder and token ids
+   (`bench.peer_vllm`), in its own virtual environment (`make vllm-peer`), once per
+   `--vllm-settings` entry (`vllm` is both cores for its engine, `vllm_default` its own
+   default); skipped, with a line saying so, where that environment is missing.
 
 `single` is the same comparison on one request (a 100-token prompt, 256 tokens out unless
 `--prompt-len`/`--output-len` say otherwise): what one user with one chat open gets, read
@@ -45,11 +49,14 @@ from pathlib import Path
 
 from workers.config import DTYPES, WEIGHTS
 
-SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp")
+SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp", "vllm")
 SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak",
              "intake", "overhead", "gateway", "structured", "spec")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+# `--vllm-settings` entries and the system name each is reported as (bench/peer_vllm.py).
+VLLM_SETTINGS = {"both-cores": "vllm", "default": "vllm_default"}
 # The single-stream scenario's workload, where the flags are left at their defaults.
 SINGLE_STREAM = {"requests": 1, "prompt_len": [100, 100], "output_len": [256, 256]}
 
@@ -95,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-tokens", default="512,1024,2048",
                         help="max_batch_tokens values swept for hf_continuous (comma-separated)")
     parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf_static")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
+                        help="the Python of vLLM's environment (`make vllm-peer` builds it)")
+    parser.add_argument("--vllm-settings", default="both-cores,default",
+                        help="vLLM's CPU settings to run, comma-separated: both-cores (every core for its "
+                             "engine; reported as vllm) and default (reported as vllm_default)")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument("--png", type=Path, default=None,
                         help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
@@ -128,7 +140,10 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
     if args.requests < 1 or args.static_batch < 1:
         raise SystemExit("--requests and --static-batch must be >= 1")
-    systems = without_missing_peers(systems)
+    vllm_settings = [v.strip() for v in args.vllm_settings.split(",") if v.strip()]
+    if "vllm" in systems and (not vllm_settings or set(vllm_settings) - set(VLLM_SETTINGS)):
+        raise SystemExit(f"--vllm-settings must be a subset of {','.join(VLLM_SETTINGS)}, got {args.vllm_settings!r}")
+    systems = without_missing_peers(systems, args.vllm_python)
 
     # Other processes on the host skew every figure; the load average says whether there were any.
     load_before = os.getloadavg()[0]
@@ -153,6 +168,12 @@ def run(args: argparse.Namespace) -> dict:
             keep = ("max_batch_tokens", "micro_batch_tokens", "context_tokens", "llama_threads", "llama_cpp_python",
                     "system_info", "load_rss_mb", "load_average_1m")
             results["llamacpp"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
+        if "vllm" in systems:
+            for setting in vllm_settings:
+                out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
+                name = VLLM_SETTINGS[setting]
+                results[name] = summarize(out["token_times"], out["peak_rss_mb"]) | {
+                    "vllm": out["vllm"], "setting": setting, "environment": out["environment"]}
 
     description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype, "weights": args.weights,
                                          "speculation": args.speculation, "scenario": args.scenario}
@@ -177,8 +198,12 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def without_missing_peers(systems: list[str]) -> list[str]:
-    """`systems` less llamacpp where llama-cpp-python is not installed, with a line saying so."""
+def without_missing_peers(systems: list[str], vllm_python: Path = DEFAULT_VLLM_PYTHON) -> list[str]:
+    """`systems` less llamacpp where llama-cpp-python is not installed and less vllm where
+    its environment is missing, with a line saying so."""
+    if "vllm" in systems and not Path(vllm_python).exists():
+        print(f"bench: vllm skipped: {vllm_python} is missing (`make vllm-peer` builds it)", file=sys.stderr)
+        systems = [s for s in systems if s != "vllm"]
     from bench.peer_llamacpp import INSTALL_HINT, available
 
     if "llamacpp" not in systems or available():
@@ -299,21 +324,33 @@ class _Children:
         self.count = 0
 
     def run(self, system: str, **params) -> dict:
+        """`system` in a child of this Python (`bench --child`)."""
+        return self._child(system, params, lambda job, out: [sys.executable, "-m", "bench", "--child", job, "--out", out])
+
+    def run_vllm(self, python: Path, setting: str, model_folder: str) -> dict:
+        """vLLM in a child of its own environment's Python, with `setting`'s environment."""
+        from bench.peer_vllm import settings
+
+        cores = len(os.sched_getaffinity(0))
+        environment = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
+        environment |= settings(cores)[setting]
+        return self._child("vllm", {"setting": setting, "model_folder": model_folder},
+                           lambda job, out: [str(python), "-m", "bench.peer_vllm", job, out], environment)
+
+    def _child(self, system: str, params: dict, command, environment: dict | None = None) -> dict:
         self.count += 1
         stem = self.tmp / f"{self.count:02d}-{system}"
         job = {"system": system, "model": self.model, "dtype": self.dtype, "weights": self.weights,
                "workload": str(self.workload_path), "params": params}
         Path(f"{stem}.job.json").write_text(json.dumps(job))
-        env = dict(os.environ)
+        env = dict(os.environ if environment is None else environment)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        label = system + "".join(f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)))
+        label = system + "".join(f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)) and k != "model_folder")
         print(f"bench: {label} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         with open(f"{stem}.log", "w") as log:
-            code = subprocess.call(
-                [sys.executable, "-m", "bench", "--child", f"{stem}.job.json", "--out", f"{stem}.out.json"],
-                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            )
+            code = subprocess.call(command(f"{stem}.job.json", f"{stem}.out.json"),
+                                   cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         if code != 0:
             tail = Path(f"{stem}.log").read_text()[-4000:]
             raise RuntimeError(f"bench child {system!r} exited with {code}:\n{tail}")
@@ -330,7 +367,7 @@ def run_child(job_path: Path, out_path: Path) -> None:
     from bench import engine_side, peers
     from bench.metrics import peak_rss_mb
     from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
-    from workers.model_loader import load_model
+    from workers.model_loader import load_model, model_folder
 
     job = json.loads(Path(job_path).read_text())
     system, params = job["system"], job["params"]
@@ -363,7 +400,8 @@ def run_child(job_path: Path, out_path: Path) -> None:
             workload = make_workload(params["requests"], tuple(params["prompt_len"]), tuple(params["output_len"]),
                                      allowed_token_ids(vocab, special_token_ids(loaded.tokenizer)), params["seed"])
         workload.save(Path(job["workload"]))
-        result = {"model": loaded.name, "torch": torch.__version__, "transformers": transformers.__version__}
+        result = {"model": loaded.name, "torch": torch.__version__, "transformers": transformers.__version__,
+                  "model_folder": model_folder(model_config)}
     else:
         workload = Workload.load(Path(job["workload"]))
         if system == "engine":

@@ -15,7 +15,7 @@ SYSTEM_KEYS = (
     "itl_p99_s",
     "peak_rss_mb",
 )
-PEERS = ("hf_continuous", "hf_static", "llamacpp")
+PEERS = ("hf_continuous", "hf_static", "llamacpp", "vllm", "vllm_default")
 
 
 def build_report(workload: dict, environment: dict, systems: dict[str, dict]) -> dict:

@@ -4,6 +4,8 @@ skipped where there is no CUDA device or no cupy."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,17 @@ from workers.model_loader import LoadedModel, load_model
 
 TEST_KV_MEMORY = 128 << 20
 TEST_SWAP_MEMORY = 64 << 20
+
+
+def pytest_configure(config):
+    """Under `pytest -n` (`make test`), each test process gets its share of the cores, and so
+    do the workers and gateways its tests start: more OpenMP threads than cores make
+    every one of them spin and wait."""
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if processes > 1:
+        threads = max(1, len(os.sched_getaffinity(0)) // processes)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def pytest_collection_modifyitems(config, items):

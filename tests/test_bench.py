@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from bench.main import add_arguments, run, single_stream_workload, without_missing_peers
+from bench.main import DEFAULT_VLLM_PYTHON, add_arguments, run, single_stream_workload, without_missing_peers
 from bench.metrics import inter_token_latencies, percentile, summarize
 from bench.report import SYSTEM_KEYS, build_report, format_table, write_png
 from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
@@ -146,6 +146,29 @@ def test_llamacpp_is_skipped_with_a_line_when_not_installed(monkeypatch, capsys)
     assert "llamacpp skipped: llama-cpp-python is not installed" in capsys.readouterr().err
     monkeypatch.setattr(bench.peer_llamacpp, "available", lambda: True)
     assert without_missing_peers(["engine", "llamacpp"]) == ["engine", "llamacpp"]
+
+
+def test_vllm_is_skipped_with_a_line_where_its_environment_is_missing(tmp_path, capsys):
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    assert without_missing_peers(["engine", "vllm"], missing) == ["engine"]
+    assert f"vllm skipped: {missing} is missing (`make vllm-peer` builds it)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEFAULT_VLLM_PYTHON.exists(), reason="vLLM's environment is missing (make vllm-peer)")
+def test_tiny_real_run_with_vllm_in_both_settings(tmp_path):
+    """vLLM's CPU backend makes exactly the asked tokens of the same token ids, in each setting."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--requests", "3", "--prompt-len", "4", "12", "--output-len", "2", "5",
+                              "--systems", "vllm", "--json", str(tmp_path / "bench.json")])  # fmt: skip
+    report = run(args)
+    for name, setting in (("vllm", "both-cores"), ("vllm_default", "default")):
+        figures = report["systems"][name]
+        assert figures["output_tokens"] == report["workload"]["total_output_tokens"]
+        assert figures["setting"] == setting and figures["output_tokens_per_s"] > 0
+    assert report["systems"]["vllm"]["environment"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert report["systems"]["vllm_default"]["environment"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] is None
 
 
 @pytest.mark.slow

@@ -86,7 +86,9 @@ def test_the_engine_serves_int4_weights(make_engine):
     gate-and-up projection rounds differently from the two apart, and near-ties flip."""
     engine = make_engine(load_model(ModelConfig(dtype="bfloat16")), model=ModelConfig(dtype="bfloat16", weights="int4"))
     assert any(isinstance(m, Int4Linear) for m in engine.runner.model.modules())
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    results = run_to_completion(engine, {0: [("r", messages, SamplingParams(max_tokens=12))]})
+    # A completion whose answer leads by over two logits (the chat's first token is a
+    # near-tie in bfloat16 that CPUs break differently).
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    results = run_to_completion(engine, {0: [("r", prompt, SamplingParams(max_tokens=4))]})
     _, final, text = results["r"]
-    assert final.error is None and "Paris" in text, (final, text)
+    assert final.error is None and "Rome" in text, (final, text)

@@ -36,6 +36,23 @@ def kernels() -> EmulatedKernels:
     return EmulatedKernels()  # built with g++ once per source hash, then cached
 
 
+# The engine tests below serve the bundled SmolLM2's shapes (9 query heads over 3 KV heads,
+# head_dim 64) in its first few layers: every emulated launch costs, and what they check,
+# the same greedy tokens as the torch backend's, does not depend on the depth.
+EMULATED_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def shallow_smollm2():
+    from workers.config import ModelConfig
+    from workers.model_loader import load_model
+
+    loaded = load_model(ModelConfig())
+    loaded.model.model.layers = loaded.model.model.layers[:EMULATED_LAYERS]
+    loaded.model.config.num_hidden_layers = EMULATED_LAYERS
+    return loaded
+
+
 def backend(step, kernels, partition_size=None) -> CupyAttentionBackend:
     return CupyAttentionBackend(step.kernel_cache, kernels, partition_size=partition_size)
 
@@ -204,22 +221,24 @@ def test_16_bit_conversions_are_the_hardwares(kernels, dtype):
     assert rounded[nan].isnan().all()
 
 
-def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kernels, make_engine):
-    """End to end through transformers' attention hook: the bundled SmolLM2 (9 query heads
-    over 3 KV heads, head_dim 64) with prompts in chunks of 8 and a cache of 3 blocks, so
-    a request is swapped out and back in by the copy kernel. Greedy tokens are the same
-    as on the torch backend. (Kept short: every emulated launch of 30 layers costs.)"""
+def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kernels, make_engine, shallow_smollm2):
+    """End to end through transformers' attention hook: SmolLM2's shapes with prompts in
+    chunks of 8 and a cache of 3 blocks, so a request is swapped out and back in by the
+    copy kernel. Greedy tokens are the same as on the torch backend."""
     from bench.drive import StepRecorder
     from gpu.torch_attention import TorchAttentionBackend
     from tests.conftest import run_to_completion
+    from workers.config import SpeculativeConfig
     from workers.request import SamplingParams
 
-    block_bytes = 16 * 2 * 30 * 3 * 64 * 4  # 16 tokens of K and V, 30 layers, float32
+    block_bytes = 16 * 2 * EMULATED_LAYERS * 3 * 64 * 4  # 16 tokens of K and V, every layer, float32
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of France is the city of light, and its river", "def fibonacci(n):\n    if n < 2: return n"]
     results, swapped = {}, {}
     for name in ("emulated", "torch"):
-        engine = make_engine(kv_memory_bytes=3 * block_bytes, max_prefill_chunk=8)
+        # No speculation: accepted drafts would make the steps, and so the swaps, the model's doing.
+        engine = make_engine(shallow_smollm2, kv_memory_bytes=3 * block_bytes, max_prefill_chunk=8,
+                             speculative=SpeculativeConfig(enabled=False))
         steps = StepRecorder(engine)
         if name == "emulated":
             engine.runner.backend = CupyAttentionBackend(engine.runner.kv_cache, kernels)
@@ -232,7 +251,7 @@ def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kern
     assert swapped == {"emulated": True, "torch": True}
 
 
-def test_engine_on_the_emulated_kernels_continues_after_a_cached_prefix(kernels, make_engine):
+def test_engine_on_the_emulated_kernels_continues_after_a_cached_prefix(kernels, make_engine, shallow_smollm2):
     """End to end with prefix caching: a second prompt shares the first one's two full
     blocks (32 tokens), so it starts at position 32, and goes on in chunks of 12 (32 is not
     a multiple of 12: its chunks start where a cold prompt's never do). Its greedy tokens
@@ -246,7 +265,7 @@ def test_engine_on_the_emulated_kernels_continues_after_a_cached_prefix(kernels,
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     results, hits = {}, {}
     for name in ("emulated", "torch"):
-        engine = make_engine(max_prefill_chunk=12, prefix_caching=name == "emulated")
+        engine = make_engine(shallow_smollm2, max_prefill_chunk=12, prefix_caching=name == "emulated")
         if name == "emulated":
             engine.runner.backend = CupyAttentionBackend(engine.runner.kv_cache, kernels)
             engine.runner.host_pool.kernels = kernels

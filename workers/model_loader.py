@@ -109,6 +109,13 @@ def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> Loaded
     )
 
 
+def model_folder(config: ModelConfig) -> str:
+    """The Hugging Face folder or hub id `config` loads: for a GGUF file, its converted folder
+    in the cache (there once the model has been loaded in `config.dtype`)."""
+    gguf = gguf_source(config.source)
+    return config.source if gguf is None else str(config.cache_dir / _cache_key(gguf, config.dtype))
+
+
 def resolve_device(device: str) -> torch.device:
     """ModelConfig.device as a torch device: "auto" is the first GPU if there is one."""
     if device == "auto":

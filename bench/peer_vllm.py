@@ -1,0 +1,90 @@
+"""vLLM's CPU backend as a peer: its offline engine on the same model folder and token ids.
+
+Runs inside vLLM's own virtual environment (`make vllm-peer` builds `.venv-vllm`), as
+
+    .venv-vllm/bin/python -m bench.peer_vllm JOB.json OUT.json
+
+and imports nothing of inflight but the workload file's reader. Every request is added at
+t0 with greedy sampling, `ignore_eos` and `max_tokens` = its output length, so vLLM does
+exactly the work the other systems do; the engine's own loop (`LLMEngine.step`, what
+`LLM.generate` runs) is driven here so that each token is stamped when the step that made
+it returns. A warm-up request goes through the same path first.
+
+vLLM's settings on a CPU come from its environment, which the parent sets per run
+(`SETTINGS`): `both-cores` gives its engine every core, as measured best on two cores;
+`default` is what a user gets without setting anything (vLLM keeps one core for its
+front end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from bench.workload import Workload
+
+# Environment per setting, for the child process (on top of the parent's, less OMP_NUM_THREADS).
+KV_CACHE_GB = "4"
+
+
+def settings(cores: int) -> dict[str, dict[str, str]]:
+    return {
+        "both-cores": {"OMP_NUM_THREADS": str(cores), "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GB},
+        "default": {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GB},
+    }
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import vllm
+
+    workload = Workload.load(Path(job["workload"]))
+    longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
+    llm = LLM(model=job["params"]["model_folder"], dtype=job["dtype"], max_model_len=max(2048, longest), seed=0)
+    engine = llm.llm_engine
+
+    def drive(requests) -> dict[str, list[float]]:
+        times: dict[str, list[float]] = {r.request_id: [] for r in requests}
+        started = time.perf_counter()
+        for r in requests:
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+            engine.add_request(r.request_id, TokensPrompt(prompt_token_ids=r.prompt_ids), params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter() - started
+            for output in outputs:
+                stamped = times[output.request_id]
+                made = len(output.outputs[0].token_ids)
+                stamped.extend([now] * (made - len(stamped)))
+        return times
+
+    warmup = workload.requests[0]
+    drive([type(warmup)("warmup", warmup.prompt_ids[:16], 4)])
+    token_times = drive(workload.requests)
+    for r in workload.requests:
+        if len(token_times[r.request_id]) != r.output_len:
+            raise RuntimeError(f"vLLM made {len(token_times[r.request_id])} tokens for {r.request_id}, "
+                               f"asked {r.output_len}")
+    return {"token_times": token_times, "vllm": vllm.__version__,
+            "environment": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
+                                                            "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")}}
+
+
+def main() -> None:
+    job_path, out_path = sys.argv[1:3]
+    job = json.loads(Path(job_path).read_text())
+    result = run(job)
+    import resource
+
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path(out_path).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process, which imports this module again
+    main()
