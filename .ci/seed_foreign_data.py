@@ -1,14 +1,15 @@
 """Fill the shared Redis (127.0.0.1:6379) with what a developer's manual runs leave
 behind, under the default key names, and take exactly that out again afterwards.
 
-    python3 .ci/seed_foreign_data.py seed STATE     # a backlog on inflight:requests, entries
-                                                    # pending for a consumer that died,
-                                                    # cancels and dead letters
-    python3 .ci/seed_foreign_data.py remove STATE   # delete what `seed` added, nothing else
+    python3 .ci/seed_foreign_data.py seed STATE [PORT]    # a backlog on inflight:requests,
+                                                          # entries pending for a consumer
+                                                          # that died, cancels, dead letters
+    python3 .ci/seed_foreign_data.py remove STATE [PORT]  # delete what `seed` added, no more
 
 STATE is a JSON file where `seed` writes the entry ids it added and which keys, group and
-consumer it created, so `remove` leaves anything that was there before untouched. Speaks
-RESP over a socket, so it needs nothing installed."""
+consumer it created, so `remove` leaves anything that was there before untouched. PORT is
+the Redis on 127.0.0.1 (6379 by default). Speaks RESP over a socket, so it needs nothing
+installed; tests/test_ci_seed.py holds it to this."""
 
 import json
 import os
@@ -28,8 +29,8 @@ class RedisError(Exception):
 
 
 class Connection:
-    def __init__(self) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", 6379))
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
         self.stream = self.sock.makefile("rb")
 
     def send(self, *args) -> None:
@@ -78,8 +79,8 @@ def consumers_of(redis: Connection, stream: str) -> dict[str, set[str]] | None:
     return found
 
 
-def seed(state_path: str) -> None:
-    redis = Connection()
+def seed(state_path: str, port: int = 6379) -> None:
+    redis = Connection(port)
     before = consumers_of(redis, REQUESTS)
     state = {
         "created_keys": [key for key in (REQUESTS, CONTROL, DEAD) if redis.call("EXISTS", key) == 0],
@@ -104,13 +105,13 @@ def seed(state_path: str) -> None:
     write_state(state_path, state)
 
 
-def remove(state_path: str) -> None:
+def remove(state_path: str, port: int = 6379) -> None:
     try:
         with open(state_path) as file:
             state = json.load(file)
     except FileNotFoundError:
         return  # nothing was seeded
-    redis = Connection()
+    redis = Connection(port)
     for stream, ids in state["ids"].items():
         for start in range(0, len(ids), DELETE_BATCH):
             redis.call("XDEL", stream, *ids[start:start + DELETE_BATCH])
@@ -132,6 +133,6 @@ def write_state(path: str, state: dict) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("seed", "remove"):
+    if len(sys.argv) not in (3, 4) or sys.argv[1] not in ("seed", "remove"):
         sys.exit(__doc__)
-    {"seed": seed, "remove": remove}[sys.argv[1]](sys.argv[2])
+    {"seed": seed, "remove": remove}[sys.argv[1]](sys.argv[2], *map(int, sys.argv[3:]))
