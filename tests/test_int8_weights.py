@@ -18,9 +18,11 @@ from gpu.cpu.int8_linear import Int8Linear, quantize_model
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-# Teacher forcing over real text: the repo's own README and docs, in chunks of at most
-# CHUNK tokens, at least POSITIONS predicted tokens in all.
+# Teacher forcing over real text, in chunks of at most CHUNK tokens, at least POSITIONS
+# predicted tokens in all: the start of the README as it was when the gates were set
+# (tests/fixtures/quality_gate_text.txt). Frozen, because the gates sit near what the
+# weights reach (int8 at 97.0-97.4%) and an edit of the README moved them across.
+QUALITY_TEXT = Path(__file__).resolve().parent / "fixtures" / "quality_gate_text.txt"
 CHUNK = 1001
 POSITIONS = 4000
 MIN_TOP1_AGREEMENT = 0.97
@@ -28,17 +30,16 @@ MAX_PERPLEXITY_CHANGE = 0.02
 
 
 def doc_chunks(tokenizer) -> list[list[int]]:
-    text = "\n\n".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
-    ids = tokenizer(text).input_ids
+    ids = tokenizer(QUALITY_TEXT.read_text()).input_ids
     chunks = [ids[start:start + CHUNK] for start in range(0, len(ids), CHUNK)]
     chunks = chunks[:-(-POSITIONS // (CHUNK - 1))]
-    assert sum(len(c) - 1 for c in chunks) >= POSITIONS, "the docs are too short for the quality gate"
+    assert sum(len(c) - 1 for c in chunks) >= POSITIONS, "the text is too short for the quality gate"
     return chunks
 
 
 @functools.cache
 def float32_on_the_docs() -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """(chunks, top-1, negative log-likelihoods) of the float32 model over the docs: the
+    """(chunks, top-1, negative log-likelihoods) of the float32 model over the frozen text: the
     reference of every quality gate, computed once per test session."""
     reference = load_model(ModelConfig())
     chunks = doc_chunks(reference.tokenizer)
