@@ -46,22 +46,15 @@ def conversations() -> Iterator[dict]:
             if position < len(buffer) and buffer[position] == "]":
                 return
             try:
-                element, end = decoder.raw_decode(buffer, position)
-            except json.JSONDecodeError:
+                element, position = decoder.raw_decode(buffer, position)
+            except json.JSONDecodeError:  # an element runs past the buffer: read on
                 if exhausted:
                     return  # the cut: the last element is incomplete
                 more = file.read(_READ_CHUNK)
                 exhausted = not more
-                buffer = buffer[position:] + more
-                position = 0
+                buffer, position = buffer[position:] + more, 0
                 continue
             yield element
-            position = end
-            if len(buffer) - position < _READ_CHUNK // 4 and not exhausted:
-                more = file.read(_READ_CHUNK)
-                exhausted = not more
-                buffer = buffer[position:] + more
-                position = 0
 
 
 def first_turns() -> list[tuple[str, str]]:
