@@ -15,7 +15,7 @@ from workers.block_manager import BlockPool, blocks_needed
 from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.request import FinishReason, Request, RequestStatus
 from workers.scheduler import Scheduler, StepPlan
-from workers.speculative import MIN_JUDGED, DraftGate, PromptLookup, TokenHistory
+from workers.speculative import MIN_JUDGED, MIN_STEPS, DraftGate, PromptLookup, StepCost, TokenHistory, drafts_worth
 
 SPEC = SpeculativeConfig(max_draft_tokens=4, min_ngram=1, max_ngram=3, cooldown_steps=8)
 
@@ -134,7 +134,10 @@ def copy_request(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.
     return r
 
 
-def drive(s: Scheduler, requests: list[Request], check=None, max_steps: int = 5_000) -> CopyingRunner:
+def drive(s: Scheduler, requests: list[Request], check=None, max_steps: int = 5_000,
+          step_seconds=None) -> CopyingRunner:
+    """Run to the end; `step_seconds(tokens)`, if given, is what each step is timed at (the
+    engine's part)."""
     runner = CopyingRunner(s)
     for r in requests:
         s.add(r)
@@ -145,6 +148,8 @@ def drive(s: Scheduler, requests: list[Request], check=None, max_steps: int = 5_
         if check:
             check(plan)
         runner.step(plan)
+        if step_seconds:
+            s.observe_step(plan.num_tokens, step_seconds(plan.num_tokens))
         for r in s.running:  # no block is held for a rejected draft's slot
             assert len(r.block_ids) == blocks_needed(r.num_computed, BLOCK), r.request_id
     raise AssertionError("requests did not finish")
@@ -163,6 +168,42 @@ def test_speculation_gives_the_same_tokens_in_fewer_steps_and_frees_rejected_blo
     assert outputs[True] == outputs[False]
     assert runner.accepted > 0 and runner.drafted > runner.accepted  # both verdicts happened
     assert steps[True] < steps[False]
+
+
+def test_the_step_cost_fit_finds_the_share_of_a_step_that_grows_with_its_tokens():
+    cost = StepCost()
+    assert cost.token_share(10) is None  # nothing measured yet
+    for _ in range(int(MIN_STEPS) + 2):
+        cost.observe(10, 0.03)
+    assert cost.token_share(10) is None  # every step the same size: no slope to read
+    for n in [1, 4, 9, 16, 30, 7, 12, 2] * 3:
+        cost.observe(n, 0.010 + 0.002 * n)  # 10 ms a step, 2 ms a token
+    assert cost.token_share(10) == pytest.approx(0.020 / 0.030, abs=0.01)
+    assert cost.token_share(1) == pytest.approx(0.002 / 0.012, abs=0.01)
+
+
+def test_a_draft_pays_while_its_chance_of_acceptance_beats_the_tokens_share_of_the_step():
+    assert drafts_worth(0.9, 0.5, 5) == 5  # 0.9 ... 0.59, all above one half
+    assert drafts_worth(0.9, 0.75, 5) == 2  # 0.9, 0.81; not 0.729
+    assert drafts_worth(0.4, 0.5, 5) == 0
+    assert drafts_worth(0.95, 0.0, 3) == 3  # a step whose time tokens do not move: the gate's K
+    assert drafts_worth(0.99, 1.0, 3) == 0  # every token costs its full share: only a sure draft would pay
+
+
+def test_drafts_stop_where_a_steps_time_is_all_per_token_and_go_on_where_it_is_fixed():
+    outputs, drafted_late = {}, {}
+    for profile, seconds in (("off", None), ("compute", lambda n: 0.002 * n), ("memory", lambda n: 0.05 + 1e-5 * n)):
+        s = make(speculative=None if profile == "off" else SPEC)
+        requests = [copy_request(f"r{i}", 9 + 5 * i, 60) for i in range(3)]
+        plans = []
+        drive(s, requests, check=plans.append, step_seconds=seconds or (lambda n: 0.01))
+        outputs[profile] = [r.output_token_ids for r in requests]
+        drafted_late[profile] = sum(plan.num_draft_tokens for plan in plans[20:])
+        if profile == "memory":
+            assert s.step_cost.token_share(3) < 0.01
+    assert outputs["compute"] == outputs["memory"] == outputs["off"]
+    assert drafted_late["compute"] == 0  # once the fit knows a token's price, no draft is worth it
+    assert drafted_late["memory"] > 0
 
 
 def make(speculative: SpeculativeConfig | None = None, num_blocks: int = 64, host_blocks: int = 0,

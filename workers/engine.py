@@ -362,6 +362,7 @@ class Engine:
         for request, before in zip(took, num_outputs):
             events.extend(self._token_events(request, now, len(request.output_token_ids) - before))
         verified = [(len(c.drafts), accepted) for c, accepted in zip(sampling, num_accepted) if c.drafts]
+        self.scheduler.observe_step(plan.num_tokens, time.perf_counter() - started)
         record = StepRecord(
             plan.num_tokens - num_decode,
             num_decode,

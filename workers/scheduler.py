@@ -63,7 +63,8 @@ is admitted only when the running set has room for all its choices.
 **Speculation** (`workers/speculative.py`; on with a `SpeculativeConfig`). Last in
 each step, once decodes and prompt chunks are planned, decoding requests whose gate
 allows it (best queue key first) may extend their one-token chunk with draft tokens
-from the proposer: what is left of `max_decode_tokens` and `max_batch_tokens` after
+from the proposer, as many as are likely enough to be accepted to pay for the time they
+add to the step (the measured step cost): what is left of `max_decode_tokens` and `max_batch_tokens` after
 everyone else, and blocks only while more stay free than there are running requests
 (each may need one next step). So under load speculation yields first: it never takes
 another request's tokens or forces a preemption. The drafts' K/V slots are written by
@@ -87,7 +88,7 @@ from typing import NamedTuple
 from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.block_manager import BlockPool, block_hash, blocks_needed
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus
-from workers.speculative import DraftGate, PromptLookup, Proposer, TokenHistory
+from workers.speculative import AcceptanceRecord, DraftGate, PromptLookup, Proposer, StepCost, TokenHistory, drafts_worth
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
@@ -202,6 +203,8 @@ class Scheduler:
         if self.speculative is not None and proposer is None:
             proposer = PromptLookup(self.speculative.min_ngram, self.speculative.max_ngram)
         self.proposer = proposer if self.speculative is not None else None
+        self.step_cost = StepCost()  # what a step's tokens cost, as measured (drafts pay or not)
+        self.acceptance = AcceptanceRecord()  # every request's drafts together
         self.allocator = allocator
         self.host_allocator = host_allocator  # None: no host pool, preemption recomputes
         self.block_size = block_size
@@ -343,6 +346,7 @@ class Scheduler:
             self._register_full_blocks(request, chunk.start, end)
         request.num_computed = end
         request.draft_gate.record(self._step, len(chunk.drafts), accepted)
+        self.acceptance.record(len(chunk.drafts), accepted)
         if stop is not None:
             self.finish(request, FinishReason.STOP)
             return False
@@ -351,6 +355,11 @@ class Scheduler:
             self.allocator.free(reversed(request.block_ids[keep:]))
             request.block_ids = request.block_ids[:keep]  # a new list: block lists only grow
         return True
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of `num_tokens` tokens took `seconds`: what decides whether drafts pay."""
+        if self.proposer is not None:
+            self.step_cost.observe(num_tokens, seconds)
 
     def has_unfinished(self) -> bool:
         return bool(self._num_queued or self.running)
@@ -403,13 +412,19 @@ class Scheduler:
         room = min(config.max_decode_tokens - plan.num_decode_tokens, config.max_batch_tokens - plan.num_tokens)
         if room <= 0:
             return
+        # What a token adds to this step's time, against what each of its tokens is worth:
+        # drafts less likely than that to be accepted cost more than they bring.
+        share = self.step_cost.token_share(plan.num_tokens)
+        overall = self.acceptance.estimate(prior=0.5)
         wanted = []  # (chunk's place in the plan, request, most drafts)
         for place, chunk in enumerate(plan.chunks):
             request = chunk.request
-            if chunk.is_decode and request.draft_gate is not None:
+            gate = request.draft_gate
+            if chunk.is_decode and gate is not None:
                 # The drafts and the token after them must fit in max_tokens.
-                k = min(request.draft_gate.draft_length(self._step),
-                        request.params.max_tokens - len(request.output_token_ids) - 1)
+                k = min(gate.draft_length(self._step), request.params.max_tokens - len(request.output_token_ids) - 1)
+                if share is not None:
+                    k = drafts_worth(gate.per_token.estimate(overall), share, k)
                 if k > 0:
                     wanted.append((place, request, k))
         if not wanted:

@@ -18,7 +18,19 @@ distribution would need its probabilities passed to the verifier.
 its last token and its K drafts as one chunk, and the token the sampler draws at each
 position is compared with the draft there. See `workers/engine.py`.
 
-**Gating** (`DraftGate`, one per request). K adapts to the request's recent acceptance:
+**Gating** has two parts. The first is economic (`StepCost`, one per scheduler): a
+draft token pays when the output it is expected to add is worth more than the time it
+adds to the step. A step's time is fitted as `fixed + per_token * tokens` over recent
+steps, so a step of N tokens gives each token `T(N) / N` of time, and one more token
+costs `per_token`. A request's i-th draft is kept while it is accepted with probability
+`p ** i` > `per_token * N / T(N)` (the share of the step's time that grows with its
+tokens), `p` being the request's per-token acceptance (accepted drafts against the
+rejections that ended them, decayed, lent the scheduler's overall figure while the
+request has drafted little). Where one step's weights are read for many tokens, as in a
+large batch, that share is near one and only sure drafts run; with a few requests it is
+small and drafting pays even at modest acceptance.
+
+The second part (`DraftGate`, one per request) keeps a request's K and pauses it. K adapts to the request's recent acceptance:
 it grows by one after a step whose drafts were all accepted, and falls to one more than
 the accepted count after one that was not. Acceptance is the accepted share of drafted
 tokens, decayed by `DECAY` each verified step; once `MIN_JUDGED` tokens have been
@@ -42,6 +54,15 @@ DECAY = 0.75
 MIN_JUDGED = 4
 # The longest cool-down is cooldown_steps * 2 ** MAX_BACKOFF.
 MAX_BACKOFF = 3
+# How much of the step-time fit a step keeps: about the last 50 steps count.
+STEP_MEMORY = 0.98
+# Steps' worth of evidence the fit needs, and the spread of their sizes (tokens, as a
+# standard deviation), before it judges drafts; until then drafts run as the gate allows.
+MIN_STEPS = 8.0
+MIN_SPREAD = 1.0
+# Verified drafts' worth of weight the scheduler's overall acceptance carries in a
+# request's own estimate.
+PRIOR_WEIGHT = 2.0
 
 
 class Proposer(Protocol):
@@ -90,6 +111,66 @@ class PromptLookup:
         return []
 
 
+class StepCost:
+    """A step's time against its token count: a least-squares line over recent steps,
+    each step weighing `STEP_MEMORY` times less than the next."""
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        m = STEP_MEMORY
+        self._w = self._w * m + 1.0
+        self._x = self._x * m + num_tokens
+        self._y = self._y * m + seconds
+        self._xx = self._xx * m + num_tokens * num_tokens
+        self._xy = self._xy * m + num_tokens * seconds
+
+    def token_share(self, num_tokens: int) -> float | None:
+        """The share of a step of `num_tokens` tokens' time that grows with its tokens
+        (`per_token * N / T(N)`, in [0, 1]); None while the fit has too little to go on."""
+        w = self._w
+        if w < MIN_STEPS or num_tokens < 1:
+            return None
+        mean_x = self._x / w
+        variance = self._xx / w - mean_x * mean_x
+        if variance < MIN_SPREAD * MIN_SPREAD:
+            return None
+        per_token = (self._xy / w - mean_x * self._y / w) / variance
+        fixed = self._y / w - per_token * mean_x
+        per_token, fixed = max(per_token, 0.0), max(fixed, 0.0)
+        variable = per_token * num_tokens
+        return variable / (fixed + variable) if variable > 0 else 0.0
+
+
+def drafts_worth(acceptance: float, share: float, most: int) -> int:
+    """How many leading drafts (at most `most`) each pay: the i-th while `acceptance ** i`
+    exceeds `share`, the time a token adds against what a token of the step is worth."""
+    count, reach = 0, acceptance
+    while count < most and reach > share:
+        count += 1
+        reach *= acceptance
+    return count
+
+
+@dataclass(eq=False)
+class AcceptanceRecord:
+    """Per-token acceptance: drafts accepted against the rejections that ended a
+    verification, decayed by `DECAY` each record."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * DECAY + accepted
+        self.rejected = self.rejected * DECAY + (accepted < drafted)
+
+    def estimate(self, prior: float, prior_weight: float = PRIOR_WEIGHT) -> float:
+        """The chance a draft is accepted, given the one before it was, leaning on `prior`
+        while this record is thin."""
+        return (self.accepted + prior * prior_weight) / (self.accepted + self.rejected + prior_weight)
+
+
 @dataclass(eq=False)
 class DraftGate:
     """One request's speculation state: how many tokens it drafts next, and whether it is
@@ -105,6 +186,7 @@ class DraftGate:
     # Totals over the request's life, for its acceptance figures.
     total_drafted: int = 0
     total_accepted: int = 0
+    per_token: AcceptanceRecord = field(default_factory=AcceptanceRecord)
 
     def draft_length(self, step: int) -> int:
         """Tokens it may draft in `step`: 0 while paused."""
@@ -118,6 +200,7 @@ class DraftGate:
         """`drafted` tokens were verified in `step` and the first `accepted` of them kept."""
         self.total_drafted += drafted
         self.total_accepted += accepted
+        self.per_token.record(drafted, accepted)
         self.drafted = self.drafted * DECAY + drafted
         self.accepted = self.accepted * DECAY + accepted
         self.since_start += drafted
