@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from service.gateway.errors import APIError, bad_request
+from service.gateway.errors import APIError, bad_request, from_queue
 from service.protocol import ProtocolError, decode_job
 
 CHAT, TEXT = "chat", "text"
@@ -66,12 +66,13 @@ class Parsed:
 
     def payload(self, request_id: str) -> bytes:
         """The job as the request entry's msgpack `payload`, checked as a worker checks
-        it (a ProtocolError becomes a 400 naming the field)."""
+        it (a ProtocolError becomes the status its code has from a worker: 413 for
+        `too_large`, else 400)."""
         payload = msgpack.packb({"id": request_id, **self.job})
         try:
             decode_job("0-0", {"payload": payload})
         except ProtocolError as error:
-            raise APIError(400, error.message, code=error.code) from None
+            raise from_queue(error.code, error.message) from None
         return payload
 
 
