@@ -62,6 +62,7 @@ gateway's chat endpoint takes the text parts vLLM's client sends as message cont
 from __future__ import annotations
 
 import argparse
+import shlex
 import asyncio
 import contextlib
 import json
@@ -108,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="goodput's time-per-output-token bound (default: %(default)s)")
     group.add_argument("--serve-request-timeout-s", type=float, default=600.0,
                        help="a request silent this long fails (default: %(default)s)")
+    group.add_argument("--serve-worker-args", default="",
+                       help='more `inflight worker` flags for inflight\'s worker, as one string '
+                            '(e.g. "--max-prefill-tokens 512")')
     group.add_argument("--vllm-start-timeout-s", type=float, default=900.0,
                        help="wait this long for vLLM's /health (its first start compiles; default: %(default)s)")
 
@@ -296,7 +300,7 @@ def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: fl
     with RedisServer(log_dir / "redis", appendonly=False) as redis:
         worker_argv = ["--redis-url", redis.url, "--dtype", args.dtype, "--weights", args.weights,
                        "--no-prefix-caching", *(["--no-speculative"] if args.speculation == "off" else []),
-                       *(["--model", args.model] if args.model else [])]
+                       *(["--model", args.model] if args.model else []), *shlex.split(args.serve_worker_args)]
         worker = WorkerProcess("serve", worker_argv, log_dir)
         # No 429s: vLLM queues whatever arrives, and a refused request would be a failure here.
         gateway = GatewayProcess("serve", ["--redis-url", redis.url, "--max-queue-depth", "0", "--max-queue-age-s", "0",

@@ -11,8 +11,14 @@ steps, so both see the same machine, however busy it is:
   The report says how much the model actually copied: the share of output tokens that
   end a 4-gram found in the prompt.
 - `default`: the default random-token workload of `inflight bench` (`--requests`,
-  `--prompt-len`, `--output-len`, `--seed`; EOS ignored), where drafts rarely match and
-  the gate must keep speculation from costing throughput.
+  `--prompt-len`, `--output-len`, `--seed`; EOS ignored), where the model soon loops and
+  prompt lookup predicts the loops.
+- `sharegpt`: `--requests` ShareGPT first turns (`bench/sharegpt.py`), output lengths
+  from the replies (capped by `--sharegpt-max-output`), EOS ignored as in the throughput
+  bench: real text, where drafts are seldom right and the gate must keep speculation
+  from costing throughput. Run at each of `--spec-sharegpt-concurrency` (n at a time,
+  each next one starting as one ends), where a few requests leave a step's time to its
+  weights and many make it grow with every token.
 
 Greedy decoding makes both runs produce the same tokens (checked: `identical`), so
 output tok/s compares the same work. Per engine: acceptance (accepted / drafted draft
@@ -35,7 +41,7 @@ from workers.engine import Engine
 from workers.model_loader import encode_prompt
 from workers.request import SamplingParams
 
-WORKLOADS = ("copy", "default")
+WORKLOADS = ("copy", "default", "sharegpt")
 
 PARAGRAPHS = [
     "The quick brown fox jumps over the lazy dog near the river bank. Every morning the farmer walks to the "
@@ -74,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--spec-concurrency", default="1,8",
                        help="copy: comma-separated concurrencies (1: one request at a time; n: n at t0)")
     group.add_argument("--spec-max-tokens", type=int, default=160, help="copy: max_tokens of each request")
+    group.add_argument("--spec-sharegpt-concurrency", default="1,8,64",
+                       help="sharegpt: comma-separated concurrencies (n requests at a time)")
     group.add_argument("--spec-max-draft-tokens", type=int, default=SpeculativeConfig.max_draft_tokens,
                        help="drafts a request verifies per step, at most (K)")
 
@@ -97,6 +105,13 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
         prompts = random_prompts(rng, args.requests, tuple(args.prompt_len), vocab_ids)
         requests = [(f"r{i}", ids, rng.randint(*args.output_len), True) for i, ids in enumerate(prompts)]
         report["default"] = compare(loaded, args, on, requests, len(requests))
+    if "sharegpt" in workloads:
+        from bench.sharegpt import make_sharegpt_workload
+
+        workload = make_sharegpt_workload(loaded.tokenizer, args.requests, args.sharegpt_max_output, args.seed)
+        requests = [(r.request_id, r.prompt_ids, r.output_len, True) for r in workload.requests]
+        for concurrency in (int(c) for c in args.spec_sharegpt_concurrency.split(",") if c.strip()):
+            report[f"sharegpt_c{concurrency}"] = compare(loaded, args, on, requests, min(concurrency, len(requests)))
     return report
 
 

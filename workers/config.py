@@ -103,13 +103,15 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     # Tokens (prefill + decode) one model step may process.
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 1024
     # Prompt tokens one step may process, all requests together: what bounds a step's
     # cost, and so the inter-token latency of running requests, when prompts flood in.
-    # Lower protects running streams more and costs throughput: a step's cost grows
-    # with its tokens, so each prompt token added to a step of decodes slows those
-    # streams (`inflight bench --scenario storm`; figures in docs/benchmarks.md).
-    max_prefill_tokens: int = 128
+    # Lower protects running streams more and costs throughput and time to first token:
+    # a step's cost grows with its tokens, so each prompt token added to a step of
+    # decodes slows those streams, while a prompt split over more steps waits longer for
+    # its first token (`inflight bench --scenario storm` and `serve`; figures in
+    # docs/benchmarks.md).
+    max_prefill_tokens: int = 512
     # Decode tokens one step may process (one per decoding request).
     max_decode_tokens: int = 256
     # Most tokens of one prompt processed in one step (chunked prefill).
