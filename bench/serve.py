@@ -232,7 +232,10 @@ class ServeClient:
     async def __aenter__(self) -> ServeClient:
         import aiohttp
 
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        # A connection per request, as separate users open them: a pooled connection left
+        # idle between points can be closed by the server (its keep-alive timeout) just
+        # as the client reuses it, which fails that request with "Server disconnected".
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
                                              timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s))
         return self
 
