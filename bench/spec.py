@@ -73,8 +73,8 @@ COPY_PROMPTS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("spec scenario")
-    group.add_argument("--spec-workloads", default=",".join(WORKLOADS),
-                       help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    group.add_argument("--spec-workloads", default="copy,default",
+                       help=f"comma-separated subset of {','.join(WORKLOADS)} (default: %(default)s)")
     group.add_argument("--spec-copy-requests", type=int, default=len(COPY_PROMPTS),
                        help=f"copy: requests (at most {len(COPY_PROMPTS)})")
     group.add_argument("--spec-concurrency", default="1,8",
