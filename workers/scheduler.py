@@ -63,9 +63,10 @@ is admitted only when the running set has room for all its choices.
 **Speculation** (`workers/speculative.py`; on with a `SpeculativeConfig`). Last in
 each step, once decodes and prompt chunks are planned, decoding requests whose gate
 allows it (best queue key first) may extend their one-token chunk with draft tokens
-from the proposer, as many as are likely enough to be accepted to pay for the time they
-add to the step (the measured step cost): what is left of `max_decode_tokens` and `max_batch_tokens` after
-everyone else, and blocks only while more stay free than there are running requests
+from the proposer, as many as are likely enough to be accepted to pay for the time
+they add to the step (the measured step cost), within what is left of
+`max_decode_tokens` and `max_batch_tokens` after everyone else, and taking blocks only
+while more stay free than there are running requests
 (each may need one next step). So under load speculation yields first: it never takes
 another request's tokens or forces a preemption. The drafts' K/V slots are written by
 the step; `update_from_output` keeps the accepted ones and frees every block that held

@@ -30,8 +30,8 @@ request has drafted little). Where one step's weights are read for many tokens, 
 large batch, that share is near one and only sure drafts run; with a few requests it is
 small and drafting pays even at modest acceptance.
 
-The second part (`DraftGate`, one per request) keeps a request's K and pauses it. K adapts to the request's recent acceptance:
-it grows by one after a step whose drafts were all accepted, and falls to one more than
+The second part (`DraftGate`, one per request) keeps a request's K and pauses it. K
+adapts to the request's recent acceptance: it grows by one after a step whose drafts were all accepted, and falls to one more than
 the accepted count after one that was not. Acceptance is the accepted share of drafted
 tokens, decayed by `DECAY` each verified step; once `MIN_JUDGED` tokens have been
 drafted since it (re)started and it is below the threshold, the request stops speculating for a cool-down of
