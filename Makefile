@@ -21,6 +21,8 @@ demo: $(INSTALLED)
 # One test process per core, each taking whole test files (a file's fixtures, such as a
 # fleet of workers, start once, and its tests run in their order).
 test: $(INSTALLED) $(NODE_EXAMPLE)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PYTHON) -m pytest -n auto --dist loadfile
 
 bench: $(INSTALLED)

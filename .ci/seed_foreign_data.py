@@ -91,8 +91,12 @@ def seed(state_path: str, port: int = 6379) -> None:
     # Written before anything is added, so an interrupted seed is still removed.
     write_state(state_path, state)
     redis.call("XGROUP", "CREATE", REQUESTS, GROUP, "$", "MKSTREAM")  # BUSYGROUP if it is there
-    backlog = redis.pipeline([("XADD", REQUESTS, "*", "id", f"leftover-{i}", "prompt", "x" * 2000, "max_tokens", "64")
-                              for i in range(BACKLOG)])
+    backlog = redis.pipeline(
+        [
+            ("XADD", REQUESTS, "*", "id", f"leftover-{i}", "prompt", "x" * 2000, "max_tokens", "64")
+            for i in range(BACKLOG)
+        ]
+    )
     state["ids"][REQUESTS] = [entry_id.decode() for entry_id in backlog]
     write_state(state_path, state)
     if state["created_group"]:
@@ -114,7 +118,7 @@ def remove(state_path: str, port: int = 6379) -> None:
     redis = Connection(port)
     for stream, ids in state["ids"].items():
         for start in range(0, len(ids), DELETE_BATCH):
-            redis.call("XDEL", stream, *ids[start:start + DELETE_BATCH])
+            redis.call("XDEL", stream, *ids[start : start + DELETE_BATCH])
     if state["created_group"]:
         redis.call("XGROUP", "DESTROY", REQUESTS, GROUP)
     elif state["created_consumer"]:

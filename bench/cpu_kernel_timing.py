@@ -20,7 +20,7 @@ from torch import nn
 
 from gpu.attention import SequenceSlice
 from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel
-from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm, fused_ops
+from gpu.cpu.fusions import FusedRMSNorm, fused_ops
 from gpu.cpu.packed_linear import PackedLinear
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
@@ -35,7 +35,7 @@ def attention_cases(dtype: torch.dtype, decodes: int, context: int) -> dict:
     shape = KVShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     ids = list(range(decodes * blocks_each + 8))
     random.Random(0).shuffle(ids)  # scattered, as a running engine's blocks are
-    sequences = [SequenceSlice(i, 1, context, ids[i * blocks_each:(i + 1) * blocks_each]) for i in range(decodes)]
+    sequences = [SequenceSlice(i, 1, context, ids[i * blocks_each : (i + 1) * blocks_each]) for i in range(decodes)]
     query = torch.randn(decodes, HEADS, HEAD_DIM).to(dtype)
     key, value = torch.randn(2, decodes, KV_HEADS, HEAD_DIM).to(dtype)
     cases = {}
@@ -96,9 +96,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (0: torch's default); on a loaded machine 1 keeps OpenMP "
-                             "barriers from waiting on descheduled threads")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads (0: torch's default); on a loaded machine 1 keeps OpenMP "
+        "barriers from waiting on descheduled threads",
+    )
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -115,8 +119,15 @@ def main() -> None:
                 for name, fn in (fused_cases(dtype, rows) | linear_cases(dtype, rows)).items():
                     cases[f"{tag} {name} rows={rows}"] = fn
         timings = time_cases(cases, args.repeats, args.calls)
-    print(json.dumps({"threads": torch.get_num_threads(), "microseconds_per_call": {
-        name: round(us, 1) for name, us in timings.items()}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "threads": torch.get_num_threads(),
+                "microseconds_per_call": {name: round(us, 1) for name, us in timings.items()},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

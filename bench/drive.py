@@ -81,8 +81,9 @@ class Driver:
         self.token_times[request_id] = []
         self.engine.add_request(request_id, *arguments, **options)
 
-    def add(self, request_id: str, prompt_ids: list[int], output_len: int, priority: int = 0,
-            ignore_eos: bool = True) -> None:
+    def add(
+        self, request_id: str, prompt_ids: list[int], output_len: int, priority: int = 0, ignore_eos: bool = True
+    ) -> None:
         """A greedy request for exactly `output_len` tokens (unless `ignore_eos` is off)."""
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=ignore_eos)
         self.submit(request_id, prompt_ids, params, priority=priority)

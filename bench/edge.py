@@ -6,7 +6,8 @@ can). The steps keep a fixed schedule, as an open-loop load generator does: step
 n step times after the first began, so a sleep that wakes late (by about 0.1 ms on the
 machines measured) does not lower the rate offered, and a step that starts late is
 followed by shorter ones until the schedule is met again. `offered_events_per_s` is what
-the stub made, measured; `events_per_s` what landed. It runs behind the real worker (`service.worker.Worker`: claiming, leases,
+the stub made, measured; `events_per_s` what landed. It runs behind the real worker
+(`service.worker.Worker`: claiming, leases,
 the outbox, fenced writes, acks) against a private redis-server started here. Each
 row: `streams` jobs of `--edge-tokens` tokens, all queued at once, the worker holding
 them all.
@@ -23,7 +24,8 @@ Reported per row:
 - `redis_bytes_per_token`: Redis memory the finished reply streams hold, per token event;
 - `streams_per_round_trip`: how many streams' events one round trip carried, on average.
 
-`--edge-cluster` runs the rows on a private 3-master Redis Cluster instead. `--edge-baseline` adds the same rows for the publishing this replaced: every event its
+`--edge-cluster` runs the rows on a private 3-master Redis Cluster instead.
+`--edge-baseline` adds the same rows for the publishing this replaced: every event its
 own awaited round trip, from one task per stream.
 """
 
@@ -64,8 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--edge-step-ms", type=float, default=5.0, help="stub step time; 0 = as fast as possible")
     group.add_argument("--edge-tokens", type=int, default=200, help="tokens per job")
     group.add_argument("--edge-cluster", action="store_true", help="on a private 3-master Redis Cluster")
-    group.add_argument("--edge-baseline", action="store_true",
-                       help="also run each row with per-event round trips (the publishing this replaced)")
+    group.add_argument(
+        "--edge-baseline",
+        action="store_true",
+        help="also run each row with per-event round trips (the publishing this replaced)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -87,26 +92,40 @@ def _warnings_only():
 def _run(args: argparse.Namespace) -> dict:
     streams = [int(n) for n in args.edge_streams.split(",") if n.strip()]
     rows = []
-    with tempfile.TemporaryDirectory(prefix="inflight-edge-") as data, \
-            (RedisClusterServers(Path(data)) if args.edge_cluster else RedisServer(Path(data), appendonly=False)) \
-            as servers:
+    with (
+        tempfile.TemporaryDirectory(prefix="inflight-edge-") as data,
+        RedisClusterServers(Path(data)) if args.edge_cluster else RedisServer(Path(data), appendonly=False) as servers,
+    ):
         for publishing in ("per_step", "per_event") if args.edge_baseline else ("per_step",):
             for count in streams:
                 row = uvloop.run(_row(servers, count, args.edge_tokens, args.edge_step_ms / 1000, publishing))
-                print(f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s landed "
-                      f"({row['sustained_events_per_s'] or 0:,.0f} sustained, {row['offered_events_per_s']:,.0f} made), lag p50 "
-                      f"{row['publish_lag_p50_ms']:.2f} ms p99 {row['publish_lag_p99_ms']:.2f} ms", flush=True)
+                print(
+                    f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s landed "
+                    f"({row['sustained_events_per_s'] or 0:,.0f} sustained, "
+                    f"{row['offered_events_per_s']:,.0f} made), lag p50 "
+                    f"{row['publish_lag_p50_ms']:.2f} ms p99 {row['publish_lag_p99_ms']:.2f} ms",
+                    flush=True,
+                )
                 rows.append(row)
-    return {"step_ms": args.edge_step_ms, "tokens_per_job": args.edge_tokens, "cluster": args.edge_cluster,
-            "rows": rows}
+    return {
+        "step_ms": args.edge_step_ms,
+        "tokens_per_job": args.edge_tokens,
+        "cluster": args.edge_cluster,
+        "rows": rows,
+    }
 
 
 async def _row(servers, count: int, tokens: int, step_s: float, publishing: str) -> dict:
     nodes = getattr(servers, "nodes", [servers])
     run_id = uuid.uuid4().hex[:8]
-    config = RedisConfig(url=servers.url, requests_stream=f"edge:{run_id}:requests",
-                         control_stream=f"edge:{run_id}:control", dead_letter_stream=f"edge:{run_id}:dead",
-                         consumer="edge", block_ms=100)
+    config = RedisConfig(
+        url=servers.url,
+        requests_stream=f"edge:{run_id}:requests",
+        control_stream=f"edge:{run_id}:control",
+        dead_letter_stream=f"edge:{run_id}:dead",
+        consumer="edge",
+        block_ms=100,
+    )
     client = connect(servers.url, block_ms=config.block_ms)
     for node in nodes:
         with redis.Redis(port=node.port) as plain:
@@ -203,9 +222,11 @@ class StubEngine:
     holds takes one token (the step sleeping `step_s`, as a GPU step would take)."""
 
     def __init__(self, max_running: int, step_s: float) -> None:
-        self.config = EngineConfig(scheduler=SchedulerConfig(max_running_requests=max_running,
-                                                             max_decode_tokens=max_running,
-                                                             max_batch_tokens=max(512, max_running)))
+        self.config = EngineConfig(
+            scheduler=SchedulerConfig(
+                max_running_requests=max_running, max_decode_tokens=max_running, max_batch_tokens=max(512, max_running)
+            )
+        )
         self.observer = None
         self.step_s = step_s
         self.steps = 0
@@ -218,8 +239,9 @@ class StubEngine:
         self._cancelled: set[str] = set()
         self._running: dict[str, list[int]] = {}  # request id -> [tokens made, tokens wanted]
 
-    def add_request(self, request_id, prompt, params, priority=0, deadline=None, arrived_at=None,
-                    resumed_output_ids=()) -> None:
+    def add_request(
+        self, request_id, prompt, params, priority=0, deadline=None, arrived_at=None, resumed_output_ids=()
+    ) -> None:
         with self._lock:
             self._added.append((request_id, params.max_tokens - len(resumed_output_ids)))
 
@@ -278,8 +300,9 @@ class PerEventOutbox(ReplyOutbox):
         future = asyncio.get_running_loop().create_future()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._writers[request_id] = asyncio.create_task(self._write(queue, future, reply_to, entry_id, seq,
-                                                                    choices > 1))
+        self._writers[request_id] = asyncio.create_task(
+            self._write(queue, future, reply_to, entry_id, seq, choices > 1)
+        )
         return future
 
     def close(self, request_id: str) -> None:
@@ -307,7 +330,7 @@ class PerEventOutbox(ReplyOutbox):
             else:
                 data = token_data(seq, event.text, event.token_ids, event.index if indexed else None)
                 append = Append(reply_to, entry_id, (data,), None, True)
-            written, = await self.publisher.append([append])
+            (written,) = await self.publisher.append([append])
             if written is not True:
                 future.set_exception(LeaseLost(reply_to) if written is False else written)
                 return

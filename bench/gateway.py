@@ -40,10 +40,18 @@ from workers.config import ModelConfig
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gateway scenario (also --redis-url)")
-    group.add_argument("--gateway-rounds", type=int, default=2,
-                       help="Redis/gateway pairs of the workload, in ABBA order (default: %(default)s)")
-    group.add_argument("--gateway-ttft-pairs", type=int, default=24,
-                       help="short prompts sent one at a time down each path for the TTFT overhead (default: %(default)s)")
+    group.add_argument(
+        "--gateway-rounds",
+        type=int,
+        default=2,
+        help="Redis/gateway pairs of the workload, in ABBA order (default: %(default)s)",
+    )
+    group.add_argument(
+        "--gateway-ttft-pairs",
+        type=int,
+        default=24,
+        help="short prompts sent one at a time down each path for the TTFT overhead (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -62,8 +70,9 @@ async def _run(args: argparse.Namespace) -> dict:
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
     prompts = {r.request_id: (tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
     rng = random.Random(args.seed + 1)
-    short_prompts = [tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)])
-                     for _ in range(args.gateway_ttft_pairs)]
+    short_prompts = [
+        tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)]) for _ in range(args.gateway_ttft_pairs)
+    ]
 
     with _redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-gw-") as logs:
         client = connect(url, socket_timeout=30)
@@ -72,9 +81,24 @@ async def _run(args: argparse.Namespace) -> dict:
         # Both paths share this worker: with prefix caching, only the first round would
         # compute its prompts, and the path it belongs to would look slow.
         worker = _start_worker(url, prefix, args, "--no-prefix-caching")
-        gateway = GatewayProcess("bench", ["--redis-url", url, "--requests-stream", f"{prefix}:requests",
-                                           "--control-stream", f"{prefix}:control", "--reply-timeout-s", "300",
-                                           "--max-queue-depth", "0", "--max-queue-age-s", "0"], Path(logs))
+        gateway = GatewayProcess(
+            "bench",
+            [
+                "--redis-url",
+                url,
+                "--requests-stream",
+                f"{prefix}:requests",
+                "--control-stream",
+                f"{prefix}:control",
+                "--reply-timeout-s",
+                "300",
+                "--max-queue-depth",
+                "0",
+                "--max-queue-age-s",
+                "0",
+            ],
+            Path(logs),
+        )
         gateway.start()
         try:
             gateway.wait_ready()
@@ -132,8 +156,9 @@ class _ThroughGateway:
         import aiohttp
 
         # No connection cap: every request streams on a connection of its own, as separate clients would.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=None, sock_read=300))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, sock_read=300)
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -143,12 +168,21 @@ class _ThroughGateway:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(self._stream(text, n, t0) for text, n in prompts.values()))
         request_ids = [request_id for request_id, _ in results]
-        await self.redis.delete(*[reply_stream(r) for r in request_ids], *[f"{reply_stream(r)}:owner" for r in request_ids])
+        await self.redis.delete(
+            *[reply_stream(r) for r in request_ids], *[f"{reply_stream(r)}:owner" for r in request_ids]
+        )
         return {label: times for label, (_, times) in zip(prompts, results)}
 
     async def _stream(self, text: str, max_tokens: int, t0: float) -> tuple[str, list[float]]:
-        body = {"model": DEFAULT_MODEL_NAME, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        body = {
+            "model": DEFAULT_MODEL_NAME,
+            "prompt": text,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
         times: list[float] = []
         tokens = 0
         async with self.session.post(self.url, json=body) as response:

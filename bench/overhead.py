@@ -60,9 +60,11 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     results = {str(size): measure(one_layer, args, vocab_ids, size) for size in sizes}
     for size, figures in results.items():
         per_step = figures["per_step_ms"]
-        print(f"overhead: {size:>5} decoding, {per_step['total']['p50']:.2f} ms a step (p50; CPU "
-              f"{per_step['total_cpu']['p50']:.2f}), "
-              + ", ".join(f"{phase} {per_step[phase]['mean']:.2f}" for phase in PHASES))
+        print(
+            f"overhead: {size:>5} decoding, {per_step['total']['p50']:.2f} ms a step (p50; CPU "
+            f"{per_step['total_cpu']['p50']:.2f}), "
+            + ", ".join(f"{phase} {per_step[phase]['mean']:.2f}" for phase in PHASES)
+        )
     return {"sizes": results}
 
 
@@ -99,8 +101,9 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
     for _ in range(size + 4):  # a few waiting beyond the batch: arrivals keep prefills coming
         submit()
     # Warm-up: fill the batch, with a prefill budget that does it in a few steps.
-    engine.scheduler.config = dataclasses.replace(config.scheduler, max_prefill_tokens=64 * 1024,
-                                                  max_batch_tokens=64 * 1024, max_prefill_chunk=1024)
+    engine.scheduler.config = dataclasses.replace(
+        config.scheduler, max_prefill_tokens=64 * 1024, max_batch_tokens=64 * 1024, max_prefill_chunk=1024
+    )
     while len(engine.scheduler.running) < size:
         for _ in _finals(engine.step()):
             submit()
@@ -140,12 +143,19 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
             "p50": 1e3 * percentile([s.get(phase, 0.0) for s in source], 50),
             "p99": 1e3 * percentile([s.get(phase, 0.0) for s in source], 99),
         }
-        for phase, source in [*((phase, steps) for phase in (*PHASES, "timed_total")), ("total", totals),
-                              ("total_cpu", totals)]
+        for phase, source in [
+            *((phase, steps) for phase in (*PHASES, "timed_total")),
+            ("total", totals),
+            ("total_cpu", totals),
+        ]
     }
     # Tokens each step made: the decodes, and the prompts that finished their prefill.
-    return {"decoding_requests": size, "steps": len(totals), "tokens_per_step": sum(tokens) / len(tokens),
-            "per_step_ms": per_step}
+    return {
+        "decoding_requests": size,
+        "steps": len(totals),
+        "tokens_per_step": sum(tokens) / len(tokens),
+        "per_step_ms": per_step,
+    }
 
 
 def _run_steps(engine, stub, count: int, submit, clock: PhaseClock | None = None) -> tuple[list[dict], list[int]]:

@@ -32,17 +32,20 @@ KV_CACHE_GB = "4"
 
 def settings(cores: int) -> dict[str, dict[str, str]]:
     return {
-        "both-cores": {"OMP_NUM_THREADS": str(cores), "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GB},
+        "both-cores": {
+            "OMP_NUM_THREADS": str(cores),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GB,
+        },
         "default": {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GB},
     }
 
 
 def run(job: dict) -> dict:
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    import vllm
 
     workload = Workload.load(Path(job["workload"]))
     longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
@@ -69,11 +72,22 @@ def run(job: dict) -> dict:
     token_times = drive(workload.requests)
     for r in workload.requests:
         if len(token_times[r.request_id]) != r.output_len:
-            raise RuntimeError(f"vLLM made {len(token_times[r.request_id])} tokens for {r.request_id}, "
-                               f"asked {r.output_len}")
-    return {"token_times": token_times, "vllm": vllm.__version__,
-            "environment": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
-                                                            "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")}}
+            raise RuntimeError(
+                f"vLLM made {len(token_times[r.request_id])} tokens for {r.request_id}, asked {r.output_len}"
+            )
+    return {
+        "token_times": token_times,
+        "vllm": vllm.__version__,
+        "environment": {
+            k: os.environ.get(k)
+            for k in (
+                "OMP_NUM_THREADS",
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                "VLLM_CPU_KVCACHE_SPACE",
+            )
+        },
+    }
 
 
 def main() -> None:

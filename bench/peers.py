@@ -28,8 +28,14 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
 
-def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int,
-                      threads: int | None = None, allow_block_sharing: bool | None = None) -> dict:
+def run_hf_continuous(
+    model,
+    workload: Workload,
+    max_batch_tokens: int,
+    kv_memory_bytes: int,
+    threads: int | None = None,
+    allow_block_sharing: bool | None = None,
+) -> dict:
     """Transformers' continuous batching, fed through the manager so each request has its own length.
 
     `generate_batch` takes one `max_new_tokens` for all requests, so requests go through

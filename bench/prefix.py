@@ -27,12 +27,12 @@ import random
 import tempfile
 from pathlib import Path
 
+from bench.drive import Driver, random_prompts
+from bench.metrics import percentile
 from gpu.kv_cache import KVShape
 from workers.block_manager import blocks_needed
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 from workers.request import SamplingParams
-from bench.drive import Driver, random_prompts
-from bench.metrics import percentile
 
 WORKLOADS = ("shared", "multi_turn", "n")
 DEFAULT_PNG = Path("bench-results/prefix.png")
@@ -40,24 +40,41 @@ DEFAULT_PNG = Path("bench-results/prefix.png")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("prefix scenario")
-    group.add_argument("--prefix-workloads", default=",".join(WORKLOADS),
-                       help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    group.add_argument(
+        "--prefix-workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}"
+    )
     group.add_argument("--prefix-requests", type=int, default=64, help="shared: requests, all at t0")
     group.add_argument("--prefix-shared-len", type=int, default=1024, help="shared: tokens of the shared prefix")
-    group.add_argument("--prefix-suffix-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"),
-                       help="shared: each request's own suffix")
-    group.add_argument("--prefix-output-len", type=int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"),
-                       help="shared: output tokens")
-    group.add_argument("--prefix-hf-batch-tokens", type=int, default=1024,
-                       help="shared: max_batch_tokens of the transformers peer (the best of `inflight bench`'s sweep)")
+    group.add_argument(
+        "--prefix-suffix-len",
+        type=int,
+        nargs=2,
+        default=[32, 128],
+        metavar=("MIN", "MAX"),
+        help="shared: each request's own suffix",
+    )
+    group.add_argument(
+        "--prefix-output-len", type=int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"), help="shared: output tokens"
+    )
+    group.add_argument(
+        "--prefix-hf-batch-tokens",
+        type=int,
+        default=1024,
+        help="shared: max_batch_tokens of the transformers peer (the best of `inflight bench`'s sweep)",
+    )
     group.add_argument("--prefix-conversations", type=int, default=16, help="multi_turn: conversations")
     group.add_argument("--prefix-turns", type=int, default=4, help="multi_turn: turns per conversation")
-    group.add_argument("--prefix-first-len", type=int, default=256,
-                       help="multi_turn: tokens of each conversation's first message")
+    group.add_argument(
+        "--prefix-first-len", type=int, default=256, help="multi_turn: tokens of each conversation's first message"
+    )
     group.add_argument("--prefix-message-len", type=int, default=64, help="multi_turn: tokens of each later message")
     group.add_argument("--prefix-turn-output-len", type=int, default=64, help="multi_turn: output tokens per turn")
-    group.add_argument("--prefix-pool-fraction", type=float, default=0.25,
-                       help="multi_turn: the device KV pool holds this share of all final histories")
+    group.add_argument(
+        "--prefix-pool-fraction",
+        type=float,
+        default=0.25,
+        help="multi_turn: the device KV pool holds this share of all final histories",
+    )
     group.add_argument("--prefix-n", type=int, default=8, help="n: samples per prompt")
     group.add_argument("--prefix-n-prompts", type=int, default=8, help="n: prompts")
     group.add_argument("--prefix-n-prompt-len", type=int, default=512, help="n: tokens per prompt")
@@ -135,7 +152,7 @@ def new_engine(loaded, args: argparse.Namespace, cache: CacheConfig, vocab_ids: 
 
     engine = Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), cache=cache))
     warmup = Driver(engine)
-    warmup.add("warmup", vocab_ids[:cache.block_size - 1], 2)
+    warmup.add("warmup", vocab_ids[: cache.block_size - 1], 2)
     warmup.drain()
     return engine, CacheTally(engine)
 
@@ -210,8 +227,12 @@ def run_peer(args: argparse.Namespace, requests: list[tuple[str, list[int], int]
     from bench.workload import BenchRequest, Workload
 
     prompt_lens = [len(prompt) for _, prompt, _ in requests]
-    workload = Workload(args.seed, (min(prompt_lens), max(prompt_lens)), tuple(args.prefix_output_len),
-                        [BenchRequest(request_id, prompt, n) for request_id, prompt, n in requests])
+    workload = Workload(
+        args.seed,
+        (min(prompt_lens), max(prompt_lens)),
+        tuple(args.prefix_output_len),
+        [BenchRequest(request_id, prompt, n) for request_id, prompt, n in requests],
+    )
     with tempfile.TemporaryDirectory(prefix="inflight-prefix-") as tmp:
         children = _Children(Path(tmp), args.model, args.dtype)
         workload.save(children.workload_path)
@@ -228,15 +249,19 @@ def run_multi_turn(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> di
     rng = random.Random(args.seed + 1)
     conversations, turns = args.prefix_conversations, args.prefix_turns
     first = random_prompts(rng, conversations, (args.prefix_first_len, args.prefix_first_len), vocab_ids)
-    messages = [random_prompts(rng, turns - 1, (args.prefix_message_len, args.prefix_message_len), vocab_ids)
-                for _ in range(conversations)]
+    messages = [
+        random_prompts(rng, turns - 1, (args.prefix_message_len, args.prefix_message_len), vocab_ids)
+        for _ in range(conversations)
+    ]
     output_len = args.prefix_turn_output_len
     final_history = args.prefix_first_len + (turns - 1) * args.prefix_message_len + turns * output_len
 
     # The device pool: a share of all final histories, but never less than one (a request must fit alone).
     block_size = CacheConfig().block_size
-    pool_blocks = max(blocks_needed(round(args.prefix_pool_fraction * conversations * final_history), block_size),
-                      blocks_needed(final_history, block_size) + 1)
+    pool_blocks = max(
+        blocks_needed(round(args.prefix_pool_fraction * conversations * final_history), block_size),
+        blocks_needed(final_history, block_size) + 1,
+    )
     block_bytes = KVShape.of(loaded.model.config).bytes_per_token(loaded.model.dtype) * block_size
     settings = {
         "device_only": CacheConfig(kv_memory_bytes=pool_blocks * block_bytes, swap_memory_bytes=0),
@@ -308,11 +333,14 @@ def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]
     n, output_len = args.prefix_n, args.prefix_n_output_len
     sampled = dict(max_tokens=output_len, temperature=0.8, ignore_eos=True)
     runs = {
-        "parallel": (CacheConfig(), [(f"p{i}", prompt, SamplingParams(n=n, **sampled))
-                                     for i, prompt in enumerate(prompts)]),
-        "independent_caching_off": (CacheConfig(prefix_caching=False),
-                                    [(f"p{i}-s{s}", prompt, SamplingParams(**sampled))
-                                     for i, prompt in enumerate(prompts) for s in range(n)]),
+        "parallel": (
+            CacheConfig(),
+            [(f"p{i}", prompt, SamplingParams(n=n, **sampled)) for i, prompt in enumerate(prompts)],
+        ),
+        "independent_caching_off": (
+            CacheConfig(prefix_caching=False),
+            [(f"p{i}-s{s}", prompt, SamplingParams(**sampled)) for i, prompt in enumerate(prompts) for s in range(n)],
+        ),
     }
     systems = {}
     for name, (cache, requests) in runs.items():
@@ -354,19 +382,43 @@ def write_chart(report: dict, path: Path) -> None:
     panels = []
     if "shared" in report:
         systems = report["shared"]["systems"]
-        panels.append(("shared: output tok/s (higher is better)",
-                       {name: s["output_tokens_per_s"] for name, s in systems.items()}, "{:.1f}"))
-        panels.append(("shared: TTFT p50 s (lower is better)",
-                       {name: s["ttft_p50_s"] for name, s in systems.items()}, "{:.2f}"))
+        panels.append(
+            (
+                "shared: output tok/s (higher is better)",
+                {name: s["output_tokens_per_s"] for name, s in systems.items()},
+                "{:.1f}",
+            )
+        )
+        panels.append(
+            ("shared: TTFT p50 s (lower is better)", {name: s["ttft_p50_s"] for name, s in systems.items()}, "{:.2f}")
+        )
     if "multi_turn" in report:
         systems = report["multi_turn"]["systems"]
-        panels.append(("multi-turn: TTFT p50 s (lower is better)",
-                       {name: s["ttft_p50_s"] for name, s in systems.items()}, "{:.2f}"))
-        panels.append(("multi-turn: prompt tokens found cached",
-                       {f"{name}\n{tier}": s["cache"][f"{tier}_hit_rate"]
-                        for name, s in systems.items() for tier in ("device", "host")}, "{:.0%}"))
+        panels.append(
+            (
+                "multi-turn: TTFT p50 s (lower is better)",
+                {name: s["ttft_p50_s"] for name, s in systems.items()},
+                "{:.2f}",
+            )
+        )
+        panels.append(
+            (
+                "multi-turn: prompt tokens found cached",
+                {
+                    f"{name}\n{tier}": s["cache"][f"{tier}_hit_rate"]
+                    for name, s in systems.items()
+                    for tier in ("device", "host")
+                },
+                "{:.0%}",
+            )
+        )
     if "n" in report and "skipped" not in report["n"]:
         systems = report["n"]["systems"]
-        panels.append((f"n={report['n']['n']}: output tok/s (higher is better)",
-                       {name: s["output_tokens_per_s"] for name, s in systems.items()}, "{:.1f}"))
+        panels.append(
+            (
+                f"n={report['n']['n']}: output tok/s (higher is better)",
+                {name: s["output_tokens_per_s"] for name, s in systems.items()},
+                "{:.1f}",
+            )
+        )
     write_bar_panels(panels, Path(path), "inflight bench --scenario prefix")

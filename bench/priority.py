@@ -13,9 +13,9 @@ import argparse
 import random
 import time
 
-from workers.config import EngineConfig, ModelConfig, SchedulerConfig
 from bench.drive import Driver, random_prompts
 from bench.metrics import percentile
+from workers.config import EngineConfig, ModelConfig, SchedulerConfig
 from workers.request import PRIORITY_MAX, PRIORITY_MIN
 
 
@@ -23,10 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("priority scenario")
     group.add_argument("--priority-low", type=int, default=1000, help="low-priority requests queued at t0")
     group.add_argument("--priority-high", type=int, default=40, help="high-priority requests arriving afterwards")
-    group.add_argument("--priority-high-every", type=float, default=1.0,
-                       help="seconds between high-priority arrivals (the first at that offset)")
-    group.add_argument("--priority-bound", type=float, default=SchedulerConfig().priority_bound_s,
-                       help="the scheduler's priority_bound_s (default: %(default)s)")
+    group.add_argument(
+        "--priority-high-every",
+        type=float,
+        default=1.0,
+        help="seconds between high-priority arrivals (the first at that offset)",
+    )
+    group.add_argument(
+        "--priority-bound",
+        type=float,
+        default=SchedulerConfig().priority_bound_s,
+        help="the scheduler's priority_bound_s (default: %(default)s)",
+    )
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -58,8 +66,10 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     # Aging at work: for each low request, the latest-arriving request whose first token
     # came before its own; how much later than it that one arrived.
     overtaken_by = [
-        max((drive.arrivals[h] - drive.arrivals[low] for h in high_ids if first_token[h] < first_token[low]),
-            default=0.0)
+        max(
+            (drive.arrivals[h] - drive.arrivals[low] for h in high_ids if first_token[h] < first_token[low]),
+            default=0.0,
+        )
         for low in low_ids
     ]
     return {

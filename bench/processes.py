@@ -36,8 +36,16 @@ class RedisServer:
     the server answers PING (so also once it has loaded its data); it may be stopped or
     killed and started again, on the same port and the same data."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, args: tuple[str, ...] = (),
-                 username: str | None = None, password: str | None = None, tls_ca: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        appendonly: bool = True,
+        args: tuple[str, ...] = (),
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca: Path | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -64,9 +72,21 @@ class RedisServer:
         ports = ["--port", str(self.port)] if self.tls_ca is None else ["--port", "0", "--tls-port", str(self.port)]
         with open(log_path, "a") as log:
             self.process = subprocess.Popen(
-                ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-                 "--appendonly", "yes" if self.appendonly else "no", "--save", "", *self.args],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    "redis-server",
+                    *ports,
+                    "--bind",
+                    "127.0.0.1",
+                    "--dir",
+                    str(self.data_dir),
+                    "--appendonly",
+                    "yes" if self.appendonly else "no",
+                    "--save",
+                    "",
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout_s
         while not self._answers():  # also waits out loading the append-only file
@@ -110,7 +130,6 @@ class RedisServer:
         except OSError:
             return False
 
-
     def info(self, *command: str) -> bytes:
         """The raw reply to one command whose answer is a bulk string (INFO, CLUSTER INFO),
         logged in as the readiness check is."""
@@ -120,8 +139,12 @@ class RedisServer:
             reply = b""
             while True:
                 lines = reply.split(b"\r\n")
-                answer = lines[len(login):]
-                if len(answer) >= 2 and answer[0].startswith(b"$") and len(b"\r\n".join(answer[1:])) >= int(answer[0][1:]):
+                answer = lines[len(login) :]
+                if (
+                    len(answer) >= 2
+                    and answer[0].startswith(b"$")
+                    and len(b"\r\n".join(answer[1:])) >= int(answer[0][1:])
+                ):
                     return b"\r\n".join(answer[1:])
                 if answer and answer[0].startswith(b"-"):
                     return answer[0]
@@ -157,12 +180,28 @@ class RedisClusterServers:
     `start()` returns once every node says `cluster_state:ok`; `url` is the
     `redis+cluster://` URL of the first node (the client finds the others)."""
 
-    def __init__(self, data_dir: Path, masters: int = 3, args: tuple[str, ...] = (), username: str | None = None,
-                 password: str | None = None, tls_ca: Path | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        masters: int = 3,
+        args: tuple[str, ...] = (),
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca: Path | None = None,
+    ) -> None:
         cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")
-        self.nodes = [RedisServer(Path(data_dir) / f"node-{i}", port=free_cluster_port(), appendonly=False,
-                                  args=(*cluster, *args), username=username, password=password, tls_ca=tls_ca)
-                      for i in range(masters)]
+        self.nodes = [
+            RedisServer(
+                Path(data_dir) / f"node-{i}",
+                port=free_cluster_port(),
+                appendonly=False,
+                args=(*cluster, *args),
+                username=username,
+                password=password,
+                tls_ca=tls_ca,
+            )
+            for i in range(masters)
+        ]
         self.username, self.password, self.tls_ca = username, password, tls_ca
 
     @property
@@ -181,12 +220,25 @@ class RedisClusterServers:
             login = [] if self.password is None else ["--user", self.username or "default", "--pass", self.password]
             tls = [] if self.tls_ca is None else ["--tls", "--cacert", str(self.tls_ca)]
             created = subprocess.run(
-                ["redis-cli", *login, *tls, "--cluster", "create", *(f"127.0.0.1:{port}" for port in self.ports),
-                 "--cluster-replicas", "0", "--cluster-yes"],
-                capture_output=True, text=True, timeout=timeout_s,
+                [
+                    "redis-cli",
+                    *login,
+                    *tls,
+                    "--cluster",
+                    "create",
+                    *(f"127.0.0.1:{port}" for port in self.ports),
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
             )
             if created.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout[-2000:]}{created.stderr[-2000:]}")
+                raise RuntimeError(
+                    f"redis-cli --cluster create failed: {created.stdout[-2000:]}{created.stderr[-2000:]}"
+                )
             deadline = time.monotonic() + timeout_s
             while not all(self._state_ok(node) for node in self.nodes):  # the nodes agree by gossip
                 if time.monotonic() > deadline:
@@ -227,8 +279,19 @@ class WorkerProcess:
     def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
         self.name = name
         self.metrics_port = free_port()
-        self.argv = [sys.executable, "-m", "service.cli", "worker", "--consumer", name,
-                     "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1", *argv]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "worker",
+            "--consumer",
+            name,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--metrics-host",
+            "127.0.0.1",
+            *argv,
+        ]
         self.log_path = Path(log_dir) / f"worker-{name}.log"
         self.process: subprocess.Popen | None = None
         self.starts = 0
@@ -242,8 +305,13 @@ class WorkerProcess:
         with open(self.log_path, "a") as log:
             log.write(f"--- start {self.starts}\n")
             log.flush()
-            self.process = subprocess.Popen(self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.process = subprocess.Popen(
+                self.argv,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Until this start has logged `worker_started` (model loaded, serving)."""
@@ -284,8 +352,11 @@ class WorkerProcess:
 
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
             text = response.read().decode()
-        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-                for family in text_string_to_metric_families(text) for sample in family.samples}
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -298,8 +369,19 @@ class GatewayProcess:
     def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.port = free_port()
-        self.argv = [sys.executable, "-m", "service.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
-                     "--log-format", "json", *argv]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-format",
+            "json",
+            *argv,
+        ]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = Path(log_dir) / f"gateway-{name}.log"
         self.process: subprocess.Popen | None = None
@@ -310,7 +392,9 @@ class GatewayProcess:
 
     def start(self) -> None:
         with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen(self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.process = subprocess.Popen(
+                self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env
+            )
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until it answers HTTP (its /health may say Redis is down: that is an answer too)."""

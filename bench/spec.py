@@ -73,17 +73,34 @@ COPY_PROMPTS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("spec scenario")
-    group.add_argument("--spec-workloads", default="copy,default",
-                       help=f"comma-separated subset of {','.join(WORKLOADS)} (default: %(default)s)")
-    group.add_argument("--spec-copy-requests", type=int, default=len(COPY_PROMPTS),
-                       help=f"copy: requests (at most {len(COPY_PROMPTS)})")
-    group.add_argument("--spec-concurrency", default="1,8",
-                       help="copy: comma-separated concurrencies (1: one request at a time; n: n at t0)")
+    group.add_argument(
+        "--spec-workloads",
+        default="copy,default",
+        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: %(default)s)",
+    )
+    group.add_argument(
+        "--spec-copy-requests",
+        type=int,
+        default=len(COPY_PROMPTS),
+        help=f"copy: requests (at most {len(COPY_PROMPTS)})",
+    )
+    group.add_argument(
+        "--spec-concurrency",
+        default="1,8",
+        help="copy: comma-separated concurrencies (1: one request at a time; n: n at t0)",
+    )
     group.add_argument("--spec-max-tokens", type=int, default=160, help="copy: max_tokens of each request")
-    group.add_argument("--spec-sharegpt-concurrency", default="1,8,64",
-                       help="sharegpt: comma-separated concurrencies (n requests at a time)")
-    group.add_argument("--spec-max-draft-tokens", type=int, default=SpeculativeConfig.max_draft_tokens,
-                       help="drafts a request verifies per step, at most (K)")
+    group.add_argument(
+        "--spec-sharegpt-concurrency",
+        default="1,8,64",
+        help="sharegpt: comma-separated concurrencies (n requests at a time)",
+    )
+    group.add_argument(
+        "--spec-max-draft-tokens",
+        type=int,
+        default=SpeculativeConfig.max_draft_tokens,
+        help="drafts a request verifies per step, at most (K)",
+    )
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -95,8 +112,10 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     on = SpeculativeConfig(max_draft_tokens=args.spec_max_draft_tokens)
     report = {"max_draft_tokens": on.max_draft_tokens}
     if "copy" in workloads:
-        prompts = [encode_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
-                   for text in COPY_PROMPTS[: args.spec_copy_requests]]
+        prompts = [
+            encode_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
+            for text in COPY_PROMPTS[: args.spec_copy_requests]
+        ]
         for concurrency in (int(c) for c in args.spec_concurrency.split(",") if c.strip()):
             requests = [(f"copy{i}", ids, args.spec_max_tokens, False) for i, ids in enumerate(prompts)]
             report[f"copy_c{concurrency}"] = compare(loaded, args, on, requests, concurrency)
@@ -118,8 +137,10 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
 def compare(loaded, args, on: SpeculativeConfig, requests: list[tuple], concurrency: int) -> dict:
     """Run `requests` on two engines, speculation off and on, stepped alternately (see the
     module doc); their figures and the ratio of their output tok/s."""
-    runs = {name: Run(loaded, args, speculative, requests, concurrency)
-            for name, speculative in (("off", SpeculativeConfig(enabled=False)), ("on", on))}
+    runs = {
+        name: Run(loaded, args, speculative, requests, concurrency)
+        for name, speculative in (("off", SpeculativeConfig(enabled=False)), ("on", on))
+    }
     load_before = os.getloadavg()[0]
     while any(run.going for run in runs.values()):
         # The one behind steps next, so both cross the workload over the same stretch of time.
@@ -143,8 +164,9 @@ class Run:
     its time is the sum of its own steps."""
 
     def __init__(self, loaded, args, speculative: SpeculativeConfig, requests: list[tuple], concurrency: int):
-        self.engine = Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype),
-                                                  speculative=speculative))
+        self.engine = Engine(
+            loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), speculative=speculative)
+        )
         self.steps = StepRecorder(self.engine)
         self.driver = Driver(self.engine)
         self.pending = list(requests)
@@ -195,7 +217,7 @@ def copied_fraction(prompts: list[list[int]], outputs: list[list[int]], n: int =
     copied = total = 0
     for prompt, output in zip(prompts, outputs):
         grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
-        tokens = prompt[-(n - 1):] + output
+        tokens = prompt[-(n - 1) :] + output
         for i in range(len(output)):
             copied += tuple(tokens[i : i + n]) in grams
         total += len(output)

@@ -151,6 +151,7 @@ def operator_count(call) -> int:
 
 def profile_step(runner: ModelRunner, batch: int, context: int, steps: int, dtype: torch.dtype) -> dict:
     plan = decode_plan(runner, batch, context)
+
     def hf_step():
         lean, runner.lean = runner.lean, None
         try:

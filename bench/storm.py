@@ -22,20 +22,25 @@ import argparse
 import gc
 import random
 
-from workers.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from bench.drive import Driver, random_prompts
 from bench.metrics import inter_token_latencies, percentile
+from workers.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("storm scenario")
     group.add_argument("--storm-running", type=int, default=16, help="long generations running before the burst")
     group.add_argument("--storm-burst", type=int, default=32, help="requests in the burst")
-    group.add_argument("--storm-prompt-len", type=int, nargs=2, default=[200, 800], metavar=("MIN", "MAX"),
-                       help="burst prompt lengths")
+    group.add_argument(
+        "--storm-prompt-len", type=int, nargs=2, default=[200, 800], metavar=("MIN", "MAX"), help="burst prompt lengths"
+    )
     group.add_argument("--storm-output-len", type=int, default=16, help="burst output length")
-    group.add_argument("--storm-prefill-tokens", type=int, default=16,
-                       help="max_prefill_tokens with budgets on (default: %(default)s, a latency-first setting)")
+    group.add_argument(
+        "--storm-prefill-tokens",
+        type=int,
+        default=16,
+        help="max_prefill_tokens with budgets on (default: %(default)s, a latency-first setting)",
+    )
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -47,8 +52,10 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     report = {}
     for name, max_prefill_tokens in settings.items():
         drive, steady_start = _start(loaded, args, vocab_ids, max_prefill_tokens)
-        report[name] = _burst(drive, steady_start, args, vocab_ids) | {"max_prefill_tokens": max_prefill_tokens,
-                                                        "max_batch_tokens": base.max_batch_tokens}
+        report[name] = _burst(drive, steady_start, args, vocab_ids) | {
+            "max_prefill_tokens": max_prefill_tokens,
+            "max_batch_tokens": base.max_batch_tokens,
+        }
         del drive
         gc.collect()
 
@@ -57,8 +64,11 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     report["budgets_off"].pop("positions")
     drive, _ = _start(loaded, args, vocab_ids, args.storm_prefill_tokens)
     drive.run_until(lambda: all(len(drive.token_times[r]) > last for r, (_, last) in window.items()))
-    steady = [gap for r, (first, last) in window.items()
-              for gap in inter_token_latencies(drive.token_times[r])[first - 1:last]]
+    steady = [
+        gap
+        for r, (first, last) in window.items()
+        for gap in inter_token_latencies(drive.token_times[r])[first - 1 : last]
+    ]
     _cancel_all(drive)
     report["steady"] = {"itl_p50_s": percentile(steady, 50), "itl_p99_s": percentile(steady, 99)}
     for name in settings:
@@ -69,16 +79,23 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     return report
 
 
-def _start(loaded, args: argparse.Namespace, vocab_ids: list[int], max_prefill_tokens: int,
-           steady_steps: int = 40) -> tuple[Driver, float]:
+def _start(
+    loaded, args: argparse.Namespace, vocab_ids: list[int], max_prefill_tokens: int, steady_steps: int = 40
+) -> tuple[Driver, float]:
     """An engine with the long generations decoding for `steady_steps` steps, and when those began."""
     from workers.engine import Engine
 
     scheduler = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
     # Without speculation: the scenario measures what prompt budgets do to the decodes'
     # pace, and tokens accepted together would share one time.
-    drive = Driver(Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), scheduler=scheduler,
-                                               speculative=SpeculativeConfig(enabled=False))))
+    drive = Driver(
+        Engine(
+            loaded,
+            EngineConfig(
+                model=ModelConfig(dtype=args.dtype), scheduler=scheduler, speculative=SpeculativeConfig(enabled=False)
+            ),
+        )
+    )
     rng = random.Random(args.seed)
     for i, prompt in enumerate(random_prompts(rng, args.storm_running, (32, 96), vocab_ids)):
         drive.add(f"long-{i}", prompt, output_len=4000)

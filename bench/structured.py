@@ -32,26 +32,52 @@ from workers.request import FinishReason, SamplingParams
 # A list of records the output never finishes within the workload's lengths.
 BENCH_SCHEMA = {
     "type": "object",
-    "properties": {"records": {"type": "array", "minItems": 100, "items": {
-        "type": "object",
-        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
-                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
-        "required": ["id", "name"]}}},
+    "properties": {
+        "records": {
+            "type": "array",
+            "minItems": 100,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string", "maxLength": 16},
+                    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+                },
+                "required": ["id", "name"],
+            },
+        }
+    },
     "required": ["records"],
 }
-REGEXES = (r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]", r"[A-Z][a-z]+( [A-Z][a-z]+)?", r"(yes|no), because [a-z ]{5,40}\.",
-           r"\+?[0-9]{6,10}", r"#[0-9a-f]{6}")
-CHOICES = (("yes", "no"), ("red", "green", "blue"), ("Paris", "London", "Berlin", "Madrid"), ("positive", "negative",
-           "neutral"))
+REGEXES = (
+    r"[0-9]{4}-(0[1-9]|1[0-2])-[0-3][0-9]",
+    r"[A-Z][a-z]+( [A-Z][a-z]+)?",
+    r"(yes|no), because [a-z ]{5,40}\.",
+    r"\+?[0-9]{6,10}",
+    r"#[0-9a-f]{6}",
+)
+CHOICES = (
+    ("yes", "no"),
+    ("red", "green", "blue"),
+    ("Paris", "London", "Berlin", "Madrid"),
+    ("positive", "negative", "neutral"),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("structured scenario")
-    group.add_argument("--structured-rounds", type=int, default=2,
-                       help="runs of each of unconstrained and constrained, alternating (default: %(default)s)")
+    group.add_argument(
+        "--structured-rounds",
+        type=int,
+        default=2,
+        help="runs of each of unconstrained and constrained, alternating (default: %(default)s)",
+    )
     group.add_argument("--structured-schemas", type=int, default=300, help="generated schemas (compile, validity)")
-    group.add_argument("--structured-validity", action="store_true",
-                       help="also decode every schema greedy and at temperature 1.0, and validate (slow)")
+    group.add_argument(
+        "--structured-validity",
+        action="store_true",
+        help="also decode every schema greedy and at temperature 1.0, and validate (slow)",
+    )
     group.add_argument("--structured-max-tokens", type=int, default=192, help="validity: max_tokens per output")
 
 
@@ -85,15 +111,29 @@ def run_throughput(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> di
             drive.drain()
             wall = drive.now()
             produced = sum(len(times) for times in drive.token_times.values())
-            runs[name].append({"output_tokens": produced, "output_tokens_per_s": produced / wall, "wall_s": wall,
-                               "steps": len(steps), "mask_s": spent["apply"], "advance_s": spent["advance"],
-                               "finish_reasons": sorted({f.finish_reason.value for f in drive.finals.values()})})
+            runs[name].append(
+                {
+                    "output_tokens": produced,
+                    "output_tokens_per_s": produced / wall,
+                    "wall_s": wall,
+                    "steps": len(steps),
+                    "mask_s": spent["apply"],
+                    "advance_s": spent["advance"],
+                    "finish_reasons": sorted({f.finish_reason.value for f in drive.finals.values()}),
+                }
+            )
             del engine, drive
             gc.collect()
     best = {name: max(r["output_tokens_per_s"] for r in results) for name, results in runs.items()}
-    return {"requests": args.requests, "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
-            "schema": BENCH_SCHEMA, "runs": runs, "best_output_tokens_per_s": best,
-            "constrained_vs_unconstrained": best["json_schema"] / best["unconstrained"]}
+    return {
+        "requests": args.requests,
+        "prompt_len": list(args.prompt_len),
+        "output_len": list(args.output_len),
+        "schema": BENCH_SCHEMA,
+        "runs": runs,
+        "best_output_tokens_per_s": best,
+        "constrained_vs_unconstrained": best["json_schema"] / best["unconstrained"],
+    }
 
 
 def _time_grammar_calls(grammars) -> dict[str, float]:
@@ -127,8 +167,13 @@ def run_compile(loaded, args: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - started)
     del engine
     gc.collect()
-    return {"schemas": len(times), "p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3,
-            "max_ms": max(times) * 1e3, "total_s": sum(times)}
+    return {
+        "schemas": len(times),
+        "p50_ms": percentile(times, 50) * 1e3,
+        "p99_ms": percentile(times, 99) * 1e3,
+        "max_ms": max(times) * 1e3,
+        "total_s": sum(times),
+    }
 
 
 def run_validity(loaded, args: argparse.Namespace) -> dict:
@@ -148,8 +193,11 @@ def run_validity(loaded, args: argparse.Namespace) -> dict:
             jobs.append((f"c{i}", {"choice": choice}, f"Pick one of: {', '.join(choice)}."))
         for n, (request_id, shape, text) in enumerate(jobs):
             seed = {"seed": n} if sampling else {}
-            drive.submit(request_id, [{"role": "user", "content": text}],
-                         SamplingParams(max_tokens=args.structured_max_tokens, **sampling, **seed, **shape))
+            drive.submit(
+                request_id,
+                [{"role": "user", "content": text}],
+                SamplingParams(max_tokens=args.structured_max_tokens, **sampling, **seed, **shape),
+            )
         drive.drain()
         reasons: dict[str, int] = {}
         valid = stopped = 0
@@ -164,8 +212,14 @@ def run_validity(loaded, args: argparse.Namespace) -> dict:
                 valid += 1
             else:
                 failures.append({"id": request_id, "text": text})
-        report[mode] = {"requests": len(jobs), "finish_reasons": reasons, "stopped": stopped, "valid": valid,
-                        "valid_share_of_stopped": valid / max(stopped, 1), "failures": failures[:10]}
+        report[mode] = {
+            "requests": len(jobs),
+            "finish_reasons": reasons,
+            "stopped": stopped,
+            "valid": valid,
+            "valid_share_of_stopped": valid / max(stopped, 1),
+            "failures": failures[:10],
+        }
         del engine, drive
         gc.collect()
     return report
@@ -175,7 +229,8 @@ def _satisfies(shape: dict, text: str, jsonschema) -> bool:
     try:
         if "json_schema" in shape:
             validator = jsonschema.Draft202012Validator(
-                shape["json_schema"], format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+                shape["json_schema"], format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+            )
             validator.validate(json.loads(text))
             return True
         if "regex" in shape:

@@ -12,9 +12,9 @@ import argparse
 import gc
 import random
 
+from bench.drive import Driver, StepRecorder, random_prompts
 from gpu.kv_cache import KVShape
 from workers.config import CacheConfig, EngineConfig, ModelConfig
-from bench.drive import Driver, StepRecorder, random_prompts
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,8 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--swap-requests", type=int, default=24, help="requests, all arriving at t0")
     group.add_argument("--swap-prompt-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     group.add_argument("--swap-output-len", type=int, nargs=2, default=[64, 192], metavar=("MIN", "MAX"))
-    group.add_argument("--swap-pool-blocks", type=int, default=160,
-                       help="device KV blocks of the small pool (default: %(default)s, about a third of the load)")
+    group.add_argument(
+        "--swap-pool-blocks",
+        type=int,
+        default=160,
+        help="device KV blocks of the small pool (default: %(default)s, about a third of the load)",
+    )
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:

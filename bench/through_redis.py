@@ -5,7 +5,8 @@ Through Redis: an `inflight worker` process (the consumer) on private streams; t
 process is the producer. It queues every job at t0 (one pipelined round trip) and follows
 all reply streams with one blocking XREAD, stamping each token when it arrives here.
 In-process: this process runs the same engine settings behind the same `AsyncEngine`
-front the worker uses (built on its torch thread, as the worker builds it), submits the same prompts at t0 and stamps each token event as it
+front the worker uses (built on its torch thread, as the worker builds it), submits the
+same prompts at t0 and stamps each token event as it
 comes out. The prompts are the workload's token ids decoded to text (both paths encode
 that text the same way), with `ignore_eos`, so both do exactly the same work.
 
@@ -33,24 +34,35 @@ from pathlib import Path
 
 import msgpack
 
+from bench.metrics import percentile, summarize
+from bench.workload import make_workload
 from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
 from workers.config import EngineConfig, ModelConfig
-from bench.metrics import percentile, summarize
-from bench.workload import make_workload
 from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("redis scenario")
-    group.add_argument("--redis-url", default=RedisConfig().url,
-                       help="the server to go through (default: $REDIS_URL, else an embedded Valkey on a free port)")
-    group.add_argument("--redis-rounds", type=int, default=2,
-                       help="in-process/Redis pairs of the workload, in ABBA order (default: %(default)s)")
-    group.add_argument("--ttft-pairs", type=int, default=24,
-                       help="short prompts sent one at a time down each path for the TTFT overhead (default: %(default)s)")
+    group.add_argument(
+        "--redis-url",
+        default=RedisConfig().url,
+        help="the server to go through (default: $REDIS_URL, else an embedded Valkey on a free port)",
+    )
+    group.add_argument(
+        "--redis-rounds",
+        type=int,
+        default=2,
+        help="in-process/Redis pairs of the workload, in ABBA order (default: %(default)s)",
+    )
+    group.add_argument(
+        "--ttft-pairs",
+        type=int,
+        default=24,
+        help="short prompts sent one at a time down each path for the TTFT overhead (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -66,8 +78,9 @@ def _load(args: argparse.Namespace):
     from workers.model_loader import load_model
 
     loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
-    vocab_ids = allowed_token_ids(min(len(loaded.tokenizer), loaded.model.config.vocab_size),
-                                  special_token_ids(loaded.tokenizer))
+    vocab_ids = allowed_token_ids(
+        min(len(loaded.tokenizer), loaded.model.config.vocab_size), special_token_ids(loaded.tokenizer)
+    )
     return loaded, Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype))), vocab_ids
 
 
@@ -78,8 +91,9 @@ async def _run(args: argparse.Namespace) -> dict:
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
     prompts = {r.request_id: (loaded.tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
     rng = random.Random(args.seed + 1)
-    short_prompts = [loaded.tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)])
-                     for _ in range(args.ttft_pairs)]
+    short_prompts = [
+        loaded.tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)]) for _ in range(args.ttft_pairs)
+    ]
 
     with _redis_server(args.redis_url) as url:
         client = connect(url, socket_timeout=30)
@@ -133,8 +147,10 @@ class _InProcess:
     async def generate(self, prompts: dict[str, tuple[str, int]]) -> dict[str, list[float]]:
         """Submit every prompt at t0; each request's token arrival times after t0."""
         t0 = time.perf_counter()
-        streams = {rid: self.front.submit(text, SamplingParams(max_tokens=n, ignore_eos=True), rid)
-                   for rid, (text, n) in prompts.items()}
+        streams = {
+            rid: self.front.submit(text, SamplingParams(max_tokens=n, ignore_eos=True), rid)
+            for rid, (text, n) in prompts.items()
+        }
 
         async def follow(stream) -> list[float]:
             times = []
@@ -172,8 +188,9 @@ class _ThroughRedis:
         while last:
             reply = await self.client.xread(last, block=5000)
             if not reply and time.perf_counter() - quiet_since > QUIET_LIMIT_S:
-                raise RuntimeError(f"through Redis, no reply for {QUIET_LIMIT_S:.0f} s (see {self.requests_stream}'s "
-                                   "dead letters)")
+                raise RuntimeError(
+                    f"through Redis, no reply for {QUIET_LIMIT_S:.0f} s (see {self.requests_stream}'s dead letters)"
+                )
             quiet_since = time.perf_counter()
             now = time.perf_counter() - t0
             for key, entries in reply or []:
@@ -187,18 +204,38 @@ class _ThroughRedis:
                         raise RuntimeError(f"through Redis, {owner[key]} failed: {event['message']}")
                     else:
                         del last[key]
-        await self.client.delete(*[reply_stream(rid) for rid in prompts],
-                                 *[f"{reply_stream(rid)}:owner" for rid in prompts])
+        await self.client.delete(
+            *[reply_stream(rid) for rid in prompts], *[f"{reply_stream(rid)}:owner" for rid in prompts]
+        )
         return times
 
 
 def _start_worker(url: str, prefix: str, args: argparse.Namespace, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--redis-url", url, "--requests-stream", f"{prefix}:requests",
-         "--dead-letter-stream", f"{prefix}:dead", "--control-stream", f"{prefix}:control",
-         "--consumer", "bench", "--metrics-port", "0", "--dtype", args.dtype, *(["--model", args.model] if args.model else []),
-         *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "worker",
+            "--redis-url",
+            url,
+            "--requests-stream",
+            f"{prefix}:requests",
+            "--dead-letter-stream",
+            f"{prefix}:dead",
+            "--control-stream",
+            f"{prefix}:control",
+            "--consumer",
+            "bench",
+            "--metrics-port",
+            "0",
+            "--dtype",
+            args.dtype,
+            *(["--model", args.model] if args.model else []),
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 

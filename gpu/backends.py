@@ -5,9 +5,9 @@ float32 or bfloat16 cache where g++ builds it; the torch reference (`TorchAttent
 
 from __future__ import annotations
 
-from gpu.cuda import source as cuda_source
 from gpu.attention import AttentionBackend
 from gpu.cpu.attention import CpuAttentionBackend, kernel_applies
+from gpu.cuda import source as cuda_source
 from gpu.cuda.cupy_kernels import cupy_available
 from gpu.kv_cache import PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend

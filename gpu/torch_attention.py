@@ -130,12 +130,14 @@ class TorchAttentionBackend(AttentionBackend):
         by_block = pool.view(-1, block_size * pool.shape[1] * pool.shape[2])
         buffer = self._workspaces.get(workspace)
         if buffer is None or buffer.shape[0] < blocks.numel():
-            buffer = by_block.new_empty((max(blocks.numel(), 2 * (0 if buffer is None else buffer.shape[0])),
-                                         by_block.shape[1]))
+            buffer = by_block.new_empty(
+                (max(blocks.numel(), 2 * (0 if buffer is None else buffer.shape[0])), by_block.shape[1])
+            )
             self._workspaces[workspace] = buffer
         out = buffer[: blocks.numel()]
         torch.index_select(by_block, 0, blocks, out=out)
         return out.view(-1, pool.shape[1], pool.shape[2])
+
 
 def _block_tables(sequences: Sequence[SequenceSlice], block_size: int) -> torch.Tensor:
     """[len(sequences), max_blocks] block ids of each sequence's context, padded with block 0."""

@@ -69,8 +69,7 @@ def main() -> int:
     ids = list(range(1, cache.num_blocks))
     random.Random(0).shuffle(ids)  # scattered blocks, as a long-running server has them
     sequences = [
-        SequenceSlice(i, 1, args.context, ids[i * blocks_per_seq : (i + 1) * blocks_per_seq])
-        for i in range(args.batch)
+        SequenceSlice(i, 1, args.context, ids[i * blocks_per_seq : (i + 1) * blocks_per_seq]) for i in range(args.batch)
     ]
     query = torch.randn(args.batch, args.heads, args.head_dim, dtype=dtype, device=device)
     key = torch.randn(args.batch, args.kv_heads, args.head_dim, dtype=dtype, device=device)

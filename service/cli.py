@@ -1,11 +1,11 @@
 """The `inflight` command line.
 
-    inflight demo    run the engine in-process on sample prompts and stream the answers
-    inflight worker  serve jobs from a Redis stream (docs/protocol.md)
-    inflight submit  send one prompt through Redis and stream the answer
-    inflight bench   the throughput/latency benchmark against peers, in one run
-    inflight health  whether the worker beside it serves (a container's healthcheck)
-    inflight gateway an OpenAI-compatible HTTP API onto the queue (service/gateway/)
+inflight demo    run the engine in-process on sample prompts and stream the answers
+inflight worker  serve jobs from a Redis stream (docs/protocol.md)
+inflight submit  send one prompt through Redis and stream the answer
+inflight bench   the throughput/latency benchmark against peers, in one run
+inflight health  whether the worker beside it serves (a container's healthcheck)
+inflight gateway an OpenAI-compatible HTTP API onto the queue (service/gateway/)
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="inflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="inflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="stream answers to sample prompts from the in-process engine")
@@ -65,19 +67,33 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--max-tokens", type=int, default=64)
     submit.add_argument("--temperature", type=float, default=0.0)
     submit.add_argument("--priority", type=int, default=0, help="-10..10, higher first")
-    submit.add_argument("--logprobs", type=int, metavar="K", default=None,
-                        help="after the answer, list each token's log probability and its K most likely "
-                             "alternatives (0..20) on stderr")
+    submit.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        default=None,
+        help="after the answer, list each token's log probability and its K most likely alternatives (0..20) on stderr",
+    )
     shape = submit.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", type=Path, metavar="FILE", help="the answer is JSON valid under this JSON schema file")
+    shape.add_argument(
+        "--json-schema", type=Path, metavar="FILE", help="the answer is JSON valid under this JSON schema file"
+    )
     shape.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
     shape.add_argument("--regex", help="the answer fully matches this regular expression")
     shape.add_argument("--choice", action="append", help="the answer is exactly one of these strings (repeatable)")
-    submit.add_argument("--redis-url", default=redis_defaults.url or embedded_url(redis_defaults.embedded_port),
-                        help="default: $REDIS_URL, else the embedded server's address (%(default)s)")
+    submit.add_argument(
+        "--redis-url",
+        default=redis_defaults.url or embedded_url(redis_defaults.embedded_port),
+        help="default: $REDIS_URL, else the embedded server's address (%(default)s)",
+    )
     submit.add_argument("--requests-stream", default=redis_defaults.requests_stream)
-    submit.add_argument("--timeout-s", type=float, default=60.0,
-                        help="give up when no reply arrives for this long, e.g. no worker is running; 0 waits forever (default: %(default)s)")
+    submit.add_argument(
+        "--timeout-s",
+        type=float,
+        default=60.0,
+        help="give up when no reply arrives for this long, e.g. no worker is running; "
+        "0 waits forever (default: %(default)s)",
+    )
 
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
     # Only for `inflight bench`: the benchmarks import torch (seconds), which the other
@@ -89,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.health import add_health_arguments
 
-    health = commands.add_parser("health", help="exit 0 when the worker beside it serves: its metrics answer, "
-                                                "Redis answers, and its consumer read from the stream just now")
+    health = commands.add_parser(
+        "health",
+        help="exit 0 when the worker beside it serves: its metrics answer, "
+        "Redis answers, and its consumer read from the stream just now",
+    )
     add_health_arguments(health)
 
     gateway = commands.add_parser("gateway", help="serve the OpenAI API (chat and text completions) onto the queue")
@@ -130,7 +149,10 @@ async def _demo(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     started = time.perf_counter()
     engine = await on_torch_thread(Engine.from_config, config)  # where it will step
-    print(f"loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.allocator.num_blocks} blocks", file=sys.stderr)
+    print(
+        f"loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.allocator.num_blocks} blocks",
+        file=sys.stderr,
+    )
 
     prompts = [("chat", [{"role": "user", "content": p}]) for p in args.prompt] if args.prompt else SAMPLE_PROMPTS
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -145,8 +167,10 @@ async def _demo(args: argparse.Namespace) -> int:
                     print(event.text, end="")
                     t = event.timings
                     ttft = f"{t.first_token_s * 1000:.0f} ms" if t.first_token_s is not None else "-"
-                    print(f"\n\033[2m({event.finish_reason.value}: {event.usage.completion_tokens} tokens, "
-                          f"first token {ttft}, total {t.total_s:.2f} s){event.error or ''}\033[0m")
+                    print(
+                        f"\n\033[2m({event.finish_reason.value}: {event.usage.completion_tokens} tokens, "
+                        f"first token {ttft}, total {t.total_s:.2f} s){event.error or ''}\033[0m"
+                    )
                 else:
                     print(event.text, end="", flush=True)
     return 0
@@ -184,10 +208,12 @@ def _submit(args: argparse.Namespace) -> int:
     streaming = False  # whether the answer so far left the cursor mid-line
     tokens = []
     try:
-        with SyncClient(args.redis_url, requests_stream=args.requests_stream,
-                        reply_timeout_s=args.timeout_s or None) as client:
-            for event in client.generate(**text, max_tokens=args.max_tokens, temperature=args.temperature,
-                                         priority=args.priority, **shape):
+        with SyncClient(
+            args.redis_url, requests_stream=args.requests_stream, reply_timeout_s=args.timeout_s or None
+        ) as client:
+            for event in client.generate(
+                **text, max_tokens=args.max_tokens, temperature=args.temperature, priority=args.priority, **shape
+            ):
                 if event["type"] == "token":
                     print(event["text"], end="", flush=True)
                     streaming = True
@@ -198,9 +224,11 @@ def _submit(args: argparse.Namespace) -> int:
                     print(event["text"])
                     if args.logprobs is not None:
                         print(_logprob_table(tokens), file=sys.stderr)
-                    print(f"({event['finish_reason']}: {usage['completion_tokens']} tokens, first token "
-                          f"{'-' if first is None else f'{first * 1000:.0f} ms'}, total {timings['total_s']:.2f} s)",
-                          file=sys.stderr)
+                    print(
+                        f"({event['finish_reason']}: {usage['completion_tokens']} tokens, first token "
+                        f"{'-' if first is None else f'{first * 1000:.0f} ms'}, total {timings['total_s']:.2f} s)",
+                        file=sys.stderr,
+                    )
                 else:
                     print(f"error {event['code']}: {event['message']}", file=sys.stderr)
                     return 1
@@ -246,9 +274,11 @@ def _missing_gpu(device: str) -> str | None:
     found = torch.cuda.device_count()
     if index < found:
         return None
-    return (f"--device {device}, but this process sees {found} CUDA GPU(s): no NVIDIA driver, or no GPU given to "
-            "this container. Use --device cpu; with docker compose on a machine without an NVIDIA GPU, start the "
-            "CPU worker instead: COMPOSE_PROFILES=cpu docker compose up -d")
+    return (
+        f"--device {device}, but this process sees {found} CUDA GPU(s): no NVIDIA driver, or no GPU given to "
+        "this container. Use --device cpu; with docker compose on a machine without an NVIDIA GPU, start the "
+        "CPU worker instead: COMPOSE_PROFILES=cpu docker compose up -d"
+    )
 
 
 async def _worker(args: argparse.Namespace) -> int:
@@ -292,7 +322,11 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     log = structlog.get_logger("inflight.worker")
     metrics = Metrics(engine_config.scheduler)
     try:  # before loading the model, so a port in use fails fast
-        server = start_metrics_server(metrics_config.port, metrics.registry, metrics_config.host) if metrics_config.port else None
+        server = (
+            start_metrics_server(metrics_config.port, metrics.registry, metrics_config.host)
+            if metrics_config.port
+            else None
+        )
     except OSError as error:
         log.error("metrics_port_unavailable", port=metrics_config.port, error=str(error))
         return 1
@@ -301,20 +335,29 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     if stop.is_set():  # told to stop while loading
         return 0
     client = connect(config.url, block_ms=config.block_ms)  # a cluster client for a redis+cluster:// URL
-    log.info("worker_started", consumer=config.consumer, stream=config.requests_stream, redis=_redacted(config.url),
-             embedded=embedded, metrics_port=metrics_config.port or None, kv_blocks=engine.allocator.num_blocks)
+    log.info(
+        "worker_started",
+        consumer=config.consumer,
+        stream=config.requests_stream,
+        redis=_redacted(config.url),
+        embedded=embedded,
+        metrics_port=metrics_config.port or None,
+        kv_blocks=engine.allocator.num_blocks,
+    )
     if embedded:
         print(_how_to_submit(config), file=sys.stderr, flush=True)
     left: list[str] = []
     try:
-        left = await Worker(engine, client, config, metrics, metrics_config.ingest_poll_s, log_config.log_prompts).run(stop)
+        left = await Worker(engine, client, config, metrics, metrics_config.ingest_poll_s, log_config.log_prompts).run(
+            stop
+        )
     except AuthenticationError as error:
         log.error("redis_credentials_refused", redis=_redacted(config.url), error=str(error))
         return EXIT_CREDENTIALS
     finally:
         try:  # closing waits on the sockets: bounded, in case Redis is unreachable
             await asyncio.wait_for(client.aclose(), timeout=2)
-        except (asyncio.TimeoutError, OSError):
+        except (TimeoutError, OSError):
             pass
         if server is not None:
             server.shutdown()

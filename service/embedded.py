@@ -64,9 +64,27 @@ def _start(port: int, data_dir: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         logged_before = log.tell()
         server = subprocess.Popen(
-            [str(get_binary_path()), "--port", str(port), "--bind", EMBEDDED_HOST, "--dir", str(data_dir),
-             "--appendonly", "yes", "--save", "", "--daemonize", "no", "--protected-mode", "yes"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=data_dir,
+            [
+                str(get_binary_path()),
+                "--port",
+                str(port),
+                "--bind",
+                EMBEDDED_HOST,
+                "--dir",
+                str(data_dir),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=data_dir,
             start_new_session=True,  # out of the terminal's process group: Ctrl-C is for the worker
             preexec_fn=_terminated_with(os.getpid()),
         )
@@ -76,9 +94,11 @@ def _start(port: int, data_dir: Path) -> subprocess.Popen:
     if server.poll() is not None or not _answers(port):
         _stop(server)
         said = log_path.read_bytes()[logged_before:].decode(errors="replace").strip().splitlines()
-        raise EmbeddedServerError(f"the embedded Valkey server did not start on port {port}"
-                           f"{f' ({said[-1].strip()})' if said else ''}; "
-                           "choose another --embedded-port or set REDIS_URL")
+        raise EmbeddedServerError(
+            f"the embedded Valkey server did not start on port {port}"
+            f"{f' ({said[-1].strip()})' if said else ''}; "
+            "choose another --embedded-port or set REDIS_URL"
+        )
     return server
 
 

@@ -75,8 +75,9 @@ class Health:
 def check(config: HealthConfig) -> Health:
     problems = [problem for problem in (_metrics_problem(config),) if problem]
     try:
-        client = connect_sync(config.redis_url, socket_timeout=config.timeout_s,
-                              socket_connect_timeout=config.timeout_s)
+        client = connect_sync(
+            config.redis_url, socket_timeout=config.timeout_s, socket_connect_timeout=config.timeout_s
+        )
         try:
             client.ping()
             consumers = client.xinfo_consumers(config.requests_stream, config.group)
@@ -84,8 +85,9 @@ def check(config: HealthConfig) -> Health:
             client.close()
     except ResponseError as error:
         if "NOGROUP" in str(error) or "no such key" in str(error):  # no group, or not even the stream
-            problems.append(f"no consumer group {config.group} on {config.requests_stream} yet: "
-                            "no worker has started serving it")
+            problems.append(
+                f"no consumer group {config.group} on {config.requests_stream} yet: no worker has started serving it"
+            )
         else:  # e.g. an ACL that forbids XINFO
             problems.append(f"Redis refused XINFO CONSUMERS: {error}")
         return Health(tuple(problems))
@@ -95,15 +97,19 @@ def check(config: HealthConfig) -> Health:
 
     row = next((row for row in consumers if _text(row["name"]) == config.consumer), None)
     if row is None:
-        problems.append(f"consumer {config.consumer} is not in group {config.group} of {config.requests_stream}: "
-                        "the worker has not started serving (still loading the model?)")
+        problems.append(
+            f"consumer {config.consumer} is not in group {config.group} of {config.requests_stream}: "
+            "the worker has not started serving (still loading the model?)"
+        )
         return Health(tuple(problems))
     if "inactive" not in row:  # before Redis 7.2: `idle` does not tell a silent worker from an idle one
         return Health(tuple(problems))
     idle_s = row["idle"] / 1000
     if idle_s > config.max_idle_s:
-        problems.append(f"consumer {config.consumer} last talked to {config.requests_stream} {idle_s:.1f} s ago "
-                        f"(over {config.max_idle_s:g} s): it has stopped serving")
+        problems.append(
+            f"consumer {config.consumer} last talked to {config.requests_stream} {idle_s:.1f} s ago "
+            f"(over {config.max_idle_s:g} s): it has stopped serving"
+        )
     return Health(tuple(problems), idle_s)
 
 
@@ -111,7 +117,9 @@ def report(config: HealthConfig, health: Health) -> str:
     """The one line `inflight health` prints."""
     if health.healthy:
         idle = "" if health.idle_s is None else f" (last talked to it {health.idle_s:.1f} s ago)"
-        return f"healthy: {config.consumer} serves {config.requests_stream}{idle}, metrics on port {config.metrics_port}"
+        return (
+            f"healthy: {config.consumer} serves {config.requests_stream}{idle}, metrics on port {config.metrics_port}"
+        )
     return "unhealthy: " + "; ".join(health.problems)
 
 
@@ -130,22 +138,46 @@ def _metrics_problem(config: HealthConfig) -> str | None:
 
 def add_health_arguments(parser) -> None:
     """The flags of `inflight health`: the worker's own, where it was given others than the defaults."""
-    parser.add_argument("--metrics-port", type=int, default=HealthConfig.metrics_port,
-                        help="the worker's metrics port (default: %(default)s)")
-    parser.add_argument("--redis-url", default=_default_redis_url(),
-                        help="the worker's Redis (default: $REDIS_URL, else the embedded server's address: %(default)s)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=HealthConfig.metrics_port,
+        help="the worker's metrics port (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=_default_redis_url(),
+        help="the worker's Redis (default: $REDIS_URL, else the embedded server's address: %(default)s)",
+    )
     parser.add_argument("--requests-stream", default=HealthConfig.requests_stream)
-    parser.add_argument("--consumer", default=RedisConfig().consumer,
-                        help="the worker's consumer name (default: this host's name, %(default)s)")
-    parser.add_argument("--max-idle-s", type=float, default=HealthConfig.max_idle_s,
-                        help="unhealthy when the consumer has been silent longer (default: %(default)s)")
-    parser.add_argument("--timeout-s", type=float, default=HealthConfig.timeout_s,
-                        help="how long each check waits (default: %(default)s)")
+    parser.add_argument(
+        "--consumer",
+        default=RedisConfig().consumer,
+        help="the worker's consumer name (default: this host's name, %(default)s)",
+    )
+    parser.add_argument(
+        "--max-idle-s",
+        type=float,
+        default=HealthConfig.max_idle_s,
+        help="unhealthy when the consumer has been silent longer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=HealthConfig.timeout_s,
+        help="how long each check waits (default: %(default)s)",
+    )
 
 
 def health_config_from_args(args) -> HealthConfig:
-    return HealthConfig(metrics_port=args.metrics_port, redis_url=args.redis_url, requests_stream=args.requests_stream,
-                        consumer=args.consumer, max_idle_s=args.max_idle_s, timeout_s=args.timeout_s)
+    return HealthConfig(
+        metrics_port=args.metrics_port,
+        redis_url=args.redis_url,
+        requests_stream=args.requests_stream,
+        consumer=args.consumer,
+        max_idle_s=args.max_idle_s,
+        timeout_s=args.timeout_s,
+    )
 
 
 def _text(value) -> str:

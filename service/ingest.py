@@ -140,16 +140,23 @@ class JobReader:
     async def dead_letter(self, entry: Entry, code: str, message: str) -> None:
         """Park the entry, with why, on the dead-letter stream; then ack and delete it here
         (two steps: see the module docstring)."""
-        record = {"entry_id": entry.entry_id, "stream": self.stream, "code": code, "message": message,
-                  "deliveries": str(entry.deliveries), "consumer": self.consumer}
+        record = {
+            "entry_id": entry.entry_id,
+            "stream": self.stream,
+            "code": code,
+            "message": message,
+            "deliveries": str(entry.deliveries),
+            "consumer": self.consumer,
+        }
         record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
         await self.redis.xadd(self.dead_letter_stream, record, maxlen=self.dead_letter_max_len, approximate=True)
         await self.ack(entry.entry_id)
 
     async def _read_group(self, start: str, count: int, block_ms: int | None) -> list[tuple[str, dict]]:
         try:
-            reply = await self.redis.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count,
-                                                block=block_ms)
+            reply = await self.redis.xreadgroup(
+                self.group, self.consumer, {self.stream: start}, count=count, block=block_ms
+            )
         except ResponseError as error:
             if "NOGROUP" not in str(error):
                 raise

@@ -64,20 +64,26 @@ class _Stream:
 
 
 class ReplyOutbox:
-    def __init__(self, publisher: ReplyPublisher,
-                 observe_lag: Callable[[float], None] = lambda seconds: None) -> None:
+    def __init__(self, publisher: ReplyPublisher, observe_lag: Callable[[float], None] = lambda seconds: None) -> None:
         self.publisher = publisher
         self.observe_lag = observe_lag  # seconds from a step's end to its events landing
         self._streams: dict[str, _Stream] = {}  # by request id (the entry id)
         self._ready = asyncio.Event()
         self._refresh_s = publisher.ttl_s / TTL_REFRESHES
 
-    def open(self, request_id: str, reply_to: str, entry_id: str, seq: int,
-             keep_text: bool = False, choices: int = 1) -> asyncio.Future[Published]:
+    def open(
+        self, request_id: str, reply_to: str, entry_id: str, seq: int, keep_text: bool = False, choices: int = 1
+    ) -> asyncio.Future[Published]:
         """Route `request_id`'s events to `reply_to`, from token `seq` on; with `choices`
         > 1 each token event names its choice."""
-        stream = _Stream(reply_to, entry_id, seq, asyncio.get_running_loop().create_future(),
-                         text=[] if keep_text else None, indexed=choices > 1)
+        stream = _Stream(
+            reply_to,
+            entry_id,
+            seq,
+            asyncio.get_running_loop().create_future(),
+            text=[] if keep_text else None,
+            indexed=choices > 1,
+        )
         self._streams[request_id] = stream
         return stream.result
 
@@ -101,9 +107,17 @@ class ReplyOutbox:
                 if event.error_code is None:
                     stream.final_waiting = (f"{stream.seq}-1", done_fields(event, self.publisher.worker))
             else:
-                stream.waiting.append(token_data(stream.seq, event.text, event.token_ids,
-                                                 event.index if stream.indexed else None,
-                                                 event.logprob, event.token, event.top_logprobs))
+                stream.waiting.append(
+                    token_data(
+                        stream.seq,
+                        event.text,
+                        event.token_ids,
+                        event.index if stream.indexed else None,
+                        event.logprob,
+                        event.token,
+                        event.top_logprobs,
+                    )
+                )
                 stream.seq += 1
             if stream.text is not None:
                 stream.text.append(event.text)
@@ -129,8 +143,9 @@ class ReplyOutbox:
         for stream in self._streams.values():
             if stream.result.done() or not (stream.waiting or stream.final):  # done: its final has landed
                 continue
-            refresh = (stream.refreshed_at is None or now - stream.refreshed_at >= self._refresh_s
-                       or stream.final is not None)
+            refresh = (
+                stream.refreshed_at is None or now - stream.refreshed_at >= self._refresh_s or stream.final is not None
+            )
             append = Append(stream.reply_to, stream.entry_id, stream.waiting, stream.final_waiting, refresh)
             batch.append((stream, stream.oldest, stream.final is not None))
             appends.append(append)

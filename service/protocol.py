@@ -23,9 +23,30 @@ REPLY_PREFIX = "inflight:out:"
 MAX_ENTRY_BYTES = 1 << 20
 MAX_ID_CHARS = 200
 
-FIELDS = frozenset({"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                    "ignore_eos", "n", "priority", "deadline_ms", "reply_to",
-                    "json_schema", "json_object", "regex", "choice", "logprobs", "top_logprobs"})
+FIELDS = frozenset(
+    {
+        "id",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "n",
+        "priority",
+        "deadline_ms",
+        "reply_to",
+        "json_schema",
+        "json_object",
+        "regex",
+        "choice",
+        "logprobs",
+        "top_logprobs",
+    }
+)
 FLAT_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
@@ -80,12 +101,17 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
         raise ProtocolError("invalid_field", f"id must be a non-empty string of at most {MAX_ID_CHARS} characters")
     reply_to = values.get("reply_to", reply_stream(request_id))
     if not isinstance(reply_to, str) or not reply_to.startswith(reply_prefixes):
-        raise ProtocolError("invalid_field", f"reply_to must be a key starting with {' or '.join(reply_prefixes)}",
-                            request_id)
+        raise ProtocolError(
+            "invalid_field", f"reply_to must be a key starting with {' or '.join(reply_prefixes)}", request_id
+        )
     if ("{" in reply_to or "}" in reply_to) and not hash_tag(reply_to):
         # Its owner key could not share its Redis Cluster slot.
-        raise ProtocolError("invalid_field", "braces in reply_to (or in the id it defaults to) must enclose a "
-                            "Redis Cluster hash tag, as in inflight:out:{job-1}", request_id)
+        raise ProtocolError(
+            "invalid_field",
+            "braces in reply_to (or in the id it defaults to) must enclose a "
+            "Redis Cluster hash tag, as in inflight:out:{job-1}",
+            request_id,
+        )
 
     def fail(code: str, message: str) -> ProtocolError:
         return ProtocolError(code, message, request_id, reply_to)
@@ -94,18 +120,24 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
     if unknown:
         raise fail("unknown_field", f"unknown field(s): {', '.join(unknown)}")
     if ("prompt" in values) == ("messages" in values):
-        raise fail("missing_field" if "prompt" not in values else "invalid_field",
-                   "give exactly one of `prompt` and `messages`")
+        raise fail(
+            "missing_field" if "prompt" not in values else "invalid_field",
+            "give exactly one of `prompt` and `messages`",
+        )
     if "prompt" in values:
         prompt = values["prompt"]
         if not isinstance(prompt, str) or not prompt:
             raise fail("invalid_field", "prompt must be a non-empty string")
     else:
         prompt = values["messages"] if typed else _json(values["messages"], "messages", fail)
-        if not (isinstance(prompt, list) and prompt and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in prompt
-        )):
+        if not (
+            isinstance(prompt, list)
+            and prompt
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt
+            )
+        ):
             raise fail("invalid_field", "messages must be a non-empty list of {role, content} string maps")
 
     def number(name: str, kind: type, default):
@@ -187,9 +219,15 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
 # -- replies ---------------------------------------------------------------------------
 
 
-def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int], index: int | None = None,
-               logprob: float | None = None, token: str | None = None,
-               top_logprobs: tuple[tuple[int, str, float], ...] = ()) -> bytes:
+def token_data(
+    seq: int,
+    text: str,
+    token_ids: tuple[int, ...] | list[int],
+    index: int | None = None,
+    logprob: float | None = None,
+    token: str | None = None,
+    top_logprobs: tuple[tuple[int, str, float], ...] = (),
+) -> bytes:
     """A token event's `data`: the event as msgpack. The worker sends only this; the
     write script derives the readable fields (`token_fields`) from it. `index` names
     the choice, for a request with n > 1 only; `logprob` and `top_logprobs` are there
@@ -201,19 +239,22 @@ def token_data(seq: int, text: str, token_ids: tuple[int, ...] | list[int], inde
         data["logprob"] = logprob
         data["token"] = token
         if top_logprobs:
-            data["top_logprobs"] = [{"token_id": token_id, "token": text, "logprob": value}
-                                    for token_id, text, value in top_logprobs]
+            data["top_logprobs"] = [
+                {"token_id": token_id, "token": text, "logprob": value} for token_id, text, value in top_logprobs
+            ]
     return msgpack.packb(data)
 
 
-def token_fields(seq: int, text: str, token_ids: tuple[int, ...] | list[int],
-                 index: int | None = None) -> dict[str, str | bytes]:
+def token_fields(
+    seq: int, text: str, token_ids: tuple[int, ...] | list[int], index: int | None = None
+) -> dict[str, str | bytes]:
     """One token event's entry: readable fields plus the same data as msgpack in `data`."""
     fields: dict[str, str | bytes] = {"type": "token", "seq": str(seq)}
     if index is not None:
         fields["index"] = str(index)
-    fields.update({"text": text, "token_ids": " ".join(map(str, token_ids)),
-                   "data": token_data(seq, text, token_ids, index)})
+    fields.update(
+        {"text": text, "token_ids": " ".join(map(str, token_ids)), "data": token_data(seq, text, token_ids, index)}
+    )
     return fields
 
 
@@ -241,16 +282,27 @@ def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
         "worker": worker,
     }
     if event.choices:  # n > 1
-        data["choices"] = [{"index": c.index, "finish_reason": c.finish_reason.value, "text": c.text,
-                            "completion_tokens": c.completion_tokens} for c in event.choices]
+        data["choices"] = [
+            {
+                "index": c.index,
+                "finish_reason": c.finish_reason.value,
+                "text": c.text,
+                "completion_tokens": c.completion_tokens,
+            }
+            for c in event.choices
+        ]
         fields["choices"] = json.dumps(data["choices"])
     fields["data"] = msgpack.packb(data)
     return fields
 
 
 def error_fields(code: str, message: str) -> dict[str, str | bytes]:
-    return {"type": "error", "code": code, "message": message,
-            "data": msgpack.packb({"type": "error", "code": code, "message": message})}
+    return {
+        "type": "error",
+        "code": code,
+        "message": message,
+        "data": msgpack.packb({"type": "error", "code": code, "message": message}),
+    }
 
 
 def hash_tag(key: str) -> str:
@@ -258,7 +310,7 @@ def hash_tag(key: str) -> str:
     between the first `{` and the next `}`, if not empty ("" when there is none)."""
     start = key.find("{")
     end = key.find("}", start + 1)
-    return key[start + 1:end] if start >= 0 and end > start + 1 else ""
+    return key[start + 1 : end] if start >= 0 and end > start + 1 else ""
 
 
 # -- helpers ---------------------------------------------------------------------------

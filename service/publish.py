@@ -85,7 +85,8 @@ for s = 1, #streams do
       local ids = table.concat(token['token_ids'], ' ')
       local added
       if token['index'] then  -- a choice of a request with n > 1
-        added = redis.pcall('XADD', stream, id, 'type', 'token', 'seq', seq, 'index', string.format('%d', token['index']),
+        added = redis.pcall('XADD', stream, id, 'type', 'token', 'seq', seq,
+          'index', string.format('%d', token['index']),
           'text', token['text'], 'token_ids', ids, 'data', data)
       else
         added = redis.pcall('XADD', stream, id, 'type', 'token', 'seq', seq, 'text', token['text'],
@@ -164,8 +165,9 @@ class ReplyPublisher:
 
     async def claim(self, reply_to: str, entry_id: str) -> Claim:
         """Take `reply_to` for the job in entry `entry_id` (see the module docstring)."""
-        reply = await self._claim(keys=[reply_to, owner_key(reply_to)],
-                                  args=[entry_id, self.owner(entry_id), self.ttl_s])
+        reply = await self._claim(
+            keys=[reply_to, owner_key(reply_to)], args=[entry_id, self.owner(entry_id), self.ttl_s]
+        )
         if not reply[0]:
             return Claim(False, {}, 0, False)
         choices: dict[int, list[int]] = {}
@@ -201,8 +203,9 @@ class ReplyPublisher:
                 results.update((index, reply) for index in call)
                 continue
             for index, result in zip(call, reply):
-                results[index] = ResponseError(result.decode(errors="replace")) if isinstance(result, bytes) \
-                    else bool(result)
+                results[index] = (
+                    ResponseError(result.decode(errors="replace")) if isinstance(result, bytes) else bool(result)
+                )
         return [results[index] for index in range(len(appends))]
 
     def _calls(self, appends: Sequence[Append]) -> list[list[int]]:
@@ -212,8 +215,11 @@ class ReplyPublisher:
         for index, append in enumerate(appends):
             slot = key_slot(append.reply_to.encode()) if self.cluster else 0
             groups.setdefault(slot, []).append(index)
-        return [group[start:start + STREAMS_PER_CALL] for group in groups.values()
-                for start in range(0, len(group), STREAMS_PER_CALL)]
+        return [
+            group[start : start + STREAMS_PER_CALL]
+            for group in groups.values()
+            for start in range(0, len(group), STREAMS_PER_CALL)
+        ]
 
     async def _append_pipelined(self, calls: list[list[int]], appends: Sequence[Append]) -> list:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -223,12 +229,20 @@ class ReplyPublisher:
                     append = appends[index]
                     keys += (append.reply_to, owner_key(append.reply_to))
                     event_id, fields = append.final or ("", {})
-                    specs.append((self.owner(append.entry_id), self.ttl_s if append.refresh_ttl else 0,
-                                  append.tokens, event_id, [part for pair in fields.items() for part in pair]))
+                    specs.append(
+                        (
+                            self.owner(append.entry_id),
+                            self.ttl_s if append.refresh_ttl else 0,
+                            append.tokens,
+                            event_id,
+                            [part for pair in fields.items() for part in pair],
+                        )
+                    )
                 # The old msgpack format (no bin, no str8), the one Redis's Lua cmsgpack reads.
                 # execute_command: a cluster pipeline refuses pipe.evalsha, and routes this by its keys.
-                pipe.execute_command("EVALSHA", self._append_sha, len(keys), *keys,
-                                     msgpack.packb(specs, use_bin_type=False))
+                pipe.execute_command(
+                    "EVALSHA", self._append_sha, len(keys), *keys, msgpack.packb(specs, use_bin_type=False)
+                )
             return await pipe.execute(raise_on_error=False)
 
     async def done(self, reply_to: str, entry_id: str, event: FinalEvent, num_tokens: int) -> None:
@@ -240,7 +254,7 @@ class ReplyPublisher:
 
     async def _write(self, reply_to: str, entry_id: str, event_id: str, fields: dict) -> None:
         """One fenced event; raises `LeaseLost` when this worker no longer owns the stream."""
-        written, = await self.append([Append(reply_to, entry_id, (), (event_id, fields), refresh_ttl=True)])
+        (written,) = await self.append([Append(reply_to, entry_id, (), (event_id, fields), refresh_ttl=True)])
         if isinstance(written, RedisError):
             raise written
         if not written:

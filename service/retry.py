@@ -45,8 +45,9 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, TRANSIENT) and not isinstance(error, FATAL)
 
 
-async def retrying(call: Callable[[], Awaitable[T]], max_delay_s: float = MAX_DELAY_S,
-                   on_outage: Callable[[], None] | None = None) -> T:
+async def retrying(
+    call: Callable[[], Awaitable[T]], max_delay_s: float = MAX_DELAY_S, on_outage: Callable[[], None] | None = None
+) -> T:
     """`await call()` until Redis answers; see the module docstring for what is retried.
 
     Waits between tries double from FIRST_DELAY_S up to `max_delay_s` (a caller racing

@@ -92,8 +92,15 @@ def _replies(reply) -> Iterator[tuple[bytes, dict]]:
 
 
 class _Settings:
-    def __init__(self, make_client, url: str, requests_stream: str, control_stream: str, block_ms: int,
-                 reply_timeout_s: float | None) -> None:
+    def __init__(
+        self,
+        make_client,
+        url: str,
+        requests_stream: str,
+        control_stream: str,
+        block_ms: int,
+        reply_timeout_s: float | None,
+    ) -> None:
         self.address = urlsplit(url)._replace(netloc=urlsplit(url).netloc.rpartition("@")[2]).geturl()  # no password
         with _translated(self.address):  # a blocking cluster client reaches a node as it is built
             self.redis = make_client(url, block_ms=block_ms, socket_connect_timeout=5)
@@ -122,19 +129,27 @@ class _QuietLimit:
             return self.block_ms
         left_ms = (self.since + self.limit_s - time.monotonic()) * 1000
         if left_ms <= 0:
-            raise ReplyTimeout(f"no reply to request {self.request_id} within {self.limit_s:g} s: no worker is "
-                               f"serving {self.served}, or it stopped (the job stays queued)")
+            raise ReplyTimeout(
+                f"no reply to request {self.request_id} within {self.limit_s:g} s: no worker is "
+                f"serving {self.served}, or it stopped (the job stays queued)"
+            )
         return max(1, min(self.block_ms, int(left_ms)))
 
 
 class Client(_Settings):
-    def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
-                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000,
-                 reply_timeout_s: float | None = REPLY_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379",
+        requests_stream: str = REQUESTS_STREAM,
+        control_stream: str = CONTROL_STREAM,
+        block_ms: int = 1000,
+        reply_timeout_s: float | None = REPLY_TIMEOUT_S,
+    ) -> None:
         super().__init__(connect, url, requests_stream, control_stream, block_ms, reply_timeout_s)
 
-    async def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                     request_id: str | None = None, **options) -> str:
+    async def submit(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, request_id: str | None = None, **options
+    ) -> str:
         """Queue a job; returns its request id. Options: max_tokens, temperature, top_p,
         top_k, seed, stop, ignore_eos, n, priority, deadline_ms, reply_to; structured
         output: json_schema (a dict), json_object, regex or choice (a list of strings);
@@ -178,13 +193,19 @@ class Client(_Settings):
 class SyncClient(_Settings):
     """The same, blocking."""
 
-    def __init__(self, url: str = "redis://127.0.0.1:6379", requests_stream: str = REQUESTS_STREAM,
-                 control_stream: str = CONTROL_STREAM, block_ms: int = 1000,
-                 reply_timeout_s: float | None = REPLY_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379",
+        requests_stream: str = REQUESTS_STREAM,
+        control_stream: str = CONTROL_STREAM,
+        block_ms: int = 1000,
+        reply_timeout_s: float | None = REPLY_TIMEOUT_S,
+    ) -> None:
         super().__init__(connect_sync, url, requests_stream, control_stream, block_ms, reply_timeout_s)
 
-    def submit(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-               request_id: str | None = None, **options) -> str:
+    def submit(
+        self, prompt: str | None = None, *, messages: list[dict] | None = None, request_id: str | None = None, **options
+    ) -> str:
         request_id = request_id or uuid.uuid4().hex
         with _translated(self.address):
             self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))

@@ -26,7 +26,9 @@ from workers.request import FinalEvent
 def configure_logging(config: LoggingConfig, stream: TextIO | None = None) -> None:
     stream = stream or sys.stderr
     as_json = config.format == "json" or (config.format == "auto" and not _is_terminal(stream))
-    renderer = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=_is_terminal(stream))
+    renderer = (
+        structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=_is_terminal(stream))
+    )
     level = logging.getLevelNamesMapping()[config.level.upper()]
     shared = [
         structlog.contextvars.merge_contextvars,
@@ -40,10 +42,12 @@ def configure_logging(config: LoggingConfig, stream: TextIO | None = None) -> No
         cache_logger_on_first_use=False,  # tests configure it more than once per process
     )
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
     logging.basicConfig(handlers=[handler], level=level, force=True)
     logging.captureWarnings(True)
     # transformers gives its loggers a handler of their own and stops propagation; hand

@@ -73,8 +73,15 @@ class Held:
 
 
 class Worker:
-    def __init__(self, engine: Engine, redis, config: RedisConfig, metrics: Metrics | None = None,
-                 ingest_poll_s: float = 5.0, log_prompts: bool = False) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        redis,
+        config: RedisConfig,
+        metrics: Metrics | None = None,
+        ingest_poll_s: float = 5.0,
+        log_prompts: bool = False,
+    ) -> None:
         self.config = config
         self.metrics = metrics or Metrics(engine.config.scheduler)
         engine.observer = self.metrics.observe_step
@@ -102,10 +109,12 @@ class Worker:
         # the GIL for a long pause that the stepping thread and the publishing both wait on.
         gc.freeze()
         async with self.front:
-            background = [asyncio.create_task(self.outbox.run(), name="outbox"),
-                          asyncio.create_task(self._follow_control(), name="control"),
-                          asyncio.create_task(self._renew_leases(), name="leases"),
-                          asyncio.create_task(self._housekeeping(), name="housekeeping")]
+            background = [
+                asyncio.create_task(self.outbox.run(), name="outbox"),
+                asyncio.create_task(self._follow_control(), name="control"),
+                asyncio.create_task(self._renew_leases(), name="leases"),
+                asyncio.create_task(self._housekeeping(), name="housekeeping"),
+            ]
             try:
                 await self._claim_until(stop)
                 return await self._drain()
@@ -123,8 +132,9 @@ class Worker:
             room = self.capacity - len(self.held)
             if room <= 0:
                 stopping = asyncio.create_task(stop.wait())
-                await asyncio.wait([stopping, *(h.task for h in self.held.values())],
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    [stopping, *(h.task for h in self.held.values())], return_when=asyncio.FIRST_COMPLETED
+                )
                 stopping.cancel()
                 continue
             entries = await _unless_stopped(stop, lambda: self.reader.read(room, self.config.block_ms, self.held))
@@ -202,9 +212,14 @@ class Worker:
         claim = await retrying(lambda: self.publisher.claim(job.reply_to, entry.entry_id))
         if not claim.owned:
             self.metrics.observe_outcome("rejected")
-            await self._reject(entry, "duplicate_id", f"{job.reply_to} already holds another job's replies "
-                               "(request ids are unique while their reply stream lives)", None,
-                               request_id=job.request_id)
+            await self._reject(
+                entry,
+                "duplicate_id",
+                f"{job.reply_to} already holds another job's replies "
+                "(request ids are unique while their reply stream lives)",
+                None,
+                request_id=job.request_id,
+            )
             return
         if claim.finished:  # a worker wrote the final event, then died before acking
             await self._ack(entry)
@@ -212,8 +227,9 @@ class Worker:
         seq = claim.num_events
         if entry.deliveries > self.config.max_deliveries:
             self.metrics.observe_outcome("rejected")
-            await self._reject(entry, "too_many_deliveries", f"delivered {entry.deliveries} times", job.reply_to,
-                               seq, claimed=True)
+            await self._reject(
+                entry, "too_many_deliveries", f"delivered {entry.deliveries} times", job.reply_to, seq, claimed=True
+            )
             return
         if self.cancels.cancels(job.request_id, entry.entry_id):
             await self._finish_unrun(entry, job, FinishReason.CANCELLED, seq)
@@ -228,13 +244,15 @@ class Worker:
         # next step (it was cancelled), and none of its events may reach the new stream.
         while self.front.holds(entry.entry_id):
             await asyncio.sleep(0.02)
-        published = self.outbox.open(entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts,
-                                     choices=job.params.n)
+        published = self.outbox.open(
+            entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts, choices=job.params.n
+        )
         resumed = claim.token_ids if job.params.n == 1 else [claim.choices.get(i, []) for i in range(job.params.n)]
         if job.params.constrained:  # compiled (or found cached) off the event loop; its error comes from enqueue
             await asyncio.to_thread(_compile_quietly, self.front.engine, job.params)
-        self.front.enqueue(job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at,
-                           resumed_output_ids=resumed)
+        self.front.enqueue(
+            job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at, resumed_output_ids=resumed
+        )
         self.held[entry.entry_id].submitted = True
         outcome = await published
         event = outcome.final
@@ -244,8 +262,9 @@ class Worker:
         else:
             log_request_finished(log, event)
         if event.error_code is not None:
-            await self._reject(entry, event.error_code.value, event.error, job.reply_to, outcome.num_tokens,
-                               claimed=True)
+            await self._reject(
+                entry, event.error_code.value, event.error, job.reply_to, outcome.num_tokens, claimed=True
+            )
             return
         await self._ack(entry)
 
@@ -258,12 +277,26 @@ class Worker:
         await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, num_tokens))
         await self._ack(entry)
 
-    async def _reject(self, entry: Entry, code: str, message: str, reply_to: str | None, num_tokens: int = 0,
-                      request_id: str | None = None, claimed: bool = False) -> None:
+    async def _reject(
+        self,
+        entry: Entry,
+        code: str,
+        message: str,
+        reply_to: str | None,
+        num_tokens: int = 0,
+        request_id: str | None = None,
+        claimed: bool = False,
+    ) -> None:
         """Dead-letter the entry; first tell its producer on `reply_to`, if this job may
         write there (`claimed`, or it can claim the stream now)."""
-        log.warning("job_dead_lettered", code=code, message=message, entry_id=entry.entry_id,
-                    deliveries=entry.deliveries, **({"request_id": request_id} if request_id else {}))
+        log.warning(
+            "job_dead_lettered",
+            code=code,
+            message=message,
+            entry_id=entry.entry_id,
+            deliveries=entry.deliveries,
+            **({"request_id": request_id} if request_id else {}),
+        )
         self.metrics.observe_dead_letter(code)
         if reply_to:
             try:
@@ -297,8 +330,11 @@ class Worker:
                 renewed_at = loop.time()
                 continue
             try:  # Redis away: try again soon, the lease is running out
-                lost = await retrying(lambda: self.reader.renew(list(self.held)), max_delay_s=RENEW_RETRY_S,
-                                      on_outage=self.reader.outage_seen)
+                lost = await retrying(
+                    lambda: self.reader.renew(list(self.held)),
+                    max_delay_s=RENEW_RETRY_S,
+                    on_outage=self.reader.outage_seen,
+                )
             except RedisError as error:  # e.g. an ACL without XCLAIM: say so, try again next round
                 log.error("lease_renewal_failed", error=f"{type(error).__name__}: {error}")
                 continue
@@ -327,8 +363,11 @@ class Worker:
 
     async def _follow_control(self) -> None:
         while True:
-            reply = await retrying(lambda: self.redis.xread({self.config.control_stream: self.cancels.last_id},
-                                                            block=self.config.block_ms, count=1000))
+            reply = await retrying(
+                lambda: self.redis.xread(
+                    {self.config.control_stream: self.cancels.last_id}, block=self.config.block_ms, count=1000
+                )
+            )
             for _, entries in reply or []:
                 self._apply_cancels(entries)
 
@@ -343,8 +382,9 @@ class Worker:
         what is remembered."""
         while True:
             try:
-                await self.metrics.poll_ingest(self.redis, self.config.requests_stream, self.config.group,
-                                               self.config.dead_letter_stream)
+                await self.metrics.poll_ingest(
+                    self.redis, self.config.requests_stream, self.config.group, self.config.dead_letter_stream
+                )
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.xtrim(self.config.control_stream, minid=self.cancels.window_start(), approximate=True)
                     pipe.xtrim(self.config.control_stream, maxlen=self.config.control_max_len, approximate=True)

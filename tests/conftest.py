@@ -56,15 +56,24 @@ def make_engine(smollm2):
     """Build engines over the shared model; after the test, all their blocks must be free."""
     engines: list[Engine] = []
 
-    def build(loaded: LoadedModel | None = None, kv_memory_bytes: int = TEST_KV_MEMORY,
-              swap_memory_bytes: int = TEST_SWAP_MEMORY, block_size: int = CacheConfig.block_size,
-              prefix_caching: bool = CacheConfig.prefix_caching,
-              speculative: SpeculativeConfig = SpeculativeConfig(), model: ModelConfig = ModelConfig(),
-              **scheduler) -> Engine:
+    def build(
+        loaded: LoadedModel | None = None,
+        kv_memory_bytes: int = TEST_KV_MEMORY,
+        swap_memory_bytes: int = TEST_SWAP_MEMORY,
+        block_size: int = CacheConfig.block_size,
+        prefix_caching: bool = CacheConfig.prefix_caching,
+        speculative: SpeculativeConfig = SpeculativeConfig(),
+        model: ModelConfig = ModelConfig(),
+        **scheduler,
+    ) -> Engine:
         config = EngineConfig(
             model=model,
-            cache=CacheConfig(kv_memory_bytes=kv_memory_bytes, swap_memory_bytes=swap_memory_bytes,
-                              block_size=block_size, prefix_caching=prefix_caching),
+            cache=CacheConfig(
+                kv_memory_bytes=kv_memory_bytes,
+                swap_memory_bytes=swap_memory_bytes,
+                block_size=block_size,
+                prefix_caching=prefix_caching,
+            ),
             scheduler=SchedulerConfig(**scheduler),
             speculative=speculative,
         )
@@ -90,8 +99,10 @@ def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = 
 
     driver = Driver(engine, raise_errors=False)  # bad input is a final event the test looks at
     driver.drain(arrivals, max_steps)
-    return {request_id: (driver.tokens.get(request_id, []), final, driver.texts.get(request_id, ""))
-            for request_id, final in driver.finals.items()}
+    return {
+        request_id: (driver.tokens.get(request_id, []), final, driver.texts.get(request_id, ""))
+        for request_id, final in driver.finals.items()
+    }
 
 
 @pytest.fixture(scope="session")

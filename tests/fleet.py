@@ -34,13 +34,32 @@ class Fleet:
         self._issued = 0
 
     def start(self, name: str) -> WorkerProcess:
-        worker = self.workers.get(name) or WorkerProcess(name, [
-            "--redis-url", self.url, "--requests-stream", self.stream, "--dead-letter-stream", self.dead,
-            "--control-stream", self.control, "--kv-memory-mb", "64", "--swap-memory-mb", "16",
-            "--max-running-requests", "4", "--log-format", "json",
-            # Workers share the machine's cores: one torch thread each, or their OpenMP
-            # teams outnumber the cores and every step slows down many times over.
-            "--threads", "1"], self.logs)
+        worker = self.workers.get(name) or WorkerProcess(
+            name,
+            [
+                "--redis-url",
+                self.url,
+                "--requests-stream",
+                self.stream,
+                "--dead-letter-stream",
+                self.dead,
+                "--control-stream",
+                self.control,
+                "--kv-memory-mb",
+                "64",
+                "--swap-memory-mb",
+                "16",
+                "--max-running-requests",
+                "4",
+                "--log-format",
+                "json",
+                # Workers share the machine's cores: one torch thread each, or their OpenMP
+                # teams outnumber the cores and every step slows down many times over.
+                "--threads",
+                "1",
+            ],
+            self.logs,
+        )
         self.workers[name] = worker
         worker.start()
         return worker
@@ -72,8 +91,10 @@ class Fleet:
         override or add to it."""
         self.request_ids.extend(ids)
         for request_id in ids:
-            self.client.xadd(self.stream, {"id": request_id, "prompt": PROMPT, "max_tokens": str(MAX_TOKENS),
-                                           "ignore_eos": "true", **fields})
+            self.client.xadd(
+                self.stream,
+                {"id": request_id, "prompt": PROMPT, "max_tokens": str(MAX_TOKENS), "ignore_eos": "true", **fields},
+            )
         return ids
 
     def new_ids(self, count: int) -> list[str]:
@@ -109,5 +130,5 @@ def assert_well_formed(events: list[dict], greedy: list[int]) -> None:
     tokens = [e for e in events if e["type"] == "token"]
     assert [e["seq"] for e in tokens] == list(range(len(tokens)))
     assert [t for e in tokens for t in e["token_ids"]] == greedy
-    assert [e["type"] for e in events[len(tokens):]] == ["done"]
+    assert [e["type"] for e in events[len(tokens) :]] == ["done"]
     assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS

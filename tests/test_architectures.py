@@ -53,5 +53,5 @@ def test_tiny_random_model_matches_generate(arch, make_engine, smollm2):
         with torch.inference_mode():
             want = reference.generate(
                 torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
-            )[0, len(ids):].tolist()
+            )[0, len(ids) :].tolist()
         assert results[rid][0] == want, rid

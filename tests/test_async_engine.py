@@ -97,9 +97,13 @@ def test_an_enqueued_request_is_held_until_its_final_event_is_handed_on(make_eng
             await eventually(lambda: not front.holds("job-1"), 60, "the cancelled final event")
             final = handed_on[-1]
             assert isinstance(final, FinalEvent) and final.finish_reason is FinishReason.CANCELLED
-            front.enqueue("Tell me about the moon.", SamplingParams(max_tokens=2, ignore_eos=True), "job-1")  # the id is free
+            front.enqueue(
+                "Tell me about the moon.", SamplingParams(max_tokens=2, ignore_eos=True), "job-1"
+            )  # the id is free
             await eventually(lambda: not front.holds("job-1"), 60, "the second final event")
 
     asyncio.run(main())
-    assert [e.finish_reason for e in handed_on if isinstance(e, FinalEvent)] == [FinishReason.CANCELLED,
-                                                                                 FinishReason.LENGTH]
+    assert [e.finish_reason for e in handed_on if isinstance(e, FinalEvent)] == [
+        FinishReason.CANCELLED,
+        FinishReason.LENGTH,
+    ]

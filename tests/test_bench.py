@@ -103,9 +103,22 @@ def test_tiny_real_run_writes_json_and_png(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(
-        ["--requests", "3", "--prompt-len", "4", "12", "--output-len", "2", "5",
-         "--systems", "engine,hf_continuous,hf_static", "--hf-batch-tokens", "64",
-         "--json", str(tmp_path / "bench.json")]
+        [
+            "--requests",
+            "3",
+            "--prompt-len",
+            "4",
+            "12",
+            "--output-len",
+            "2",
+            "5",
+            "--systems",
+            "engine,hf_continuous,hf_static",
+            "--hf-batch-tokens",
+            "64",
+            "--json",
+            str(tmp_path / "bench.json"),
+        ]
     )
     report = run(args)
 
@@ -158,8 +171,14 @@ def test_vllm_settings_are_every_core_for_its_engine_or_its_own_default():
     from bench.peer_vllm import settings
 
     both = settings(2)["both-cores"]
-    assert (both["OMP_NUM_THREADS"], both["VLLM_CPU_OMP_THREADS_BIND"], both["VLLM_CPU_NUM_OF_RESERVED_CPU"]) == ("2", "0-1", "0")
-    assert not {"OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"} & set(settings(2)["default"])
+    assert (both["OMP_NUM_THREADS"], both["VLLM_CPU_OMP_THREADS_BIND"], both["VLLM_CPU_NUM_OF_RESERVED_CPU"]) == (
+        "2",
+        "0-1",
+        "0",
+    )
+    assert not {"OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"} & set(
+        settings(2)["default"]
+    )
 
 
 @pytest.mark.slow

@@ -26,8 +26,17 @@ def bench(tmp_path, *argv: str) -> dict:
 
 
 def test_scheduler_decision_cost_is_reported(tmp_path):
-    report = bench(tmp_path, "--scenario", "scheduler", "--scheduler-running", "32",
-                   "--scheduler-waiting", "100", "--scheduler-decisions", "20")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "scheduler",
+        "--scheduler-running",
+        "32",
+        "--scheduler-waiting",
+        "100",
+        "--scheduler-decisions",
+        "20",
+    )
     figures = report["scheduler"]
     assert figures["running"] == 32 and figures["waiting"] == 100 and figures["decisions"] == 20
     assert 0 < figures["decision_p50_ms"] <= figures["decision_p99_ms"]
@@ -35,8 +44,22 @@ def test_scheduler_decision_cost_is_reported(tmp_path):
 
 @pytest.mark.slow
 def test_storm_compares_budgets_on_and_off_at_the_same_positions(tmp_path):
-    report = bench(tmp_path, "--scenario", "storm", "--storm-running", "2", "--storm-burst", "2",
-                   "--storm-prompt-len", "40", "60", "--storm-output-len", "2", "--storm-prefill-tokens", "8")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "storm",
+        "--storm-running",
+        "2",
+        "--storm-burst",
+        "2",
+        "--storm-prompt-len",
+        "40",
+        "60",
+        "--storm-output-len",
+        "2",
+        "--storm-prefill-tokens",
+        "8",
+    )
     storm = report["storm"]
     on, off = storm["budgets_on"], storm["budgets_off"]
     for key in ("itl_p99_burst_s", "itl_p50_steady_s"):
@@ -47,14 +70,25 @@ def test_storm_compares_budgets_on_and_off_at_the_same_positions(tmp_path):
     assert on["burst_steps"] > off["burst_steps"]
     # Both runs met the same seeded burst, and the steady pace was measured (a third run).
     assert on["burst_prompt_tokens"] == off["burst_prompt_tokens"] and 2 * 40 <= on["burst_prompt_tokens"] <= 2 * 60
-    assert finite_positive(storm["steady"]["itl_p50_s"]) and storm["steady"]["itl_p50_s"] <= storm["steady"]["itl_p99_s"]
+    assert (
+        finite_positive(storm["steady"]["itl_p50_s"]) and storm["steady"]["itl_p50_s"] <= storm["steady"]["itl_p99_s"]
+    )
     assert finite_positive(storm["burst_p99_over_steady_p50"]) and finite_positive(storm["off_p99_over_on_p99"])
 
 
 @pytest.mark.slow
 def test_priority_scenario_high_priority_jumps_the_backlog(tmp_path):
-    report = bench(tmp_path, "--scenario", "priority", "--priority-low", "24", "--priority-high", "3",
-                   "--priority-high-every", "0.2")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "priority",
+        "--priority-low",
+        "24",
+        "--priority-high",
+        "3",
+        "--priority-high-every",
+        "0.2",
+    )
     figures = report["priority"]
     assert figures["low_requests"] == 24 and figures["high_requests"] == 3
     assert figures["high_ttft_p50_s"] < figures["low_ttft_p50_s"]
@@ -63,8 +97,21 @@ def test_priority_scenario_high_priority_jumps_the_backlog(tmp_path):
 
 @pytest.mark.slow
 def test_swap_scenario_preempts_only_with_the_small_pool(tmp_path):
-    report = bench(tmp_path, "--scenario", "swap", "--swap-requests", "4", "--swap-pool-blocks", "12",
-                   "--swap-prompt-len", "16", "32", "--swap-output-len", "40", "60")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "swap",
+        "--swap-requests",
+        "4",
+        "--swap-pool-blocks",
+        "12",
+        "--swap-prompt-len",
+        "16",
+        "32",
+        "--swap-output-len",
+        "40",
+        "60",
+    )
     swap = report["swap"]
     assert swap["large_pool"]["preemptions"] == 0
     assert swap["small_pool_swap"]["blocks_swapped_out"] > 0
@@ -79,8 +126,25 @@ def test_swap_scenario_preempts_only_with_the_small_pool(tmp_path):
 
 
 def test_redis_scenario_runs_the_workload_through_a_worker_process_and_in_process(tmp_path):
-    report = bench(tmp_path, "--scenario", "redis", "--redis-url", "redis://127.0.0.1:6379", "--requests", "3",
-                   "--prompt-len", "8", "16", "--output-len", "3", "6", "--redis-rounds", "2", "--ttft-pairs", "2")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "redis",
+        "--redis-url",
+        "redis://127.0.0.1:6379",
+        "--requests",
+        "3",
+        "--prompt-len",
+        "8",
+        "16",
+        "--output-len",
+        "3",
+        "6",
+        "--redis-rounds",
+        "2",
+        "--ttft-pairs",
+        "2",
+    )
     figures = report["redis"]
     rounds = figures["rounds"]
     assert len(rounds["redis"]) == len(rounds["inprocess"]) == 2
@@ -99,9 +163,25 @@ def test_redis_scenario_runs_the_workload_through_a_worker_process_and_in_proces
 
 @pytest.mark.slow
 def test_soak_scenario_short_loses_nothing_through_a_redis_restart_and_a_worker_kill(tmp_path):
-    report = bench(tmp_path, "--scenario", "soak", "--soak-minutes", "0.5", "--soak-warmup-s", "6",
-                   "--soak-concurrency", "24", "--soak-max-tokens", "24", "--soak-reply-ttl-s", "10",
-                   "--soak-drain-s", "60", "--seed", "3")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "soak",
+        "--soak-minutes",
+        "0.5",
+        "--soak-warmup-s",
+        "6",
+        "--soak-concurrency",
+        "24",
+        "--soak-max-tokens",
+        "24",
+        "--soak-reply-ttl-s",
+        "10",
+        "--soak-drain-s",
+        "60",
+        "--seed",
+        "3",
+    )
     soak = report["soak"]
     assert soak["jobs"]["sent"] > 20 and soak["jobs"]["lost"] == 0
     assert soak["seqs"] == {"duplicate": 0, "missing": 0, "events_after_final": 0, "usage_mismatch": 0}
@@ -123,11 +203,25 @@ def test_intake_scenario_reports_what_one_redis_shard_takes_in(tmp_path):
 
 
 def test_edge_scenario_delivers_every_event_through_the_real_worker_per_step_and_per_event(tmp_path):
-    report = bench(tmp_path, "--scenario", "edge", "--edge-streams", "8,32", "--edge-tokens", "20",
-                   "--edge-step-ms", "0", "--edge-baseline")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "edge",
+        "--edge-streams",
+        "8,32",
+        "--edge-tokens",
+        "20",
+        "--edge-step-ms",
+        "0",
+        "--edge-baseline",
+    )
     rows = report["edge"]["rows"]
     assert [(row["publishing"], row["streams"]) for row in rows] == [
-        ("per_step", 8), ("per_step", 32), ("per_event", 8), ("per_event", 32)]
+        ("per_step", 8),
+        ("per_step", 32),
+        ("per_event", 8),
+        ("per_event", 32),
+    ]
     for row in rows:
         assert row["events"] == row["streams"] * 20
         assert finite_positive(row["events_per_s"]) and finite_positive(row["redis_bytes_per_token"])
@@ -143,15 +237,46 @@ def test_edge_scenario_delivers_every_event_through_the_real_worker_per_step_and
 def test_prefix_scenario_reuses_cached_prefixes_by_tier(tmp_path):
     # The shared prefix is longer than a step's prompt budget (512), so the first request's
     # prefix takes the first step alone and the others find it cached.
-    report = bench(tmp_path, "--scenario", "prefix", "--prefix-requests", "3", "--prefix-shared-len", "520",
-                   "--prefix-suffix-len", "2", "6", "--prefix-output-len", "2", "3",
-                   "--prefix-conversations", "3", "--prefix-turns", "2", "--prefix-first-len", "24",
-                   "--prefix-message-len", "4", "--prefix-turn-output-len", "2",
-                   "--prefix-n-prompts", "2", "--prefix-n-prompt-len", "40", "--prefix-n", "3", "--prefix-n-output-len", "3")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "prefix",
+        "--prefix-requests",
+        "3",
+        "--prefix-shared-len",
+        "520",
+        "--prefix-suffix-len",
+        "2",
+        "6",
+        "--prefix-output-len",
+        "2",
+        "3",
+        "--prefix-conversations",
+        "3",
+        "--prefix-turns",
+        "2",
+        "--prefix-first-len",
+        "24",
+        "--prefix-message-len",
+        "4",
+        "--prefix-turn-output-len",
+        "2",
+        "--prefix-n-prompts",
+        "2",
+        "--prefix-n-prompt-len",
+        "40",
+        "--prefix-n",
+        "3",
+        "--prefix-n-output-len",
+        "3",
+    )
     figures = report["prefix"]
     shared = figures["shared"]["systems"]
     # Every system produced the same outputs; only the caching ones found the shared prefix.
-    assert len({s["output_tokens"] for s in shared.values()}) == 1 and 3 * 2 <= shared["host_tier"]["output_tokens"] <= 3 * 3
+    assert (
+        len({s["output_tokens"] for s in shared.values()}) == 1
+        and 3 * 2 <= shared["host_tier"]["output_tokens"] <= 3 * 3
+    )
     assert shared["caching_off"]["cache"]["queried_tokens"] == 0
     for name in ("device_only", "host_tier"):
         assert shared[name]["cache"]["device_hit_tokens"] >= 2 * 512 and shared[name]["cache"]["host_hit_tokens"] == 0
@@ -177,8 +302,21 @@ def test_prefix_scenario_reuses_cached_prefixes_by_tier(tmp_path):
 def test_overhead_scenario_reports_the_host_time_of_each_phase(tmp_path):
     """A stub forward behind the real engine: each size's steps ran that many decodes,
     and the phases add up to the host time of the steps that timed them."""
-    report = bench(tmp_path, "--scenario", "overhead", "--overhead-sizes", "4,16", "--overhead-steps", "12",
-                   "--overhead-prompt-len", "20", "40", "--overhead-output-len", "4", "12")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "overhead",
+        "--overhead-sizes",
+        "4,16",
+        "--overhead-steps",
+        "12",
+        "--overhead-prompt-len",
+        "20",
+        "40",
+        "--overhead-output-len",
+        "4",
+        "12",
+    )
     sizes = report["overhead"]["sizes"]
     assert set(sizes) == {"4", "16"}
     for size, figures in sizes.items():
@@ -187,16 +325,35 @@ def test_overhead_scenario_reports_the_host_time_of_each_phase(tmp_path):
         assert int(size) - 2 <= figures["tokens_per_step"] <= int(size) + 2  # a full batch, some finishing
         for phase in ("scheduling", "metadata", "sampling", "detokenization", "events"):
             assert finite_positive(per_step[phase]["mean"]), phase
-        phases = sum(per_step[phase]["mean"] for phase in ("scheduling", "metadata", "sampling",
-                                                           "detokenization", "events", "other"))
+        phases = sum(
+            per_step[phase]["mean"]
+            for phase in ("scheduling", "metadata", "sampling", "detokenization", "events", "other")
+        )
         assert phases == pytest.approx(per_step["timed_total"]["mean"])
         assert finite_positive(per_step["total"]["p50"])  # from the steps run without the timing wrappers
 
 
 @pytest.mark.slow
 def test_spec_scenario_compares_speculation_on_and_off_on_the_same_tokens(tmp_path):
-    report = bench(tmp_path, "--scenario", "spec", "--spec-copy-requests", "1", "--spec-max-tokens", "12",
-                   "--spec-concurrency", "1", "--requests", "2", "--prompt-len", "8", "12", "--output-len", "4", "6")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "spec",
+        "--spec-copy-requests",
+        "1",
+        "--spec-max-tokens",
+        "12",
+        "--spec-concurrency",
+        "1",
+        "--requests",
+        "2",
+        "--prompt-len",
+        "8",
+        "12",
+        "--output-len",
+        "4",
+        "6",
+    )
     figures = report["spec"]
     assert set(figures) == {"max_draft_tokens", "copy_c1", "default"}
     for name in ("copy_c1", "default"):

@@ -9,8 +9,7 @@ import math
 import pytest
 
 from bench.main import add_arguments, run
-from bench.serve import (BURST, HEADLINE, RequestRecord, arrival_points, poisson_arrivals, ratios,
-                         summarize_point)
+from bench.serve import BURST, HEADLINE, RequestRecord, arrival_points, poisson_arrivals, ratios, summarize_point
 
 
 def test_poisson_arrivals_are_seeded_start_at_t0_and_have_the_asked_mean_rate():
@@ -38,8 +37,9 @@ def record(ttft: float, gaps: list[float], tokens: int, **fields) -> RequestReco
     times = [ttft]
     for gap in gaps:
         times.append(times[-1] + gap)
-    return RequestRecord(sent_s=0.0, chunk_times_s=times, end_s=times[-1], completion_tokens=tokens,
-                         prompt_tokens=10, **fields)
+    return RequestRecord(
+        sent_s=0.0, chunk_times_s=times, end_s=times[-1], completion_tokens=tokens, prompt_tokens=10, **fields
+    )
 
 
 def test_point_figures_on_fixed_records():
@@ -85,9 +85,26 @@ def test_ratios_divide_inflight_by_vllm_and_leave_missing_figures_out():
 def test_serve_scenario_against_inflight_returns_figures_for_every_request(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--scenario", "serve", "--systems", "engine", "--requests", "3",
-                              "--prompt-len", "8", "16", "--output-len", "3", "6", "--serve-rates", "8",
-                              "--json", str(tmp_path / "report.json")])
+    args = parser.parse_args(
+        [
+            "--scenario",
+            "serve",
+            "--systems",
+            "engine",
+            "--requests",
+            "3",
+            "--prompt-len",
+            "8",
+            "16",
+            "--output-len",
+            "3",
+            "6",
+            "--serve-rates",
+            "8",
+            "--json",
+            str(tmp_path / "report.json"),
+        ]
+    )
     serve = run(args)["serve"]
     assert list(serve["systems"]) == ["inflight"] and "ratio_inflight_to_vllm" not in serve
     points = serve["systems"]["inflight"]["points"]

@@ -11,9 +11,26 @@ pytestmark = pytest.mark.slow
 
 
 def test_structured_scenario_reports_cost_compile_times_and_validity(tmp_path):
-    report = bench(tmp_path, "--scenario", "structured", "--requests", "2", "--prompt-len", "8", "16",
-                   "--output-len", "2", "4", "--structured-rounds", "1", "--structured-schemas", "4",
-                   "--structured-validity", "--structured-max-tokens", "8")
+    report = bench(
+        tmp_path,
+        "--scenario",
+        "structured",
+        "--requests",
+        "2",
+        "--prompt-len",
+        "8",
+        "16",
+        "--output-len",
+        "2",
+        "4",
+        "--structured-rounds",
+        "1",
+        "--structured-schemas",
+        "4",
+        "--structured-validity",
+        "--structured-max-tokens",
+        "8",
+    )
     figures = report["structured"]
     throughput = figures["throughput"]
     # Both runs made every asked-for token: the bench schema never ends within them.

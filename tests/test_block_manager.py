@@ -156,7 +156,7 @@ def test_block_hash_chains_are_equal_exactly_when_the_prefixes_are(a, b, block_s
     def chain(tokens, salt=SALT):
         hashes, parent = [], b""
         for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
-            parent = block_hash(parent, tokens[start:start + block_size], salt)
+            parent = block_hash(parent, tokens[start : start + block_size], salt)
             hashes.append(parent)
         return hashes
 

@@ -14,8 +14,20 @@ pytestmark = pytest.mark.slow
 
 def test_demo_streams_an_answer_to_a_chat_prompt():
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "demo", "--prompt", "What is the capital of France?", "--max-tokens", "12"],
-        capture_output=True, text=True, timeout=300, check=True,
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "demo",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert "[chat] What is the capital of France?" in result.stdout
     assert "Paris" in result.stdout
@@ -34,9 +46,31 @@ def test_worker_process_serves_a_job_and_exits_cleanly_on_sigterm():
     client = redis.Redis(host="127.0.0.1", port=6379)
     client.xadd(stream, {"id": f"{prefix}-job", "prompt": "The capital of France is", "max_tokens": "6"})
     worker = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream", stream, "--dead-letter-stream", dead,
-         "--control-stream", f"{prefix}:control", "--consumer", "cli-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "worker",
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--requests-stream",
+            stream,
+            "--dead-letter-stream",
+            dead,
+            "--control-stream",
+            f"{prefix}:control",
+            "--consumer",
+            "cli-test",
+            "--kv-memory-mb",
+            "128",
+            "--swap-memory-mb",
+            "16",
+            "--metrics-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.time() + 240
@@ -58,7 +92,6 @@ def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams
     import os
     import signal
     import socket
-    import time
 
     import redis
 
@@ -67,9 +100,28 @@ def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams
         port = probe.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--embedded-port", str(port), "--embedded-data-dir",
-         str(tmp_path / "valkey"), "--consumer", "embedded-test", "--kv-memory-mb", "128", "--swap-memory-mb", "16", "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "worker",
+            "--embedded-port",
+            str(port),
+            "--embedded-data-dir",
+            str(tmp_path / "valkey"),
+            "--consumer",
+            "embedded-test",
+            "--kv-memory-mb",
+            "128",
+            "--swap-memory-mb",
+            "16",
+            "--metrics-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**env, "PYTHONUNBUFFERED": "1"},
     )
     try:
         banner = ""
@@ -81,16 +133,46 @@ def test_with_no_redis_url_the_worker_runs_an_embedded_valkey_and_submit_streams
         assert f"submit --redis-url redis://127.0.0.1:{port}" in banner  # it says how to submit
 
         result = subprocess.run(
-            [sys.executable, "-m", "service.cli", "submit", "What is the capital of France?", "--max-tokens", "12",
-             "--priority", "3", "--redis-url", f"redis://127.0.0.1:{port}"],
-            capture_output=True, text=True, timeout=300, check=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "submit",
+                "What is the capital of France?",
+                "--max-tokens",
+                "12",
+                "--priority",
+                "3",
+                "--redis-url",
+                f"redis://127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            env=env,
         )
         assert "Paris" in result.stdout
         assert "tokens, first token" in result.stderr
         with_logprobs = subprocess.run(
-            [sys.executable, "-m", "service.cli", "submit", "What is the capital of France?", "--max-tokens", "4",
-             "--logprobs", "2", "--redis-url", f"redis://127.0.0.1:{port}"],
-            capture_output=True, text=True, timeout=300, check=True, env=env,
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "submit",
+                "What is the capital of France?",
+                "--max-tokens",
+                "4",
+                "--logprobs",
+                "2",
+                "--redis-url",
+                f"redis://127.0.0.1:{port}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            env=env,
         )
         table = [line for line in with_logprobs.stderr.splitlines() if "|" in line]
         assert len(table) == 4 and all(line.count("'") >= 6 for line in table)  # token, then 2 alternatives
@@ -124,10 +206,34 @@ def test_two_worker_processes_on_one_stream_split_the_load_with_no_duplicates():
     client = redis.Redis(host="127.0.0.1", port=6379)
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
-             stream, "--dead-letter-stream", dead, "--control-stream", f"{prefix}:control", "--consumer", name, "--kv-memory-mb", "128", "--swap-memory-mb",
-             "16", "--max-running-requests", "2", "--threads", "1", "--metrics-port", "0"],  # capacity 4 each: neither can take all
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "worker",
+                "--redis-url",
+                "redis://127.0.0.1:6379",
+                "--requests-stream",
+                stream,
+                "--dead-letter-stream",
+                dead,
+                "--control-stream",
+                f"{prefix}:control",
+                "--consumer",
+                name,
+                "--kv-memory-mb",
+                "128",
+                "--swap-memory-mb",
+                "16",
+                "--max-running-requests",
+                "2",
+                "--threads",
+                "1",
+                "--metrics-port",
+                "0",
+            ],  # capacity 4 each: neither can take all
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for name in ("left", "right")
     ]
@@ -148,8 +254,13 @@ def test_two_worker_processes_on_one_stream_split_the_load_with_no_duplicates():
         for worker in workers:
             worker.kill()
             worker.wait()
-        client.delete(stream, dead, f"{prefix}:control", *[f"inflight:out:{{{job}}}" for job in jobs],
-                      *[f"inflight:out:{{{job}}}:owner" for job in jobs])
+        client.delete(
+            stream,
+            dead,
+            f"{prefix}:control",
+            *[f"inflight:out:{{{job}}}" for job in jobs],
+            *[f"inflight:out:{{{job}}}:owner" for job in jobs],
+        )
         client.close()
     assert len(replies) == len(jobs)
     for events in replies.values():  # each job answered once: every seq once, one final event

@@ -65,8 +65,10 @@ def test_one_append_writes_every_shard_and_recovers_from_noscript(cluster):
     streams = [f"inflight:out:{{pipelined-{i}}}" for i in range(12)]
 
     def step(seq: int) -> list[Append]:
-        return [Append(stream, f"{i}-0", [token_data(seq, f"t{seq}", [seq])], None, refresh_ttl=True)
-                for i, stream in enumerate(streams)]
+        return [
+            Append(stream, f"{i}-0", [token_data(seq, f"t{seq}", [seq])], None, refresh_ttl=True)
+            for i, stream in enumerate(streams)
+        ]
 
     async def scenario() -> tuple[list, list, list, list, set]:
         client = connect(cluster.url, block_ms=500)
@@ -92,7 +94,6 @@ def test_one_append_writes_every_shard_and_recovers_from_noscript(cluster):
     assert lengths == [2] * len(streams)
 
 
-
 def test_a_cluster_url_that_names_a_plain_server_is_refused_with_a_clear_error():
     with pytest.raises(redis.ResponseError, match="use redis://"):
         connect_sync("redis+cluster://127.0.0.1:6379")
@@ -110,9 +111,11 @@ def test_the_sdk_reports_an_unreachable_cluster_as_unavailable():
     with pytest.raises(ServerUnavailable, match="unavailable"):
         asyncio.run(submit())
 
+
 @pytest.mark.slow
-def test_jobs_are_served_with_exact_tokens_and_their_reply_streams_spread_over_the_shards(fleet, cluster,
-                                                                                          greedy_tokens):
+def test_jobs_are_served_with_exact_tokens_and_their_reply_streams_spread_over_the_shards(
+    fleet, cluster, greedy_tokens
+):
     ids = fleet.submit(ids_on_every_shard(fleet, per_shard=2))
     wait_until(lambda: all(fleet.finished(r) for r in ids), 180, "every job's final event")
     for request_id in ids:
@@ -165,8 +168,11 @@ def test_a_bad_job_is_dead_lettered_with_its_code(fleet):
     wait_until(lambda: fleet.client.xlen(fleet.stream) == 0, 30, "the bad entry acked and deleted")
     assert all(fleet.workers[name].alive() for name in ("a", "b"))
     # The workers' ingest poll (XINFO GROUPS, XPENDING and XLEN, on two shards) sees it.
-    wait_until(lambda: fleet.workers["a"].metrics().get(("inflight_dead_letter_stream_entries", ()), 0) >= 1, 30,
-               "worker a's dead-letter gauge to count it")
+    wait_until(
+        lambda: fleet.workers["a"].metrics().get(("inflight_dead_letter_stream_entries", ()), 0) >= 1,
+        30,
+        "worker a's dead-letter gauge to count it",
+    )
 
 
 @pytest.mark.slow
@@ -184,8 +190,25 @@ def test_the_sdk_and_inflight_submit_speak_to_the_cluster(fleet, cluster, greedy
     assert [t for e in asyncio.run(generate())[:-1] for t in e["token_ids"]] == greedy_tokens[:8]
 
     submitted = subprocess.run(
-        [sys.executable, "-m", "service.cli", "submit", "--redis-url", cluster.url, "--requests-stream", fleet.stream,
-         "--raw", "--max-tokens", "8", PROMPT], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "submit",
+            "--redis-url",
+            cluster.url,
+            "--requests-stream",
+            fleet.stream,
+            "--raw",
+            "--max-tokens",
+            "8",
+            PROMPT,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert submitted.returncode == 0, submitted.stderr
     assert submitted.stdout == text + "\n"
     assert "(length: 8 tokens" in submitted.stderr
@@ -223,18 +246,40 @@ def test_a_killed_workers_jobs_are_taken_over_with_exact_tokens(fleet, greedy_to
     assert not [f for _, f in fleet.client.xrange(fleet.dead) if f[b"field:id"].decode() in ids]
 
 
-
 @pytest.mark.slow
 def test_a_worker_and_the_sdk_reach_a_cluster_over_tls_as_an_acl_user(tmp_path, greedy_tokens):
     from tests.test_redis_security import make_certificates
 
     make_certificates(tmp_path)
-    secured = ("--tls-cert-file", str(tmp_path / "server.pem"), "--tls-key-file", str(tmp_path / "server.key"),
-               "--tls-ca-cert-file", str(tmp_path / "ca.pem"), "--tls-auth-clients", "no", "--tls-cluster", "yes",
-               "--user", "default", "off", "--user", "inflight", "on", ">s3cret", "~*", "&*", "+@all",
-               "--masteruser", "inflight", "--masterauth", "s3cret")
-    with RedisClusterServers(tmp_path / "cluster", args=secured, username="inflight", password="s3cret",
-                             tls_ca=tmp_path / "ca.pem") as cluster:
+    secured = (
+        "--tls-cert-file",
+        str(tmp_path / "server.pem"),
+        "--tls-key-file",
+        str(tmp_path / "server.key"),
+        "--tls-ca-cert-file",
+        str(tmp_path / "ca.pem"),
+        "--tls-auth-clients",
+        "no",
+        "--tls-cluster",
+        "yes",
+        "--user",
+        "default",
+        "off",
+        "--user",
+        "inflight",
+        "on",
+        ">s3cret",
+        "~*",
+        "&*",
+        "+@all",
+        "--masteruser",
+        "inflight",
+        "--masterauth",
+        "s3cret",
+    )
+    with RedisClusterServers(
+        tmp_path / "cluster", args=secured, username="inflight", password="s3cret", tls_ca=tmp_path / "ca.pem"
+    ) as cluster:
         assert cluster.url.startswith("rediss+cluster://inflight:s3cret@")
         fleet = Fleet(tmp_path, cluster.url)
         try:

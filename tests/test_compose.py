@@ -35,8 +35,10 @@ def compose() -> dict:
 
 
 def schema_errors(document: dict) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-            for e in jsonschema.Draft7Validator(SCHEMA).iter_errors(document)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in jsonschema.Draft7Validator(SCHEMA).iter_errors(document)
+    ]
 
 
 def test_the_compose_file_is_valid_against_the_compose_schema(compose):
@@ -75,8 +77,11 @@ def services_started(compose: dict, command: str) -> set[str]:
     profiles = [words[i + 1] for i, word in enumerate(words) if word == "--profile"]
     if not profiles:
         profiles = shell.get("COMPOSE_PROFILES", dotenv().get("COMPOSE_PROFILES", "")).split(",")
-    return {name for name, service in compose["services"].items()
-            if not service.get("profiles") or "*" in profiles or set(profiles) & set(service["profiles"])}
+    return {
+        name
+        for name, service in compose["services"].items()
+        if not service.get("profiles") or "*" in profiles or set(profiles) & set(service["profiles"])
+    }
 
 
 def readme_docker_lines() -> list[str]:
@@ -140,8 +145,9 @@ def test_the_gpu_worker_on_a_machine_without_a_gpu_says_how_to_start_the_cpu_one
         pytest.skip("a GPU is visible here")
     worker = compose["services"]["worker"]
     argv = [sys.executable, "-m", "service.cli", *worker["entrypoint"][1:], *worker["command"]]
-    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, **worker["environment"]})
+    result = subprocess.run(
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, **worker["environment"]}
+    )
     assert result.returncode == 1
     [line] = result.stderr.strip().splitlines()  # one line, not a traceback
     assert line.startswith("inflight worker: --device cuda, but this process sees 0 CUDA GPU(s)")
@@ -179,7 +185,9 @@ def test_prometheus_discovers_every_worker_replica_by_dns_and_grafana_is_provisi
     [job] = [job for job in prometheus_config["scrape_configs"] if job["job_name"] == "inflight"]  # the alerts' job
     [discovery] = job["dns_sd_configs"]
     assert discovery["type"] == "A"  # one address per replica, however many --scale starts
-    runs_a_worker = {name for name, service in services.items() if service.get("entrypoint", [])[:2] == ["inflight", "worker"]}
+    runs_a_worker = {
+        name for name, service in services.items() if service.get("entrypoint", [])[:2] == ["inflight", "worker"]
+    }
     assert runs_a_worker == set(WORKERS)
     for name, service in services.items():
         aliases = service.get("networks", {}).get("default", {}).get("aliases", [])
@@ -190,8 +198,9 @@ def test_prometheus_discovers_every_worker_replica_by_dns_and_grafana_is_provisi
         assert str(discovery["port"]) in services[name]["expose"]
     assert "./ops/prometheus:/etc/prometheus:ro" in services["prometheus"]["volumes"]
 
-    mounts = dict(volume.rsplit(":", 1)[0].split(":", 1) for volume in services["grafana"]["volumes"]
-                  if volume.startswith("./"))
+    mounts = dict(
+        volume.rsplit(":", 1)[0].split(":", 1) for volume in services["grafana"]["volumes"] if volume.startswith("./")
+    )
     assert mounts["./ops/grafana/provisioning"] == "/etc/grafana/provisioning"
     provider = yaml.safe_load((ROOT / "ops/grafana/provisioning/dashboards/inflight.yml").read_text())
     assert mounts["./ops/grafana/dashboards"] == provider["providers"][0]["options"]["path"]
@@ -211,7 +220,9 @@ def test_the_gateway_waits_for_redis_only_answers_health_and_is_scraped_on_its_p
     assert f"127.0.0.1:{port}/health" in gateway["healthcheck"]["test"][-1]
     jobs = yaml.safe_load((ROOT / "ops/prometheus/prometheus.yml").read_text())["scrape_configs"]
     [scrape] = [job for job in jobs if job["job_name"] == "inflight-gateway"]
-    assert scrape["dns_sd_configs"] == [{"names": ["gateway"], "type": "A", "port": int(port), "refresh_interval": "15s"}]
+    assert scrape["dns_sd_configs"] == [
+        {"names": ["gateway"], "type": "A", "port": int(port), "refresh_interval": "15s"}
+    ]
 
 
 # -- images and Dockerfiles ------------------------------------------------------------------

@@ -34,8 +34,10 @@ MODEL = DEFAULT_MODEL_NAME
 KEY = "sk-contract"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # The same chat as a plain prompt: the bundled model's template, its default system prompt first.
-CHAT_AS_PROMPT = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-                  "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+CHAT_AS_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
 # SmolLM2's added tokens, every one marked special: <|endoftext|>, <|im_start|>, <|im_end|>, ...
 SPECIAL = range(17)
 EOS, IM_START = 2, 1
@@ -48,12 +50,32 @@ def stack(tmp_path_factory):
     fleet.start("a")
     idle_stream = f"{fleet.prefix}:idle"
     gateways = {
-        "locked": GatewayProcess("locked", ["--redis-url", fleet.url, "--requests-stream", fleet.stream,
-                                            "--control-stream", fleet.control], logs, env={"INFLIGHT_API_KEYS": KEY}),
-        "idle": GatewayProcess("idle", ["--redis-url", fleet.url, "--requests-stream", idle_stream,
-                                        "--control-stream", fleet.control, "--max-queue-depth", "2",
-                                        "--max-queue-age-s", "0", "--queue-poll-s", "0.05",
-                                        "--reply-timeout-s", "1.5"], logs),
+        "locked": GatewayProcess(
+            "locked",
+            ["--redis-url", fleet.url, "--requests-stream", fleet.stream, "--control-stream", fleet.control],
+            logs,
+            env={"INFLIGHT_API_KEYS": KEY},
+        ),
+        "idle": GatewayProcess(
+            "idle",
+            [
+                "--redis-url",
+                fleet.url,
+                "--requests-stream",
+                idle_stream,
+                "--control-stream",
+                fleet.control,
+                "--max-queue-depth",
+                "2",
+                "--max-queue-age-s",
+                "0",
+                "--queue-poll-s",
+                "0.05",
+                "--reply-timeout-s",
+                "1.5",
+            ],
+            logs,
+        ),
         "no_redis": GatewayProcess("no_redis", ["--redis-url", f"redis://127.0.0.1:{free_port()}"], logs),
     }
     for gateway in gateways.values():
@@ -95,8 +117,9 @@ def queue_events(fleet: Fleet, **job) -> list[dict]:
     return events
 
 
-def http(gateway: GatewayProcess, path: str, body=None, raw=None, method: str = "POST",
-         key: str | None = KEY) -> tuple[int, dict, dict]:
+def http(
+    gateway: GatewayProcess, path: str, body=None, raw=None, method: str = "POST", key: str | None = KEY
+) -> tuple[int, dict, dict]:
     """One plain HTTP call: status, headers (lower-case names) and the JSON body. `raw`
     bytes go as they are; an iterable of bytes goes chunked."""
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
@@ -132,13 +155,16 @@ def test_special_tokens_such_as_eos_read_as_empty_text_wherever_text_appears(fle
     assert text == "".join(e["token"] for e in tokens) and "<|" not in text  # whole characters: text = tokens' texts
 
     api = client(gateways["locked"])
-    chat = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True,
-                                       extra_body={"ignore_eos": True})
+    chat = api.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
     assert chat.choices[0].message.content == text
     assert [(t.token, t.bytes) for t in chat.choices[0].logprobs.content] == [
-        (e["token"], list(e["token"].encode())) for e in tokens]
-    completion = api.completions.create(model=MODEL, prompt=CHAT_AS_PROMPT, max_tokens=12, temperature=0, logprobs=1,
-                                        extra_body={"ignore_eos": True})
+        (e["token"], list(e["token"].encode())) for e in tokens
+    ]
+    completion = api.completions.create(
+        model=MODEL, prompt=CHAT_AS_PROMPT, max_tokens=12, temperature=0, logprobs=1, extra_body={"ignore_eos": True}
+    )
     assert completion.choices[0].text == text
     assert completion.choices[0].logprobs.tokens == [e["token"] for e in tokens]
 
@@ -148,8 +174,9 @@ def test_special_tokens_such_as_eos_read_as_empty_text_wherever_text_appears(fle
 
 def test_x_request_id_is_the_job_id_so_its_reply_stream_can_be_read_and_cancelled_directly(fleet, gateways):
     api = client(gateways["locked"])
-    raw = api.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is", max_tokens=6,
-                                                   temperature=0, extra_body={"ignore_eos": True})
+    raw = api.completions.with_raw_response.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     request_id, answer = raw.headers["x-request-id"], raw.parse()
     fleet.request_ids.append(request_id)
     assert answer.id == f"cmpl-{request_id}"
@@ -163,8 +190,9 @@ def test_x_request_id_is_the_job_id_so_its_reply_stream_can_be_read_and_cancelle
 
     # A cancel on the control stream with that id ends the job, and the answer with it.
     chunks = []
-    with api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
-                                extra_body={"ignore_eos": True}) as stream:
+    with api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    ) as stream:
         request_id = stream.response.headers["x-request-id"]
         fleet.request_ids.append(request_id)
         for chunk in stream:
@@ -233,8 +261,9 @@ def test_the_readme_lists_every_metric_the_worker_and_the_gateway_export_and_no_
 
 def test_completions_top_logprobs_is_null_as_a_whole_at_k_0_and_text_offset_counts_from_the_completion(gateways):
     api = client(gateways["locked"])
-    job = dict(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
-               extra_body={"ignore_eos": True})
+    job = dict(
+        model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     raw = api.completions.with_raw_response.create(**job, logprobs=0)
     choice = json.loads(raw.http_response.text)["choices"][0]
     assert "top_logprobs" in choice["logprobs"] and choice["logprobs"]["top_logprobs"] is None
@@ -245,8 +274,9 @@ def test_completions_top_logprobs_is_null_as_a_whole_at_k_0_and_text_offset_coun
     # From 0 at the completion's first character, the prompt not counted; each token's
     # text sits at its offset (whole characters here, so each token's text is its own).
     assert logprobs.text_offset == list(accumulate((len(t) for t in logprobs.tokens[:-1]), initial=0))
-    assert all(text[offset:offset + len(token)] == token
-               for offset, token in zip(logprobs.text_offset, logprobs.tokens))
+    assert all(
+        text[offset : offset + len(token)] == token for offset, token in zip(logprobs.text_offset, logprobs.tokens)
+    )
 
     chunks = list(api.completions.create(**job, logprobs=0, stream=True))
     streamed = [offset for c in chunks if c.choices[0].logprobs for offset in c.choices[0].logprobs.text_offset]
@@ -265,19 +295,26 @@ def test_each_http_error_carries_the_code_the_readme_gives_it(fleet, gateways):
         (("/v1/completions", {"model": "gpt-4o", "prompt": "x"}, KEY), (404, "model_not_found", "model")),
         (("/v1/completions", {"model": MODEL, "prompt": "x", "foo": 1}, KEY), (400, None, "foo")),
         (("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, KEY), (400, None, "echo")),
-        (("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, KEY),
-         (400, None, "messages[0]")),
+        (
+            ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, KEY),
+            (400, None, "messages[0]"),
+        ),
         (("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, KEY), (400, "invalid_field", None)),
         (("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, KEY), (400, "invalid_field", None)),
-        (("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, KEY),
-         (400, "invalid_type", None)),
-        (("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100_000}, KEY),
-         (400, "invalid_request", None)),
-        (("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "regex": "(unclosed"}, KEY),
-         (400, "invalid_grammar", None)),
+        (("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, KEY), (400, "invalid_type", None)),
+        (
+            ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 100_000}, KEY),
+            (400, "invalid_request", None),
+        ),
+        (
+            ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4, "regex": "(unclosed"}, KEY),
+            (400, "invalid_grammar", None),
+        ),
         # Under 1 MiB as JSON, over it as msgpack (each 0.5 takes 9 bytes there).
-        (("/v1/completions", {"model": MODEL, "prompt": "x", "response_format": floats}, KEY),
-         (413, "too_large", None)),
+        (
+            ("/v1/completions", {"model": MODEL, "prompt": "x", "response_format": floats}, KEY),
+            (413, "too_large", None),
+        ),
     ]
     for (path, body, key), want in cases:
         status, _, answer = http(locked, path, body, method="GET" if body is None else "POST", key=key)
@@ -303,8 +340,14 @@ def test_each_http_error_carries_the_code_the_readme_gives_it(fleet, gateways):
     idle_stream = f"{fleet.prefix}:idle"
     for _ in range(2):  # with the timed-out job, 3 wait: over the limit of 2
         fleet.client.xadd(idle_stream, {"prompt": "x"})
-    wait_until(lambda: b"inflight_gateway_queue_depth_entries 3.0" in urllib.request.urlopen(
-        f"{idle.url}/metrics", timeout=10).read(), 10, "the gateway to see the backlog")
+    wait_until(
+        lambda: (
+            b"inflight_gateway_queue_depth_entries 3.0"
+            in urllib.request.urlopen(f"{idle.url}/metrics", timeout=10).read()
+        ),
+        10,
+        "the gateway to see the backlog",
+    )
     status, headers, answer = http(idle, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
     assert (status, answer["error"]["code"], answer["error"]["type"]) == (429, "queue_full", "rate_limit_error")
     assert "retry-after" in headers and "x-request-id" not in headers
@@ -316,11 +359,15 @@ def test_each_http_error_carries_the_code_the_readme_gives_it(fleet, gateways):
 
 def test_a_developer_message_is_rendered_as_a_system_message(fleet, gateways):
     said = "Answer in French."
-    want = queue_events(fleet, messages=[{"role": "system", "content": said}, {"role": "user", "content": "Hi"}],
-                        max_tokens=8)
+    want = queue_events(
+        fleet, messages=[{"role": "system", "content": said}, {"role": "user", "content": "Hi"}], max_tokens=8
+    )
     answer = client(gateways["locked"]).chat.completions.create(
-        model=MODEL, messages=[{"role": "developer", "content": said, "name": "ops"}, {"role": "user", "content": "Hi"}],
-        max_tokens=8, temperature=0)
+        model=MODEL,
+        messages=[{"role": "developer", "content": said, "name": "ops"}, {"role": "user", "content": "Hi"}],
+        max_tokens=8,
+        temperature=0,
+    )
     assert answer.usage.prompt_tokens == want[-1]["usage"]["prompt_tokens"]
     assert answer.choices[0].message.content == "".join(e["text"] for e in want)
 

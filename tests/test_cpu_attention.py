@@ -10,8 +10,8 @@ import logging
 import pytest
 import torch
 
-from gpu.cpu import native_build
 from gpu.backends import select_backend
+from gpu.cpu import native_build
 from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel, load_kernel
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend

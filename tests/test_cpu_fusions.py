@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from gpu.cpu.native_build import PORTABLE_CPU_CXX_FLAGS, cpu_identity
 from gpu.cpu import fusions as cpu_fusions
 from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm, fuse_for_cpu, fused_ops
+from gpu.cpu.native_build import PORTABLE_CPU_CXX_FLAGS, cpu_identity
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2)  # fmt: skip

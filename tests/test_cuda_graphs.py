@@ -169,8 +169,14 @@ def test_engine_generates_the_same_tokens_with_graphs_as_without(kernels, tiny_l
         cache=CacheConfig(kv_memory_bytes=10 * block_bytes, swap_memory_bytes=32 * block_bytes),
         scheduler=SchedulerConfig(max_prefill_chunk=16),
     )
-    prompts = ["The capital of France is", "def f(n):", "1, 2, 3, 4, 5, 6,", "Once upon a time, far away",
-               "Name three rivers.", "a b c"]
+    prompts = [
+        "The capital of France is",
+        "def f(n):",
+        "1, 2, 3, 4, 5, 6,",
+        "Once upon a time, far away",
+        "Name three rivers.",
+        "a b c",
+    ]
     results, swapped, graphs = {}, {}, None
     for name in ("graphs", "eager"):
         engine = Engine(tiny_llama, config)
@@ -179,8 +185,12 @@ def test_engine_generates_the_same_tokens_with_graphs_as_without(kernels, tiny_l
         engine.runner.host_pool.kernels = kernels
         if name == "graphs":
             engine.runner.graphs = graphs = DecodeGraphs(engine.runner.model, engine.runner.backend, 8, capture=False)
-        arrivals = {0: [(f"r{i}", prompt, SamplingParams(max_tokens=10 + 6 * i, ignore_eos=True))
-                        for i, prompt in enumerate(prompts)]}
+        arrivals = {
+            0: [
+                (f"r{i}", prompt, SamplingParams(max_tokens=10 + 6 * i, ignore_eos=True))
+                for i, prompt in enumerate(prompts)
+            ]
+        }
         results[name] = {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
         swapped[name] = any(record.num_blocks_swapped_in for record in steps)
         assert engine.allocator.num_free == engine.allocator.num_blocks

@@ -29,17 +29,32 @@ PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", 
 def exported_series_names() -> set[str]:
     """Every series name a worker's or a gateway's registry exports, once each metric has seen data."""
     metrics = Metrics()
-    step = StepRecord(num_prefill_tokens=12, num_decode_tokens=3, num_sampled=4, num_preempted=1,
-                      num_blocks_swapped_out=2, num_blocks_swapped_in=0, forward_s=0.02, swap_s=0.001, step_s=0.03,
-                      num_swapped_out=1)
+    step = StepRecord(
+        num_prefill_tokens=12,
+        num_decode_tokens=3,
+        num_sampled=4,
+        num_preempted=1,
+        num_blocks_swapped_out=2,
+        num_blocks_swapped_in=0,
+        forward_s=0.02,
+        swap_s=0.001,
+        step_s=0.03,
+        num_swapped_out=1,
+    )
     metrics.observe_step(EngineStats(step, Census({0: 2}, {5: 1}, {-3: 1}, 0.0), 1.5, 7, 10, 2, 8))
-    metrics.observe_finished(FinalEvent("r", FinishReason.LENGTH, Usage(12, 3), Timings(0.1, 0.2, 0.4, (0.2, 0.3, 0.4))))
+    metrics.observe_finished(
+        FinalEvent("r", FinishReason.LENGTH, Usage(12, 3), Timings(0.1, 0.2, 0.4, (0.2, 0.3, 0.4)))
+    )
     metrics.observe_dead_letter("invalid_type")
     gateway = GatewayMetrics()
     gateway.observe_request("/v1/chat/completions", 200, 0.5)
     gateway.time_to_first_token.observe(0.1)
-    return {sample.name for registry in (metrics.registry, gateway.registry) for family in registry.collect()
-            for sample in family.samples}
+    return {
+        sample.name
+        for registry in (metrics.registry, gateway.registry)
+        for family in registry.collect()
+        for sample in family.samples
+    }
 
 
 def metric_names(expr: str) -> set[str]:
@@ -53,8 +68,12 @@ def metric_names(expr: str) -> set[str]:
 
 
 def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
-    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] if panel["type"] != "row"
-            for target in panel["targets"]]
+    return [
+        (panel["title"], target["expr"])
+        for panel in dashboard["panels"]
+        if panel["type"] != "row"
+        for target in panel["targets"]
+    ]
 
 
 def test_the_committed_dashboard_is_what_the_generator_writes():
@@ -63,8 +82,10 @@ def test_the_committed_dashboard_is_what_the_generator_writes():
 
 
 def test_the_metric_name_extraction_finds_what_a_query_reads():
-    expr = ('histogram_quantile(0.99, sum by (le) (rate(inflight_a_seconds_bucket{outcome=~"x|y"}[5m])))'
-            ' / ignoring(kind) group_left sum(inflight_b_total offset 5m) and on(pool) up')
+    expr = (
+        'histogram_quantile(0.99, sum by (le) (rate(inflight_a_seconds_bucket{outcome=~"x|y"}[5m])))'
+        " / ignoring(kind) group_left sum(inflight_b_total offset 5m) and on(pool) up"
+    )
     assert metric_names(expr) == {"inflight_a_seconds_bucket", "inflight_b_total", "up"}
 
 
@@ -78,7 +99,9 @@ def test_every_panel_queries_only_metrics_the_worker_exports():
 
 def test_a_panel_on_an_unknown_metric_is_caught():
     exported = exported_series_names()
-    assert metric_names("sum(rate(inflight_tokens_generated_total[5m]))") - exported == {"inflight_tokens_generated_total"}
+    assert metric_names("sum(rate(inflight_tokens_generated_total[5m]))") - exported == {
+        "inflight_tokens_generated_total"
+    }
     assert metric_names("rate(inflight_request_duration_seconds_bucket[5m])") <= exported
     assert metric_names("rate(inflight_request_duration_seconds_buckets[5m])") - exported  # a typo'd suffix
 
@@ -86,15 +109,27 @@ def test_a_panel_on_an_unknown_metric_is_caught():
 def test_the_dashboard_has_the_panels_the_operators_need():
     dashboard = json.loads(dashboards.render())
     queries = " ".join(expr for _, expr in panel_queries(dashboard))
-    for metric in ("inflight_generation_tokens_total", "inflight_time_to_first_token_seconds_bucket",
-                   "inflight_inter_token_latency_seconds_bucket", "inflight_request_duration_seconds_bucket",
-                   "inflight_scheduler_requests", "inflight_ingest_lag_entries", "inflight_kv_cache_usage_ratio",
-                   "inflight_preemptions_total", "inflight_swapped_blocks_total", "inflight_step_tokens_sum",
-                   "inflight_step_duration_seconds_bucket", "inflight_dead_letters_total",
-                   "inflight_prefix_cache_queried_tokens_total", "inflight_prefix_cache_hit_tokens_total",
-                   "inflight_prefix_cache_blocks", "inflight_prefix_cache_evicted_blocks_total",
-                   "inflight_prefix_cache_offloaded_blocks_total", "inflight_gateway_requests_total",
-                   "inflight_gateway_time_to_first_token_seconds_bucket"):
+    for metric in (
+        "inflight_generation_tokens_total",
+        "inflight_time_to_first_token_seconds_bucket",
+        "inflight_inter_token_latency_seconds_bucket",
+        "inflight_request_duration_seconds_bucket",
+        "inflight_scheduler_requests",
+        "inflight_ingest_lag_entries",
+        "inflight_kv_cache_usage_ratio",
+        "inflight_preemptions_total",
+        "inflight_swapped_blocks_total",
+        "inflight_step_tokens_sum",
+        "inflight_step_duration_seconds_bucket",
+        "inflight_dead_letters_total",
+        "inflight_prefix_cache_queried_tokens_total",
+        "inflight_prefix_cache_hit_tokens_total",
+        "inflight_prefix_cache_blocks",
+        "inflight_prefix_cache_evicted_blocks_total",
+        "inflight_prefix_cache_offloaded_blocks_total",
+        "inflight_gateway_requests_total",
+        "inflight_gateway_time_to_first_token_seconds_bucket",
+    ):
         assert metric in queries, metric
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))

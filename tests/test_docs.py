@@ -56,13 +56,15 @@ def test_every_relative_link_resolves(path):
 def test_the_checker_sees_links_and_catches_broken_ones(tmp_path):
     (tmp_path / "a.md").write_text("# Title\n## Two `code` words, again\n")
     page = tmp_path / "b.md"
-    page.write_text("[ok](a.md#two-code-words-again) [self](#local) [web](https://example.com) ![img](x.png)\n"
-                    "# Local\n[gone](missing.md) [bad anchor](a.md#nope)\n```\n[in code](nowhere.md)\n```\n")
+    page.write_text(
+        "[ok](a.md#two-code-words-again) [self](#local) [web](https://example.com) ![img](x.png)\n"
+        "# Local\n[gone](missing.md) [bad anchor](a.md#nope)\n```\n[in code](nowhere.md)\n```\n"
+    )
     assert broken(page) == ["missing.md: no such file", "a.md#nope: no heading #nope in a.md"]
 
 
 TOP_LEVEL = ("service", "workers", "gpu", "bench", "ops", "docs", "tests", ".ci")
-CODE_PATH = re.compile(r"`((?:%s)/[\w./*-]*)`" % "|".join(re.escape(d) for d in TOP_LEVEL))
+CODE_PATH = re.compile(rf"`((?:{'|'.join(re.escape(d) for d in TOP_LEVEL)})/[\w./*-]*)`")
 
 
 def stale_paths(path: Path) -> list[str]:

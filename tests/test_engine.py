@@ -31,10 +31,15 @@ MAX_TOKENS = 20
 def generate_alone(reference, prompt_ids: list[int], max_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = reference.model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False, top_p=None, top_k=None,
-            temperature=None, pad_token_id=reference.tokenizer.eos_token_id,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            top_p=None,
+            top_k=None,
+            temperature=None,
+            pad_token_id=reference.tokenizer.eos_token_id,
         )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +94,13 @@ def test_preempted_requests_produce_the_same_tokens(make_engine, expected, swap)
 def test_higher_priority_runs_first(make_engine, expected):
     engine = make_engine(max_running_requests=1)
     params = SamplingParams(max_tokens=3)
-    arrivals = {0: [("low", expected["p1"][0], params, -5), ("mid", expected["p2"][0], params, 0),
-                    ("high", expected["p3"][0], params, 5)]}
+    arrivals = {
+        0: [
+            ("low", expected["p1"][0], params, -5),
+            ("mid", expected["p2"][0], params, 0),
+            ("high", expected["p3"][0], params, 5),
+        ]
+    }
     results = run_to_completion(engine, arrivals)
     first_tokens = sorted(results, key=lambda rid: results[rid][1].timings.first_token_s)
     assert first_tokens == ["high", "mid", "low"]
@@ -174,7 +184,12 @@ def test_eos_stops_unless_ignored(make_engine, smollm2):
     engine = make_engine()
     results = run_to_completion(
         engine,
-        {0: [("eos", messages, SamplingParams(max_tokens=40)), ("ign", messages, SamplingParams(max_tokens=40, ignore_eos=True))]},
+        {
+            0: [
+                ("eos", messages, SamplingParams(max_tokens=40)),
+                ("ign", messages, SamplingParams(max_tokens=40, ignore_eos=True)),
+            ]
+        },
     )
     assert results["eos"][1].finish_reason is FinishReason.STOP
     assert results["eos"][0][-1] in engine.eos_token_ids
@@ -247,11 +262,10 @@ def test_a_live_request_id_cannot_be_reused(make_engine):
 
 
 def test_bfloat16_engine_serves_with_a_bfloat16_cache(make_engine):
-    from workers.config import ModelConfig
-    from workers.model_loader import load_model
-
     from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel
     from gpu.cpu.fusions import FusedRMSNorm, fused_ops
+    from workers.config import ModelConfig
+    from workers.model_loader import load_model
 
     engine = make_engine(load_model(ModelConfig(dtype="bfloat16")))
     assert engine.runner.kv_cache.key_pools[0].dtype == torch.bfloat16
@@ -286,8 +300,16 @@ def test_a_request_that_arrived_earlier_elsewhere_keeps_its_place_in_the_queue(m
 
     engine = make_engine(max_running_requests=1)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    results = run_to_completion(engine, {0: [("new-1", "Hello", params), ("new-2", "Hello", params),
-                                             ("taken-over", "Hello", params, 0, None, time.time() - 60)]})
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                ("new-1", "Hello", params),
+                ("new-2", "Hello", params),
+                ("taken-over", "Hello", params, 0, None, time.time() - 60),
+            ]
+        },
+    )
     assert list(results) == ["taken-over", "new-1", "new-2"]  # finished in the order they started
     assert results["taken-over"][1].timings.queue_s >= 60  # its timings count from its first arrival
 
@@ -304,8 +326,9 @@ def test_a_resumed_request_continues_exactly_where_the_published_tokens_stop(mak
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt_ids), len(want))
 
 
-@pytest.mark.parametrize("resumed", [[-1], [10**9], list(range(MAX_TOKENS + 1))],
-                         ids=["negative", "beyond vocab", "more than max_tokens"])
+@pytest.mark.parametrize(
+    "resumed", [[-1], [10**9], list(range(MAX_TOKENS + 1))], ids=["negative", "beyond vocab", "more than max_tokens"]
+)
 def test_resumed_output_that_cannot_be_continued_is_an_invalid_request(make_engine, resumed):
     engine = make_engine()
     engine.add_request("r", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=resumed)
@@ -317,14 +340,17 @@ def test_a_resumed_request_whose_published_tokens_already_end_it_ends_at_once(ma
     """A worker died after publishing the last token but before the final event: the
     takeover writes only the final event, with the whole request's usage."""
     engine = make_engine()
-    engine.add_request("full", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=list(range(MAX_TOKENS)))
+    engine.add_request(
+        "full", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=list(range(MAX_TOKENS))
+    )
     token_ids, final, _ = run_to_completion(engine)["full"]
     assert token_ids == [] and final.finish_reason is FinishReason.LENGTH and final.error is None
     assert final.usage.completion_tokens == MAX_TOKENS
 
 
 def test_a_failed_model_step_fails_the_requests_it_ran_with_internal_error_and_the_engine_goes_on(
-        make_engine, expected):
+    make_engine, expected
+):
     engine = make_engine()
     execute = engine.runner.execute
 
@@ -369,8 +395,9 @@ def test_seeded_choice_i_draws_what_a_single_request_with_seed_plus_i_draws(make
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=1234, n=3)
     choices, _ = run_choices(engine, "n3", prompt_ids, params)
     for index in range(3):
-        alone, _ = run_choices(engine, f"alone-{index}", prompt_ids,
-                               SamplingParams(max_tokens=12, temperature=0.8, seed=1234 + index))
+        alone, _ = run_choices(
+            engine, f"alone-{index}", prompt_ids, SamplingParams(max_tokens=12, temperature=0.8, seed=1234 + index)
+        )
         assert choices[index] == alone[0]
     assert len({tuple(tokens) for tokens in choices.values()}) > 1  # they did sample apart
 
@@ -409,8 +436,9 @@ def test_a_takeover_continues_every_choice_after_its_published_tokens(make_engin
     engine = make_engine()
     prompt_ids, want = expected["p2"]
     published = [want[:3], want[:MAX_TOKENS], [], want[:11]]  # choice 1 had already ended
-    choices, final = run_choices(engine, "resumed", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, n=4),
-                                 resumed_output_ids=published)
+    choices, final = run_choices(
+        engine, "resumed", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, n=4), resumed_output_ids=published
+    )
     assert choices == {0: want[3:], 2: want, 3: want[11:]}
     assert final.usage.completion_tokens == 4 * MAX_TOKENS
     assert [c.completion_tokens for c in final.choices] == [MAX_TOKENS] * 4

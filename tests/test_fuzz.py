@@ -13,7 +13,6 @@ on the dead-letter stream with a code. One entry in fifty is a good job (`max_to
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -22,9 +21,9 @@ from collections import Counter
 import msgpack
 import pytest
 
+from bench.processes import RedisServer, WorkerProcess
 from service.connect import connect_sync
 from service.protocol import decode_job
-from bench.processes import RedisServer, WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +32,43 @@ SEED = int(os.environ.get("INFLIGHT_FUZZ_SEED", "12"))
 GOOD_EVERY = 50
 STALL_S = 30
 REQUESTS, DEAD = "inflight:requests", "inflight:dead"
-KNOWN = ("id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-         "priority", "deadline_ms", "reply_to")
+KNOWN = (
+    "id",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "priority",
+    "deadline_ms",
+    "reply_to",
+)
 # A key of another type under the reply prefix: publishing there fails with WRONGTYPE.
 WRONG_TYPE_KEY = "inflight:out:{fuzz-not-a-stream}"
-REPLY_TARGETS = ("inflight:out:{x}", "inflight:out:", REQUESTS, DEAD, "inflight:control", WRONG_TYPE_KEY,
-                 "elsewhere")
-JSON_SNIPPETS = ("[]", "{}", "null", "true", "[1, 2]", '["a", ""]', '[{"role": "user"}]',
-                 '[{"role": "user", "content": 7}]', '[{"role": "user", "content": "hi"}', "[" * 2000)
+REPLY_TARGETS = ("inflight:out:{x}", "inflight:out:", REQUESTS, DEAD, "inflight:control", WRONG_TYPE_KEY, "elsewhere")
+JSON_SNIPPETS = (
+    "[]",
+    "{}",
+    "null",
+    "true",
+    "[1, 2]",
+    '["a", ""]',
+    '[{"role": "user"}]',
+    '[{"role": "user", "content": 7}]',
+    '[{"role": "user", "content": "hi"}',
+    "[" * 2000,
+)
 
 
 def random_text(rng: random.Random, size: int) -> str:
-    return "".join(chr(rng.choice((rng.randint(32, 126), rng.randint(0, 0x2FFF), rng.randint(0xE000, 0x10FFFF))))
-                   for _ in range(size))
+    return "".join(
+        chr(rng.choice((rng.randint(32, 126), rng.randint(0, 0x2FFF), rng.randint(0xE000, 0x10FFFF))))
+        for _ in range(size)
+    )
 
 
 def random_scalar(rng: random.Random):
@@ -53,30 +76,40 @@ def random_scalar(rng: random.Random):
     pick = rng.random()
     if pick < 0.002:
         return rng.randbytes(rng.randint(1 << 20, (1 << 20) + (1 << 17)))  # over the 1 MiB limit
-    return rng.choice((
-        lambda: "",
-        lambda: str(rng.randint(-3, 70)),
-        lambda: str(rng.randint(-(1 << 70), 1 << 70)),
-        lambda: rng.choice(("nan", "inf", "-inf", "1e309", "0.5", "-0.0", "1.5", "3e-7", "0x10", " 4")),
-        lambda: rng.choice(("true", "false", "1", "0", "yes", "TRUE")),
-        lambda: random_text(rng, rng.randint(1, 40)),
-        lambda: rng.randbytes(rng.randint(1, 64)),
-        lambda: rng.choice(JSON_SNIPPETS),
-        lambda: rng.choice(REPLY_TARGETS),
-        lambda: random_text(rng, rng.randint(200, 5000)),
-    ))()
+    return rng.choice(
+        (
+            lambda: "",
+            lambda: str(rng.randint(-3, 70)),
+            lambda: str(rng.randint(-(1 << 70), 1 << 70)),
+            lambda: rng.choice(("nan", "inf", "-inf", "1e309", "0.5", "-0.0", "1.5", "3e-7", "0x10", " 4")),
+            lambda: rng.choice(("true", "false", "1", "0", "yes", "TRUE")),
+            lambda: random_text(rng, rng.randint(1, 40)),
+            lambda: rng.randbytes(rng.randint(1, 64)),
+            lambda: rng.choice(JSON_SNIPPETS),
+            lambda: rng.choice(REPLY_TARGETS),
+            lambda: random_text(rng, rng.randint(200, 5000)),
+        )
+    )()
 
 
 def random_native(rng: random.Random, depth: int = 0):
     """A msgpack value of any type, sometimes nested."""
-    choices = [lambda: None, lambda: rng.random() < 0.5, lambda: rng.randint(-(1 << 63), (1 << 64) - 1),
-               lambda: rng.uniform(-1e6, 1e6), lambda: rng.choice((float("nan"), float("inf"), -0.0)),
-               lambda: random_text(rng, rng.randint(0, 30)), lambda: rng.randbytes(rng.randint(0, 30)),
-               lambda: rng.choice(REPLY_TARGETS)]
+    choices = [
+        lambda: None,
+        lambda: rng.random() < 0.5,
+        lambda: rng.randint(-(1 << 63), (1 << 64) - 1),
+        lambda: rng.uniform(-1e6, 1e6),
+        lambda: rng.choice((float("nan"), float("inf"), -0.0)),
+        lambda: random_text(rng, rng.randint(0, 30)),
+        lambda: rng.randbytes(rng.randint(0, 30)),
+        lambda: rng.choice(REPLY_TARGETS),
+    ]
     if depth < 3:
-        choices += [lambda: [random_native(rng, depth + 1) for _ in range(rng.randint(0, 4))],
-                    lambda: {random_name(rng): random_native(rng, depth + 1) for _ in range(rng.randint(0, 4))},
-                    lambda: [{"role": random_native(rng, depth + 1), "content": random_native(rng, depth + 1)}]]
+        choices += [
+            lambda: [random_native(rng, depth + 1) for _ in range(rng.randint(0, 4))],
+            lambda: {random_name(rng): random_native(rng, depth + 1) for _ in range(rng.randint(0, 4))},
+            lambda: [{"role": random_native(rng, depth + 1), "content": random_native(rng, depth + 1)}],
+        ]
     return rng.choice(choices)()
 
 
@@ -99,8 +132,11 @@ def random_entry(rng: random.Random) -> dict:
             entry["reply_to"] = rng.choice(REPLY_TARGETS)
         return entry
     if pick < 0.75:  # a payload of garbage bytes or a non-map
-        return {"payload": rng.choice((lambda: rng.randbytes(rng.randint(0, 200)),
-                                       lambda: msgpack.packb(random_native(rng))))()}
+        return {
+            "payload": rng.choice(
+                (lambda: rng.randbytes(rng.randint(0, 200)), lambda: msgpack.packb(random_native(rng)))
+            )()
+        }
     values = {random_name(rng): random_native(rng) for _ in range(rng.randint(0, 8))}
     if rng.random() < 0.5:
         values.setdefault("prompt", random_text(rng, rng.randint(1, 20)))
@@ -147,8 +183,11 @@ def test_random_entries_each_get_a_dead_letter_while_good_jobs_complete_and_the_
 
     server = RedisServer(tmp_path / "redis", appendonly=False)
     server.start()
-    worker = WorkerProcess("fuzz", ["--redis-url", server.url, "--kv-memory-mb", "64", "--swap-memory-mb", "0",
-                                    "--max-running-requests", "8"], tmp_path)
+    worker = WorkerProcess(
+        "fuzz",
+        ["--redis-url", server.url, "--kv-memory-mb", "64", "--swap-memory-mb", "0", "--max-running-requests", "8"],
+        tmp_path,
+    )
     client = connect_sync(server.url, socket_timeout=30)
     try:
         client.set(WRONG_TYPE_KEY, "a string")
@@ -158,10 +197,10 @@ def test_random_entries_each_get_a_dead_letter_while_good_jobs_complete_and_the_
         expected: dict[str, str | None] = {}  # entry id -> good job's id, None for a random entry
         for at in range(0, len(entries), 100):
             with client.pipeline(transaction=False) as pipe:
-                for fields, _ in entries[at:at + 100]:
+                for fields, _ in entries[at : at + 100]:
                     pipe.xadd(REQUESTS, fields)
                 ids = pipe.execute()
-            expected.update((entry_id.decode(), good) for entry_id, (_, good) in zip(ids, entries[at:at + 100]))
+            expected.update((entry_id.decode(), good) for entry_id, (_, good) in zip(ids, entries[at : at + 100]))
 
         dead: dict[str, str] = {}
         last = "0"
@@ -181,7 +220,9 @@ def test_random_entries_each_get_a_dead_letter_while_good_jobs_complete_and_the_
             with client.pipeline(transaction=False) as pipe:
                 for good in good_ids:
                     pipe.xrange(f"inflight:out:{{{good}}}")
-                replies = dict(zip(good_ids, ([msgpack.unpackb(f[b"data"]) for _, f in rows] for rows in pipe.execute())))
+                replies = dict(
+                    zip(good_ids, ([msgpack.unpackb(f[b"data"]) for _, f in rows] for rows in pipe.execute()))
+                )
             if all(events and events[-1]["type"] != "token" for events in replies.values()):
                 break
             time.sleep(0.5)

@@ -46,12 +46,31 @@ def stack(tmp_path_factory):
     idle_stream = f"{fleet.prefix}:idle"
     gateways = {
         "open": GatewayProcess("open", streams, logs),
-        "locked": GatewayProcess("locked", [*streams, "--api-keys-file", str(logs / "keys")], logs,
-                                 env={"INFLIGHT_API_KEYS": KEYS[1]}),
-        "idle": GatewayProcess("idle", ["--redis-url", fleet.url, "--requests-stream", idle_stream,
-                                        "--control-stream", fleet.control, "--max-queue-depth", "2",
-                                        "--max-queue-age-s", "1", "--queue-poll-s", "0.05",
-                                        "--reply-timeout-s", "1.5", "--retry-after-s", "3"], logs),
+        "locked": GatewayProcess(
+            "locked", [*streams, "--api-keys-file", str(logs / "keys")], logs, env={"INFLIGHT_API_KEYS": KEYS[1]}
+        ),
+        "idle": GatewayProcess(
+            "idle",
+            [
+                "--redis-url",
+                fleet.url,
+                "--requests-stream",
+                idle_stream,
+                "--control-stream",
+                fleet.control,
+                "--max-queue-depth",
+                "2",
+                "--max-queue-age-s",
+                "1",
+                "--queue-poll-s",
+                "0.05",
+                "--reply-timeout-s",
+                "1.5",
+                "--retry-after-s",
+                "3",
+            ],
+            logs,
+        ),
         "no_redis": GatewayProcess("no_redis", ["--redis-url", f"redis://127.0.0.1:{free_port()}"], logs),
     }
     for gateway in gateways.values():
@@ -120,14 +139,26 @@ def test_a_chat_completion_whole_and_streamed_is_the_greedy_answer_the_queue_giv
     whole = client(gateways["open"]).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     assert whole.object == "chat.completion" and whole.model == MODEL
     [choice] = whole.choices
-    assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", want,
-                                                                                 done["finish_reason"])
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (done["usage"]["prompt_tokens"],
-                                                                          done["usage"]["completion_tokens"])
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == (
+        "assistant",
+        want,
+        done["finish_reason"],
+    )
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        done["usage"]["prompt_tokens"],
+        done["usage"]["completion_tokens"],
+    )
 
-    chunks = list(client(gateways["open"]).chat.completions.create(
-        model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client(gateways["open"]).chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_completion_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == done["finish_reason"]
@@ -140,21 +171,31 @@ def test_a_text_completion_whole_and_streamed_is_the_greedy_answer_the_queue_giv
     want, done = straight_to_the_queue(fleet, prompt=prompt, max_tokens=10, ignore_eos=True)
     api = client(gateways["open"])
 
-    whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
-                                   extra_body={"ignore_eos": True})
+    whole = api.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert whole.object == "text_completion"
     assert (whole.choices[0].text, whole.choices[0].finish_reason) == (want, "length")
     assert whole.usage.completion_tokens == 10
 
-    streamed = list(api.completions.create(model=MODEL, prompt=[prompt], max_tokens=10, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True, "priority": 5}))
+    streamed = list(
+        api.completions.create(
+            model=MODEL,
+            prompt=[prompt],
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, "priority": 5},
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == want
     assert streamed[-1].choices[0].finish_reason == "length"
 
 
 def test_n_choices_come_back_each_under_its_index(gateways):
-    answer = client(gateways["open"]).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, n=2,
-                                                         temperature=0)
+    answer = client(gateways["open"]).completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, n=2, temperature=0
+    )
     assert [c.index for c in answer.choices] == [0, 1]
     assert answer.choices[0].text == answer.choices[1].text  # greedy: the same text twice
     assert answer.usage.completion_tokens == 10
@@ -162,28 +203,43 @@ def test_n_choices_come_back_each_under_its_index(gateways):
 
 # -- structured outputs and logprobs ---------------------------------------------------------
 
-CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
-        "required": ["city"], "additionalProperties": False}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 
 
 def test_response_format_and_inflight_constraints_shape_the_answer(gateways):
     api = client(gateways["open"])
     shaped = api.chat.completions.create(
-        model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": CITY, "strict": True}})
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": CITY, "strict": True}},
+    )
     assert shaped.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(shaped.choices[0].message.content), CITY)
 
-    any_json = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
-                                           response_format={"type": "json_object"})
+    any_json = api.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=48, temperature=0, response_format={"type": "json_object"}
+    )
     if any_json.choices[0].finish_reason == "stop":
         json.loads(any_json.choices[0].message.content)
 
-    chosen = api.completions.create(model=MODEL, prompt="Is the sky blue? Answer yes or no:", max_tokens=8,
-                                    temperature=0, extra_body={"choice": ["yes", "no"]})
+    chosen = api.completions.create(
+        model=MODEL,
+        prompt="Is the sky blue? Answer yes or no:",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"choice": ["yes", "no"]},
+    )
     assert chosen.choices[0].text in ("yes", "no") and chosen.choices[0].finish_reason == "stop"
-    digits = api.completions.create(model=MODEL, prompt="Two plus two is", max_tokens=8, temperature=0,
-                                    extra_body={"regex": "[0-9]{1,2}"})
+    digits = api.completions.create(
+        model=MODEL, prompt="Two plus two is", max_tokens=8, temperature=0, extra_body={"regex": "[0-9]{1,2}"}
+    )
     assert digits.choices[0].text.isdigit()
 
     with pytest.raises(openai.BadRequestError) as bad:
@@ -193,27 +249,56 @@ def test_response_format_and_inflight_constraints_shape_the_answer(gateways):
 
 def test_logprobs_come_back_in_openai_shapes_as_the_worker_computed_them(fleet, gateways):
     api = client(gateways["open"])
-    events = [e for e in queue_events(fleet, messages=CHAT, max_tokens=6, temperature=0, ignore_eos=True,
-                                      logprobs=True, top_logprobs=2) if e["type"] == "token"]
+    events = [
+        e
+        for e in queue_events(
+            fleet, messages=CHAT, max_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+        )
+        if e["type"] == "token"
+    ]
     want = [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]]) for e in events]
 
-    whole = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
-                                        top_logprobs=2, extra_body={"ignore_eos": True})
+    whole = api.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     content = whole.choices[0].logprobs.content
     assert [(t.token, t.logprob, [(top.token, top.logprob) for top in t.top_logprobs]) for t in content] == want
     assert all(bytes(t.bytes) == t.token.encode() for t in content)
 
-    chunks = list(api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0,
-                                              logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        api.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(token, logprob) for token, logprob, _ in want]
 
-    text = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
-                                  logprobs=3, extra_body={"ignore_eos": True})
+    text = api.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=5,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     logprobs = text.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
-    assert all(len(top) == 3 and max(top.values()) >= chosen for top, chosen
-               in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert all(
+        len(top) == 3 and max(top.values()) >= chosen
+        for top, chosen in zip(logprobs.top_logprobs, logprobs.token_logprobs)
+    )
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
 
 
@@ -262,8 +347,9 @@ def test_health_says_whether_redis_answers(gateways):
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_job_within_a_step(fleet, gateways):
-    with client(gateways["open"]).completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True}) as stream:
+    with client(gateways["open"]).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    ) as stream:
         request_id = stream.response.headers["x-request-id"]
         for _, _ in zip(range(3), stream):
             pass
@@ -274,8 +360,11 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_job_within_a_step(flee
     assert done["finish_reason"] == "cancelled"
     # The step running at the disconnect ends; the cancel lands before the one after.
     assert done["usage"]["completion_tokens"] <= published_at_disconnect + 2
-    wait_until(lambda: worker.metrics()[("inflight_kv_cache_blocks", (("pool", "device"), ("state", "used")))] == 0,
-               10, "the job's KV blocks freed")
+    wait_until(
+        lambda: worker.metrics()[("inflight_kv_cache_blocks", (("pool", "device"), ("state", "used")))] == 0,
+        10,
+        "the job's KV blocks freed",
+    )
 
 
 def test_a_full_or_stale_queue_answers_429_with_retry_after_and_queues_nothing(fleet, gateways):
@@ -291,8 +380,14 @@ def test_a_full_or_stale_queue_answers_429_with_retry_after_and_queues_nothing(f
     assert fleet.client.xlen(stream) == 3
 
     fleet.client.xtrim(stream, maxlen=1, approximate=False)  # one job, soon older than the age limit of 1 s
-    wait_until(lambda: metric(idle, "inflight_gateway_queue_depth_entries") == 1
-               and metric(idle, "inflight_gateway_queue_age_seconds") > 1, 10, "the job to age")
+    wait_until(
+        lambda: (
+            metric(idle, "inflight_gateway_queue_depth_entries") == 1
+            and metric(idle, "inflight_gateway_queue_age_seconds") > 1
+        ),
+        10,
+        "the job to age",
+    )
     with pytest.raises(openai.RateLimitError) as stale:
         api.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert "oldest waiting job" in stale.value.body["message"]
@@ -351,8 +446,9 @@ def test_a_worker_dying_mid_stream_is_only_a_pause_to_the_client(fleet, gateways
     fleet.wait_until_serving("b")
     want, _ = straight_to_the_queue(fleet, prompt=PROMPT, max_tokens=24, ignore_eos=True)
     texts, killed = [], None
-    with client(gateways["open"]).completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True}) as stream:
+    with client(gateways["open"]).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    ) as stream:
         request_id = stream.response.headers["x-request-id"]
         for chunk in stream:
             texts.append(chunk.choices[0].text)

@@ -13,7 +13,6 @@ import torch
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from gpu.torch_attention import TorchAttentionBackend
-from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.attention_cases import (
     BLOCK_SIZES,
     DTYPES,
@@ -26,6 +25,7 @@ from tests.attention_cases import (
     make_step,
 )
 from tests.conftest import run_to_completion
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -155,8 +155,14 @@ def test_decode_steps_replayed_from_cuda_graphs_generate_the_eager_tokens(name):
     c = loaded.model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
-    prompts = ["The capital of France is", "def fibonacci(n):\n", "Write a haiku about the sea. " * 3,
-               "1, 2, 3, 4,", "Once upon a time", "Name three rivers in Africa."]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):\n",
+        "Write a haiku about the sea. " * 3,
+        "1, 2, 3, 4,",
+        "Once upon a time",
+        "Name three rivers in Africa.",
+    ]
     results, graphs = {}, None
     for cuda_graphs in (True, False):
         config = EngineConfig(
@@ -167,8 +173,12 @@ def test_decode_steps_replayed_from_cuda_graphs_generate_the_eager_tokens(name):
         engine = Engine(loaded, config)
         assert (engine.runner.graphs is not None) == cuda_graphs
         graphs = graphs or engine.runner.graphs
-        arrivals = {0: [(f"r{i}", prompt, SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True))
-                        for i, prompt in enumerate(prompts)]}
+        arrivals = {
+            0: [
+                (f"r{i}", prompt, SamplingParams(max_tokens=8 + 6 * i, ignore_eos=True))
+                for i, prompt in enumerate(prompts)
+            ]
+        }
         results[cuda_graphs] = {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
     for rid, tokens in results[False].items():
         graphed = results[True][rid]

@@ -127,8 +127,10 @@ def test_an_idle_worker_reading_an_empty_stream_and_a_full_one_renewing_leases_s
 
 
 def held(client, consumer: str) -> list[str]:
-    return [row["message_id"].decode() for row in client.xpending_range("inflight:requests", "inflight", "-", "+", 10,
-                                                                         consumername=consumer)]
+    return [
+        row["message_id"].decode()
+        for row in client.xpending_range("inflight:requests", "inflight", "-", "+", 10, consumername=consumer)
+    ]
 
 
 def test_before_redis_7_2_a_consumer_is_judged_by_its_presence_alone(client, stream, metrics_port):
@@ -168,7 +170,10 @@ def test_unhealthy_when_nothing_or_something_else_answers_on_the_metrics_port(cl
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         [problem] = check(config(metrics_port=port, requests_stream=stream)).problems
-        assert problem == f"http://127.0.0.1:{port}/metrics answers without inflight's metrics: another server holds the port"
+        assert (
+            problem
+            == f"http://127.0.0.1:{port}/metrics answers without inflight's metrics: another server holds the port"
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -189,9 +194,22 @@ def test_the_compose_healthcheck_passes_on_a_serving_worker_and_names_redis_or_t
     with contextlib.ExitStack() as redis_server:  # Valkey: a Redis of 7.2 and later, as compose's
         url = redis_server.enter_context(embedded_valkey(port, tmp_path / "valkey"))
         # As in a container: the default streams, and the host name as the consumer name.
-        worker = WorkerProcess(socket.gethostname(), [
-            "--redis-url", url, "--kv-memory-mb", "64", "--swap-memory-mb", "16", "--threads", "1",
-            "--log-format", "json"], tmp_path)
+        worker = WorkerProcess(
+            socket.gethostname(),
+            [
+                "--redis-url",
+                url,
+                "--kv-memory-mb",
+                "64",
+                "--swap-memory-mb",
+                "16",
+                "--threads",
+                "1",
+                "--log-format",
+                "json",
+            ],
+            tmp_path,
+        )
         healthcheck = compose_healthcheck("--metrics-port", str(worker.metrics_port), "--redis-url", url)
 
         def run() -> subprocess.CompletedProcess:
@@ -203,17 +221,23 @@ def test_the_compose_healthcheck_passes_on_a_serving_worker_and_names_redis_or_t
         try:
             worker.wait_ready()
             wait_until(lambda: run().returncode == 0, 30, "the healthcheck to pass")
-            assert run().stdout.startswith(f"healthy: {socket.gethostname()} serves inflight:requests (last talked to it ")
+            assert run().stdout.startswith(
+                f"healthy: {socket.gethostname()} serves inflight:requests (last talked to it "
+            )
             # Idle, with no job in sight, it still reads its group every half second.
             time.sleep(1.5)
-            idle = subprocess.run([*healthcheck, "--max-idle-s", "1"], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=30)
+            idle = subprocess.run(
+                [*healthcheck, "--max-idle-s", "1"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30
+            )
             assert idle.returncode == 0, idle.stderr
 
             redis_server.close()  # Redis goes away; the worker rides it out
             redis_gone = run()
             assert redis_gone.returncode == 1
-            assert redis_gone.stderr.startswith("unhealthy: cannot reach Redis:") and f"127.0.0.1:{port}" in redis_gone.stderr
+            assert (
+                redis_gone.stderr.startswith("unhealthy: cannot reach Redis:")
+                and f"127.0.0.1:{port}" in redis_gone.stderr
+            )
             assert "metrics" not in redis_gone.stderr  # the worker itself still answers
 
             worker.kill()

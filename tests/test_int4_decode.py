@@ -36,8 +36,10 @@ def cpu_flags() -> set[str]:
 # each where this CPU can run it.
 BUILDS = {
     "native": (CPU_CXX_FLAGS, set()),
-    "avx512": (PORTABLE_CPU_CXX_FLAGS + ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"),
-               {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
+    "avx512": (
+        PORTABLE_CPU_CXX_FLAGS + ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"),
+        {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"},
+    ),
     "portable": (PORTABLE_CPU_CXX_FLAGS, set()),
 }
 

@@ -7,7 +7,15 @@ import pytest
 import torch
 from torch import nn
 
-from gpu.cpu.int4_linear import GROUP_SIZE, INT4PACK_MAX_ROWS, Int4Linear, dequantize, quantize_groupwise, quantize_model, unpack
+from gpu.cpu.int4_linear import (
+    GROUP_SIZE,
+    INT4PACK_MAX_ROWS,
+    Int4Linear,
+    dequantize,
+    quantize_groupwise,
+    quantize_model,
+    unpack,
+)
 from gpu.cpu.int8_linear import Int8Linear
 from tests.conftest import run_to_completion
 from tests.test_int8_weights import float32_on_the_docs, teacher_forced

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu.cpu.int8_linear import Int8Linear, quantize_model
 from tests.conftest import run_to_completion
 from tests.test_engine import generate_alone
 from workers.config import ModelConfig
 from workers.model_loader import load_model
 from workers.request import FinishReason, SamplingParams
-from gpu.cpu.int8_linear import Int8Linear, quantize_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,8 @@ MAX_PERPLEXITY_CHANGE = 0.02
 
 def doc_chunks(tokenizer) -> list[list[int]]:
     ids = tokenizer(QUALITY_TEXT.read_text()).input_ids
-    chunks = [ids[start:start + CHUNK] for start in range(0, len(ids), CHUNK)]
-    chunks = chunks[:-(-POSITIONS // (CHUNK - 1))]
+    chunks = [ids[start : start + CHUNK] for start in range(0, len(ids), CHUNK)]
+    chunks = chunks[: -(-POSITIONS // (CHUNK - 1))]
     assert sum(len(c) - 1 for c in chunks) >= POSITIONS, "the text is too short for the quality gate"
     return chunks
 

@@ -8,16 +8,13 @@ bfloat16 to atol 1e-3, rtol 1.6e-2.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from gpu.attention import SequenceSlice
 from gpu.cuda.attention import CupyAttentionBackend
-from tests.cuda_emulator import EmulatedKernels
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
-from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.attention_cases import (
     BLOCK_SIZES,
     DTYPES,
@@ -29,6 +26,8 @@ from tests.attention_cases import (
     far_cache,
     make_step,
 )
+from tests.cuda_emulator import EmulatedKernels
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +236,12 @@ def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kern
     results, swapped = {}, {}
     for name in ("emulated", "torch"):
         # No speculation: accepted drafts would make the steps, and so the swaps, the model's doing.
-        engine = make_engine(shallow_smollm2, kv_memory_bytes=3 * block_bytes, max_prefill_chunk=8,
-                             speculative=SpeculativeConfig(enabled=False))
+        engine = make_engine(
+            shallow_smollm2,
+            kv_memory_bytes=3 * block_bytes,
+            max_prefill_chunk=8,
+            speculative=SpeculativeConfig(enabled=False),
+        )
         steps = StepRecorder(engine)
         if name == "emulated":
             engine.runner.backend = CupyAttentionBackend(engine.runner.kv_cache, kernels)

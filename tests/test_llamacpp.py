@@ -86,6 +86,6 @@ def test_greedy_tokens_match_transformers_on_a_real_prompt(smollm2_reference):
     for request in requests:
         with torch.inference_mode():
             want = model.generate(torch.tensor([request.prompt_ids]), max_new_tokens=8, do_sample=False)
-        want = want[0, len(request.prompt_ids):].tolist()
+        want = want[0, len(request.prompt_ids) :].tolist()
         got = out["tokens"][request.request_id]
         assert got[:4] == want[:4], (tokenizer.decode(got), tokenizer.decode(want))

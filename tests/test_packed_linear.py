@@ -30,8 +30,15 @@ def test_packed_linear_matches_nn_linear(dtype, atol, bias):
 
 def test_pack_linears_replaces_every_linear_and_keeps_the_logits():
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     packed = copy.deepcopy(model)
     assert can_pack(packed)

@@ -22,10 +22,18 @@ BLOCK = 4
 TOKEN_BYTES = 46080  # K and V of one token of SmolLM2 in float32 (30 layers, 3 KV heads, head_dim 64)
 BLOCK_BYTES = BLOCK * TOKEN_BYTES
 
-PREFIX = ("You are a careful assistant. Answer in one short sentence, do not repeat the question, "
-          "and never apologise. Question: ")
-QUESTIONS = ["What is the capital of France?", "Name a red fruit.", "What is two plus two?",
-             "Which planet is the largest?", "What colour is the sky?", "Who wrote Hamlet?"]
+PREFIX = (
+    "You are a careful assistant. Answer in one short sentence, do not repeat the question, "
+    "and never apologise. Question: "
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a red fruit.",
+    "What is two plus two?",
+    "Which planet is the largest?",
+    "What colour is the sky?",
+    "Who wrote Hamlet?",
+]
 
 
 @dataclass
@@ -126,8 +134,13 @@ def test_prefixes_evicted_mid_run_generate_the_same_tokens(make_engine, prompt_i
         arrivals.setdefault(2 * i, []).append((f"shared{i}", ids, params))
         if i < 2:
             arrivals.setdefault(2 * i + 1, []).append((f"other{i}", list(range(2000 + 40 * i, 2030 + 40 * i)), params))
-    off, on, tally = run_both(make_engine, [arrivals], kv_memory_bytes=16 * BLOCK_BYTES,
-                              swap_memory_bytes=(64 << 20) if swap else 0, max_prefill_chunk=12)
+    off, on, tally = run_both(
+        make_engine,
+        [arrivals],
+        kv_memory_bytes=16 * BLOCK_BYTES,
+        swap_memory_bytes=(64 << 20) if swap else 0,
+        max_prefill_chunk=12,
+    )
     assert on == off
     assert tally.device_evictions > 0 and tally.preempted > 0, tally
     assert tally.device_hit_tokens + tally.host_hit_tokens > 0, tally

@@ -30,8 +30,19 @@ def flat(**fields) -> dict[bytes, bytes]:
 
 
 def test_flat_fields_as_redis_cli_writes_them():
-    job = decode_job(b"1700000000000-0", flat(prompt="Hello", max_tokens=32, temperature=0.5, top_p=0.9,
-                                              top_k=40, seed=7, priority=3, deadline_ms=1800000000000))
+    job = decode_job(
+        b"1700000000000-0",
+        flat(
+            prompt="Hello",
+            max_tokens=32,
+            temperature=0.5,
+            top_p=0.9,
+            top_k=40,
+            seed=7,
+            priority=3,
+            deadline_ms=1800000000000,
+        ),
+    )
     assert job == Job("1700000000000-0", "Hello", job.params, 3, 1800000000000, "inflight:out:{1700000000000-0}")
     p = job.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (32, 0.5, 0.9, 40, 7)
@@ -39,9 +50,15 @@ def test_flat_fields_as_redis_cli_writes_them():
 
 def test_flat_messages_and_stop_are_json_or_a_single_stop_string():
     messages = [{"role": "user", "content": "Hi"}]
-    job = decode_job("1-0", flat(id="a", messages=json.dumps(messages), stop='["\\n", "END"]', reply_to="inflight:out:mine"))
-    assert (job.request_id, job.prompt, job.params.stop, job.reply_to) == ("a", messages, ("\n", "END"),
-                                                                           "inflight:out:mine")
+    job = decode_job(
+        "1-0", flat(id="a", messages=json.dumps(messages), stop='["\\n", "END"]', reply_to="inflight:out:mine")
+    )
+    assert (job.request_id, job.prompt, job.params.stop, job.reply_to) == (
+        "a",
+        messages,
+        ("\n", "END"),
+        "inflight:out:mine",
+    )
     assert decode_job("1-0", flat(prompt="x", stop="END")).params.stop == ("END",)
 
 
@@ -53,39 +70,50 @@ def test_ignore_eos_is_a_boolean_in_either_form():
 
 
 def test_msgpack_payload_carries_typed_fields():
-    payload = msgpack.packb({"id": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
-                             "temperature": 1, "stop": ["x"], "priority": -2})
+    payload = msgpack.packb(
+        {
+            "id": "b",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 5,
+            "temperature": 1,
+            "stop": ["x"],
+            "priority": -2,
+        }
+    )
     job = decode_job(b"2-0", {b"payload": payload})
     assert (job.request_id, job.params.max_tokens, job.params.temperature, job.priority) == ("b", 5, 1.0, -2)
     assert job.reply_to == reply_stream("b") == "inflight:out:{b}"
 
 
-@pytest.mark.parametrize("fields, code", [
-    (flat(max_tokens=3), "missing_field"),
-    (flat(prompt="a", messages="[]"), "invalid_field"),
-    (flat(prompt="a", colour="red"), "unknown_field"),
-    (flat(prompt="a", max_tokens="many"), "invalid_type"),
-    (flat(prompt="a", max_tokens=1.5), "invalid_type"),
-    (flat(prompt="a", max_tokens=0), "invalid_field"),
-    (flat(prompt="a", temperature="nan"), "invalid_field"),
-    (flat(prompt="a", top_p=2), "invalid_field"),
-    (flat(prompt="a", priority=11), "invalid_field"),
-    (flat(prompt="a", deadline_ms=-1), "invalid_field"),
-    (flat(prompt="a", n=0), "invalid_field"),
-    (flat(prompt="a", n=17), "invalid_field"),
-    (flat(prompt="a", n="two"), "invalid_type"),
-    (flat(prompt="a", ignore_eos="yes please"), "invalid_type"),
-    ({b"payload": msgpack.packb({"prompt": "a", "ignore_eos": 1})}, "invalid_type"),
-    (flat(messages="not json"), "invalid_type"),
-    (flat(messages='[{"role": "user"}]'), "invalid_field"),
-    (flat(prompt=""), "invalid_field"),
-    ({b"payload": b"\xc1not msgpack"}, "malformed_payload"),
-    ({b"payload": msgpack.packb([1, 2])}, "malformed_payload"),
-    ({b"payload": msgpack.packb({"prompt": "a", "max_tokens": True})}, "invalid_type"),
-    ({b"payload": msgpack.packb({"prompt": "a"}), b"prompt": b"b"}, "invalid_field"),
-    ({b"prompt": b"\xff\xfe"}, "invalid_type"),
-    (flat(prompt="x" * (MAX_ENTRY_BYTES + 1)), "too_large"),
-])
+@pytest.mark.parametrize(
+    "fields, code",
+    [
+        (flat(max_tokens=3), "missing_field"),
+        (flat(prompt="a", messages="[]"), "invalid_field"),
+        (flat(prompt="a", colour="red"), "unknown_field"),
+        (flat(prompt="a", max_tokens="many"), "invalid_type"),
+        (flat(prompt="a", max_tokens=1.5), "invalid_type"),
+        (flat(prompt="a", max_tokens=0), "invalid_field"),
+        (flat(prompt="a", temperature="nan"), "invalid_field"),
+        (flat(prompt="a", top_p=2), "invalid_field"),
+        (flat(prompt="a", priority=11), "invalid_field"),
+        (flat(prompt="a", deadline_ms=-1), "invalid_field"),
+        (flat(prompt="a", n=0), "invalid_field"),
+        (flat(prompt="a", n=17), "invalid_field"),
+        (flat(prompt="a", n="two"), "invalid_type"),
+        (flat(prompt="a", ignore_eos="yes please"), "invalid_type"),
+        ({b"payload": msgpack.packb({"prompt": "a", "ignore_eos": 1})}, "invalid_type"),
+        (flat(messages="not json"), "invalid_type"),
+        (flat(messages='[{"role": "user"}]'), "invalid_field"),
+        (flat(prompt=""), "invalid_field"),
+        ({b"payload": b"\xc1not msgpack"}, "malformed_payload"),
+        ({b"payload": msgpack.packb([1, 2])}, "malformed_payload"),
+        ({b"payload": msgpack.packb({"prompt": "a", "max_tokens": True})}, "invalid_type"),
+        ({b"payload": msgpack.packb({"prompt": "a"}), b"prompt": b"b"}, "invalid_field"),
+        ({b"prompt": b"\xff\xfe"}, "invalid_type"),
+        (flat(prompt="x" * (MAX_ENTRY_BYTES + 1)), "too_large"),
+    ],
+)
 def test_bad_entries_get_a_stable_code(fields, code):
     with pytest.raises(ProtocolError) as caught:
         decode_job("3-0", fields)
@@ -109,40 +137,67 @@ def test_reply_to_is_confined_to_the_allowed_prefixes_and_the_error_is_not_sent_
     with pytest.raises(ProtocolError) as caught:
         decode_job("5-0", flat(id="d", prompt="a", reply_to=reply_to))
     assert caught.value.code == "invalid_field" and caught.value.reply_to is None
-    assert decode_job("5-0", flat(id="d", prompt="a", reply_to="other:out:{d}"),
-                      reply_prefixes=("inflight:out:", "other:out:")).reply_to == "other:out:{d}"
+    assert (
+        decode_job(
+            "5-0", flat(id="d", prompt="a", reply_to="other:out:{d}"), reply_prefixes=("inflight:out:", "other:out:")
+        ).reply_to
+        == "other:out:{d}"
+    )
 
 
-_values = st.one_of(st.binary(max_size=40), st.text(max_size=40).map(str.encode),
-                    st.integers().map(lambda i: str(i).encode()), st.floats().map(lambda f: str(f).encode()))
+_values = st.one_of(
+    st.binary(max_size=40),
+    st.text(max_size=40).map(str.encode),
+    st.integers().map(lambda i: str(i).encode()),
+    st.floats().map(lambda f: str(f).encode()),
+)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.dictionaries(st.one_of(st.sampled_from(sorted(FIELDS | {"payload"})).map(str.encode), st.binary(max_size=8)),
-                       _values, max_size=8))
+@given(
+    st.dictionaries(
+        st.one_of(st.sampled_from(sorted(FIELDS | {"payload"})).map(str.encode), st.binary(max_size=8)),
+        _values,
+        max_size=8,
+    )
+)
 def test_fuzzed_flat_entries_decode_or_raise_protocol_error(fields):
     try:
         job = decode_job("5-0", fields)
     except ProtocolError as error:
-        assert error.code in {"missing_field", "invalid_field", "unknown_field", "invalid_type",
-                              "malformed_payload", "too_large"}
+        assert error.code in {
+            "missing_field",
+            "invalid_field",
+            "unknown_field",
+            "invalid_type",
+            "malformed_payload",
+            "too_large",
+        }
     else:
         job.params.validate()
 
 
 _msgpack_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=20),
-              st.binary(max_size=20)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=20),
+        st.binary(max_size=20),
+    ),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=12,
 )
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.one_of(
-    st.binary(max_size=64),
-    st.dictionaries(st.sampled_from(sorted(FIELDS)), _msgpack_values, max_size=6).map(msgpack.packb),
-))
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.dictionaries(st.sampled_from(sorted(FIELDS)), _msgpack_values, max_size=6).map(msgpack.packb),
+    )
+)
 def test_fuzzed_payloads_decode_or_raise_protocol_error(payload):
     try:
         decode_job("6-0", {b"payload": payload})
@@ -157,7 +212,11 @@ def test_reply_fields_are_readable_and_carry_msgpack():
     final = FinalEvent("r", FinishReason.LENGTH, Usage(3, 2), Timings(0.01, 0.2, 0.5, (0.2, 0.5)), text="!")
     done = done_fields(final, worker="gpu-3")
     assert (done["finish_reason"], done["completion_tokens"], done["total_s"], done["worker"]) == (
-        "length", "2", "0.500000", "gpu-3")
+        "length",
+        "2",
+        "0.500000",
+        "gpu-3",
+    )
     assert msgpack.unpackb(done["data"])["usage"] == {"prompt_tokens": 3, "completion_tokens": 2}
     assert msgpack.unpackb(done["data"])["worker"] == "gpu-3"
     error = error_fields("invalid_field", "top_k must be >= 0")
@@ -188,8 +247,11 @@ def redis_client():
     client.close()
 
 
-@pytest.mark.parametrize("fields", [flat(prompt="a", reply_to="inflight:out:{}x"), {b"id": b"}", b"prompt": b"a"}],
-                         ids=["reply_to with empty braces", "an id of a lone brace"])
+@pytest.mark.parametrize(
+    "fields",
+    [flat(prompt="a", reply_to="inflight:out:{}x"), {b"id": b"}", b"prompt": b"a"}],
+    ids=["reply_to with empty braces", "an id of a lone brace"],
+)
 def test_braces_in_reply_to_must_enclose_a_hash_tag_so_its_owner_key_shares_the_slot(fields):
     with pytest.raises(ProtocolError) as caught:
         decode_job("3-0", fields)
@@ -209,8 +271,9 @@ PERSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "
 def test_constraints_and_logprobs_in_either_form():
     """`json_schema` and `choice` are JSON text in the flat form and native in a payload;
     `regex` is a string; `json_object` and `logprobs` are booleans."""
-    flat_job = decode_job(b"1-0", flat(prompt="x", json_schema=json.dumps(PERSON_SCHEMA), logprobs="true",
-                                       top_logprobs=5))
+    flat_job = decode_job(
+        b"1-0", flat(prompt="x", json_schema=json.dumps(PERSON_SCHEMA), logprobs="true", top_logprobs=5)
+    )
     assert flat_job.params.json_schema == PERSON_SCHEMA
     assert (flat_job.params.logprobs, flat_job.params.top_logprobs) == (True, 5)
     packed = decode_job(b"1-0", {b"payload": msgpack.packb({"prompt": "x", "choice": ["yes", "no"]})})
@@ -221,20 +284,23 @@ def test_constraints_and_logprobs_in_either_form():
     assert not decode_job(b"1-0", flat(prompt="x")).params.constrained
 
 
-@pytest.mark.parametrize("fields, code", [
-    (flat(prompt="x", json_schema="{not json"), "invalid_type"),
-    (flat(prompt="x", json_schema="[1, 2]"), "invalid_type"),
-    (flat(prompt="x", choice='"yes"'), "invalid_type"),
-    (flat(prompt="x", choice="[]"), "invalid_field"),
-    (flat(prompt="x", choice='["a", ""]'), "invalid_field"),
-    (flat(prompt="x", regex=""), "invalid_field"),
-    (flat(prompt="x", regex="a", choice='["a"]'), "invalid_field"),  # at most one constraint
-    (flat(prompt="x", json_object="true", json_schema="{}"), "invalid_field"),
-    (flat(prompt="x", json_object="maybe"), "invalid_type"),
-    (flat(prompt="x", top_logprobs=21), "invalid_field"),
-    (flat(prompt="x", top_logprobs=-1), "invalid_field"),
-    (flat(prompt="x", logprobs="2"), "invalid_type"),
-])
+@pytest.mark.parametrize(
+    "fields, code",
+    [
+        (flat(prompt="x", json_schema="{not json"), "invalid_type"),
+        (flat(prompt="x", json_schema="[1, 2]"), "invalid_type"),
+        (flat(prompt="x", choice='"yes"'), "invalid_type"),
+        (flat(prompt="x", choice="[]"), "invalid_field"),
+        (flat(prompt="x", choice='["a", ""]'), "invalid_field"),
+        (flat(prompt="x", regex=""), "invalid_field"),
+        (flat(prompt="x", regex="a", choice='["a"]'), "invalid_field"),  # at most one constraint
+        (flat(prompt="x", json_object="true", json_schema="{}"), "invalid_field"),
+        (flat(prompt="x", json_object="maybe"), "invalid_type"),
+        (flat(prompt="x", top_logprobs=21), "invalid_field"),
+        (flat(prompt="x", top_logprobs=-1), "invalid_field"),
+        (flat(prompt="x", logprobs="2"), "invalid_type"),
+    ],
+)
 def test_bad_constraints_and_logprobs_get_a_stable_code(fields, code):
     with pytest.raises(ProtocolError) as raised:
         decode_job(b"1-0", fields)
@@ -245,8 +311,11 @@ def test_token_data_carries_logprobs_only_when_asked():
     from service.protocol import token_data
 
     assert "logprob" not in msgpack.unpackb(token_data(0, "a", (5,)))
-    data = msgpack.unpackb(token_data(0, "a", (5,), logprob=-0.25, token="a",
-                                      top_logprobs=((5, "a", -0.25), (9, "b", -2.0))))
+    data = msgpack.unpackb(
+        token_data(0, "a", (5,), logprob=-0.25, token="a", top_logprobs=((5, "a", -0.25), (9, "b", -2.0)))
+    )
     assert (data["logprob"], data["token"]) == (-0.25, "a")
-    assert data["top_logprobs"] == [{"token_id": 5, "token": "a", "logprob": -0.25},
-                                    {"token_id": 9, "token": "b", "logprob": -2.0}]
+    assert data["top_logprobs"] == [
+        {"token_id": 5, "token": "a", "logprob": -0.25},
+        {"token_id": 9, "token": "b", "logprob": -2.0},
+    ]

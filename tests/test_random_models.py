@@ -57,8 +57,10 @@ def test_smollm2_shape_loads_at_the_real_config():
     assert (c.intermediate_size, c.vocab_size, c.max_position_embeddings) == (1536, 49152, 8192)
     assert c.tie_word_embeddings and loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
     assert sum(p.numel() for p in loaded.model.parameters()) == 134_515_008
-    results = run_to_completion(engine_for(loaded, "smollm2-135m"),
-                                {0: [("a", "Once upon a time", SamplingParams(max_tokens=3, ignore_eos=True))]})
+    results = run_to_completion(
+        engine_for(loaded, "smollm2-135m"),
+        {0: [("a", "Once upon a time", SamplingParams(max_tokens=3, ignore_eos=True))]},
+    )
     assert len(results["a"][0]) == 3
 
 

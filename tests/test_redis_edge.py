@@ -32,8 +32,12 @@ async def connect():
 def keys():
     """Fresh stream names for one test; deleted afterwards."""
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-    names = {"stream": f"{prefix}:requests", "dead": f"{prefix}:dead", "reply": f"{prefix}:out:{{r}}",
-             "owner": f"{prefix}:out:{{r}}:owner"}
+    names = {
+        "stream": f"{prefix}:requests",
+        "dead": f"{prefix}:dead",
+        "reply": f"{prefix}:out:{{r}}",
+        "owner": f"{prefix}:out:{{r}}:owner",
+    }
     yield names
 
     async def cleanup():
@@ -45,8 +49,16 @@ def keys():
 
 
 def reader(client, keys, consumer="w1", claim_idle_ms=60_000, **config) -> JobReader:
-    return JobReader(client, RedisConfig(requests_stream=keys["stream"], dead_letter_stream=keys["dead"],
-                                         consumer=consumer, claim_idle_ms=claim_idle_ms, **config))
+    return JobReader(
+        client,
+        RedisConfig(
+            requests_stream=keys["stream"],
+            dead_letter_stream=keys["dead"],
+            consumer=consumer,
+            claim_idle_ms=claim_idle_ms,
+            **config,
+        ),
+    )
 
 
 def test_two_consumers_split_entries_without_duplicates(keys):
@@ -173,8 +185,7 @@ def test_an_acked_entry_is_deleted_and_dead_letters_are_capped(keys):
 
 def tokens(reply: str, seqs_and_texts) -> Append:
     """Token events of the job in entry 1-1, as the outbox sends them."""
-    return Append(reply, "1-1", [token_data(seq, text, [seq]) for seq, text in seqs_and_texts], None,
-                  refresh_ttl=True)
+    return Append(reply, "1-1", [token_data(seq, text, [seq]) for seq, text in seqs_and_texts], None, refresh_ttl=True)
 
 
 def test_replies_are_numbered_idempotent_fenced_and_expire(keys):
@@ -237,8 +248,15 @@ def test_an_owner_key_shares_its_reply_streams_hash_slot():
 def test_the_write_script_gives_token_entries_exactly_the_fields_the_protocol_defines(keys):
     """The worker sends a token as its msgpack `data` alone; the script derives the
     readable fields. They must be byte for byte what `token_fields` says."""
-    cases = [(0, "Hello", [15496], None), (1, "", [220], None), (2, " é 🙂\n", [1, 2, 3], None), (3, "a b", [], None),
-             (123456, "x", [0], None), (123457, "y", [5], 0), (123458, "z", [6], 15)]  # the last two: n > 1
+    cases = [
+        (0, "Hello", [15496], None),
+        (1, "", [220], None),
+        (2, " é 🙂\n", [1, 2, 3], None),
+        (3, "a b", [], None),
+        (123456, "x", [0], None),
+        (123457, "y", [5], 0),
+        (123458, "z", [6], 15),
+    ]  # the last two: n > 1
 
     async def main():
         client = await connect()
@@ -253,8 +271,10 @@ def test_the_write_script_gives_token_entries_exactly_the_fields_the_protocol_de
 
     entries = run(main())
     for (entry_id, fields), (seq, text, token_ids, index) in zip(entries, cases, strict=True):
-        want = {k.encode(): v if isinstance(v, bytes) else v.encode()
-                for k, v in token_fields(seq, text, token_ids, index).items()}
+        want = {
+            k.encode(): v if isinstance(v, bytes) else v.encode()
+            for k, v in token_fields(seq, text, token_ids, index).items()
+        }
         assert entry_id == f"{seq + 1}-0".encode() and fields == want
         assert list(fields) == list(want)  # in the same order too
 
@@ -269,9 +289,14 @@ def test_a_dead_letter_is_written_before_its_entry_is_acked(tmp_path):
     from bench.processes import RedisServer
 
     names = {"stream": "inflight:test:requests", "dead": "inflight:test:dead"}
-    with RedisServer(tmp_path, appendonly=False, username="w", password="pw",
-                     args=("--user", "default", "off", "--user", "w", "on", ">pw", "~*", "&*", "+@all",
-                           "-xack")) as server:
+    with RedisServer(
+        tmp_path,
+        appendonly=False,
+        username="w",
+        password="pw",
+        args=("--user", "default", "off", "--user", "w", "on", ">pw", "~*", "&*", "+@all", "-xack"),
+    ) as server:
+
         async def main():
             client = aioredis.Redis(port=server.port, username="w", password="pw", socket_timeout=30)
             jobs = reader(client, names)

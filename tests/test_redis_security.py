@@ -18,37 +18,102 @@ pytestmark = pytest.mark.slow
 
 def make_certificates(directory: Path) -> None:
     """A CA, and a server certificate it signs for 127.0.0.1."""
+
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-            "-keyout", "ca.key", "-out", "ca.pem")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
-            "-out", "server.csr")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    )
+    openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key", "-out", "server.csr"
+    )
     (directory / "san.cnf").write_text("subjectAltName = IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "1", "-extfile", "san.cnf", "-out", "server.pem")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        "san.cnf",
+        "-out",
+        "server.pem",
+    )
 
 
 @pytest.fixture
 def secured_redis(tmp_path):
     """A private redis-server that speaks only TLS and only to the ACL user `inflight`."""
     make_certificates(tmp_path)
-    server = RedisServer(tmp_path / "redis", appendonly=False, username="inflight", password="s3cret",
-                         tls_ca=tmp_path / "ca.pem",
-                         args=("--tls-cert-file", str(tmp_path / "server.pem"), "--tls-key-file", str(tmp_path / "server.key"),
-                               "--tls-ca-cert-file", str(tmp_path / "ca.pem"), "--tls-auth-clients", "no",
-                               "--user", "default", "off", "--user", "inflight", "on", ">s3cret", "~inflight:*", "&*",
-                               "+@all"))
+    server = RedisServer(
+        tmp_path / "redis",
+        appendonly=False,
+        username="inflight",
+        password="s3cret",
+        tls_ca=tmp_path / "ca.pem",
+        args=(
+            "--tls-cert-file",
+            str(tmp_path / "server.pem"),
+            "--tls-key-file",
+            str(tmp_path / "server.key"),
+            "--tls-ca-cert-file",
+            str(tmp_path / "ca.pem"),
+            "--tls-auth-clients",
+            "no",
+            "--user",
+            "default",
+            "off",
+            "--user",
+            "inflight",
+            "on",
+            ">s3cret",
+            "~inflight:*",
+            "&*",
+            "+@all",
+        ),
+    )
     with server:
         yield server.url
 
 
 def start_worker(redis_url: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "worker", "--consumer", "secure-test", "--kv-memory-mb", "128",
-         "--swap-memory-mb", "16", "--metrics-port", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "worker",
+            "--consumer",
+            "secure-test",
+            "--kv-memory-mb",
+            "128",
+            "--swap-memory-mb",
+            "16",
+            "--metrics-port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "REDIS_URL": redis_url, "PYTHONUNBUFFERED": "1"},
     )
 

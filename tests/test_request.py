@@ -49,4 +49,6 @@ def test_invalid_sampling_params_are_refused_with_a_reason(params):
 
 
 def test_valid_params_pass():
-    SamplingParams(max_tokens=1, temperature=0.7, top_k=40, top_p=0.9, seed=3, stop=("\n",), stop_token_ids=(2,)).validate()
+    SamplingParams(
+        max_tokens=1, temperature=0.7, top_k=40, top_p=0.9, seed=3, stop=("\n",), stop_token_ids=(2,)
+    ).validate()

@@ -71,9 +71,11 @@ def test_wrong_credentials_and_missing_permissions_are_never_retried(server):
 def test_a_cancelled_call_stops_retrying_at_once(server):
     """Redis away: a task retrying a call ends as soon as it is cancelled, whether the
     cancel finds it inside redis-py's own connection attempts or in our backoff."""
+
     async def main():
         redis_client = client(server)
         with capture_logs() as logs:
+
             def loop():
                 return asyncio.create_task(retrying(lambda: redis_client.xread({"allowed:s": "$"}, block=200)))
 

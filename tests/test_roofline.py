@@ -27,8 +27,10 @@ def test_weight_bytes_count_every_kind_of_linear_once_and_skip_the_embedding():
     want = (
         1000 * 64 * 2  # the head
         + 128 * 64 * 2  # packed bfloat16
-        + 128 * 64 + sum(t.numel() * t.element_size() for t in (int8.scales, int8.scales_in_dtype, int8.dense_scales))
-        + 128 * 64 // 2 + (64 // 32) * 128 * 2 * 2  # four bits a weight, a bfloat16 scale and zero per group
+        + 128 * 64
+        + sum(t.numel() * t.element_size() for t in (int8.scales, int8.scales_in_dtype, int8.dense_scales))
+        + 128 * 64 // 2
+        + (64 // 32) * 128 * 2 * 2  # four bits a weight, a bfloat16 scale and zero per group
         + 64 * 4  # the norm
     )
     assert streamed_weight_bytes(model) == want

@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -136,7 +135,9 @@ def test_top_p_draws_stay_in_the_nucleus(temperature):
     seen = [set() for _ in params]
     sampler = Sampler(seed=4)
     for _ in range(8):
-        tokens = sample(logits.repeat_interleave(copies, dim=0), [p for p in params for _ in range(copies)], sampler=sampler)
+        tokens = sample(
+            logits.repeat_interleave(copies, dim=0), [p for p in params for _ in range(copies)], sampler=sampler
+        )
         for row in range(len(params)):
             seen[row].update(tokens[row * copies : (row + 1) * copies])
     for row in range(len(params)):

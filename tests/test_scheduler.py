@@ -13,15 +13,15 @@ the block counts add up.
 from __future__ import annotations
 
 import subprocess
-from collections import Counter
 import sys
+from collections import Counter
 
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from workers.config import SchedulerConfig
 from workers.block_manager import BlockPool, block_hash, blocks_needed
+from workers.config import SchedulerConfig
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus, SamplingParams
 from workers.scheduler import Scheduler, StepPlan
 
@@ -40,17 +40,31 @@ SAMPLED = 7  # the token the simulated model always samples
 EOS = 2
 
 
-def request(rid: str, prompt_len: int, max_tokens: int = 4, priority: int = 0, arrival: float = 0.0,
-            deadline: float | None = None, stop_token_ids: frozenset[int] = frozenset({EOS})) -> Request:
-    return Request(rid, list(range(10, prompt_len + 10)), SamplingParams(max_tokens=max_tokens), arrival,
-                   priority, deadline, stop_token_ids=stop_token_ids)
+def request(
+    rid: str,
+    prompt_len: int,
+    max_tokens: int = 4,
+    priority: int = 0,
+    arrival: float = 0.0,
+    deadline: float | None = None,
+    stop_token_ids: frozenset[int] = frozenset({EOS}),
+) -> Request:
+    return Request(
+        rid,
+        list(range(10, prompt_len + 10)),
+        SamplingParams(max_tokens=max_tokens),
+        arrival,
+        priority,
+        deadline,
+        stop_token_ids=stop_token_ids,
+    )
 
 
 def chain_address(tokens, salt: bytes = SALT) -> bytes:
     """The content address of the full block that ends `tokens`."""
     parent = b""
     for start in range(0, len(tokens), BLOCK):
-        parent = block_hash(parent, list(tokens[start:start + BLOCK]), salt)
+        parent = block_hash(parent, list(tokens[start : start + BLOCK]), salt)
     return parent
 
 
@@ -101,7 +115,10 @@ class FakeRunner:
                 assert pool.holders(block) == 1, f"{rid} writes block {block}, held by {pool.holders(block)}"
                 assert pool.address(block) is None, f"{rid} writes block {block}, cached under an address"
             known = end - len(chunk.drafts)  # drafts are not the request's tokens (yet)
-            assert tuple(request.token_slice(chunk.start, known)) == chunk.token_ids[: chunk.num_tokens - len(chunk.drafts)]
+            assert (
+                tuple(request.token_slice(chunk.start, known))
+                == chunk.token_ids[: chunk.num_tokens - len(chunk.drafts)]
+            )
             context = tuple(request.token_slice(0, known)) + chunk.drafts
             for pos in range(chunk.start, end):
                 self.device.setdefault(blocks[pos // BLOCK], {})[pos % BLOCK] = (pos, context[: pos + 1])
@@ -132,7 +149,9 @@ class FakeRunner:
                 assert sorted(tags) == list(range(BLOCK)), f"block {block} registered but not full: {tags}"
                 last_pos, tokens = tags[BLOCK - 1]
                 assert len(tokens) == last_pos + 1 and last_pos % BLOCK == BLOCK - 1
-                assert all(tags[i] == (last_pos - BLOCK + 1 + i, tokens[: last_pos - BLOCK + 2 + i]) for i in range(BLOCK))
+                assert all(
+                    tags[i] == (last_pos - BLOCK + 1 + i, tokens[: last_pos - BLOCK + 2 + i]) for i in range(BLOCK)
+                )
                 assert chain_address(tokens, salt) == at, f"block {block} holds other tokens than its address names"
 
 
@@ -431,12 +450,26 @@ def test_cancelling_a_swapped_request_frees_its_host_blocks():
     bound=st.sampled_from([0.0, 2.0, 5.0, 1e9]),
 )
 def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_holds(
-    prompts, num_blocks, host_blocks, max_batch_tokens, max_prefill_tokens, max_decode_tokens,
-    max_prefill_chunk, max_running, bound,
+    prompts,
+    num_blocks,
+    host_blocks,
+    max_batch_tokens,
+    max_prefill_tokens,
+    max_decode_tokens,
+    max_prefill_chunk,
+    max_running,
+    bound,
 ):
-    s = make(num_blocks, host_blocks, max_batch_tokens=max_batch_tokens, max_prefill_tokens=max_prefill_tokens,
-             max_decode_tokens=max_decode_tokens, max_prefill_chunk=max_prefill_chunk,
-             max_running_requests=max_running, priority_bound_s=bound)
+    s = make(
+        num_blocks,
+        host_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_prefill_tokens=max_prefill_tokens,
+        max_decode_tokens=max_decode_tokens,
+        max_prefill_chunk=max_prefill_chunk,
+        max_running_requests=max_running,
+        priority_bound_s=bound,
+    )
     runner = FakeRunner(s)
     arrivals: dict[int, list[Request]] = {}
     cancels: dict[int, list[Request]] = {}
@@ -494,7 +527,6 @@ def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_ho
                     assert first_start[a.request_id] <= first_start[b.request_id], (a.request_id, b.request_id)
 
 
-
 # -- after the step ----------------------------------------------------------------------
 
 
@@ -505,7 +537,9 @@ def test_update_from_output_moves_requests_on_and_retires_at_max_tokens():
     s.add(b)
     plan = s.schedule()
     assert [(c.request.request_id, c.token_ids, c.samples, c.is_decode) for c in plan.chunks] == [
-        ("a", (10, 11, 12, 13, 14, 15), True, False), ("b", (10, 11, 12), True, False)]
+        ("a", (10, 11, 12, 13, 14, 15), True, False),
+        ("b", (10, 11, 12), True, False),
+    ]
     took = s.update_from_output(plan, [40, 41])
     assert took == [a, b]
     assert (a.num_computed, a.output_token_ids, a.status) == (6, [40], RequestStatus.RUNNING)
@@ -555,14 +589,30 @@ def test_a_resumed_request_recomputes_its_published_output_then_decodes_after_it
 # -- the prefix cache ------------------------------------------------------------------
 
 
-def prompt_request(rid: str, tokens: list[int], max_tokens: int = 4, arrival: float = 0.0, priority: int = 0,
-                   deadline: float | None = None, choices: int = 1) -> Request:
+def prompt_request(
+    rid: str,
+    tokens: list[int],
+    max_tokens: int = 4,
+    arrival: float = 0.0,
+    priority: int = 0,
+    deadline: float | None = None,
+    choices: int = 1,
+) -> Request:
     """A request; with `choices` > 1, the lead of that many parallel choices (its `forks`)."""
+
     def choice(index: int) -> Request:
-        return Request(rid if index == 0 else f"{rid}/{index}", list(tokens),
-                       SamplingParams(max_tokens=max_tokens, n=choices), arrival, priority, deadline,
-                       stop_token_ids=frozenset({EOS}), index=index,
-                       status=RequestStatus.FORKING if index else RequestStatus.WAITING)
+        return Request(
+            rid if index == 0 else f"{rid}/{index}",
+            list(tokens),
+            SamplingParams(max_tokens=max_tokens, n=choices),
+            arrival,
+            priority,
+            deadline,
+            stop_token_ids=frozenset({EOS}),
+            index=index,
+            status=RequestStatus.FORKING if index else RequestStatus.WAITING,
+        )
+
     lead = choice(0)
     lead.forks = [choice(index) for index in range(1, choices)]
     return lead
@@ -677,7 +727,6 @@ def test_cache_stats_report_the_admissions_hits_by_tier():
         runner.step(s.schedule())
 
 
-
 def test_evicting_part_of_a_finished_prompt_keeps_the_head_of_its_prefix_reachable():
     # A finished prompt's blocks are freed together. Lookups follow the chain from its
     # first block and stop at the first miss, so eviction must take a chain's tail
@@ -718,17 +767,30 @@ STEMS = [list(range(100, 124)), list(range(200, 224)), [100, 101, 102, 103] + li
     max_running=st.integers(1, 8),
 )
 def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_and_leaks_nothing(
-    prompts, num_blocks, host_blocks, max_batch_tokens, max_prefill_chunk, max_running,
+    prompts,
+    num_blocks,
+    host_blocks,
+    max_batch_tokens,
+    max_prefill_chunk,
+    max_running,
 ):
     """Random arrivals with shared prefixes, under preemption (swap and recompute), cancels
     and deadlines. The fake runner checks every chunk (reads only K/V of its own tokens,
     writes only blocks it alone holds and that are not cached) and every plan's copies."""
-    s = make(num_blocks, host_blocks, cache_salt=SALT, max_batch_tokens=max_batch_tokens,
-             max_prefill_chunk=max_prefill_chunk, max_running_requests=max_running)
+    s = make(
+        num_blocks,
+        host_blocks,
+        cache_salt=SALT,
+        max_batch_tokens=max_batch_tokens,
+        max_prefill_chunk=max_prefill_chunk,
+        max_running_requests=max_running,
+    )
     runner = FakeRunner(s)
     arrivals: dict[int, list[Request]] = {}
     cancels: dict[int, list[Request]] = {}
-    for i, (stem, shared, suffix, max_tokens, arrive, priority, cancel_at, deadline_after, choices) in enumerate(prompts):
+    for i, (stem, shared, suffix, max_tokens, arrive, priority, cancel_at, deadline_after, choices) in enumerate(
+        prompts
+    ):
         tokens = STEMS[stem][:shared] + suffix or [1]
         deadline = None if deadline_after is None else arrive + deadline_after
         r = prompt_request(f"r{i}", tokens, max_tokens, float(arrive), priority, deadline, min(choices, max_running))
@@ -748,8 +810,14 @@ def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_an
         was_running = set(map(id, s.running))
         plan = s.schedule()
         stats = s.cache_stats()
-        seen.update(device_hit=stats.device_hit_tokens, host_hit=stats.host_hit_tokens, offload=len(plan.offload),
-                    swap_out=len(plan.swap_out), preempted=len(plan.preempted), copy_on_write=len(plan.copies))
+        seen.update(
+            device_hit=stats.device_hit_tokens,
+            host_hit=stats.host_hit_tokens,
+            offload=len(plan.offload),
+            swap_out=len(plan.swap_out),
+            preempted=len(plan.preempted),
+            copy_on_write=len(plan.copies),
+        )
         assert stats.device_hit_tokens + stats.host_hit_tokens < stats.queried_tokens or not stats.queried_tokens
         chunked = {id(c.request) for c in plan.chunks}
         for r in s.running:
@@ -768,8 +836,11 @@ def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_an
     else:
         raise AssertionError("requests did not finish")
     assert set(ended) == {r.request_id for r in everyone}
-    assert all(len(r.output_token_ids) == r.params.max_tokens or r.output_token_ids[-1] == EOS
-               for r in everyone if ended[r.request_id] == "finished")
+    assert all(
+        len(r.output_token_ids) == r.params.max_tokens or r.output_token_ids[-1] == EOS
+        for r in everyone
+        if ended[r.request_id] == "finished"
+    )
     assert s.allocator.num_free == num_blocks and s.allocator.num_used == 0
     assert s.host_allocator is None or s.host_allocator.num_free == host_blocks
     for what, n in sorted(seen.items()):  # what the examples exercised (--hypothesis-show-statistics)

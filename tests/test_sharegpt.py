@@ -3,8 +3,14 @@ read up to the packaged file's cut, chat-templated and filtered as vLLM's benchm
 
 from __future__ import annotations
 
-from bench.sharegpt import (MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS, MIN_TOKENS, conversations, first_turns,
-                            make_sharegpt_workload)
+from bench.sharegpt import (
+    MAX_PROMPT_TOKENS,
+    MAX_TOTAL_TOKENS,
+    MIN_TOKENS,
+    conversations,
+    first_turns,
+    make_sharegpt_workload,
+)
 from bench.workload import Workload
 
 

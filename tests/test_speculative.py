@@ -22,7 +22,7 @@ SPEC = SpeculativeConfig(max_draft_tokens=4, min_ngram=1, max_ngram=3, cooldown_
 
 def propose(tokens: list[int], k: int, lookup: PromptLookup | None = None, history: TokenHistory | None = None):
     history = history or TokenHistory()
-    history.tokens.extend(tokens[len(history.tokens):])
+    history.tokens.extend(tokens[len(history.tokens) :])
     return (lookup or PromptLookup(1, 3)).propose([history], [k])[0]
 
 
@@ -134,8 +134,9 @@ def copy_request(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.
     return r
 
 
-def drive(s: Scheduler, requests: list[Request], check=None, max_steps: int = 5_000,
-          step_seconds=None) -> CopyingRunner:
+def drive(
+    s: Scheduler, requests: list[Request], check=None, max_steps: int = 5_000, step_seconds=None
+) -> CopyingRunner:
     """Run to the end; `step_seconds(tokens)`, if given, is what each step is timed at (the
     engine's part)."""
     runner = CopyingRunner(s)
@@ -206,8 +207,13 @@ def test_drafts_stop_where_a_steps_time_is_all_per_token_and_go_on_where_it_is_f
     assert drafted_late["memory"] > 0
 
 
-def make(speculative: SpeculativeConfig | None = None, num_blocks: int = 64, host_blocks: int = 0,
-         cache_salt: bytes | None = None, **config) -> Scheduler:
+def make(
+    speculative: SpeculativeConfig | None = None,
+    num_blocks: int = 64,
+    host_blocks: int = 0,
+    cache_salt: bytes | None = None,
+    **config,
+) -> Scheduler:
     host = BlockPool(host_blocks) if host_blocks else None
     return Scheduler(SchedulerConfig(**config), BlockPool(num_blocks), BLOCK, host, cache_salt, speculative)
 
@@ -287,8 +293,11 @@ def test_constrained_and_logprobs_requests_never_speculate():
     logprobs = copy_request("logprobs", 12, 30)
     logprobs.params = SamplingParams(max_tokens=30, logprobs=True)
     drafting = set()
-    drive(s, [plain, constrained, logprobs],
-          check=lambda plan: drafting.update(c.request.request_id for c in plan.chunks if c.drafts))
+    drive(
+        s,
+        [plain, constrained, logprobs],
+        check=lambda plan: drafting.update(c.request.request_id for c in plan.chunks if c.drafts),
+    )
     assert drafting == {"plain"}
 
 
@@ -301,13 +310,20 @@ def test_constrained_and_logprobs_requests_never_speculate():
     max_batch_tokens=st.integers(4, 24),
 )
 def test_random_cancels_mid_speculation_leave_every_context_intact_and_no_block_held(
-        seed, num_blocks, host_blocks, caching, max_batch_tokens):
+    seed, num_blocks, host_blocks, caching, max_batch_tokens
+):
     """Requests that copy, arriving and cancelled at random, under preemption (swap or
     recompute) and prefix caching: the fake KV cache shows every context intact, the
     budgets hold, no block stays with a rejected draft, and every block comes back."""
     rng = random.Random(seed)
-    s = make(SPEC, num_blocks=num_blocks, host_blocks=host_blocks, cache_salt=SALT if caching else None,
-             max_batch_tokens=max_batch_tokens, max_decode_tokens=max(1, max_batch_tokens // 2))
+    s = make(
+        SPEC,
+        num_blocks=num_blocks,
+        host_blocks=host_blocks,
+        cache_salt=SALT if caching else None,
+        max_batch_tokens=max_batch_tokens,
+        max_decode_tokens=max(1, max_batch_tokens // 2),
+    )
     runner = CopyingRunner(s)
     pending = [copy_request(f"r{i}", rng.randint(3, 30), rng.randint(1, 40)) for i in range(rng.randint(1, 8))]
     live: list[Request] = []
@@ -336,8 +352,13 @@ def test_random_cancels_mid_speculation_leave_every_context_intact_and_no_block_
 
 
 def test_speculative_config_is_validated():
-    for bad in ({"max_draft_tokens": 0}, {"min_ngram": 0}, {"min_ngram": 3, "max_ngram": 2},
-                {"acceptance_threshold": 1.5}, {"cooldown_steps": 0}):
+    for bad in (
+        {"max_draft_tokens": 0},
+        {"min_ngram": 0},
+        {"min_ngram": 3, "max_ngram": 2},
+        {"acceptance_threshold": 1.5},
+        {"cooldown_steps": 0},
+    ):
         with pytest.raises(ValueError):
             SpeculativeConfig(**bad)
 
@@ -350,7 +371,17 @@ def test_the_worker_flags_map_onto_the_speculative_config():
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     assert engine_config_from_args(parser.parse_args([])).speculative == SpeculativeConfig()
-    config = engine_config_from_args(parser.parse_args(
-        ["--no-speculative", "--max-draft-tokens", "3", "--spec-acceptance-threshold", "0.6",
-         "--spec-cooldown-steps", "10"])).speculative
+    config = engine_config_from_args(
+        parser.parse_args(
+            [
+                "--no-speculative",
+                "--max-draft-tokens",
+                "3",
+                "--spec-acceptance-threshold",
+                "0.6",
+                "--spec-cooldown-steps",
+                "10",
+            ]
+        )
+    ).speculative
     assert config == SpeculativeConfig(enabled=False, max_draft_tokens=3, acceptance_threshold=0.6, cooldown_steps=10)

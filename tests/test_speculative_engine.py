@@ -109,9 +109,17 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation_on_and_off(make_
     for speculative in (OFF, SpeculativeConfig()):
         engine = make_engine(speculative=speculative)
         records = StepRecorder(engine)
-        arrivals = {0: [(f"{rid}-{seed}", baseline[rid][0],
-                         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.95, seed=seed))
-                        for rid in ("copy0", "copy1") for seed in (1, 2)]}
+        arrivals = {
+            0: [
+                (
+                    f"{rid}-{seed}",
+                    baseline[rid][0],
+                    SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, top_p=0.95, seed=seed),
+                )
+                for rid in ("copy0", "copy1")
+                for seed in (1, 2)
+            ]
+        }
         outputs[speculative.enabled] = {rid: r[0] for rid, r in run_to_completion(engine, arrivals).items()}
         if speculative.enabled:
             assert drafted_and_accepted(records)[1] > 0
@@ -157,15 +165,21 @@ def test_constrained_and_logprobs_requests_do_not_speculate_and_keep_their_token
     engine = make_engine()
     records = StepRecorder(engine)
     prompt_ids, want = baseline["copy1"]
-    results = run_to_completion(engine, {0: [
-        ("logprobs", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, logprobs=True)),
-        ("regex", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, regex=r"[\s\S]*")),
-    ]})
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                ("logprobs", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, logprobs=True)),
+                ("regex", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, regex=r"[\s\S]*")),
+            ]
+        },
+    )
     assert results["logprobs"][0] == results["regex"][0] == want
     assert drafted_and_accepted(records) == (0, 0)
 
 
 # -- the sampled distribution, on a tiny random model -------------------------------------
+
 
 class ModelDrafts:
     """A draft-model proposer (the `Proposer` interface) over the tiny model itself: it
@@ -197,10 +211,10 @@ def test_sampled_tokens_keep_the_model_distribution():
     reference = load_model(ModelConfig(source="random:tiny-llama"))  # transformers' own attention
     temperature, n = 0.1, 500
     # Every seed in one batch: a few steps in all.
-    batch = SchedulerConfig(max_running_requests=n, max_batch_tokens=8192, max_prefill_tokens=8192,
-                            max_decode_tokens=2 * n)
-    engine = Engine(tiny, EngineConfig(scheduler=batch,
-                                       speculative=SpeculativeConfig(max_draft_tokens=1)))
+    batch = SchedulerConfig(
+        max_running_requests=n, max_batch_tokens=8192, max_prefill_tokens=8192, max_decode_tokens=2 * n
+    )
+    engine = Engine(tiny, EngineConfig(scheduler=batch, speculative=SpeculativeConfig(max_draft_tokens=1)))
     drafts = ModelDrafts(reference.model, temperature)
     engine.scheduler.proposer = drafts
     records = StepRecorder(engine)

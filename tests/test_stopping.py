@@ -45,8 +45,23 @@ def gone(pid: int, within_s: float = 3.0) -> bool:
 
 
 def worker_argv(*options: str, grace_s: float = 30) -> list[str]:
-    return [sys.executable, "-m", "service.cli", "worker", "--kv-memory-mb", "64", "--swap-memory-mb", "16",
-            "--max-running-requests", "4", "--metrics-port", "0", "--shutdown-grace-s", str(grace_s), *options]
+    return [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "worker",
+        "--kv-memory-mb",
+        "64",
+        "--swap-memory-mb",
+        "16",
+        "--max-running-requests",
+        "4",
+        "--metrics-port",
+        "0",
+        "--shutdown-grace-s",
+        str(grace_s),
+        *options,
+    ]
 
 
 def embedded_options(tmp_path: Path) -> tuple[int, list[str]]:
@@ -59,8 +74,10 @@ def environment() -> dict[str, str]:
 
 
 def queue(client: redis.Redis, request_id: str, max_tokens: str, stream: str = "inflight:requests") -> bytes:
-    return client.xadd(stream, {"id": request_id, "prompt": "Count from one to a thousand:",
-                                "max_tokens": max_tokens, "ignore_eos": "true"})
+    return client.xadd(
+        stream,
+        {"id": request_id, "prompt": "Count from one to a thousand:", "max_tokens": max_tokens, "ignore_eos": "true"},
+    )
 
 
 def reply_types(client: redis.Redis, request_id: str) -> list[bytes]:
@@ -79,8 +96,15 @@ class Terminal:
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.master, slave = os.openpty()
-        self.process = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env,
-                                        start_new_session=True, preexec_fn=_take_controlling_terminal)
+        self.process = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_take_controlling_terminal,
+        )
         os.close(slave)
         self.output = bytearray()
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -250,8 +274,12 @@ def test_sigterm_while_redis_is_down_exits_within_the_grace_period(private_redis
     grace_s = 3.0
     log = tmp_path / "worker.log"
     with open(log, "wb") as output:
-        worker = subprocess.Popen(worker_argv("--redis-url", private_redis.url, "--consumer", "outage", grace_s=grace_s),
-                                  stdout=output, stderr=subprocess.STDOUT, env=environment())
+        worker = subprocess.Popen(
+            worker_argv("--redis-url", private_redis.url, "--consumer", "outage", grace_s=grace_s),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=environment(),
+        )
     try:
         client = connect(private_redis)
         request_id = f"long-{uuid.uuid4().hex[:6]}"
@@ -277,8 +305,13 @@ def test_sigterm_while_redis_is_down_exits_within_the_grace_period(private_redis
 @pytest.mark.slow
 def test_a_sigkilled_worker_takes_its_embedded_server_down_cleanly(tmp_path):
     port, options = embedded_options(tmp_path)
-    worker = subprocess.Popen(worker_argv(*options, "--consumer", "killed"), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=environment())
+    worker = subprocess.Popen(
+        worker_argv(*options, "--consumer", "killed"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment(),
+    )
     try:
         banner = ""
         while BANNER_END not in banner:
@@ -307,8 +340,13 @@ def test_a_port_held_by_something_else_stops_the_worker_with_one_line(tmp_path):
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         port = squatter.getsockname()[1]
-        result = subprocess.run(worker_argv("--embedded-port", str(port), "--embedded-data-dir", str(tmp_path / "valkey")),
-                                capture_output=True, text=True, timeout=60, env=environment())
+        result = subprocess.run(
+            worker_argv("--embedded-port", str(port), "--embedded-data-dir", str(tmp_path / "valkey")),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=environment(),
+        )
     assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert line.startswith(f"inflight worker: the embedded Valkey server did not start on port {port} (")
@@ -320,14 +358,28 @@ def test_a_port_held_by_something_else_stops_the_worker_with_one_line(tmp_path):
 
 
 def submit_argv(url: str, stream: str, *options: str) -> list[str]:
-    return [sys.executable, "-m", "service.cli", "submit", "Hello", "--redis-url", url, "--requests-stream", stream,
-            *options]
+    return [
+        sys.executable,
+        "-m",
+        "service.cli",
+        "submit",
+        "Hello",
+        "--redis-url",
+        url,
+        "--requests-stream",
+        stream,
+        *options,
+    ]
 
 
 def test_submit_says_in_one_line_that_the_server_went_away(private_redis):
     client = connect(private_redis)
-    submit = subprocess.Popen(submit_argv(private_redis.url, "inflight:requests", "--timeout-s", "30"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    submit = subprocess.Popen(
+        submit_argv(private_redis.url, "inflight:requests", "--timeout-s", "30"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_until(lambda: client.xlen("inflight:requests") == 1, 30, "the job")
     private_redis.kill()
     _, errors = submit.communicate(timeout=15)
@@ -341,15 +393,18 @@ def test_submit_says_in_one_line_that_nothing_answers_a_server_that_is_not_there
     url = f"redis://127.0.0.1:{free_port()}"
     result = subprocess.run(submit_argv(url, "inflight:requests"), capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
-    assert result.stderr.splitlines() == [f"inflight submit: Redis at {url} is unavailable: "
-                                          f"Error 111 connecting to 127.0.0.1:{url.rsplit(':', 1)[1]}. Connection refused."]
+    assert result.stderr.splitlines() == [
+        f"inflight submit: Redis at {url} is unavailable: "
+        f"Error 111 connecting to 127.0.0.1:{url.rsplit(':', 1)[1]}. Connection refused."
+    ]
 
 
 def test_submit_gives_up_after_its_timeout_when_no_worker_answers():
     stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
     started = time.monotonic()
-    result = subprocess.run(submit_argv("redis://127.0.0.1:6379", stream, "--timeout-s", "1"),
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        submit_argv("redis://127.0.0.1:6379", stream, "--timeout-s", "1"), capture_output=True, text=True, timeout=30
+    )
     took = time.monotonic() - started
     redis.Redis(port=6379).delete(stream)
     assert result.returncode == 1
@@ -438,8 +493,14 @@ def example_argv(name: str) -> tuple[list[str], Path]:
 def test_an_example_says_in_one_line_that_the_server_went_away(example, private_redis):
     argv, cwd = example_argv(example)
     client = connect(private_redis)
-    run = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "REDIS_URL": private_redis.url, "INFLIGHT_REQUESTS": "inflight:requests"})
+    run = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "REDIS_URL": private_redis.url, "INFLIGHT_REQUESTS": "inflight:requests"},
+    )
     wait_until(lambda: client.xlen("inflight:requests") == 1, 30, "the job")
     private_redis.kill()
     _, errors = run.communicate(timeout=15)
@@ -453,9 +514,19 @@ def test_an_example_gives_up_after_its_timeout_when_no_worker_answers(example):
     argv, cwd = example_argv(example)
     stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
     try:
-        result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=30,
-                                env={**os.environ, "REDIS_URL": "redis://127.0.0.1:6379", "INFLIGHT_REQUESTS": stream,
-                                     "INFLIGHT_TIMEOUT_S": "1"})
+        result = subprocess.run(
+            argv,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={
+                **os.environ,
+                "REDIS_URL": "redis://127.0.0.1:6379",
+                "INFLIGHT_REQUESTS": stream,
+                "INFLIGHT_TIMEOUT_S": "1",
+            },
+        )
     finally:
         redis.Redis(port=6379).delete(stream)
     assert result.returncode == 1

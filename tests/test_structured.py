@@ -16,16 +16,22 @@ import jsonschema
 import pytest
 import torch
 
-from bench.schemas import generate_schemas
 from bench.drive import Driver, StepRecorder
+from bench.schemas import generate_schemas
 from tests.conftest import run_to_completion
 from workers.request import ErrorCode, FinishReason, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.slow
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 CAPITAL = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 # SmolLM2's greedy answer to CAPITAL, unconstrained.
 CAPITAL_ANSWER = "The capital of France is Paris."
@@ -50,9 +56,15 @@ def test_generated_schemas_greedy_outputs_parse_and_validate(make_engine):
     valid JSON under its schema."""
     schemas = generate_schemas(300, seed=0)[::30]
     engine = make_engine()
-    results = run_to_completion(engine, {0: [(f"s{i}", chat("Reply with a JSON object."),
-                                              SamplingParams(max_tokens=64, json_schema=schema))
-                                             for i, schema in enumerate(schemas)]})
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                (f"s{i}", chat("Reply with a JSON object."), SamplingParams(max_tokens=64, json_schema=schema))
+                for i, schema in enumerate(schemas)
+            ]
+        },
+    )
     stopped = 0
     for i, schema in enumerate(schemas):
         _, final, text = results[f"s{i}"]
@@ -72,11 +84,15 @@ def test_regex_choice_and_json_object_at_temperature_one(make_engine):
     colors = ("red", "green", "blue", "light yellow")
     sampled = dict(temperature=1.0, seed=7, max_tokens=32)
     driver = Driver(engine, raise_errors=False)
-    driver.drain({0: [
-        ("date", chat("Give today's date."), SamplingParams(regex=date, n=3, **sampled)),
-        ("color", chat("Pick a color."), SamplingParams(choice=colors, n=3, **sampled)),
-        ("object", chat("Describe a cat as JSON."), SamplingParams(json_object=True, **sampled)),
-    ]})
+    driver.drain(
+        {
+            0: [
+                ("date", chat("Give today's date."), SamplingParams(regex=date, n=3, **sampled)),
+                ("color", chat("Pick a color."), SamplingParams(choice=colors, n=3, **sampled)),
+                ("object", chat("Describe a cat as JSON."), SamplingParams(json_object=True, **sampled)),
+            ]
+        }
+    )
     for request_id, pattern in (("date", date), ("color", "|".join(map(re.escape, colors)))):
         assert [c.finish_reason for c in driver.finals[request_id].choices] == [FinishReason.STOP] * 3
         for tokens in driver.choice_tokens[request_id].values():
@@ -90,11 +106,16 @@ def test_constraint_keeps_an_output_that_already_fits(make_engine):
     """Fidelity: the unconstrained greedy answer satisfies the regex and the choice, so
     both constrained requests give exactly its tokens (its end token included)."""
     engine = make_engine()
-    results = run_to_completion(engine, {0: [
-        ("free", CAPITAL, SamplingParams(max_tokens=24)),
-        ("regex", CAPITAL, SamplingParams(max_tokens=24, regex=r"The capital of [A-Z][a-z]+ is [A-Z][a-z]+\.")),
-        ("choice", CAPITAL, SamplingParams(max_tokens=24, choice=(CAPITAL_ANSWER, "Lyon"))),
-    ]})
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                ("free", CAPITAL, SamplingParams(max_tokens=24)),
+                ("regex", CAPITAL, SamplingParams(max_tokens=24, regex=r"The capital of [A-Z][a-z]+ is [A-Z][a-z]+\.")),
+                ("choice", CAPITAL, SamplingParams(max_tokens=24, choice=(CAPITAL_ANSWER, "Lyon"))),
+            ]
+        },
+    )
     free, final, text = results["free"]
     assert text == CAPITAL_ANSWER and final.finish_reason is FinishReason.STOP
     assert results["regex"][0] == free
@@ -106,12 +127,21 @@ def test_bad_constraints_and_dead_ends_end_only_their_request(make_engine):
     nowhere to go ends `grammar_dead_end`; the request beside them is untouched."""
     engine = make_engine()
     alone = run_to_completion(engine, {0: [("alone", CAPITAL, SamplingParams(max_tokens=24))]})["alone"][0]
-    results = run_to_completion(engine, {0: [
-        ("schema", CAPITAL, SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "strin"}}})),
-        ("regex", CAPITAL, SamplingParams(regex="(")),
-        ("nothing", CAPITAL, SamplingParams(regex=r"[^\s\S]")),  # matches no string at all
-        ("ok", CAPITAL, SamplingParams(max_tokens=24)),
-    ]})
+    results = run_to_completion(
+        engine,
+        {
+            0: [
+                (
+                    "schema",
+                    CAPITAL,
+                    SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "strin"}}}),
+                ),
+                ("regex", CAPITAL, SamplingParams(regex="(")),
+                ("nothing", CAPITAL, SamplingParams(regex=r"[^\s\S]")),  # matches no string at all
+                ("ok", CAPITAL, SamplingParams(max_tokens=24)),
+            ]
+        },
+    )
     for request_id in ("schema", "regex"):
         final = results[request_id][1]
         assert final.finish_reason is FinishReason.ERROR and final.error_code is ErrorCode.INVALID_GRAMMAR
@@ -123,8 +153,9 @@ def test_bad_constraints_and_dead_ends_end_only_their_request(make_engine):
 def test_ignore_eos_past_the_grammars_end_stops(make_engine):
     """With EOS ignored, a choice whose grammar has ended stops there: nothing may follow."""
     engine = make_engine()
-    tokens, final, text = run_to_completion(engine, {0: [
-        ("c", CAPITAL, SamplingParams(max_tokens=24, choice=("Paris", "Lyon"), ignore_eos=True))]})["c"]
+    tokens, final, text = run_to_completion(
+        engine, {0: [("c", CAPITAL, SamplingParams(max_tokens=24, choice=("Paris", "Lyon"), ignore_eos=True))]}
+    )["c"]
     assert final.finish_reason is FinishReason.STOP
     assert text in ("Paris", "Lyon") and tokens[-1] in engine.eos_token_ids
 
@@ -136,8 +167,12 @@ BLOCK_BYTES = 16 * 46080  # one block of 16 tokens of SmolLM2's K/V in float32
 def test_grammar_state_survives_preemption(make_engine, swap):
     """A KV pool too small for everyone preempts constrained requests (swapped or
     recomputed): they give exactly the tokens they give with room to spare."""
-    arrivals = {0: [(f"r{i}", schema_prompt(PERSON), SamplingParams(max_tokens=48, json_schema=PERSON,
-                                                                    temperature=1.0, seed=i)) for i in range(6)]}
+    arrivals = {
+        0: [
+            (f"r{i}", schema_prompt(PERSON), SamplingParams(max_tokens=48, json_schema=PERSON, temperature=1.0, seed=i))
+            for i in range(6)
+        ]
+    }
     roomy = run_to_completion(make_engine(), arrivals)
     engine = make_engine(kv_memory_bytes=12 * BLOCK_BYTES, swap_memory_bytes=(64 << 20) if swap else 0)
     records = StepRecorder(engine)
@@ -170,8 +205,9 @@ def test_takeover_rebuilds_grammar_state_from_published_tokens(make_engine):
 
 def test_one_schema_compiles_once(make_engine):
     engine = make_engine()
-    run_to_completion(engine, {0: [(f"r{i}", chat("Hi"), SamplingParams(max_tokens=4, json_schema=PERSON))
-                                   for i in range(8)]})
+    run_to_completion(
+        engine, {0: [(f"r{i}", chat("Hi"), SamplingParams(max_tokens=4, json_schema=PERSON)) for i in range(8)]}
+    )
     assert engine.grammars.num_compiled == 1
 
 
@@ -192,7 +228,7 @@ def test_logprobs_equal_log_softmax_of_plain_transformers(make_engine, smollm2_r
         output = [e.token_ids[0] for e in token_events[request_id]]
         with torch.inference_mode():
             logits = smollm2_reference.model(torch.tensor([prompt_ids + output])).logits[0].float()
-        want = torch.log_softmax(logits[len(prompt_ids) - 1: -1], dim=-1)
+        want = torch.log_softmax(logits[len(prompt_ids) - 1 : -1], dim=-1)
         for position, event in enumerate(token_events[request_id]):
             assert abs(event.logprob - want[position, output[position]].item()) < 1e-4
             values, ids = want[position].topk(top)
@@ -221,8 +257,10 @@ def test_a_date_format_admits_exactly_the_dates_that_exist():
                 except ValueError:
                     exists = False
                 assert (pattern.fullmatch(text) is not None) == exists, text
-    nested = {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
-                                               "kind": {"enum": [{"format": "date"}]}}}
+    nested = {
+        "type": "object",
+        "properties": {"when": {"type": "string", "format": "date"}, "kind": {"enum": [{"format": "date"}]}},
+    }
     _, text = grammar_source(SamplingParams(max_tokens=1, json_schema=nested))
     assert json.loads(text)["properties"]["when"] == {"type": "string", "pattern": FULL_DATE}
     assert json.loads(text)["properties"]["kind"] == {"enum": [{"format": "date"}]}  # data stays data

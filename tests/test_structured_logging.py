@@ -60,9 +60,13 @@ def test_standard_library_records_become_json_lines_too():
     library_logger.warning("weights not tied")
     logging.getLogger("redis.connection").debug("below the level")
     logging.getLogger("redis.connection").warning("reconnecting")
-    warnings.warn("deprecated flag")
+    warnings.warn("deprecated flag", stacklevel=1)
     first, second, third = lines(out)
-    assert (first["event"], first["level"], first["logger"]) == ("weights not tied", "warning", "transformers.modeling_utils")
+    assert (first["event"], first["level"], first["logger"]) == (
+        "weights not tied",
+        "warning",
+        "transformers.modeling_utils",
+    )
     assert (first["request_id"], first["priority"]) == ("r1", 2)
     assert (second["event"], second["logger"]) == ("reconnecting", "redis.connection")
     assert third["logger"] == "py.warnings" and "deprecated flag" in third["event"]
@@ -121,7 +125,12 @@ def test_one_summary_line_per_request_without_prompt_or_output_by_default():
     [line] = lines(out)
     assert line["event"] == "request_finished" and line["finish_reason"] == "stop"
     assert (line["prompt_tokens"], line["completion_tokens"]) == (9, 3)
-    assert (line["queue_s"], line["first_token_s"], line["inter_token_mean_s"], line["total_s"]) == (0.01, 0.2, 0.15, 0.5)
+    assert (line["queue_s"], line["first_token_s"], line["inter_token_mean_s"], line["total_s"]) == (
+        0.01,
+        0.2,
+        0.15,
+        0.5,
+    )
     assert "prompt" not in line and "output" not in line
 
 
@@ -152,8 +161,10 @@ def test_a_worker_logs_prompts_and_outputs_only_when_the_operator_opts_in(make_e
         client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(make_engine(), client, config, log_prompts=log_prompts).run(stop))
-        await client.xadd(config.requests_stream, {"id": f"{prefix}-job", "prompt": "The capital of France is",
-                                                   "max_tokens": "4", "priority": "4"})
+        await client.xadd(
+            config.requests_stream,
+            {"id": f"{prefix}-job", "prompt": "The capital of France is", "max_tokens": "4", "priority": "4"},
+        )
         replies = await read_replies(client, f"inflight:out:{{{prefix}-job}}")
         stop.set()
         await serving

@@ -23,8 +23,14 @@ pytestmark = pytest.mark.slow
 
 def stream_config(prefix: str, **overrides) -> RedisConfig:
     """Streams private to one test, and a short blocking read."""
-    return RedisConfig(requests_stream=f"{prefix}:requests", dead_letter_stream=f"{prefix}:dead",
-                       control_stream=f"{prefix}:control", consumer="w1", block_ms=200, **overrides)
+    return RedisConfig(
+        requests_stream=f"{prefix}:requests",
+        dead_letter_stream=f"{prefix}:dead",
+        control_stream=f"{prefix}:control",
+        consumer="w1",
+        block_ms=200,
+        **overrides,
+    )
 
 
 async def read_replies(client, reply_to: str, timeout_s: float = 120) -> list[dict]:
@@ -54,18 +60,29 @@ def test_jobs_in_replies_out_bad_jobs_dead_lettered(make_engine):
         serving = asyncio.create_task(worker.run(stop))
         stream = config.requests_stream
         await client.xadd(stream, {"id": f"{prefix}-good", "prompt": "The capital of France is", "max_tokens": "8"})
-        await client.xadd(stream, {"payload": msgpack.packb({"id": f"{prefix}-chat", "max_tokens": 4,
-                                                             "messages": [{"role": "user", "content": "Hi"}]})})
+        await client.xadd(
+            stream,
+            {
+                "payload": msgpack.packb(
+                    {"id": f"{prefix}-chat", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+                )
+            },
+        )
         await client.xadd(stream, {"id": f"{prefix}-bad", "prompt": "x", "max_tokens": "lots"})
         await client.xadd(stream, {"id": f"{prefix}-long", "prompt": "x", "max_tokens": "100000"})
-        replies = {name: await read_replies(client, f"inflight:out:{{{prefix}-{name}}}")
-                   for name in ("good", "chat", "bad", "long")}
+        replies = {
+            name: await read_replies(client, f"inflight:out:{{{prefix}-{name}}}")
+            for name in ("good", "chat", "bad", "long")
+        }
         stop.set()
         await serving
         dead = await client.xrange(config.dead_letter_stream)
         pending = await client.xpending(stream, config.group)
-        await client.delete(stream, config.dead_letter_stream,
-                            *(f"inflight:out:{{{prefix}-{n}}}" for n in ("good", "chat", "bad", "long")))
+        await client.delete(
+            stream,
+            config.dead_letter_stream,
+            *(f"inflight:out:{{{prefix}-{n}}}" for n in ("good", "chat", "bad", "long")),
+        )
         await client.aclose()
         return replies, dead, pending
 
@@ -112,7 +129,8 @@ def test_n_choices_share_one_gapless_reply_stream_and_end_in_one_done_event(make
     assert done["type"] == b"done" and done["completion_tokens"] == b"18"
     choices = msgpack.unpackb(done["data"])["choices"]
     assert [(c["index"], c["finish_reason"], c["completion_tokens"]) for c in choices] == [
-        (i, "length", 6) for i in range(3)]
+        (i, "length", 6) for i in range(3)
+    ]
 
 
 def test_a_takeover_continues_every_choice_after_its_own_published_tokens(make_engine):
@@ -129,8 +147,10 @@ def test_a_takeover_continues_every_choice_after_its_own_published_tokens(make_e
         client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(make_engine(), client, first).run(stop))
-        await client.xadd(first.requests_stream, {"id": f"{prefix}-n", "prompt": prompt, "max_tokens": "40",
-                                                  "ignore_eos": "true", "n": "2"})
+        await client.xadd(
+            first.requests_stream,
+            {"id": f"{prefix}-n", "prompt": prompt, "max_tokens": "40", "ignore_eos": "true", "n": "2"},
+        )
         await stream_reaches(client, reply_to, 5)
         stop.set()
         await serving
@@ -163,8 +183,9 @@ def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
         client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(engine, client, config).run(stop))
-        await client.xadd(config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:",
-                                                   "max_tokens": "2000"})
+        await client.xadd(
+            config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:", "max_tokens": "2000"}
+        )
         await stream_reaches(client, reply_to, 1)  # running: its first token is out
         await client.xadd(config.control_stream, {"type": "cancel", "id": f"{prefix}-long"})
         replies = await read_replies(client, reply_to)
@@ -189,8 +210,9 @@ def test_shutdown_after_the_grace_period_leaves_unfinished_requests_pending(make
         client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(engine, client, config).run(stop))
-        await client.xadd(config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:",
-                                                   "max_tokens": "2000"})
+        await client.xadd(
+            config.requests_stream, {"id": f"{prefix}-long", "prompt": "Count to a thousand:", "max_tokens": "2000"}
+        )
         await stream_reaches(client, reply_to, 1)  # running: its first token is out
         stop.set()
         await serving
@@ -223,8 +245,9 @@ def test_the_worker_rides_out_dropped_connections_and_a_redis_restart(make_engin
         def sampled() -> int:
             return sum(record.num_sampled for record in steps)
 
-        await client.xadd(config.requests_stream, {"id": "faults", "prompt": "Count to a thousand:",
-                                                   "max_tokens": "160"})
+        await client.xadd(
+            config.requests_stream, {"id": "faults", "prompt": "Count to a thousand:", "max_tokens": "160"}
+        )
         await stream_reaches(client, reply_to, 10)
         await client.client_kill_filter(_type="normal", skipme=False)  # every connection dropped
         watcher = aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
@@ -233,8 +256,7 @@ def test_the_worker_rides_out_dropped_connections_and_a_redis_restart(make_engin
         await asyncio.to_thread(server.stop)  # a clean shutdown writes the AOF
         before = sampled()
         assert before < 160
-        await eventually(lambda: sampled() >= min(before + 5, 160), 60,
-                         "generation to go on while Redis is away")
+        await eventually(lambda: sampled() >= min(before + 5, 160), 60, "generation to go on while Redis is away")
         await asyncio.to_thread(server.start)
         watcher = aioredis.Redis(host="127.0.0.1", port=server.port, socket_timeout=30)
         replies = await read_replies(watcher, reply_to)
@@ -266,10 +288,15 @@ def test_the_sdk_submits_streams_and_cancels(make_engine):
         redis_client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
         stop = asyncio.Event()
         serving = asyncio.create_task(Worker(engine, redis_client, config).run(stop))
-        async with Client(requests_stream=config.requests_stream, control_stream=config.control_stream,
-                          block_ms=200) as client:
-            answer = [e async for e in client.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                                       max_tokens=12, priority=2)]
+        async with Client(
+            requests_stream=config.requests_stream, control_stream=config.control_stream, block_ms=200
+        ) as client:
+            answer = [
+                e
+                async for e in client.generate(
+                    messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=12, priority=2
+                )
+            ]
             long_id = await client.submit("Count to a thousand:", max_tokens=2000)
             cancelled = []
             async for event in client.events(long_id):
@@ -278,8 +305,9 @@ def test_the_sdk_submits_streams_and_cancels(make_engine):
                     await client.cancel(long_id)
         stop.set()
         await serving
-        await redis_client.delete(config.requests_stream, config.dead_letter_stream, config.control_stream,
-                                  f"inflight:out:{{{long_id}}}")
+        await redis_client.delete(
+            config.requests_stream, config.dead_letter_stream, config.control_stream, f"inflight:out:{{{long_id}}}"
+        )
         await redis_client.aclose()
         return answer, cancelled
 
@@ -332,8 +360,10 @@ def test_a_backlog_longer_than_the_lease_is_served_once_and_leaves_nothing_in_re
     async def scenario(client):
         ids = [f"{prefix}-{i}" for i in range(16)]
         for request_id in ids:
-            await client.xadd(config.requests_stream, {"id": request_id, "prompt": "Count: 1, 2,", "max_tokens": "6",
-                                                       "ignore_eos": "true"})
+            await client.xadd(
+                config.requests_stream,
+                {"id": request_id, "prompt": "Count: 1, 2,", "max_tokens": "6", "ignore_eos": "true"},
+            )
         return [await read_replies(client, f"inflight:out:{{{request_id}}}") for request_id in ids]
 
     replies, dead, length, left = run_worker(engine, config, scenario)
@@ -357,8 +387,9 @@ def test_a_cancel_sent_before_the_job_is_read_ends_it_without_running_it(make_en
     async def scenario(client):
         blockers = [f"{prefix}-busy{i}" for i in range(2)]
         for request_id in blockers:
-            await client.xadd(config.requests_stream, {"id": request_id, "prompt": "Count:", "max_tokens": "40",
-                                                       "ignore_eos": "true"})
+            await client.xadd(
+                config.requests_stream, {"id": request_id, "prompt": "Count:", "max_tokens": "40", "ignore_eos": "true"}
+            )
         await client.xadd(config.requests_stream, {"id": queued, "prompt": "Count to a thousand:", "max_tokens": "500"})
         await client.xadd(config.control_stream, {"type": "cancel", "id": queued})  # waiting in the backlog
         await client.xadd(config.control_stream, {"type": "cancel", "id": f"{prefix}-unknown"})
@@ -403,8 +434,9 @@ def test_reply_to_outside_the_reply_prefix_is_refused_and_a_redis_error_fails_on
     async def scenario(client):
         wrong_type = f"inflight:out:{{{prefix}-str}}"
         await client.set(wrong_type, "a string, not a stream")
-        await client.xadd(config.requests_stream, {"id": f"{prefix}-loop", "prompt": "x",
-                                                   "reply_to": config.requests_stream})
+        await client.xadd(
+            config.requests_stream, {"id": f"{prefix}-loop", "prompt": "x", "reply_to": config.requests_stream}
+        )
         await client.xadd(config.requests_stream, {"id": f"{prefix}-str", "prompt": "x", "reply_to": wrong_type})
         await client.xadd(config.requests_stream, {"id": f"{prefix}-ok", "prompt": "Hi", "max_tokens": "3"})
         ok = await read_replies(client, f"inflight:out:{{{prefix}-ok}}")
@@ -420,9 +452,27 @@ def test_reply_to_outside_the_reply_prefix_is_refused_and_a_redis_error_fails_on
 def test_a_job_whose_reply_stream_is_forbidden_by_the_acl_fails_alone(make_engine, tmp_path):
     """An ACL user that may not write one job's reply stream (NOPERM): that job is
     dead-lettered as `redis_error`; the job beside it is served."""
-    server = RedisServer(tmp_path, appendonly=False, username="worker", password="pw",
-                         args=("--user", "default", "off", "--user", "worker", "on", ">pw", "~inflight:requests",
-                               "~inflight:dead", "~inflight:control", "~inflight:out:{ok-*", "&*", "+@all"))
+    server = RedisServer(
+        tmp_path,
+        appendonly=False,
+        username="worker",
+        password="pw",
+        args=(
+            "--user",
+            "default",
+            "off",
+            "--user",
+            "worker",
+            "on",
+            ">pw",
+            "~inflight:requests",
+            "~inflight:dead",
+            "~inflight:control",
+            "~inflight:out:{ok-*",
+            "&*",
+            "+@all",
+        ),
+    )
     server.start()
     port = server.port
     config = RedisConfig(url=server.url, consumer="w1", block_ms=200)

@@ -23,7 +23,6 @@ from typing import TypeVar
 from workers.engine import Engine, Prompt
 from workers.request import DEFAULT_PRIORITY, Event, FinalEvent, SamplingParams
 
-
 T = TypeVar("T")
 
 _TORCH_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-torch")

@@ -125,8 +125,13 @@ class SchedulerConfig:
     priority_bound_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "max_prefill_tokens", "max_decode_tokens", "max_prefill_chunk",
-                     "max_running_requests"):
+        for name in (
+            "max_batch_tokens",
+            "max_prefill_tokens",
+            "max_decode_tokens",
+            "max_prefill_chunk",
+            "max_running_requests",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.priority_bound_s >= 0:
@@ -142,8 +147,11 @@ class StructuredConfig:
     grammar_cache_size: int = 1024
 
     def __post_init__(self) -> None:
-        if isinstance(self.grammar_cache_size, bool) or not isinstance(self.grammar_cache_size, int) \
-                or self.grammar_cache_size < 1:
+        if (
+            isinstance(self.grammar_cache_size, bool)
+            or not isinstance(self.grammar_cache_size, int)
+            or self.grammar_cache_size < 1
+        ):
             raise ValueError(f"grammar_cache_size must be an integer >= 1, got {self.grammar_cache_size!r}")
 
 

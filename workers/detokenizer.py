@@ -25,8 +25,13 @@ class IncrementalDetokenizer:
     incomplete character, and it becomes the next context once produced.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
-                 token_texts: dict[int, str] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        token_texts: dict[int, str] | None = None,
+    ) -> None:
         """`token_texts`, shared by every detokenizer of one tokenizer, caches the text of
         single tokens: after each release the context is one token, decoded alone."""
         self._tokenizer = tokenizer

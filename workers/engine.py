@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.config import EngineConfig
 from workers.block_manager import BlockPool, blocks_needed
+from workers.config import EngineConfig
 from workers.detokenizer import IncrementalDetokenizer
 from workers.logprobs import log_probs, token_logprobs
 from workers.model_loader import LoadedModel, encode_prompt, load_model
@@ -185,15 +185,23 @@ class Engine:
         self.allocator = BlockPool(self.runner.kv_cache.num_blocks)
         self.host_allocator = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
         # Cached blocks are only valid for the K/V of this model in this dtype with these weights.
-        salt = hashlib.blake2b(f"{config.model.source}|{config.model.dtype}|{config.model.weights}".encode(),
-                               digest_size=16).digest()
-        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.host_allocator,
-                                   salt if config.cache.prefix_caching else None, config.speculative)
+        salt = hashlib.blake2b(
+            f"{config.model.source}|{config.model.dtype}|{config.model.weights}".encode(), digest_size=16
+        ).digest()
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.allocator,
+            self.block_size,
+            self.host_allocator,
+            salt if config.cache.prefix_caching else None,
+            config.speculative,
+        )
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
         self._token_texts: dict[int, str] = {}  # single tokens' text, shared by the detokenizers
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                 config.structured.grammar_cache_size)
+        self.grammars = Grammars(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, config.structured.grammar_cache_size
+        )
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()  # guards the inbox and the set of known ids
         self._inbox: list[Command] = []
@@ -268,11 +276,21 @@ class Engine:
         stop_ids = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
         choices = []
         for index, output_ids in enumerate(resumed):
-            request = Request(request_id, prompt_ids, params, arrival, priority, local_deadline,
-                              output_token_ids=list(output_ids), stop_token_ids=stop_ids, index=index)
+            request = Request(
+                request_id,
+                prompt_ids,
+                params,
+                arrival,
+                priority,
+                local_deadline,
+                output_token_ids=list(output_ids),
+                stop_token_ids=stop_ids,
+                index=index,
+            )
             seed = None if params.seed is None else (params.seed + index) % 2**63
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids + request.output_token_ids, params.stop,
-                                                 self._token_texts)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids + request.output_token_ids, params.stop, self._token_texts
+            )
             # Each choice's own grammar state, past the tokens a takeover resumes from.
             grammar = self.grammars.start(params, request.output_token_ids) if params.constrained else None
             end = self._ended_already(request) or self._grammar_ended(request, grammar)
@@ -393,8 +411,9 @@ class Engine:
         token_ids = self._sample_rows(logits[firsts], [c.request for c in chunks])
         return token_ids, self._verify(logits, chunks, firsts, token_ids)
 
-    def _verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk], firsts: list[int],
-                token_ids: list[int]) -> list[int]:
+    def _verify(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], firsts: list[int], token_ids: list[int]
+    ) -> list[int]:
         """Accept each chunk's drafts while the token drawn at a draft's position is that
         draft, drawing the next position's token in its place (see the module doc);
         `token_ids` ends holding each chunk's last token drawn. Returns the accepted counts."""
@@ -407,8 +426,11 @@ class Engine:
             if not going:
                 break
             requests = [chunks[i].request for i in going]
-            drawn = self.sampler.sample(logits[[firsts[i] + depth for i in going]], [r.params for r in requests],
-                                        [self._choice(r).generator for r in requests])
+            drawn = self.sampler.sample(
+                logits[[firsts[i] + depth for i in going]],
+                [r.params for r in requests],
+                [self._choice(r).generator for r in requests],
+            )
             for i, token_id in zip(going, drawn):
                 token_ids[i] = token_id
                 accepted[i] = depth
@@ -428,14 +450,20 @@ class Engine:
             self.grammars.apply(logits, constrained, [choices[row].grammar for row in constrained])
         token_ids = self.sampler.sample(logits, [r.params for r in sampling], [c.generator for c in choices])
         if constrained:
-            self.grammars.advance([choices[row].grammar for row in constrained], [token_ids[row] for row in constrained])
+            self.grammars.advance(
+                [choices[row].grammar for row in constrained], [token_ids[row] for row in constrained]
+            )
         if wanting:
-            values = token_logprobs(logprobs, [token_ids[row] for row in wanting],
-                                    [sampling[row].params.top_logprobs for row in wanting])
+            values = token_logprobs(
+                logprobs, [token_ids[row] for row in wanting], [sampling[row].params.top_logprobs for row in wanting]
+            )
             for row, (logprob, tops) in zip(wanting, values):
                 text_of = choices[row].detokenizer.token_text
-                choices[row].logprobs = (logprob, text_of(token_ids[row]),
-                                         tuple(TopLogprob(i, text_of(i), value) for i, value in tops))
+                choices[row].logprobs = (
+                    logprob,
+                    text_of(token_ids[row]),
+                    tuple(TopLogprob(i, text_of(i), value) for i, value in tops),
+                )
         return token_ids
 
     @staticmethod
@@ -456,7 +484,9 @@ class Engine:
             if not prompt:
                 raise InvalidRequest("prompt is empty")
             prompt_ids = encode_prompt(self.tokenizer, prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
             if not all(0 <= t < self.vocab_size for t in prompt):
                 raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
             prompt_ids = list(prompt)
@@ -476,8 +506,10 @@ class Engine:
                 f"the model's context of {self.max_context} tokens"
             )
         if params.n > self.config.scheduler.max_running_requests:
-            raise InvalidRequest(f"n ({params.n}) is above max_running_requests "
-                                 f"({self.config.scheduler.max_running_requests}): its choices run together")
+            raise InvalidRequest(
+                f"n ({params.n}) is above max_running_requests "
+                f"({self.config.scheduler.max_running_requests}): its choices run together"
+            )
         if blocks_needed(len(prompt_ids) + params.max_tokens, self.block_size) > self.allocator.num_blocks:
             raise InvalidRequest(
                 f"prompt + max_tokens needs more KV cache than the whole pool "
@@ -567,7 +599,7 @@ class Engine:
                 elif position + 1 < len(output):
                     # Retired at a later token of this step (max_tokens, a stop token):
                     # the stop string came first.
-                    del output[position + 1:]
+                    del output[position + 1 :]
                     request.finish_reason = FinishReason.STOP
                 break
         if choice.grammar is not None and request.status is not RequestStatus.FINISHED:
@@ -591,8 +623,9 @@ class Engine:
             return []
         return [self._request_final(live, request.finish_reason)]
 
-    def _retire(self, request: Request, reason: FinishReason, error: str | None = None,
-                error_code: ErrorCode | None = None) -> list[Event]:
+    def _retire(
+        self, request: Request, reason: FinishReason, error: str | None = None, error_code: ErrorCode | None = None
+    ) -> list[Event]:
         """End `request`'s whole request (cancelled, expired, failed): every choice still
         going ends for `reason`. Returns its final event."""
         live = self._live[request.request_id]
@@ -609,8 +642,9 @@ class Engine:
         tail = "" if detokenizer.stopped or error else detokenizer.flush()
         choice.end = ChoiceEnd(choice.request.index, reason, len(choice.request.output_token_ids), tail)
 
-    def _request_final(self, live: _Live, reason: FinishReason, error: str | None = None,
-                       error_code: ErrorCode | None = None) -> FinalEvent:
+    def _request_final(
+        self, live: _Live, reason: FinishReason, error: str | None = None, error_code: ErrorCode | None = None
+    ) -> FinalEvent:
         """The final event of a request whose choices have all ended (`reason`: why the
         last one did); the engine forgets it."""
         requests = [choice.request for choice in live.choices]
@@ -625,8 +659,14 @@ class Engine:
             self._known_ids.discard(request_id)
 
     @staticmethod
-    def _final(requests: list[Request], reason: FinishReason, text: str = "", error: str | None = None,
-               error_code: ErrorCode | None = None, choices: tuple[ChoiceEnd, ...] = ()) -> FinalEvent:
+    def _final(
+        requests: list[Request],
+        reason: FinishReason,
+        text: str = "",
+        error: str | None = None,
+        error_code: ErrorCode | None = None,
+        choices: tuple[ChoiceEnd, ...] = (),
+    ) -> FinalEvent:
         """A request's final event; its choices' tokens and times taken together."""
         now = time.perf_counter()
         first = requests[0]
@@ -659,4 +699,3 @@ def _eos_token_ids(loaded: LoadedModel) -> frozenset[int]:
         elif source:
             ids.update(source)
     return frozenset(ids)
-

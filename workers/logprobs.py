@@ -16,8 +16,9 @@ def log_probs(logits: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
     return torch.log_softmax(logits[list(rows)].float(), dim=-1)
 
 
-def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int],
-                   tops: Sequence[int]) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: Sequence[int], tops: Sequence[int]
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
     """Each row's chosen token's log probability, and its `tops[row]` best (token id,
     log probability) pairs, best first."""
     chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])[:, 0].tolist()
@@ -26,5 +27,6 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int],
         return [(value, ()) for value in chosen]
     values, ids = logprobs.topk(k, dim=-1)
     values, ids = values.tolist(), ids.tolist()
-    return [(value, tuple(zip(ids[row][:top], values[row][:top])))
-            for row, (value, top) in enumerate(zip(chosen, tops))]
+    return [
+        (value, tuple(zip(ids[row][:top], values[row][:top]))) for row, (value, top) in enumerate(zip(chosen, tops))
+    ]

@@ -1,5 +1,5 @@
-"""Runs one step's plan: its KV copies (swaps and the prefix cache's host tier), then one forward of the Hugging Face model over
-the paged KV cache.
+"""Runs one step's plan: its KV copies (swaps and the prefix cache's host tier), then one
+forward of the Hugging Face model over the paged KV cache.
 
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
@@ -25,15 +25,15 @@ import torch
 
 from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, SequenceSlice, long_tensor
 from gpu.backends import select_backend
-from gpu.kv_cache import KVShape, PagedKVCache
-from gpu.offload import HostKVPool
-from workers.config import CacheConfig, ModelConfig
-from gpu.cpu.fusions import fuse_for_cpu
 from gpu.cpu import int4_linear, int8_linear
+from gpu.cpu.fusions import fuse_for_cpu
 from gpu.cpu.int4_decode import Int4DecodeStep
 from gpu.cpu.lean_forward import LeanForward, lean_forward_applies
 from gpu.cpu.packed_linear import can_pack, pack_linears
 from gpu.cuda.graphs import decode_graphs
+from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.offload import HostKVPool
+from workers.config import CacheConfig, ModelConfig
 from workers.scheduler import StepPlan
 
 
@@ -47,8 +47,13 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, cache_config: CacheConfig, backend_class: type[AttentionBackend] | None = None,
-                 model_config: ModelConfig | None = None):
+    def __init__(
+        self,
+        model,
+        cache_config: CacheConfig,
+        backend_class: type[AttentionBackend] | None = None,
+        model_config: ModelConfig | None = None,
+    ):
         """`backend_class` None picks one (`gpu.backends`): the CUDA kernels on a GPU, else torch.
         `model_config` says how the linears' weights are stored and whether decode-only steps
         replay CUDA graphs (default: dense, yes)."""
@@ -57,8 +62,10 @@ class ModelRunner:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         on_cpu = next(model.parameters()).device.type == "cpu"
         if settings.weights != "dense" and not on_cpu:
-            raise ValueError(f"weights={settings.weights} runs on a CPU only; this model is on "
-                             f"{next(model.parameters()).device} (use --device cpu, or --weights dense)")
+            raise ValueError(
+                f"weights={settings.weights} runs on a CPU only; this model is on "
+                f"{next(model.parameters()).device} (use --device cpu, or --weights dense)"
+            )
         if on_cpu:
             fuse_for_cpu(model)
         if settings.weights == "int8":
@@ -136,8 +143,12 @@ class ModelRunner:
 
         graphs = self.graphs
         # Steps that verify drafts run eagerly: their several logit rows per request were never checked under a graph.
-        if graphs is not None and graphs.backend is self.backend and not plan.num_draft_tokens \
-                and graphs.applies(sequences):
+        if (
+            graphs is not None
+            and graphs.backend is self.backend
+            and not plan.num_draft_tokens
+            and graphs.applies(sequences)
+        ):
             started = time.perf_counter()
             logits = graphs.run(token_ids, positions, sequences, sample_rows)
             return StepOutput(logits, time.perf_counter() - started, swap_s)
@@ -146,16 +157,18 @@ class ModelRunner:
         logits = self.forward(token_ids, positions, sample_rows, PagedBatch(self.backend, metadata))
         return StepOutput(logits, time.perf_counter() - started, swap_s)
 
-    def forward(self, token_ids: list[int], positions: list[int], sample_rows: list[int],
-                batch: PagedBatch) -> torch.Tensor:
+    def forward(
+        self, token_ids: list[int], positions: list[int], sample_rows: list[int], batch: PagedBatch
+    ) -> torch.Tensor:
         """Logits at `sample_rows` of one packed step: the lean forward where it applies
         (and the model was not replaced since), else the Hugging Face forward."""
         if self.lean is not None and self.lean.model is self.model:
             return self.lean(token_ids, positions, sample_rows, batch)
         return self.hf_forward(token_ids, positions, sample_rows, batch)
 
-    def hf_forward(self, token_ids: list[int], positions: list[int], sample_rows: list[int],
-                   batch: PagedBatch) -> torch.Tensor:
+    def hf_forward(
+        self, token_ids: list[int], positions: list[int], sample_rows: list[int], batch: PagedBatch
+    ) -> torch.Tensor:
         return self.model(
             input_ids=long_tensor(token_ids, self.device)[None],
             position_ids=long_tensor(positions, self.device)[None],
@@ -163,4 +176,3 @@ class ModelRunner:
             use_cache=False,
             paged_batch=batch,
         ).logits[0]
-

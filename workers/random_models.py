@@ -91,7 +91,7 @@ def random_name(source: str) -> str | None:
     """The model name in a `random:<name>` source, or None for any other source."""
     if not source.startswith(PREFIX):
         return None
-    name = source[len(PREFIX):]
+    name = source[len(PREFIX) :]
     if name not in CONFIGS:
         raise ValueError(f"unknown random model {name!r}; known: {', '.join(sorted(CONFIGS))}")
     return name

@@ -92,11 +92,7 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if (
-            isinstance(self.top_p, bool)
-            or not isinstance(self.top_p, (int, float))
-            or not (0.0 < self.top_p <= 1.0)
-        ):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
@@ -115,8 +111,11 @@ class SamplingParams:
         self._validate_structured()
 
     def _validate_structured(self) -> None:
-        given = [name for name, value in (("json_schema", self.json_schema), ("regex", self.regex),
-                                          ("choice", self.choice)) if value is not None]
+        given = [
+            name
+            for name, value in (("json_schema", self.json_schema), ("regex", self.regex), ("choice", self.choice))
+            if value is not None
+        ]
         if self.json_object is not False:
             if not isinstance(self.json_object, bool):
                 raise InvalidRequest(f"json_object must be true or false, got {self.json_object!r}")
@@ -128,15 +127,22 @@ class SamplingParams:
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise InvalidRequest("regex must be a non-empty string")
         if self.choice is not None and (
-            not isinstance(self.choice, (tuple, list)) or not self.choice or len(self.choice) > MAX_CHOICE_STRINGS
+            not isinstance(self.choice, (tuple, list))
+            or not self.choice
+            or len(self.choice) > MAX_CHOICE_STRINGS
             or not all(isinstance(c, str) and c for c in self.choice)
         ):
             raise InvalidRequest(f"choice must be a list of 1 to {MAX_CHOICE_STRINGS} non-empty strings")
         if not isinstance(self.logprobs, bool):
             raise InvalidRequest(f"logprobs must be true or false, got {self.logprobs!r}")
-        if (isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int)
-                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if (
+            isinstance(self.top_logprobs, bool)
+            or not isinstance(self.top_logprobs, int)
+            or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequest(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
+            )
 
 
 class FinishReason(str, enum.Enum):

@@ -86,10 +86,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.block_manager import BlockPool, block_hash, blocks_needed
+from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus
-from workers.speculative import AcceptanceRecord, DraftGate, PromptLookup, Proposer, StepCost, TokenHistory, drafts_worth
+from workers.speculative import (
+    AcceptanceRecord,
+    DraftGate,
+    PromptLookup,
+    Proposer,
+    StepCost,
+    TokenHistory,
+    drafts_worth,
+)
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
@@ -292,12 +300,20 @@ class Scheduler:
     def cache_stats(self) -> CacheStats:
         """The prefix cache's figures for the last step planned."""
         host = self.host_allocator
-        return CacheStats(self._queried, self._device_hits, self._host_hits, self._offloaded,
-                          self.allocator.num_evictions, host.num_evictions if host else 0,
-                          self.allocator.num_cached, host.num_cached if host else 0)
+        return CacheStats(
+            self._queried,
+            self._device_hits,
+            self._host_hits,
+            self._offloaded,
+            self.allocator.num_evictions,
+            host.num_evictions if host else 0,
+            self.allocator.num_cached,
+            host.num_cached if host else 0,
+        )
 
-    def update_from_output(self, plan: StepPlan, sampled_token_ids: list[int],
-                           num_accepted: list[int] | None = None) -> list[Request]:
+    def update_from_output(
+        self, plan: StepPlan, sampled_token_ids: list[int], num_accepted: list[int] | None = None
+    ) -> list[Request]:
         """The step ran `plan`: its chunks' K/V are cached now, and `sampled_token_ids`
         holds one token per sampling chunk, in plan order; `num_accepted` (same order) how
         many of each chunk's drafts were accepted: the sampled token follows those.
@@ -525,8 +541,9 @@ class Scheduler:
         num_on_host = len(prefix) - len(on_device)
         # Free blocks once the hits are taken: shared cached blocks stop being free, and
         # each host hit takes a new device block to be copied into.
-        free = self.allocator.num_free - num_on_host - sum(
-            1 for block in on_device if self.allocator.holders(block) == 0)
+        free = (
+            self.allocator.num_free - num_on_host - sum(1 for block in on_device if self.allocator.holders(block) == 0)
+        )
         num_cached = len(prefix) * self.block_size
         remaining = request.num_tokens - num_cached
         if min(remaining, budget, self.config.max_prefill_chunk, max(free, 0) * self.block_size) == 0:
@@ -670,8 +687,7 @@ class Scheduler:
         remaining = request.num_tokens - request.num_computed
         have = len(request.block_ids) * self.block_size - request.num_computed
         free = self.allocator.num_free - self._shares_next_block(request)  # a copy on write takes one
-        return max(0, min(remaining, budget, self.config.max_prefill_chunk,
-                          have + free * self.block_size))
+        return max(0, min(remaining, budget, self.config.max_prefill_chunk, have + free * self.block_size))
 
     def _add_prefill_chunk(self, request: Request, budget: int, plan: StepPlan) -> int:
         """Plan (and allocate blocks for) the largest chunk that fits; return its length."""
@@ -685,16 +701,18 @@ class Scheduler:
     @staticmethod
     def _decode_chunk(request: Request) -> ScheduledChunk:
         """The one token a decoding request runs: the one it sampled last."""
-        return ScheduledChunk(request, request.num_computed, (request.output_token_ids[-1],),
-                              request.block_ids, True, True)
+        return ScheduledChunk(
+            request, request.num_computed, (request.output_token_ids[-1],), request.block_ids, True, True
+        )
 
     @staticmethod
     def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:
         """The request's next `num_tokens` prompt tokens; its blocks must already hold them."""
         start = request.num_computed
         end = start + num_tokens
-        return ScheduledChunk(request, start, tuple(request.token_slice(start, end)), request.block_ids,
-                              end == request.num_tokens, False)
+        return ScheduledChunk(
+            request, start, tuple(request.token_slice(start, end)), request.block_ids, end == request.num_tokens, False
+        )
 
     def _grow(self, request: Request, num_tokens: int, plan: StepPlan, may_preempt: bool = True) -> bool:
         """Give `request` blocks for `num_tokens` tokens, preempting victims if needed.
@@ -708,7 +726,9 @@ class Scheduler:
                 return False
             if self._preempt_one(plan) is request:
                 return False
-            need = blocks_needed(num_tokens, self.block_size) - len(request.block_ids) + self._shares_next_block(request)
+            need = (
+                blocks_needed(num_tokens, self.block_size) - len(request.block_ids) + self._shares_next_block(request)
+            )
         self._copy_on_write(request, plan)
         self._allocate(request, num_tokens)
         return True
@@ -720,8 +740,12 @@ class Scheduler:
         computed_blocks = victim.block_ids[: blocks_needed(victim.num_computed, self.block_size)]
         host = self.host_allocator
         # A block it copies on write this step holds nothing yet, so such a victim is recomputed.
-        if (computed_blocks and host is not None and host.num_free >= len(computed_blocks)
-                and not any(own in victim.block_ids for _, own in plan.copies)):
+        if (
+            computed_blocks
+            and host is not None
+            and host.num_free >= len(computed_blocks)
+            and not any(own in victim.block_ids for _, own in plan.copies)
+        ):
             victim.host_block_ids = [host.allocate() for _ in computed_blocks]
             plan.swap_out.extend(zip(computed_blocks, victim.host_block_ids))
             self._remove_running(victim, plan)

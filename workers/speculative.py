@@ -31,10 +31,12 @@ large batch, that share is near one and only sure drafts run; with a few request
 small and drafting pays even at modest acceptance.
 
 The second part (`DraftGate`, one per request) keeps a request's K and pauses it. K
-adapts to the request's recent acceptance: it grows by one after a step whose drafts were all accepted, and falls to one more than
+adapts to the request's recent acceptance: it grows by one after a step whose drafts
+were all accepted, and falls to one more than
 the accepted count after one that was not. Acceptance is the accepted share of drafted
 tokens, decayed by `DECAY` each verified step; once `MIN_JUDGED` tokens have been
-drafted since it (re)started and it is below the threshold, the request stops speculating for a cool-down of
+drafted since it (re)started and it is below the threshold, the request stops
+speculating for a cool-down of
 `cooldown_steps` steps, doubled after each pause that follows another (at most
 `MAX_BACKOFF` times), and starts again from K = 1. A step whose whole draft (of two or
 more tokens) is accepted forgets earlier pauses.
@@ -212,6 +214,6 @@ class DraftGate:
         else:
             self.k = accepted + 1
         if self.since_start >= MIN_JUDGED and self.acceptance < config.acceptance_threshold:
-            self.paused_until = step + 1 + config.cooldown_steps * 2 ** self.backoff
+            self.paused_until = step + 1 + config.cooldown_steps * 2**self.backoff
             self.backoff = min(self.backoff + 1, MAX_BACKOFF)
             self.k, self.drafted, self.accepted, self.since_start = 1, 0.0, 0.0, 0

@@ -48,8 +48,10 @@ class GrammarState:
 # days, and February 29 in leap years only. llguidance's own `date` format lets through
 # year 0000 and February 29 of every year.
 _YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
-_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-              "|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_MONTH_DAY = (
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
 _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 FULL_DATE = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)$"
 # Schema keywords whose values are data, not schemas: left as they are.
@@ -185,10 +187,13 @@ class Grammars:
         if self._lltokenizer is None:
             backend = getattr(self._tokenizer, "backend_tokenizer", None)
             if backend is None:
-                raise InvalidGrammar("this model's tokenizer cannot be used for structured output "
-                                     "(a fast Hugging Face tokenizer is needed)")
-            self._lltokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size,
-                                                       eos_token=self._eos_token_ids)
+                raise InvalidGrammar(
+                    "this model's tokenizer cannot be used for structured output "
+                    "(a fast Hugging Face tokenizer is needed)"
+                )
+            self._lltokenizer = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+            )
         return self._lltokenizer
 
     def _fill(self, states: list[GrammarState]) -> None:
@@ -196,8 +201,9 @@ class Grammars:
         masks = torch.empty(len(states), self.words, dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)],
-                                               masks.data_ptr(), self.words * 4, len(states))
+        self._executor.unsafe_compute_mask_ptr(
+            [(s.matcher, i) for i, s in enumerate(states)], masks.data_ptr(), self.words * 4, len(states)
+        )
         self._check(states, masks)
 
     def _check(self, states: list[GrammarState], masks: torch.Tensor) -> None:

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from gpu.attention import CONTEXT_LEN, QUERY_START, BlockTables, SequenceSlice
-from gpu.kv_cache import PagedKVCache
 from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
+from gpu.kv_cache import PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -61,11 +61,7 @@ class Kernel:
 
 
 def kernel_applies(kv_cache: PagedKVCache) -> bool:
-    return (
-        kv_cache.blocks.device.type == "cpu"
-        and kv_cache.blocks.dtype in ENTRY_POINTS
-        and cpu_kernel() is not None
-    )
+    return kv_cache.blocks.device.type == "cpu" and kv_cache.blocks.dtype in ENTRY_POINTS and cpu_kernel() is not None
 
 
 @dataclass

@@ -85,7 +85,9 @@ def _layer_pointers(layer: nn.Module, key_pool: torch.Tensor, value_pool: torch.
 class Int4DecodeStep:
     """A decode step of `model` as one call, for the steps `takes` accepts: logits from token embeddings."""
 
-    def __init__(self, model: nn.Module, backend: CpuAttentionBackend, library: ctypes.CDLL, pointers: list[int]) -> None:
+    def __init__(
+        self, model: nn.Module, backend: CpuAttentionBackend, library: ctypes.CDLL, pointers: list[int]
+    ) -> None:
         config, layers = model.config, _layers(model)
         attention = layers[0].self_attn
         self.model = model  # the weights the stack points into stay alive with it
@@ -126,7 +128,9 @@ class Int4DecodeStep:
             return None
         if type(final_norm) is not FusedRMSNorm or final_norm.weight.dtype != torch.bfloat16:
             return None
-        norms = [final_norm] + [norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [final_norm] + [
+            norm for layer in layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
         if len({norm.eps for norm in norms}) != 1:
             return None
         try:
@@ -138,8 +142,14 @@ class Int4DecodeStep:
         """Whether a step of `num_tokens` with this attention metadata runs here: decodes only."""
         return num_tokens <= MAX_TOKENS and isinstance(metadata, TorchMetadata) and not metadata.prefills
 
-    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                 sin_table: torch.Tensor, metadata: TorchMetadata) -> torch.Tensor:
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_table: torch.Tensor,
+        sin_table: torch.Tensor,
+        metadata: TorchMetadata,
+    ) -> torch.Tensor:
         """Logits [tokens, vocab] (float32) of every token; `hidden` [tokens, hidden size]
         (the embeddings, bfloat16, contiguous) is overwritten."""
         decodes = metadata.decodes

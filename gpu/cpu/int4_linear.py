@@ -80,8 +80,10 @@ class Int4Linear(nn.Module):
         if linear.weight.dtype != torch.bfloat16:
             raise ValueError(f"int4 weights need bfloat16 activations, got {linear.weight.dtype}")
         if not applies(linear):
-            raise ValueError(f"int4 needs outputs a multiple of {_BLOCK_N} and inputs of {GROUP_SIZE}, "
-                             f"got {linear.out_features}x{linear.in_features}")
+            raise ValueError(
+                f"int4 needs outputs a multiple of {_BLOCK_N} and inputs of {GROUP_SIZE}, "
+                f"got {linear.out_features}x{linear.in_features}"
+            )
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         q, scales, zeros = quantize_groupwise(linear.weight)
@@ -93,7 +95,9 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= INT4PACK_MAX_ROWS and self.bias is None and x.is_contiguous():
-            return _int4_mm(x, self.packed, GROUP_SIZE, self.scales_and_zeros)  # a decode step, as the lean forward calls
+            return _int4_mm(
+                x, self.packed, GROUP_SIZE, self.scales_and_zeros
+            )  # a decode step, as the lean forward calls
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= INT4PACK_MAX_ROWS:
@@ -108,7 +112,9 @@ class Int4Linear(nn.Module):
         """The weight in bfloat16 (a shared buffer: valid until the next call)."""
         scratch = scratch_buffer((self.out_features, self.in_features), torch.bfloat16)
         groups = scratch.view(self.out_features, -1, GROUP_SIZE)
-        groups.copy_(unpack(self.packed, self.out_features, self.in_features).view_as(groups)).sub_(8).mul_(self.scales).add_(self.zeros)
+        groups.copy_(unpack(self.packed, self.out_features, self.in_features).view_as(groups)).sub_(8).mul_(
+            self.scales
+        ).add_(self.zeros)
         return scratch
 
     def extra_repr(self) -> str:

@@ -94,8 +94,10 @@ class Int8Linear(nn.Module):
         return scratch.copy_(self.weight_int8).mul_(self.dense_scales)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, dtype={self.dtype}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, dtype={self.dtype}"
+        )
 
 
 def scratch_buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -109,8 +111,13 @@ def scratch_buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return scratch
 
 
-def quantize_linears(model: nn.Module, skip: tuple[nn.Module, ...] = (),
-                     skip_names: frozenset[str] = frozenset(), make=None, fits=lambda linear: True) -> int:
+def quantize_linears(
+    model: nn.Module,
+    skip: tuple[nn.Module, ...] = (),
+    skip_names: frozenset[str] = frozenset(),
+    make=None,
+    fits=lambda linear: True,
+) -> int:
     """Replace every `nn.Linear` of `model` in place by `make(linear)` (default `Int8Linear`),
     except the modules in `skip`, those whose attribute name is in `skip_names` and those
     `fits` refuses; returns how many were replaced."""

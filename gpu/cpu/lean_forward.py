@@ -90,8 +90,9 @@ class LeanForward:
         self._cos = self._sin = torch.empty(0, self.head_dim, dtype=self.dtype, device=self.device)
         self.decode_step = decode_step
 
-    def __call__(self, token_ids: Sequence[int], positions: Sequence[int], sample_rows: Sequence[int],
-                 batch: PagedBatch) -> torch.Tensor:
+    def __call__(
+        self, token_ids: Sequence[int], positions: Sequence[int], sample_rows: Sequence[int], batch: PagedBatch
+    ) -> torch.Tensor:
         """Logits [len(sample_rows), vocab] of one packed step: `token_ids` at `positions`,
         attention through `batch`'s backend and metadata."""
         num_tokens = len(token_ids)

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu.cuda import source as cuda_source
 from gpu.attention import CONTEXT_LEN, QUERY_LEN, QUERY_START, AttentionBackend, BlockTables, SequenceSlice
+from gpu.cuda import source as cuda_source
 from gpu.kv_cache import PagedKVCache
 
 # A decode launch should have a few blocks per SM; short of that, contexts are split
@@ -116,8 +116,9 @@ class CupyAttentionBackend(AttentionBackend):
         slots[rows] = tables[np.arange(len(decodes)), positions // block_size] * block_size + positions % block_size
         longest = int(context_lens.max())
         size = self.partition_size or self._auto_partition_size(len(decodes), longest)
-        return DecodeBatch(_on(rows, self.device), _on(context_lens, self.device), _on(tables, self.device),
-                           size, -(-longest // size))
+        return DecodeBatch(
+            _on(rows, self.device), _on(context_lens, self.device), _on(tables, self.device), size, -(-longest // size)
+        )
 
     def decode_partition_size(self, num_seqs: int, longest: int) -> int:
         """Tokens per decode partition for `num_seqs` contexts of up to `longest` tokens
@@ -169,7 +170,9 @@ class CupyAttentionBackend(AttentionBackend):
             num_seqs, parts = decode.query_rows.numel(), decode.num_partitions
             partial_out = partial_max = partial_sum = 0  # unused with a single partition
             if parts > 1:
-                partial_out = torch.empty((num_seqs, num_heads, parts, head_dim), dtype=torch.float32, device=out.device)
+                partial_out = torch.empty(
+                    (num_seqs, num_heads, parts, head_dim), dtype=torch.float32, device=out.device
+                )
                 partial_max = torch.empty((num_seqs, num_heads, parts), dtype=torch.float32, device=out.device)
                 partial_sum = torch.empty_like(partial_max)
             head_groups = -(-group // cuda_source.MAX_GROUP)

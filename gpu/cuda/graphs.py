@@ -108,8 +108,9 @@ class StaticDecodeInputs:
             seq.context_len <= self.max_blocks * self.block_size for seq in sequences
         )
 
-    def fill(self, token_ids: Sequence[int], positions: Sequence[int], sequences: Sequence[SequenceSlice],
-             bucket: int) -> None:
+    def fill(
+        self, token_ids: Sequence[int], positions: Sequence[int], sequences: Sequence[SequenceSlice], bucket: int
+    ) -> None:
         """Rows [0, n) from the step's one-token sequences, rows [n, bucket) padding."""
         n, block_size = len(sequences), self.block_size
         if self._copied is not None:
@@ -118,7 +119,7 @@ class StaticDecodeInputs:
         ints = self._host_int.numpy()
         context_lens = np.fromiter((seq.context_len for seq in sequences), np.int64, n)
         used = -(-context_lens // block_size)  # blocks each context covers
-        tables = ints[self.max_batch:].reshape(self.max_batch, self.max_blocks)
+        tables = ints[self.max_batch :].reshape(self.max_batch, self.max_blocks)
         flat = np.fromiter(chain.from_iterable(seq.block_table[:u] for seq, u in zip(sequences, used)), np.int32)
         rows = np.repeat(np.arange(n), used)
         tables[rows, np.arange(flat.size) - np.repeat(np.cumsum(used) - used, used)] = flat
@@ -139,8 +140,13 @@ class StaticDecodeInputs:
 
     def metadata(self, bucket: int, partition_size: int, num_partitions: int) -> KernelMetadata:
         """The kernels' metadata over the first `bucket` rows of the buffers."""
-        decode = DecodeBatch(self.query_rows[:bucket], self.context_lens[:bucket], self.block_tables[:bucket],
-                             partition_size, num_partitions)
+        decode = DecodeBatch(
+            self.query_rows[:bucket],
+            self.context_lens[:bucket],
+            self.block_tables[:bucket],
+            partition_size,
+            num_partitions,
+        )
         return KernelMetadata(self.slot_mapping[:bucket], decode, None)
 
 
@@ -185,8 +191,13 @@ class DecodeGraphs:
         """A decode-only step (one new token per sequence) that the buffers hold."""
         return all(seq.query_len == 1 for seq in sequences) and self.inputs.fits(sequences)
 
-    def run(self, token_ids: Sequence[int], positions: Sequence[int], sequences: Sequence[SequenceSlice],
-            sample_rows: Sequence[int]) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        sequences: Sequence[SequenceSlice],
+        sample_rows: Sequence[int],
+    ) -> torch.Tensor:
         """The logits of `sample_rows` (rows of the batch, as the eager forward keeps them)."""
         bucket = bucket_for(len(sequences), self.buckets)
         key = self.key(bucket, max(seq.context_len for seq in sequences))
@@ -224,12 +235,19 @@ class DecodeGraphs:
         forward()  # lazy initialisation (cuBLAS handles, workspaces) happens outside the capture
         graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread's capture-unsafe calls fail it, not another's.
-        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._pool,
-                                                              capture_error_mode="thread_local"):
+        with (
+            torch.cuda.device(self.device),
+            torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"),
+        ):
             logits = forward()
         self._graphs[key] = _Captured(graph, logits)
-        _log.debug("captured a decode graph: %d rows, %d partitions of %d tokens, in %.3f s",
-                   bucket, key[2], key[1], time.perf_counter() - started)
+        _log.debug(
+            "captured a decode graph: %d rows, %d partitions of %d tokens, in %.3f s",
+            bucket,
+            key[2],
+            key[1],
+            time.perf_counter() - started,
+        )
         return self._graphs[key]
 
 

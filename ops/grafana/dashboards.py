@@ -25,128 +25,313 @@ def quantiles(metric: str, qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
 
 
 def mean_per_step(metric: str, by: str) -> tuple[str, str]:
-    return (f"sum by ({by}) (rate({metric}_sum[{RATE}])) / sum by ({by}) (rate({metric}_count[{RATE}]))",
-            f"{{{{{by}}}}}")
+    return (
+        f"sum by ({by}) (rate({metric}_sum[{RATE}])) / sum by ({by}) (rate({metric}_count[{RATE}]))",
+        f"{{{{{by}}}}}",
+    )
 
 
 # (section, [(title, unit, [(expr, legend)], description)])
 SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
-    ("Throughput", [
-        ("Tokens per second", "short", [
-            (f"sum(rate(inflight_generation_tokens_total[{RATE}]))", "generated"),
-            (f"sum(rate(inflight_prompt_tokens_total[{RATE}]))", "prompt"),
-        ], "Tokens of finished requests, all workers."),
-        ("Requests per second by outcome", "reqps", [
-            (f"sum by (outcome) (rate(inflight_requests_total[{RATE}]))", "{{outcome}}"),
-        ], "Finish reason, or rejected before reaching the engine."),
-    ]),
-    ("Latency", [
-        ("Time to first token", "s", quantiles("inflight_time_to_first_token_seconds"), "From arrival at the engine."),
-        ("Inter-token latency", "s", quantiles("inflight_inter_token_latency_seconds"), "Between consecutive tokens."),
-        ("End-to-end latency", "s", quantiles("inflight_request_duration_seconds"), "Arrival to final event."),
-        ("Queue time", "s", quantiles("inflight_queue_time_seconds"), "Arrival to first scheduled."),
-        ("Publish lag", "s", quantiles("inflight_publish_lag_seconds"),
-         "From the step that produced a reply event to its write landing in Redis."),
-    ]),
-    ("Queues", [
-        ("Requests by state and priority", "short", [
-            ("sum by (state, priority) (inflight_scheduler_requests)", "{{state}} p{{priority}}"),
-        ], "Running, waiting and swapped requests in the engines."),
-        ("Ingest lag and pending entries", "short", [
-            ("max(inflight_ingest_lag_entries)", "lag (not yet delivered)"),
-            ("max(inflight_ingest_pending_entries)", "pending (delivered, not acked)"),
-        ], "The request stream's consumer group, as Redis reports it."),
-        ("Oldest waiting request", "s", [
-            ("max(inflight_oldest_waiting_age_seconds)", "age"),
-        ], "Time since arrival of the longest-waiting queued request (starvation)."),
-        ("Workers up", "short", [
-            ('sum(up{job="inflight"})', "up"),
-        ], "Workers Prometheus scraped successfully."),
-    ]),
-    ("KV cache", [
-        ("KV cache usage", "percentunit", [
-            ("max by (pool) (inflight_kv_cache_usage_ratio)", "{{pool}}"),
-        ], "Fraction of blocks in use: device pool and host (swap) pool."),
-        ("KV blocks", "short", [
-            ("sum by (pool, state) (inflight_kv_cache_blocks)", "{{pool}} {{state}}"),
-        ], "Used and free blocks per pool."),
-        ("Preemptions", "short", [
-            (f"sum by (mode) (rate(inflight_preemptions_total[{RATE}]))", "{{mode}}"),
-        ], "Running requests preempted per second: swapped to host, or sent back to recompute."),
-        ("Swaps", "short", [
-            (f"sum by (direction) (rate(inflight_swapped_blocks_total[{RATE}]))", "blocks {{direction}}"),
-            (f"sum by (direction) (rate(inflight_swapped_requests_total[{RATE}]))", "requests {{direction}}"),
-        ], "KV blocks and requests moved between device and host per second."),
-    ]),
-    ("Prefix cache", [
-        ("Prefix cache hit rate", "percentunit", [
-            (f"sum by (tier) (rate(inflight_prefix_cache_hit_tokens_total[{RATE}]))"
-             f" / ignoring (tier) group_left sum(rate(inflight_prefix_cache_queried_tokens_total[{RATE}]))", "{{tier}}"),
-            (f"sum(rate(inflight_prefix_cache_hit_tokens_total[{RATE}]))"
-             f" / sum(rate(inflight_prefix_cache_queried_tokens_total[{RATE}]))", "either tier"),
-        ], "Fraction of admitted requests' tokens found cached: in the device pool, or in the host tier (copied back)."),
-        ("Prefix cache blocks", "short", [
-            ("sum by (tier) (inflight_prefix_cache_blocks)", "{{tier}}"),
-        ], "KV blocks registered in the prefix cache, held by requests or free to evict."),
-        ("Prefix cache evictions", "short", [
-            (f"sum by (tier) (rate(inflight_prefix_cache_evicted_blocks_total[{RATE}]))", "evicted {{tier}}"),
-            (f"sum(rate(inflight_prefix_cache_offloaded_blocks_total[{RATE}]))", "offloaded to host"),
-        ], "Cached blocks dropped per second to reuse the block, and device evictions copied to the host tier."),
-    ]),
-    ("Steps", [
-        ("Batch composition (tokens per step)", "short", [
-            mean_per_step("inflight_step_tokens", "kind"),
-        ], "Mean prefill and decode tokens in a step."),
-        ("Step time", "s", quantiles("inflight_step_duration_seconds") + [
-            (f"sum(rate(inflight_step_duration_seconds_count[{RATE}]))", "steps/s"),
-        ], "Wall time of one engine step."),
-        ("Budget saturation", "percentunit", [
-            mean_per_step("inflight_step_budget_used_ratio", "budget"),
-        ], "Mean fraction of each token budget a step used: batch, prefill, decode."),
-    ]),
-    ("Speculative decoding", [
-        ("Draft tokens", "short", [
-            (f"sum by (kind) (rate(inflight_speculative_tokens_total[{RATE}]))", "{{kind}}/s"),
-            (f'sum(rate(inflight_speculative_tokens_total{{kind="accepted"}}[{RATE}]))'
-             f' / clamp_min(sum(rate(inflight_speculative_tokens_total{{kind="drafted"}}[{RATE}])), 1e-9)',
-             "acceptance (0 when none drafted)"),
-        ], "Prompt-lookup draft tokens verified and accepted per second, and the accepted share. Requests below the "
-           "acceptance threshold stop drafting for a cool-down, so a low share should not last."),
-        ("Draft acceptance per verification", "short", [
-            (f"sum by (le) (rate(inflight_speculative_acceptance_ratio_bucket[{RATE}]))", "≤ {{le}}"),
-        ], "Verifications per second whose accepted / drafted share is at most each bucket's bound (cumulative): "
-           "copying requests sit at 1, requests about to be gated below 0.5."),
-    ]),
-    ("Gateway", [
-        ("Gateway requests by route and status", "reqps", [
-            (f"sum by (route, status) (rate(inflight_gateway_requests_total[{RATE}]))", "{{route}} {{status}}"),
-        ], "HTTP answers of the OpenAI-compatible gateways: 429 is backpressure, 499 a client gone before any answer."),
-        ("Gateway time to first token", "s", quantiles("inflight_gateway_time_to_first_token_seconds"),
-         "Streamed requests, from arrival at the gateway to the first token sent: the queue, the worker and both hops."),
-        ("Gateway request duration", "s", quantiles("inflight_gateway_request_duration_seconds"),
-         "From a completion's arrival to the end of its answer."),
-        ("Gateway streams and cancels", "short", [
-            ("sum(inflight_gateway_requests_in_progress)", "in progress"),
-            (f"sum by (reason) (rate(inflight_gateway_cancels_total[{RATE}]))", "cancels/s ({{reason}})"),
-        ], "Completions being answered now; jobs cancelled because the client left or no reply came in time."),
-        ("Gateway backlog", "short", [
-            ("max(inflight_gateway_queue_depth_entries)", "jobs no worker took yet"),
-            ("max(inflight_gateway_queue_age_seconds)", "oldest one's wait (s)"),
-        ], "What the gateways' backpressure sees: over --max-queue-depth or --max-queue-age-s, new requests get 429."),
-    ]),
-    ("Errors", [
-        ("Errors and rejections", "reqps", [
-            (f'sum by (outcome) (rate(inflight_requests_total{{outcome=~"error|rejected"}}[{RATE}]))', "{{outcome}}"),
-        ], "Requests that ended in an error or were rejected."),
-        ("Dead letters", "short", [
-            (f"sum by (code) (increase(inflight_dead_letters_total[{RATE}]))", "{{code}}"),
-            ("max(inflight_dead_letter_stream_entries)", "in the dead-letter stream"),
-        ], "Entries parked on the dead-letter stream, by error code."),
-    ]),
+    (
+        "Throughput",
+        [
+            (
+                "Tokens per second",
+                "short",
+                [
+                    (f"sum(rate(inflight_generation_tokens_total[{RATE}]))", "generated"),
+                    (f"sum(rate(inflight_prompt_tokens_total[{RATE}]))", "prompt"),
+                ],
+                "Tokens of finished requests, all workers.",
+            ),
+            (
+                "Requests per second by outcome",
+                "reqps",
+                [
+                    (f"sum by (outcome) (rate(inflight_requests_total[{RATE}]))", "{{outcome}}"),
+                ],
+                "Finish reason, or rejected before reaching the engine.",
+            ),
+        ],
+    ),
+    (
+        "Latency",
+        [
+            (
+                "Time to first token",
+                "s",
+                quantiles("inflight_time_to_first_token_seconds"),
+                "From arrival at the engine.",
+            ),
+            (
+                "Inter-token latency",
+                "s",
+                quantiles("inflight_inter_token_latency_seconds"),
+                "Between consecutive tokens.",
+            ),
+            ("End-to-end latency", "s", quantiles("inflight_request_duration_seconds"), "Arrival to final event."),
+            ("Queue time", "s", quantiles("inflight_queue_time_seconds"), "Arrival to first scheduled."),
+            (
+                "Publish lag",
+                "s",
+                quantiles("inflight_publish_lag_seconds"),
+                "From the step that produced a reply event to its write landing in Redis.",
+            ),
+        ],
+    ),
+    (
+        "Queues",
+        [
+            (
+                "Requests by state and priority",
+                "short",
+                [
+                    ("sum by (state, priority) (inflight_scheduler_requests)", "{{state}} p{{priority}}"),
+                ],
+                "Running, waiting and swapped requests in the engines.",
+            ),
+            (
+                "Ingest lag and pending entries",
+                "short",
+                [
+                    ("max(inflight_ingest_lag_entries)", "lag (not yet delivered)"),
+                    ("max(inflight_ingest_pending_entries)", "pending (delivered, not acked)"),
+                ],
+                "The request stream's consumer group, as Redis reports it.",
+            ),
+            (
+                "Oldest waiting request",
+                "s",
+                [
+                    ("max(inflight_oldest_waiting_age_seconds)", "age"),
+                ],
+                "Time since arrival of the longest-waiting queued request (starvation).",
+            ),
+            (
+                "Workers up",
+                "short",
+                [
+                    ('sum(up{job="inflight"})', "up"),
+                ],
+                "Workers Prometheus scraped successfully.",
+            ),
+        ],
+    ),
+    (
+        "KV cache",
+        [
+            (
+                "KV cache usage",
+                "percentunit",
+                [
+                    ("max by (pool) (inflight_kv_cache_usage_ratio)", "{{pool}}"),
+                ],
+                "Fraction of blocks in use: device pool and host (swap) pool.",
+            ),
+            (
+                "KV blocks",
+                "short",
+                [
+                    ("sum by (pool, state) (inflight_kv_cache_blocks)", "{{pool}} {{state}}"),
+                ],
+                "Used and free blocks per pool.",
+            ),
+            (
+                "Preemptions",
+                "short",
+                [
+                    (f"sum by (mode) (rate(inflight_preemptions_total[{RATE}]))", "{{mode}}"),
+                ],
+                "Running requests preempted per second: swapped to host, or sent back to recompute.",
+            ),
+            (
+                "Swaps",
+                "short",
+                [
+                    (f"sum by (direction) (rate(inflight_swapped_blocks_total[{RATE}]))", "blocks {{direction}}"),
+                    (f"sum by (direction) (rate(inflight_swapped_requests_total[{RATE}]))", "requests {{direction}}"),
+                ],
+                "KV blocks and requests moved between device and host per second.",
+            ),
+        ],
+    ),
+    (
+        "Prefix cache",
+        [
+            (
+                "Prefix cache hit rate",
+                "percentunit",
+                [
+                    (
+                        f"sum by (tier) (rate(inflight_prefix_cache_hit_tokens_total[{RATE}]))"
+                        f" / ignoring (tier) group_left sum(rate(inflight_prefix_cache_queried_tokens_total[{RATE}]))",
+                        "{{tier}}",
+                    ),
+                    (
+                        f"sum(rate(inflight_prefix_cache_hit_tokens_total[{RATE}]))"
+                        f" / sum(rate(inflight_prefix_cache_queried_tokens_total[{RATE}]))",
+                        "either tier",
+                    ),
+                ],
+                "Fraction of admitted requests' tokens found cached: in the device pool, or in the "
+                "host tier (copied back).",
+            ),
+            (
+                "Prefix cache blocks",
+                "short",
+                [
+                    ("sum by (tier) (inflight_prefix_cache_blocks)", "{{tier}}"),
+                ],
+                "KV blocks registered in the prefix cache, held by requests or free to evict.",
+            ),
+            (
+                "Prefix cache evictions",
+                "short",
+                [
+                    (f"sum by (tier) (rate(inflight_prefix_cache_evicted_blocks_total[{RATE}]))", "evicted {{tier}}"),
+                    (f"sum(rate(inflight_prefix_cache_offloaded_blocks_total[{RATE}]))", "offloaded to host"),
+                ],
+                "Cached blocks dropped per second to reuse the block, and device evictions copied to the host tier.",
+            ),
+        ],
+    ),
+    (
+        "Steps",
+        [
+            (
+                "Batch composition (tokens per step)",
+                "short",
+                [
+                    mean_per_step("inflight_step_tokens", "kind"),
+                ],
+                "Mean prefill and decode tokens in a step.",
+            ),
+            (
+                "Step time",
+                "s",
+                quantiles("inflight_step_duration_seconds")
+                + [
+                    (f"sum(rate(inflight_step_duration_seconds_count[{RATE}]))", "steps/s"),
+                ],
+                "Wall time of one engine step.",
+            ),
+            (
+                "Budget saturation",
+                "percentunit",
+                [
+                    mean_per_step("inflight_step_budget_used_ratio", "budget"),
+                ],
+                "Mean fraction of each token budget a step used: batch, prefill, decode.",
+            ),
+        ],
+    ),
+    (
+        "Speculative decoding",
+        [
+            (
+                "Draft tokens",
+                "short",
+                [
+                    (f"sum by (kind) (rate(inflight_speculative_tokens_total[{RATE}]))", "{{kind}}/s"),
+                    (
+                        f'sum(rate(inflight_speculative_tokens_total{{kind="accepted"}}[{RATE}]))'
+                        f' / clamp_min(sum(rate(inflight_speculative_tokens_total{{kind="drafted"}}[{RATE}])), 1e-9)',
+                        "acceptance (0 when none drafted)",
+                    ),
+                ],
+                "Prompt-lookup draft tokens verified and accepted per second, and the accepted "
+                "share. Requests below the "
+                "acceptance threshold stop drafting for a cool-down, so a low share should not last.",
+            ),
+            (
+                "Draft acceptance per verification",
+                "short",
+                [
+                    (f"sum by (le) (rate(inflight_speculative_acceptance_ratio_bucket[{RATE}]))", "≤ {{le}}"),
+                ],
+                "Verifications per second whose accepted / drafted share is at most each bucket's bound (cumulative): "
+                "copying requests sit at 1, requests about to be gated below 0.5.",
+            ),
+        ],
+    ),
+    (
+        "Gateway",
+        [
+            (
+                "Gateway requests by route and status",
+                "reqps",
+                [
+                    (f"sum by (route, status) (rate(inflight_gateway_requests_total[{RATE}]))", "{{route}} {{status}}"),
+                ],
+                "HTTP answers of the OpenAI-compatible gateways: 429 is backpressure, 499 a client "
+                "gone before any answer.",
+            ),
+            (
+                "Gateway time to first token",
+                "s",
+                quantiles("inflight_gateway_time_to_first_token_seconds"),
+                "Streamed requests, from arrival at the gateway to the first token sent: the queue, "
+                "the worker and both hops.",
+            ),
+            (
+                "Gateway request duration",
+                "s",
+                quantiles("inflight_gateway_request_duration_seconds"),
+                "From a completion's arrival to the end of its answer.",
+            ),
+            (
+                "Gateway streams and cancels",
+                "short",
+                [
+                    ("sum(inflight_gateway_requests_in_progress)", "in progress"),
+                    (f"sum by (reason) (rate(inflight_gateway_cancels_total[{RATE}]))", "cancels/s ({{reason}})"),
+                ],
+                "Completions being answered now; jobs cancelled because the client left or no reply came in time.",
+            ),
+            (
+                "Gateway backlog",
+                "short",
+                [
+                    ("max(inflight_gateway_queue_depth_entries)", "jobs no worker took yet"),
+                    ("max(inflight_gateway_queue_age_seconds)", "oldest one's wait (s)"),
+                ],
+                "What the gateways' backpressure sees: over --max-queue-depth or --max-queue-age-s, "
+                "new requests get 429.",
+            ),
+        ],
+    ),
+    (
+        "Errors",
+        [
+            (
+                "Errors and rejections",
+                "reqps",
+                [
+                    (
+                        f'sum by (outcome) (rate(inflight_requests_total{{outcome=~"error|rejected"}}[{RATE}]))',
+                        "{{outcome}}",
+                    ),
+                ],
+                "Requests that ended in an error or were rejected.",
+            ),
+            (
+                "Dead letters",
+                "short",
+                [
+                    (f"sum by (code) (increase(inflight_dead_letters_total[{RATE}]))", "{{code}}"),
+                    ("max(inflight_dead_letter_stream_entries)", "in the dead-letter stream"),
+                ],
+                "Entries parked on the dead-letter stream, by error code.",
+            ),
+        ],
+    ),
 ]
 
 
-def panel(panel_id: int, title: str, unit: str, targets: list[tuple[str, str]], description: str, x: int, y: int) -> dict:
+def panel(
+    panel_id: int, title: str, unit: str, targets: list[tuple[str, str]], description: str, x: int, y: int
+) -> dict:
     return {
         "id": panel_id,
         "type": "timeseries",
@@ -166,8 +351,16 @@ def panel(panel_id: int, title: str, unit: str, targets: list[tuple[str, str]], 
 def dashboard() -> dict:
     panels, y, next_id = [], 0, 1
     for section, section_panels in SECTIONS:
-        panels.append({"id": next_id, "type": "row", "title": section, "collapsed": False,
-                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        panels.append(
+            {
+                "id": next_id,
+                "type": "row",
+                "title": section,
+                "collapsed": False,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+                "panels": [],
+            }
+        )
         next_id, y = next_id + 1, y + 1
         for i, (title, unit, targets, description) in enumerate(section_panels):
             panels.append(panel(next_id, title, unit, targets, description, (i % 2) * WIDTH, y + (i // 2) * HEIGHT))
@@ -176,7 +369,8 @@ def dashboard() -> dict:
     return {
         "uid": "inflight-overview",
         "title": "inflight",
-        "description": "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, the gateway, errors.",
+        "description": "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, "
+        "steps, the gateway, errors.",
         "tags": ["inflight"],
         "timezone": "browser",
         "schemaVersion": 39,

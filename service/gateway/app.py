@@ -37,8 +37,11 @@ from service.gateway.replies import BLOCK_MS, ReplyTimeout
 
 log = structlog.get_logger("inflight.gateway")
 
-SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]  # no proxy buffering of the stream
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]  # no proxy buffering of the stream
 
 
 class Gateway:
@@ -61,8 +64,12 @@ class Gateway:
             Route("/metrics", self.prometheus, methods=["GET"]),
         ]
         handlers = {APIError: _api_error, HTTPException: _http_error}
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan,
-                         middleware=[Middleware(_Measured, metrics=self.metrics)])
+        return Starlette(
+            routes=routes,
+            exception_handlers=handlers,
+            lifespan=self._lifespan,
+            middleware=[Middleware(_Measured, metrics=self.metrics)],
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app):
@@ -91,20 +98,30 @@ class Gateway:
         self.keys.check(request.headers.get("authorization"))
         parsed = parse(kind, await self._json(request), self.config.default_max_tokens)
         if parsed.model != self.config.model_name:
-            raise APIError(404, f"The model `{parsed.model}` does not exist; this server has "
-                           f"`{self.config.model_name}`", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{parsed.model}` does not exist; this server has `{self.config.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
         request_id = uuid.uuid4().hex
         payload = parsed.payload(request_id)
         why = self.queue.overloaded()
         if why:
-            raise APIError(429, f"{why}; retry later", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.config.retry_after_s)})
+            raise APIError(
+                429,
+                f"{why}; retry later",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
         try:
             await self.queue.submit(payload)
         except QueueUnavailable as error:
             log.warning("queue_unavailable", error=str(error))
-            raise APIError(503, "the queue (Redis) is unavailable; retry later", "server_error",
-                           code="queue_unavailable") from None
+            raise APIError(
+                503, "the queue (Redis) is unavailable; retry later", "server_error", code="queue_unavailable"
+            ) from None
         return JobResponse(self, request_id, parsed, started)
 
     async def models(self, request: Request) -> Response:
@@ -169,8 +186,14 @@ class JobResponse:
                 self.metrics.cancels.labels("disconnect").inc()
                 self.summary["client_left"] = True
                 await self.queue.cancel(self.request_id)
-        log.info("request_finished", request_id=self.request_id, kind=self.parsed.kind, stream=self.parsed.stream,
-                 total_s=round(time.perf_counter() - self.started, 4), **self.summary)
+        log.info(
+            "request_finished",
+            request_id=self.request_id,
+            kind=self.parsed.kind,
+            stream=self.parsed.stream,
+            total_s=round(time.perf_counter() - self.started, 4),
+            **self.summary,
+        )
 
     async def _answer(self, send) -> None:
         batches = self.queue.replies(self.request_id)
@@ -189,8 +212,13 @@ class JobResponse:
 
     async def _stream(self, send, batch: list[dict], batches) -> None:
         """Each batch of events read together goes out as one body write."""
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*SSE_HEADERS, (b"x-request-id", self.request_id.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [*SSE_HEADERS, (b"x-request-id", self.request_id.encode())],
+            }
+        )
         self.summary["status"] = 200
         if batch[0]["type"] == "token":
             self.metrics.time_to_first_token.observe(time.perf_counter() - self.started)
@@ -200,8 +228,11 @@ class JobResponse:
             for event in batch:
                 if event["type"] != "token":
                     self._ended(event)
-                    body.append(self.renderer.ending(event) if event["type"] == "done" else
-                                error_event(from_queue(event["code"], event["message"])))
+                    body.append(
+                        self.renderer.ending(event)
+                        if event["type"] == "done"
+                        else error_event(from_queue(event["code"], event["message"]))
+                    )
                     await send({"type": "http.response.body", "body": b"".join(body), "more_body": False})
                     return
                 chunk = self.renderer.chunk(event.get("index", 0), event["text"], tokens=[event])
@@ -229,8 +260,12 @@ class JobResponse:
         if event["type"] == "done":
             usage = event["usage"]
             self.metrics.tokens.inc(usage["completion_tokens"])
-            self.summary.update(finish_reason=event["finish_reason"], prompt_tokens=usage["prompt_tokens"],
-                                completion_tokens=usage["completion_tokens"], worker=event.get("worker"))
+            self.summary.update(
+                finish_reason=event["finish_reason"],
+                prompt_tokens=usage["prompt_tokens"],
+                completion_tokens=usage["completion_tokens"],
+                worker=event.get("worker"),
+            )
         else:
             self.summary.update(error_code=event["code"])
 
@@ -251,9 +286,17 @@ class JobResponse:
 
     async def _json(self, send, status: int, body: bytes) -> None:
         self.summary["status"] = status
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"x-request-id", self.request_id.encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"x-request-id", self.request_id.encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

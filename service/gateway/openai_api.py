@@ -26,9 +26,19 @@ CHAT, TEXT = "chat", "text"
 
 # Sampling and inflight's own fields, the same in both APIs: body name -> job field.
 # `priority` and `deadline_ms` are inflight's; `top_k` and `ignore_eos` as vLLM has them.
-PASSED = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "stop": "stop", "n": "n",
-          "priority": "priority", "deadline_ms": "deadline_ms", "top_k": "top_k", "ignore_eos": "ignore_eos",
-          "regex": "regex", "choice": "choice"}
+PASSED = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+    "stop": "stop",
+    "n": "n",
+    "priority": "priority",
+    "deadline_ms": "deadline_ms",
+    "top_k": "top_k",
+    "ignore_eos": "ignore_eos",
+    "regex": "regex",
+    "choice": "choice",
+}
 # Bookkeeping fields clients send that change nothing about the answer.
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 # Fields accepted only at their "off" value: the queue cannot honour anything else.
@@ -45,11 +55,30 @@ OFF_ONLY = {
     "best_of": (None, 1),
 }
 COMMON = {"model", "max_tokens", "stream", "stream_options", "response_format", *PASSED, *IGNORED}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "presence_penalty",
-                        "frequency_penalty", "logit_bias", "tools", "functions", "tool_choice", "function_call",
-                        "response_format"}
-TEXT_FIELDS = COMMON | {"prompt", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo",
-                        "suffix", "best_of"}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "response_format",
+}
+TEXT_FIELDS = COMMON | {
+    "prompt",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "echo",
+    "suffix",
+    "best_of",
+}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -127,8 +156,11 @@ def _response_format(response_format) -> dict:
             # No schema: any JSON (OpenAI requires one; accepting it is harmless).
             schema = spec.get("schema")
             return {"json_object": True} if schema is None else {"json_schema": schema}
-    raise bad_request('response_format must be {"type": "text"}, {"type": "json_object"} or '
-                      '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', "response_format")
+    raise bad_request(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+        "response_format",
+    )
 
 
 def _chat_logprobs(body: dict) -> dict:
@@ -184,8 +216,9 @@ def _content(content, where: str) -> str:
     """A message's text: a string, or text parts (joined by newlines; no images)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "\n".join(part["text"] for part in content)
     raise bad_request(f"{where}: content must be a string or a list of text parts", where)
 
@@ -232,8 +265,7 @@ class Renderer:
     def with_logprobs(self) -> bool:
         return bool(self.parsed.job.get("logprobs"))
 
-    def chunk(self, index: int, text: str, finish_reason: str | None = None,
-              tokens: list[dict] = ()) -> bytes | None:
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, tokens: list[dict] = ()) -> bytes | None:
         """One SSE event carrying a choice's text delta and, when asked for, its tokens'
         log probabilities (None when there is nothing to say)."""
         logprobs = self.logprobs(index, tokens) if self.with_logprobs and tokens else None
@@ -250,16 +282,28 @@ class Renderer:
                 return None
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         self.started.add(index)
-        return self._event({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
-                            "choices": [choice], **({"usage": None} if self.parsed.include_usage else {})})
+        return self._event(
+            {
+                **self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                "choices": [choice],
+                **({"usage": None} if self.parsed.include_usage else {}),
+            }
+        )
 
     def ending(self, done: dict) -> bytes:
         """The last events of a stream: each choice's held-back text and finish reason,
         the usage when asked for, and `[DONE]`."""
         events = [self.chunk(c["index"], c["text"], c["finish_reason"]) for c in choices_of(done)]
         if self.parsed.include_usage:
-            events.append(self._event({**self._head("chat.completion.chunk" if self.chat else "text_completion"),
-                                       "choices": [], "usage": usage_of(done)}))
+            events.append(
+                self._event(
+                    {
+                        **self._head("chat.completion.chunk" if self.chat else "text_completion"),
+                        "choices": [],
+                        "usage": usage_of(done),
+                    }
+                )
+            )
         return b"".join(events) + b"data: [DONE]\n\n"
 
     def whole(self, tokens: list[dict], done: dict) -> dict:
@@ -274,26 +318,41 @@ class Renderer:
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
             logprobs = self.logprobs(c["index"], events) if self.with_logprobs else None
             choices.append({"index": c["index"], **body, "logprobs": logprobs, "finish_reason": c["finish_reason"]})
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
-                "usage": usage_of(done)}
+        return {
+            **self._head("chat.completion" if self.chat else "text_completion"),
+            "choices": choices,
+            "usage": usage_of(done),
+        }
 
     def logprobs(self, index: int, tokens: list[dict]) -> dict:
         """Token events' log probabilities in the API's shape: chat's `content` list, or
         the completions API's parallel lists (offsets count characters of the text)."""
         if self.chat:
-            return {"content": [{**_token_logprob(t["token"], t["logprob"]),
-                                 "top_logprobs": [_token_logprob(top["token"], top["logprob"])
-                                                  for top in t.get("top_logprobs", ())]} for t in tokens]}
+            return {
+                "content": [
+                    {
+                        **_token_logprob(t["token"], t["logprob"]),
+                        "top_logprobs": [
+                            _token_logprob(top["token"], top["logprob"]) for top in t.get("top_logprobs", ())
+                        ],
+                    }
+                    for t in tokens
+                ]
+            }
         offsets, offset = [], self.offsets.get(index, 0)
         for event in tokens:
             offsets.append(offset)
             offset += len(event["text"])
         self.offsets[index] = offset
         want_tops = self.parsed.job.get("top_logprobs", 0) > 0
-        return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-                "top_logprobs": [{top["token"]: top["logprob"] for top in t.get("top_logprobs", ())}
-                                 for t in tokens] if want_tops else None,
-                "text_offset": offsets}
+        return {
+            "tokens": [t["token"] for t in tokens],
+            "token_logprobs": [t["logprob"] for t in tokens],
+            "top_logprobs": [{top["token"]: top["logprob"] for top in t.get("top_logprobs", ())} for t in tokens]
+            if want_tops
+            else None,
+            "text_offset": offsets,
+        }
 
     def _head(self, object_: str) -> dict:
         return {"id": self.response_id, "object": object_, "created": self.created, "model": self.parsed.model}

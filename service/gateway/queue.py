@@ -81,12 +81,13 @@ class Queue:
                 events = [msgpack.unpackb(fields[b"data"]) for _, fields in entries]
                 for i, event in enumerate(events):
                     if event["type"] in FINAL_TYPES:
-                        yield events[:i + 1]
+                        yield events[: i + 1]
                         return
                 yield events
         except ReplyTimeout:
-            raise ReplyTimeout(f"no reply within {timeout_s:g} s: no worker is serving "
-                               f"{self.config.requests_stream}") from None
+            raise ReplyTimeout(
+                f"no reply within {timeout_s:g} s: no worker is serving {self.config.requests_stream}"
+            ) from None
         finally:
             await reading.aclose()
 
@@ -95,7 +96,7 @@ class Queue:
         try:
             await asyncio.wait_for(self.redis.ping(), timeout=1.0)
             return None
-        except (RedisError, OSError, asyncio.TimeoutError) as error:
+        except (TimeoutError, RedisError, OSError) as error:
             return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
     # -- backpressure ----------------------------------------------------------------------
@@ -106,8 +107,10 @@ class Queue:
         if config.max_queue_depth and backlog.depth > config.max_queue_depth:
             return f"the queue holds {backlog.depth} waiting jobs, over its limit of {config.max_queue_depth}"
         if config.max_queue_age_s and backlog.oldest_s > config.max_queue_age_s:
-            return (f"the oldest waiting job has waited {backlog.oldest_s:.0f} s, over the limit of "
-                    f"{config.max_queue_age_s:g} s")
+            return (
+                f"the oldest waiting job has waited {backlog.oldest_s:.0f} s, over the limit of "
+                f"{config.max_queue_age_s:g} s"
+            )
         return None
 
     async def watch_backlog(self) -> None:
@@ -131,8 +134,11 @@ class Queue:
             (seconds, micros), length, groups = await pipe.execute(raise_on_error=False)
         if isinstance(length, Exception) or not length:
             return Backlog(0, 0.0, time.monotonic())
-        group = next((g for g in groups if _text(g["name"]) == self.config.group), None) \
-            if not isinstance(groups, Exception) else None
+        group = (
+            next((g for g in groups if _text(g["name"]) == self.config.group), None)
+            if not isinstance(groups, Exception)
+            else None
+        )
         pending = group["pending"] if group else 0
         after = f"({_text(group['last-delivered-id'])}" if group else "-"
         oldest = await self.redis.xrange(stream, min=after, count=1)

@@ -21,13 +21,29 @@ async def serve(config: GatewayConfig) -> int:
     configure_logging(config.logging)
     log = structlog.get_logger("inflight.gateway")
     gateway = Gateway(config)
-    server = uvicorn.Server(uvicorn.Config(
-        gateway.app(), host=config.host, port=config.port, http="httptools", lifespan="on", access_log=False,
-        log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    log.info("gateway_started", host=config.host, port=config.port, redis=_without_password(config.redis_url),
-             requests_stream=config.requests_stream, model=config.model_name,
-             auth=f"{len(config.api_keys)} key(s)" if config.api_keys else "off",
-             max_queue_depth=config.max_queue_depth, max_queue_age_s=config.max_queue_age_s)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            gateway.app(),
+            host=config.host,
+            port=config.port,
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_config=None,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    log.info(
+        "gateway_started",
+        host=config.host,
+        port=config.port,
+        redis=_without_password(config.redis_url),
+        requests_stream=config.requests_stream,
+        model=config.model_name,
+        auth=f"{len(config.api_keys)} key(s)" if config.api_keys else "off",
+        max_queue_depth=config.max_queue_depth,
+        max_queue_age_s=config.max_queue_age_s,
+    )
     await server.serve()
     log.info("gateway_stopped")
     return 0 if server.started else 1

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from gpu.cpu.native_build import build_shared_library
 from gpu.cuda import source as cuda_source
 from gpu.cuda.source import Instantiation
-from gpu.cpu.native_build import build_shared_library
 
 HEADER = Path(__file__).parent / "cuda_emulation.h"
 CXX_FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing", "-w")
