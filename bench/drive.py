@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
-from workers.request import FinalEvent, SamplingParams, TokenEvent
+from workers.api import FinalEvent, SamplingParams, TokenEvent
 
 
 class StepRecorder:

@@ -56,8 +56,8 @@ from service.protocol import done_fields, token_data
 from service.publish import Append, LeaseLost
 from service.sdk import job_payload
 from service.worker import Worker
+from workers.api import FinalEvent, FinishReason, Timings, TokenEvent, Usage
 from workers.config import EngineConfig, SchedulerConfig
-from workers.request import FinalEvent, FinishReason, Timings, TokenEvent, Usage
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,9 +38,9 @@ from types import SimpleNamespace
 import torch
 
 from bench.metrics import percentile
+from workers.api import FinalEvent, SamplingParams, TokenEvent
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from workers.detokenizer import IncrementalDetokenizer
-from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 STUB_VOCAB = 256
 PHASES = ("scheduling", "metadata", "sampling", "detokenization", "events", "other")

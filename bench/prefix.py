@@ -30,9 +30,9 @@ from pathlib import Path
 from bench.drive import Driver, random_prompts
 from bench.metrics import percentile
 from gpu.kv_cache import KVShape
-from workers.block_manager import blocks_needed
+from workers.api import SamplingParams
+from workers.block_pool import blocks_needed
 from workers.config import CacheConfig, EngineConfig, ModelConfig
-from workers.request import SamplingParams
 
 WORKLOADS = ("shared", "multi_turn", "n")
 DEFAULT_PNG = Path("bench-results/prefix.png")

@@ -15,8 +15,8 @@ import time
 
 from bench.drive import Driver, random_prompts
 from bench.metrics import percentile
+from workers.api import PRIORITY_MAX, PRIORITY_MIN
 from workers.config import EngineConfig, ModelConfig, SchedulerConfig
-from workers.request import PRIORITY_MAX, PRIORITY_MIN
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,10 +12,12 @@ import argparse
 import time
 
 from bench.metrics import percentile
-from workers.block_manager import BlockPool
+from workers.api import PRIORITY_MAX, PRIORITY_MIN, SamplingParams
+from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig
-from workers.request import PRIORITY_MAX, PRIORITY_MIN, Request, SamplingParams
-from workers.scheduler import Scheduler, StepPlan
+from workers.plan import StepPlan
+from workers.request import Request
+from workers.scheduler import Scheduler
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -36,10 +36,10 @@ import time
 from collections import Counter
 
 from bench.drive import Driver, StepRecorder, random_prompts
+from workers.api import SamplingParams
 from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
 from workers.engine import Engine
 from workers.model_loader import encode_prompt
-from workers.request import SamplingParams
 
 WORKLOADS = ("copy", "default", "sharegpt")
 

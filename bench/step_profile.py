@@ -36,7 +36,7 @@ from gpu.kv_cache import KVShape
 from workers.config import CacheConfig, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
-from workers.scheduler import ScheduledChunk, StepPlan
+from workers.plan import ScheduledChunk, StepPlan
 
 
 def decode_plan(runner: ModelRunner, batch: int, context: int) -> StepPlan:

@@ -26,8 +26,8 @@ import time
 from bench.drive import Driver, StepRecorder, random_prompts
 from bench.metrics import percentile
 from bench.schemas import generate_schemas
+from workers.api import FinishReason, SamplingParams
 from workers.config import CacheConfig, EngineConfig, ModelConfig
-from workers.request import FinishReason, SamplingParams
 
 # A list of records the output never finishes within the workload's lengths.
 BENCH_SCHEMA = {

@@ -40,8 +40,8 @@ from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
+from workers.api import FinalEvent, SamplingParams, TokenEvent
 from workers.config import EngineConfig, ModelConfig
-from workers.request import FinalEvent, SamplingParams, TokenEvent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

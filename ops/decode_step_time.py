@@ -25,7 +25,7 @@ from gpu.kv_cache import KVShape  # noqa: E402
 from workers.config import CacheConfig, ModelConfig  # noqa: E402
 from workers.model_loader import load_model  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
-from workers.scheduler import ScheduledChunk, StepPlan  # noqa: E402
+from workers.plan import ScheduledChunk, StepPlan  # noqa: E402
 
 
 def seconds_per_step(runner: ModelRunner, plan: StepPlan, iterations: int) -> float:

@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     import uvloop
 
+    from workers.api import FinalEvent, SamplingParams
     from workers.async_engine import AsyncEngine, on_torch_thread
     from workers.engine import Engine
-    from workers.request import FinalEvent, SamplingParams
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     config = engine_config_from_args(args)

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from workers.api import FinalEvent, FinishReason
 from workers.config import SchedulerConfig
-from workers.request import FinalEvent, FinishReason
 
 if TYPE_CHECKING:  # the engine module pulls in torch; the metrics need only its dataclass
     from workers.engine import EngineStats

@@ -31,7 +31,7 @@ import structlog
 from service.protocol import done_fields, token_data
 from service.publish import Append, LeaseLost, ReplyPublisher
 from service.retry import retrying
-from workers.request import Event, FinalEvent
+from workers.api import Event, FinalEvent
 
 log = structlog.get_logger("inflight.outbox")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinalEvent, SamplingParams
+from workers.api import PRIORITY_MAX, PRIORITY_MIN, FinalEvent, SamplingParams
 
 REQUESTS_STREAM = "inflight:requests"
 CONTROL_STREAM = "inflight:control"

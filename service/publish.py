@@ -39,7 +39,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from service.protocol import done_fields, error_fields, hash_tag
 from service.retry import is_transient
-from workers.request import FinalEvent
+from workers.api import FinalEvent
 
 # KEYS: reply stream, owner key. ARGV: the job's entry id, the owner value, TTL seconds.
 # Returns {1, entries already there} when the stream is this job's, {0} when not.

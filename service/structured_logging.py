@@ -20,7 +20,7 @@ from typing import TextIO
 import structlog
 
 from service.config import LoggingConfig
-from workers.request import FinalEvent
+from workers.api import FinalEvent
 
 
 def configure_logging(config: LoggingConfig, stream: TextIO | None = None) -> None:

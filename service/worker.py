@@ -47,9 +47,9 @@ from service.protocol import Job, ProtocolError, decode_job
 from service.publish import LeaseLost, ReplyPublisher
 from service.retry import is_transient, retrying
 from service.structured_logging import bind_request, log_request_finished
+from workers.api import FinalEvent, FinishReason, InvalidRequest, Timings, Usage
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
-from workers.request import FinalEvent, FinishReason, InvalidRequest, Timings, Usage
 
 log = structlog.get_logger("inflight.worker")
 

@@ -116,9 +116,9 @@ class Fleet:
 def greedy_reference(loaded) -> list[int]:
     """The fleet job's greedy tokens from one uninterrupted in-process run."""
     from tests.conftest import run_to_completion
+    from workers.api import SamplingParams
     from workers.config import CacheConfig, EngineConfig, ModelConfig
     from workers.engine import Engine
-    from workers.request import SamplingParams
 
     engine = Engine(loaded, EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_memory_bytes=64 << 20)))
     results = run_to_completion(engine, {0: [("ref", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]})

@@ -16,8 +16,8 @@ from transformers import (
 )
 
 from tests.conftest import run_to_completion
+from workers.api import SamplingParams
 from workers.model_loader import LoadedModel
-from workers.request import SamplingParams
 
 TINY = dict(
     vocab_size=49152,  # SmolLM2's tokenizer drives the engine's detokenizer

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from tests.waiting import eventually
+from workers.api import FinalEvent, FinishReason, SamplingParams, TokenEvent
 from workers.async_engine import AsyncEngine
-from workers.request import FinalEvent, FinishReason, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.slow
 

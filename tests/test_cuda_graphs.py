@@ -24,12 +24,12 @@ from gpu.kv_cache import KVShape
 from gpu.torch_attention import TorchAttentionBackend
 from tests.conftest import run_to_completion
 from tests.cuda_emulator import EmulatedKernels
+from workers.api import SamplingParams
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from workers.engine import Engine
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
-from workers.request import SamplingParams
-from workers.scheduler import ScheduledChunk, StepPlan
+from workers.plan import ScheduledChunk, StepPlan
 
 BLOCK = 16
 

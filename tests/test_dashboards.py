@@ -12,9 +12,9 @@ from pathlib import Path
 
 from service.gateway.metrics import GatewayMetrics
 from service.metrics import Metrics
+from workers.api import FinalEvent, FinishReason, Timings, Usage
 from workers.engine import EngineStats, StepRecord
-from workers.request import FinalEvent, FinishReason, Timings, Usage
-from workers.scheduler import Census
+from workers.plan import Census
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("dashboards", ROOT / "ops" / "grafana" / "dashboards.py")

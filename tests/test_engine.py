@@ -9,7 +9,7 @@ import torch
 from bench.drive import Driver, StepRecorder
 from tests.conftest import run_to_completion
 from tests.waiting import wait_until
-from workers.request import ErrorCode, FinishReason, InvalidRequest, SamplingParams
+from workers.api import ErrorCode, FinishReason, InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -67,7 +67,7 @@ def test_preparation_takes_missing_wheels_from_the_folder_and_the_gpu_path_impor
     collect = '"$PYTHON" -m pytest -p no:cacheprovider --collect-only -qq -m gpu tests/test_gpu_kernels.py'
     serve = (
         "from tests.conftest import run_to_completion; from workers.config import *; "
-        "from workers.engine import Engine; from workers.request import SamplingParams; "
+        "from workers.engine import Engine; from workers.api import SamplingParams; "
         "import runpy; runpy.run_path('ops/decode_bandwidth.py'); "  # its imports, not its main
         "e = Engine.from_config(EngineConfig(model=ModelConfig(source='random:tiny-llama', device='cpu'), "
         "cache=CacheConfig(kv_memory_bytes=1 << 20, swap_memory_bytes=0))); "

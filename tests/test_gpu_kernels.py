@@ -96,9 +96,9 @@ def test_greedy_generation_equals_the_torch_backend(name):
     prompts and a cache small enough to force swaps: the same tokens on both backends.
     float32, so that the backends' rounding differences cannot flip a greedy choice."""
     from gpu.cuda.attention import CupyAttentionBackend
+    from workers.api import SamplingParams
     from workers.engine import Engine
     from workers.model_loader import load_model
-    from workers.request import SamplingParams
 
     model_config = ModelConfig(source=f"random:{name}", device="cuda")
     loaded = load_model(model_config)
@@ -146,9 +146,9 @@ def test_decode_steps_replayed_from_cuda_graphs_generate_the_eager_tokens(name):
     were captured with cupy's launches in them and replayed."""
     from dataclasses import replace
 
+    from workers.api import SamplingParams
     from workers.engine import Engine
     from workers.model_loader import load_model
-    from workers.request import SamplingParams
 
     model_config = ModelConfig(source=f"random:{name}", device="cuda")
     loaded = load_model(model_config)

@@ -21,7 +21,7 @@ from tests.test_int8_weights import float32_on_the_docs, teacher_forced
 from workers.config import CacheConfig, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
-from workers.scheduler import ScheduledChunk, StepPlan
+from workers.plan import ScheduledChunk, StepPlan
 
 CACHE = CacheConfig(kv_memory_bytes=16 << 20, swap_memory_bytes=0)
 BLOCKS_PER_REQUEST = 20

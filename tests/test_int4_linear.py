@@ -19,9 +19,9 @@ from gpu.cpu.int4_linear import (
 from gpu.cpu.int8_linear import Int8Linear
 from tests.conftest import run_to_completion
 from tests.test_int8_weights import float32_on_the_docs, teacher_forced
+from workers.api import SamplingParams
 from workers.config import ModelConfig
 from workers.model_loader import load_model
-from workers.request import SamplingParams
 
 
 def test_each_group_of_32_spans_its_own_range_in_16_levels():

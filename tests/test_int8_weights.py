@@ -12,9 +12,9 @@ import torch
 from gpu.cpu.int8_linear import Int8Linear, quantize_model
 from tests.conftest import run_to_completion
 from tests.test_engine import generate_alone
+from workers.api import FinishReason, SamplingParams
 from workers.config import ModelConfig
 from workers.model_loader import load_model
-from workers.request import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.slow
 

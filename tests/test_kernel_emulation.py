@@ -227,8 +227,8 @@ def test_engine_on_the_emulated_kernels_generates_the_torch_backends_tokens(kern
     from bench.drive import StepRecorder
     from gpu.torch_attention import TorchAttentionBackend
     from tests.conftest import run_to_completion
+    from workers.api import SamplingParams
     from workers.config import SpeculativeConfig
-    from workers.request import SamplingParams
 
     block_bytes = 16 * 2 * EMULATED_LAYERS * 3 * 64 * 4  # 16 tokens of K and V, every layer, float32
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -261,7 +261,7 @@ def test_engine_on_the_emulated_kernels_continues_after_a_cached_prefix(kernels,
     are those of the torch backend with caching off."""
     from gpu.torch_attention import TorchAttentionBackend
     from tests.conftest import run_to_completion
-    from workers.request import SamplingParams
+    from workers.api import SamplingParams
 
     first = list(range(1000, 1040))  # 40 tokens: two full blocks and a partial one
     second = first[:32] + list(range(3000, 3011))
@@ -292,9 +292,9 @@ def test_random_models_on_the_emulated_kernels_generate_the_torch_backends_token
     from bench.drive import StepRecorder
     from gpu.torch_attention import TorchAttentionBackend
     from tests.conftest import run_to_completion
+    from workers.api import SamplingParams
     from workers.engine import Engine
     from workers.model_loader import load_model
-    from workers.request import SamplingParams
 
     model_config = ModelConfig(source=f"random:{name}", device="cpu")
     loaded = load_model(model_config)

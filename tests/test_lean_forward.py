@@ -13,7 +13,7 @@ from gpu.cpu.lean_forward import lean_forward_applies
 from workers.config import CacheConfig, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
-from workers.scheduler import ScheduledChunk, StepPlan
+from workers.plan import ScheduledChunk, StepPlan
 
 CACHE = CacheConfig(kv_memory_bytes=8 << 20, swap_memory_bytes=0)
 

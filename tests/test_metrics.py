@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from service.metrics import Metrics
-from workers.request import FinalEvent, SamplingParams
+from workers.api import FinalEvent, SamplingParams
 
 BLOCK_BYTES = 16 * 46_080  # one 16-token block of SmolLM2-135M in float32 (all layers, K and V)
 UNITS = ("_seconds", "_tokens", "_blocks", "_entries", "_ratio", "_requests", "_preemptions", "_letters")
@@ -146,7 +146,7 @@ def test_prefix_cache_hits_evictions_and_offloads_by_tier(make_engine):
 def test_eviction_totals_become_counter_increments():
     """CacheStats carries evictions as running totals; a total that drops is a new engine's."""
     from workers.engine import EngineStats
-    from workers.scheduler import CacheStats, Census
+    from workers.plan import CacheStats, Census
 
     metrics = Metrics()
     idle = Census({}, {}, {}, None)
@@ -160,7 +160,7 @@ def test_eviction_totals_become_counter_increments():
 def test_the_oldest_waiting_age_grows_between_steps():
     """Read at scrape time: if the engine hangs, a starving request still shows its age."""
     from workers.engine import EngineStats
-    from workers.scheduler import Census
+    from workers.plan import Census
 
     metrics = Metrics()
     metrics.observe_step(EngineStats(None, Census({}, {0: 1}, {}, 1.0), 5.0, 1, 10, 0, 0))
@@ -172,7 +172,7 @@ def test_the_oldest_waiting_age_grows_between_steps():
 
 
 def test_an_error_before_the_engine_queued_the_request_is_counted_but_not_timed():
-    from workers.request import FinishReason, Timings, Usage
+    from workers.api import FinishReason, Timings, Usage
 
     metrics = Metrics()
     metrics.observe_finished(

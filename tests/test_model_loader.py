@@ -15,9 +15,9 @@ import safetensors
 import torch
 from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
 
+from workers.api import InvalidRequest
 from workers.config import ModelConfig
 from workers.model_loader import BUNDLED_GGUF, bundled_gguf_path, encode_prompt, load_model
-from workers.request import InvalidRequest
 
 PROMPT = "The capital of France is"
 slow = pytest.mark.slow

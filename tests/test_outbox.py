@@ -17,7 +17,7 @@ from bench.processes import RedisServer
 from service.outbox import ReplyOutbox
 from service.publish import LeaseLost, ReplyPublisher, owner_key
 from tests.waiting import stream_reaches
-from workers.request import FinalEvent, FinishReason, Timings, TokenEvent, Usage
+from workers.api import FinalEvent, FinishReason, Timings, TokenEvent, Usage
 
 
 class CountingPublisher(ReplyPublisher):

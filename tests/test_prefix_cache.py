@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.conftest import run_to_completion
-from workers.request import SamplingParams
+from workers.api import SamplingParams
 
 pytestmark = pytest.mark.slow
 

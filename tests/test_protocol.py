@@ -21,7 +21,7 @@ from service.protocol import (
     reply_stream,
     token_fields,
 )
-from workers.request import FinalEvent, FinishReason, Timings, Usage
+from workers.api import FinalEvent, FinishReason, Timings, Usage
 
 
 def flat(**fields) -> dict[bytes, bytes]:

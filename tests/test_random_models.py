@@ -8,10 +8,10 @@ import torch
 
 from tests.conftest import run_to_completion
 from workers import random_models
+from workers.api import SamplingParams
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from workers.engine import Engine
 from workers.model_loader import encode_prompt, load_model
-from workers.request import SamplingParams
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
 

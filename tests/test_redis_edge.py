@@ -14,7 +14,7 @@ from service.config import RedisConfig
 from service.ingest import JobReader
 from service.protocol import token_data, token_fields
 from service.publish import Append, ReplyPublisher, owner_key
-from workers.request import FinalEvent, FinishReason, Timings, Usage
+from workers.api import FinalEvent, FinishReason, Timings, Usage
 
 
 def run(coro):

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.request import InvalidRequest, Request, SamplingParams
+from workers.api import InvalidRequest, SamplingParams
+from workers.request import Request
 
 
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=20), st.lists(st.integers(0, 9), max_size=20), st.data())

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.request import SamplingParams
+from workers.api import SamplingParams
 from workers.sampler import Sampler, make_generator
 
 VOCAB = 1000

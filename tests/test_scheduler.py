@@ -20,10 +20,12 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from workers.block_manager import BlockPool, block_hash, blocks_needed
+from workers.api import PRIORITY_MAX, PRIORITY_MIN, FinishReason, SamplingParams
+from workers.block_pool import BlockPool, block_hash, blocks_needed
 from workers.config import SchedulerConfig
-from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus, SamplingParams
-from workers.scheduler import Scheduler, StepPlan
+from workers.plan import StepPlan
+from workers.request import Request, RequestStatus
+from workers.scheduler import Scheduler
 
 BLOCK = 4
 

@@ -11,10 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_scheduler import BLOCK, SALT, FakeRunner, request
-from workers.block_manager import BlockPool, blocks_needed
+from workers.api import FinishReason
+from workers.block_pool import BlockPool, blocks_needed
 from workers.config import SchedulerConfig, SpeculativeConfig
-from workers.request import FinishReason, Request, RequestStatus
-from workers.scheduler import Scheduler, StepPlan
+from workers.plan import StepPlan
+from workers.request import Request, RequestStatus
+from workers.scheduler import Scheduler
 from workers.speculative import MIN_JUDGED, MIN_STEPS, DraftGate, PromptLookup, StepCost, TokenHistory, drafts_worth
 
 SPEC = SpeculativeConfig(max_draft_tokens=4, min_ngram=1, max_ngram=3, cooldown_steps=8)
@@ -284,7 +286,7 @@ def test_a_drafted_stop_token_ends_the_request_there():
 
 
 def test_constrained_and_logprobs_requests_never_speculate():
-    from workers.request import SamplingParams
+    from workers.api import SamplingParams
 
     s = make(SPEC)
     plain = copy_request("plain", 12, 30)

@@ -15,10 +15,10 @@ from bench.drive import StepRecorder
 from bench.spec import PARAGRAPHS as BENCH_PARAGRAPHS
 from tests.conftest import run_to_completion
 from tests.test_engine import PROMPTS
+from workers.api import FinishReason, SamplingParams, TokenEvent
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from workers.engine import Engine
 from workers.model_loader import load_model
-from workers.request import FinishReason, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import torch
 from bench.drive import Driver, StepRecorder
 from bench.schemas import generate_schemas
 from tests.conftest import run_to_completion
-from workers.request import ErrorCode, FinishReason, SamplingParams, TokenEvent
+from workers.api import ErrorCode, FinishReason, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import structlog
 
 from service.config import LoggingConfig
 from service.structured_logging import bind_request, configure_logging, log_request_finished
-from workers.request import FinalEvent, FinishReason, Timings, Usage
+from workers.api import FinalEvent, FinishReason, Timings, Usage
 
 
 class Terminal(io.StringIO):

@@ -16,7 +16,7 @@ from service.config import RedisConfig
 from service.worker import Worker
 from tests.conftest import run_to_completion
 from tests.waiting import eventually, stream_reaches
-from workers.request import SamplingParams
+from workers.api import SamplingParams
 
 pytestmark = pytest.mark.slow
 

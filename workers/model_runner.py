@@ -34,7 +34,7 @@ from gpu.cuda.graphs import decode_graphs
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 from workers.config import CacheConfig, ModelConfig
-from workers.scheduler import StepPlan
+from workers.plan import StepPlan
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.request import SamplingParams
+from workers.api import SamplingParams
 
 # How many of the best tokens to rank when looking for a top-p nucleus; rows whose nucleus
 # is wider sort their whole vocabulary instead. Ranking a few candidates is much cheaper

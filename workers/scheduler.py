@@ -38,7 +38,7 @@ A request is never swapped back in during the step that swapped it out.
 before the step's forward: all swap-outs, then all swap-ins. The host blocks a
 swap-in reads are freed when the runner reports the copies made (`swaps_done`).
 
-**Prefix caching** (`workers/block_manager.py`; on when the scheduler has a cache
+**Prefix caching** (`workers/block_pool.py`; on when the scheduler has a cache
 salt). A request admitted from the waiting queue (new, or preempted to recompute) first
 takes its longest cached prefix: full blocks whose content address matches its tokens',
 found in the device pool (shared as they are) or else in the host pool (copied back
@@ -83,12 +83,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from workers.block_manager import BlockPool, block_hash, blocks_needed
+from workers.api import PRIORITY_MAX, PRIORITY_MIN, FinishReason
+from workers.block_pool import BlockPool, block_hash, blocks_needed
 from workers.config import SchedulerConfig, SpeculativeConfig
-from workers.request import PRIORITY_MAX, PRIORITY_MIN, FinishReason, Request, RequestStatus
+from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
+from workers.request import Request, RequestStatus
 from workers.speculative import (
     AcceptanceRecord,
     DraftGate,
@@ -100,98 +100,6 @@ from workers.speculative import (
 )
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
-
-
-class ScheduledChunk(NamedTuple):
-    """Tokens [start, start + len(token_ids)) of `request`, run in this step.
-
-    Facts fixed when the step was planned, for the runner and the sampler: the request
-    itself moves on only in `Scheduler.update_from_output`. (A named tuple: one is
-    built per request per step, and it builds several times faster than a dataclass.)
-    """
-
-    request: Request
-    start: int
-    token_ids: tuple[int, ...]
-    # The request's device KV blocks, in token order: its own list, not a copy (planning
-    # appends to it only in a later step, so it holds still while this one runs).
-    block_ids: list[int]
-    samples: bool  # reaches the request's last known token: a new token is sampled
-    is_decode: bool  # the one token a decoding request runs (and its drafts)
-    # Draft tokens run after the decode token, to be verified (the last of `token_ids`);
-    # the step samples a token at each of them as well.
-    drafts: tuple[int, ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class StepPlan:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)  # swapped out or sent back to recompute
-    resumed: list[Request] = field(default_factory=list)  # swapped back in
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # The prefix cache's copies: cached device blocks evicted to the host tier, and
-    # host-tier hits brought back.
-    offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    fetch: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # Copy on write: shared blocks copied before a request writes into its own copy.
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        """Decode tokens, drafts included: they spend the decode budget."""
-        return sum(len(c.token_ids) for c in self.chunks if c.is_decode)
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return sum(len(c.drafts) for c in self.chunks)
-
-    @property
-    def has_work(self) -> bool:
-        """Anything for the runner to do: tokens to run or blocks to copy."""
-        return bool(self.chunks or self.swap_out or self.swap_in or self.offload or self.fetch or self.copies)
-
-    @property
-    def copies_out(self) -> list[tuple[int, int]]:
-        """Every (device block, host block) copy, made before `copies_in`."""
-        return self.swap_out + self.offload
-
-    @property
-    def copies_in(self) -> list[tuple[int, int]]:
-        """Every (host block, device block) copy."""
-        return self.swap_in + self.fetch
-
-
-@dataclass(frozen=True)
-class Census:
-    """How many requests are in each state, by priority (for metrics)."""
-
-    running: dict[int, int]
-    waiting: dict[int, int]  # queued, holding no blocks (new, or preempted to recompute)
-    swapped: dict[int, int]  # queued, their blocks in the host pool
-    oldest_queued_arrival: float | None  # arrival time of the longest-waiting queued request
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """The prefix cache: what one step's admissions found, and where the pools stand."""
-
-    queried_tokens: int = 0  # tokens of the requests admitted this step
-    device_hit_tokens: int = 0  # of those, found cached in the device pool
-    host_hit_tokens: int = 0  # found in the host tier (copied back)
-    offloaded_blocks: int = 0  # cached blocks copied to the host tier this step
-    device_evictions: int = 0  # cached blocks dropped, in all so far
-    host_evictions: int = 0
-    device_cached_blocks: int = 0  # blocks registered now, held or free
-    host_cached_blocks: int = 0
 
 
 class Scheduler:

@@ -26,7 +26,7 @@ import llguidance
 import numpy as np
 import torch
 
-from workers.request import InvalidRequest, SamplingParams
+from workers.api import InvalidRequest, SamplingParams
 
 
 class InvalidGrammar(InvalidRequest):

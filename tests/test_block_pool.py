@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from workers.block_manager import BlockPool, OutOfBlocks, block_hash, blocks_needed
+from workers.block_pool import BlockPool, OutOfBlocks, block_hash, blocks_needed
 
 
 def test_allocates_every_block_once_then_refuses():
