@@ -136,12 +136,13 @@ class FakeRunner:
     def check_registered_blocks(self) -> None:
         """Every block registered under an address (device or host tier) holds the K/V
         of exactly the tokens that address names."""
-        salt = self.scheduler.cache_salt
+        kv_cache = self.scheduler.kv_cache
+        salt = kv_cache.cache_salt
         if salt is None:
             return
-        tiers = [(self.scheduler.allocator, self.device)]
-        if self.scheduler.host_allocator is not None:
-            tiers.append((self.scheduler.host_allocator, self.host))
+        tiers = [(kv_cache.device_pool, self.device)]
+        if kv_cache.host_pool is not None:
+            tiers.append((kv_cache.host_pool, self.host))
         for pool, blocks in tiers:
             for block in range(pool.num_blocks):
                 at = pool.address(block)

@@ -1,7 +1,10 @@
 """Iteration-level scheduler: which tokens of which requests run in the next step.
 
-Plain Python over token counts and block ids; it never touches a tensor, so a
-simulated runner can drive it in tests.
+The policy: the queue and its order, the step's budgets, admission, preemption, parallel
+sampling's forks and speculation's drafts. Which blocks a request holds, the prefix cache
+and the copies between tiers are the KV-cache manager's (`workers/kv_cache.py`), asked in
+tokens and blocks. Plain Python; it never touches a tensor, so a simulated runner can
+drive it in tests.
 
 **Queue order (priority with aging).** Waiting and swapped-out requests share one
 queue ordered by a key fixed at arrival: `arrival - (priority - PRIORITY_MIN) * w`,
@@ -20,11 +23,12 @@ behind it starts either, so a large request cannot be starved by small ones.
    decodes left of max_batch_tokens)`, at most `max_prefill_chunk` per request:
    running requests part-way through their prompt first, then the queue's head —
    a swapped-out request is swapped back in (all its blocks at once), a waiting one
-   is admitted — while `max_running_requests` and free blocks allow.
+   is admitted after its cached prefix — while `max_running_requests` and free blocks
+   allow.
+3. Drafts last (see Speculation).
 
-**Preemption.** KV blocks are allocated as tokens are scheduled, never reserved for
-max_tokens up front. When a decode needs a block and none is free, a running request
-is preempted and returns to the queue under its original key, keeping its place:
+**Preemption.** When a decode needs a block and none is free, a running request is
+preempted and returns to the queue under its original key, keeping its place:
 - swapped out, when the host pool has room: the victim is the request with the
   lowest priority, and among those the one that has run the most steps since it
   last started (so long generations take turns with memory and short requests keep
@@ -34,31 +38,12 @@ is preempted and returns to the queue under its original key, keeping its place:
   queue order means the first always progresses, so recomputation cannot livelock.
 A request is never swapped back in during the step that swapped it out.
 
-**Swaps** are listed in the plan as (device block, host block) pairs, to be copied
-before the step's forward: all swap-outs, then all swap-ins. The host blocks a
-swap-in reads are freed when the runner reports the copies made (`swaps_done`).
-
-**Prefix caching** (`workers/block_pool.py`; on when the scheduler has a cache
-salt). A request admitted from the waiting queue (new, or preempted to recompute) first
-takes its longest cached prefix: full blocks whose content address matches its tokens',
-found in the device pool (shared as they are) or else in the host pool (copied back
-into a new device block: the plan's `fetch`), and starts computing after them. It always
-computes at least its last token, so a prompt that is all cached blocks recomputes its
-last block rather than write into a shared one. After each step every block that the
-step filled is registered under its address. Cached device blocks evicted to make room
-are copied to the host pool while it has room (the plan's `offload`), so a later
-request finds them there. Both lists are copied with the swaps: device to host first,
-then host to device, so a block evicted and reused in one step is saved before it is
-overwritten. The host pool holds swapped-out requests' blocks (never evicted) and
-cached ones (evicted least recently used first).
-
 **Parallel sampling.** A request with n choices is one `Request` per choice. The first
 (the lead) is queued and computes the prompt; the others wait (FORKING) until it
 samples its first token, then start running beside it holding the same prompt
-blocks. Each recomputes the prompt's last token for logits of its own; the block that
-token lies in is shared, so it is copied first (copy on write: the plan's `copies`,
-device to device). A block held by more than one request is never written. The lead
-is admitted only when the running set has room for all its choices.
+blocks. Each recomputes the prompt's last token for logits of its own, in a copy of
+the block that token lies in (copy on write). The lead is admitted only when the
+running set has room for all its choices.
 
 **Speculation** (`workers/speculative.py`; on with a `SpeculativeConfig`). Last in
 each step, once decodes and prompt chunks are planned, decoding requests whose gate
@@ -85,8 +70,9 @@ import itertools
 from collections import Counter
 
 from workers.api import PRIORITY_MAX, PRIORITY_MIN, FinishReason
-from workers.block_pool import BlockPool, block_hash, blocks_needed
+from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig, SpeculativeConfig
+from workers.kv_cache import KVCacheManager
 from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
 from workers.request import Request, RequestStatus
 from workers.speculative import (
@@ -113,20 +99,18 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
     ) -> None:
-        """`speculative` (enabled) turns speculation on, drafting with `proposer` (default:
-        prompt lookup)."""
+        """The device pool `allocator`, and `host_allocator` (None: preemption recomputes),
+        are the KV-cache manager's; `cache_salt` (None: no prefix caching) names what else
+        changes K/V. `speculative` (enabled) turns speculation on, drafting with `proposer`
+        (default: prompt lookup)."""
         self.config = config
+        self.kv_cache = KVCacheManager(allocator, block_size, host_allocator, cache_salt)
         self.speculative = speculative if speculative is not None and speculative.enabled else None
         if self.speculative is not None and proposer is None:
             proposer = PromptLookup(self.speculative.min_ngram, self.speculative.max_ngram)
         self.proposer = proposer if self.speculative is not None else None
         self.step_cost = StepCost()  # what a step's tokens cost, as measured (drafts pay or not)
         self.acceptance = AcceptanceRecord()  # every request's drafts together
-        self.allocator = allocator
-        self.host_allocator = host_allocator  # None: no host pool, preemption recomputes
-        self.block_size = block_size
-        self.cache_salt = cache_salt  # None: no prefix caching
-        self._queried = self._device_hits = self._host_hits = self._offloaded = 0  # this step's
         self.running: list[Request] = []  # in the order they (re)started
         self._queue: list[tuple[tuple[float, int], Request]] = []  # heap; finished entries dropped lazily
         self._num_queued = 0
@@ -136,12 +120,20 @@ class Scheduler:
         self._step = 0
         self._priority_weight = config.priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
 
+    @property
+    def allocator(self) -> BlockPool:
+        """The device block pool (to observe: the KV-cache manager changes it)."""
+        return self.kv_cache.device_pool
+
+    @property
+    def host_allocator(self) -> BlockPool | None:
+        return self.kv_cache.host_pool
+
     # -- queue changes -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         """Queue a request (with its `forks`, the other choices of a request with n > 1)."""
-        most = request.num_prompt_tokens + request.params.max_tokens
-        if blocks_needed(most, self.block_size) > self.allocator.num_blocks:
+        if request.num_prompt_tokens + request.params.max_tokens > self.kv_cache.capacity:
             # It could never run alone, and preempting others would not help.
             raise ValueError(f"request {request.request_id} needs more KV blocks than the pool has")
         if 1 + len(request.forks) > self.config.max_running_requests:
@@ -173,10 +165,7 @@ class Scheduler:
         elif request.status in QUEUED:
             self._num_queued -= 1  # its heap entry is skipped when it surfaces
             self._num_swapped -= request.status is RequestStatus.SWAPPED
-        self._release(request)
-        if request.host_block_ids:
-            self.host_allocator.free(request.host_block_ids)
-            request.host_block_ids = []
+        self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -190,34 +179,12 @@ class Scheduler:
         return due
 
     def swaps_done(self, plan: StepPlan, copied: bool = True) -> None:
-        """The runner has made the plan's copies (or failed to: `copied` False): the host
-        blocks they read or wrote are free again. Blocks whose copy may have failed lose
-        their content address."""
-        host = self.host_allocator
-        if not copied:
-            for _, device_block in plan.fetch:
-                self.allocator.unregister(device_block)
-            for _, host_block in plan.offload:
-                host.unregister(host_block)
-        # A fetch lists a chain head first: free it last block first (as `_release` does),
-        # so the host tier evicts its tail first. Offloads are already in eviction order.
-        for pairs, host_side in ((plan.swap_in, 0), (plan.fetch[::-1], 0), (plan.offload, 1)):
-            if pairs:
-                host.free([pair[host_side] for pair in pairs])
+        """The runner has made the plan's copies (or failed to: `copied` False)."""
+        self.kv_cache.copies_done(plan, copied)
 
     def cache_stats(self) -> CacheStats:
         """The prefix cache's figures for the last step planned."""
-        host = self.host_allocator
-        return CacheStats(
-            self._queried,
-            self._device_hits,
-            self._host_hits,
-            self._offloaded,
-            self.allocator.num_evictions,
-            host.num_evictions if host else 0,
-            self.allocator.num_cached,
-            host.num_cached if host else 0,
-        )
+        return self.kv_cache.stats()
 
     def update_from_output(
         self, plan: StepPlan, sampled_token_ids: list[int], num_accepted: list[int] | None = None
@@ -230,7 +197,8 @@ class Scheduler:
         chunks = plan.chunks
         if sum(chunk.samples for chunk in chunks) != len(sampled_token_ids):
             raise ValueError(f"{sum(c.samples for c in chunks)} chunks sample, got {len(sampled_token_ids)} tokens")
-        caching, block_size = self.cache_salt is not None, self.block_size
+        kv_cache = self.kv_cache
+        caching, block_size = kv_cache.cache_salt is not None, kv_cache.block_size
         sampled = iter(zip(sampled_token_ids, num_accepted or itertools.repeat(0)))
         took = []
         for chunk in chunks:  # one pass: this runs for every request every step
@@ -239,7 +207,7 @@ class Scheduler:
                 start = request.num_computed
                 end = start + len(chunk.token_ids)
                 if caching and end // block_size > start // block_size:  # it filled a block
-                    self._register_full_blocks(request, start, end)
+                    kv_cache.register_full_blocks(request, start, end)
                 request.num_computed = end
             if not chunk.samples:
                 continue
@@ -267,18 +235,14 @@ class Scheduler:
             kept = kept[: stop + 1]
         request.output_token_ids.extend(kept)
         end = chunk.start + 1 + len(kept)
-        if self.cache_salt is not None and end // self.block_size > chunk.start // self.block_size:
-            self._register_full_blocks(request, chunk.start, end)
+        self.kv_cache.register_full_blocks(request, chunk.start, end)
         request.num_computed = end
         request.draft_gate.record(self._step, len(chunk.drafts), accepted)
         self.acceptance.record(len(chunk.drafts), accepted)
         if stop is not None:
             self.finish(request, FinishReason.STOP)
             return False
-        keep = blocks_needed(end, self.block_size)
-        if len(request.block_ids) > keep:
-            self.allocator.free(reversed(request.block_ids[keep:]))
-            request.block_ids = request.block_ids[:keep]  # a new list: block lists only grow
+        self.kv_cache.truncate(request, end)
         return True
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -316,7 +280,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._step += 1
-        self._queried = self._device_hits = self._host_hits = self._offloaded = 0
+        self.kv_cache.start_step()
         plan = StepPlan()
         while True:
             self._plan_decodes(plan)
@@ -328,7 +292,7 @@ class Scheduler:
             self._preempt_one(plan)
         if self.proposer is not None:
             self._plan_drafts(plan)
-        self._plan_offloads(plan)
+        self.kv_cache.plan_offloads(plan)
         return plan
 
     def _plan_drafts(self, plan: StepPlan) -> None:
@@ -363,15 +327,13 @@ class Scheduler:
                 history.tokens.extend(request.token_slice(len(history.tokens), request.num_tokens))
             histories.append(history)
         proposals = self.proposer.propose(histories, [k for _, _, k in wanted])
-        block_size = self.block_size
         for (place, request, k), draft in zip(wanted, proposals):
             # Room in its own blocks, and in free blocks beyond one for each running request.
-            spare = max(0, self.allocator.num_free - len(self.running))
-            fits = len(request.block_ids) * block_size + spare * block_size - request.num_computed - 1
+            fits = self.kv_cache.room(request, keep_free=len(self.running)) - 1
             draft = tuple(draft[: min(k, room, fits)])
             if not draft:
                 continue
-            self._allocate(request, request.num_computed + 1 + len(draft))
+            self.kv_cache.allocate(request, request.num_computed + 1 + len(draft), plan)
             chunk = plan.chunks[place]
             plan.chunks[place] = chunk._replace(token_ids=chunk.token_ids + draft, drafts=draft)
             room -= len(draft)
@@ -384,15 +346,11 @@ class Scheduler:
         cap = self._decode_cap
         if len(decoding) > cap:
             decoding = sorted(decoding, key=lambda r: r.queue_key)[:cap]
-        block_size = self.block_size
+        kv_cache = self.kv_cache
         for request in decoding:
             if request.status is not RequestStatus.RUNNING:
                 continue
-            # Most steps a decode writes into the partly filled block it owns: nothing to
-            # allocate or copy (the common case, kept cheap at hundreds of decodes a step).
-            if (request.num_computed % block_size and not self._shares_next_block(request)) or self._grow(
-                request, request.num_computed + 1, plan
-            ):
+            if kv_cache.writes_in_place(request) or self._grow(request, request.num_computed + 1, plan):
                 plan.chunks.append(self._decode_chunk(request))
 
     def _plan_prefills(self, plan: StepPlan) -> None:
@@ -417,7 +375,7 @@ class Scheduler:
                 break  # a lead starts only with room for the choices that will fork from it
             if request.status is RequestStatus.SWAPPED:
                 # Back in only with room for its next token, so it runs this step.
-                if blocks_needed(request.num_computed + 1, self.block_size) > self.allocator.num_free:
+                if not self.kv_cache.can_hold(request.num_computed + 1):
                     break
                 if request.is_decoding:
                     if num_decodes == self._decode_cap or plan.num_tokens == config.max_batch_tokens:
@@ -439,99 +397,18 @@ class Scheduler:
                 break  # no budget or no blocks: keep the queue's order, wait
             budget -= self._add_prefill_chunk(request, budget, plan)
 
-    # -- admission and the prefix cache ---------------------------------------------
-
     def _admit(self, request: Request, budget: int, plan: StepPlan) -> bool:
         """Start the queue's head (a waiting request) after its longest cached prefix, if
         its first chunk then fits in the free blocks; else change nothing and say False."""
-        prefix = self._cached_prefix(request)
-        on_device = [entry for entry in prefix if isinstance(entry, int)]
-        num_on_host = len(prefix) - len(on_device)
-        # Free blocks once the hits are taken: shared cached blocks stop being free, and
-        # each host hit takes a new device block to be copied into.
-        free = (
-            self.allocator.num_free - num_on_host - sum(1 for block in on_device if self.allocator.holders(block) == 0)
-        )
-        num_cached = len(prefix) * self.block_size
-        remaining = request.num_tokens - num_cached
-        if min(remaining, budget, self.config.max_prefill_chunk, max(free, 0) * self.block_size) == 0:
+        prefix = self.kv_cache.find_prefix(request)
+        remaining = request.num_tokens - prefix.num_tokens
+        if min(remaining, budget, self.config.max_prefill_chunk, prefix.free_tokens) == 0:
             return False
         self._dequeue()
-        if self.cache_salt is not None:
-            self._queried += request.num_tokens
-            self._device_hits += len(on_device) * self.block_size
-            self._host_hits += num_on_host * self.block_size
-        for block in on_device:  # first, so that no allocation below evicts them
-            self.allocator.share(block)
-        request.block_ids = []
-        for entry in prefix:
-            if isinstance(entry, int):
-                request.block_ids.append(entry)
-                continue
-            address, host_block = entry
-            device_block = self.allocator.allocate()
-            self.host_allocator.share(host_block)  # held until the copy is made
-            self.allocator.register(device_block, address)
-            plan.fetch.append((host_block, device_block))
-            request.block_ids.append(device_block)
-        request.num_computed = num_cached
+        self.kv_cache.take_prefix(request, prefix, plan)
+        request.num_computed = prefix.num_tokens
         self._start_running(request)
         return True
-
-    def _cached_prefix(self, request: Request) -> list[int | tuple[bytes, int]]:
-        """`request`'s longest cached prefix, block by block: a device block, or else an
-        (address, host block) pair to copy back from the host tier. At most the full
-        blocks before its last token: that one is always computed, for its logits."""
-        if self.cache_salt is None:
-            return []
-        prefix: list[int | tuple[bytes, int]] = []
-        host = self.host_allocator
-        num_blocks = (request.num_tokens - 1) // self.block_size
-        for address in self._addresses(request, num_blocks)[:num_blocks]:
-            block = self.allocator.lookup(address)
-            if block is not None:
-                prefix.append(block)
-                continue
-            host_block = host.lookup(address) if host is not None else None
-            if host_block is None:
-                break
-            prefix.append((address, host_block))
-        return prefix
-
-    def _addresses(self, request: Request, num_blocks: int) -> list[bytes]:
-        """`request`'s content addresses, computed up to its first `num_blocks` blocks (all
-        full); the list may hold more."""
-        addresses = request.block_addresses
-        size = self.block_size
-        while len(addresses) < num_blocks:
-            start = len(addresses) * size
-            parent = addresses[-1] if addresses else b""
-            addresses.append(block_hash(parent, request.token_slice(start, start + size), self.cache_salt))
-        return addresses
-
-    def _register_full_blocks(self, request: Request, start: int, end: int) -> None:
-        """Give the blocks that tokens [start, end) filled their content addresses."""
-        first, last = start // self.block_size, end // self.block_size
-        if last > first:
-            addresses = self._addresses(request, last)
-            for index in range(first, last):
-                self.allocator.register(request.block_ids[index], addresses[index])
-
-    def _plan_offloads(self, plan: StepPlan) -> None:
-        """Copy the cached device blocks this plan evicted to the host tier, while it has
-        blocks that are free or only cached (never a swapped-out request's)."""
-        evicted = self.allocator.take_evicted()
-        host = self.host_allocator
-        if host is None:
-            return
-        host.take_evicted()  # the host tier is the last: what it evicts is gone
-        for address, device_block in evicted:
-            if host.lookup(address) is not None or not host.num_free:
-                continue
-            host_block = host.allocate()  # held until the copy is made
-            host.register(host_block, address)
-            plan.offload.append((device_block, host_block))
-        self._offloaded += len(plan.offload)
 
     # -- parallel sampling -----------------------------------------------------------
 
@@ -539,13 +416,10 @@ class Scheduler:
         """`lead` has computed the prompt: its other choices start running, holding the
         prompt's blocks with it, each with the prompt's last token (and any output of its
         own, after a takeover) left to compute."""
-        shared = lead.block_ids[: blocks_needed(lead.num_prompt_tokens - 1, self.block_size)]
         for fork in lead.forks:
             if fork.status is not RequestStatus.FORKING:
                 continue  # ended already
-            for block in shared:
-                self.allocator.fork(block)
-            fork.block_ids = list(shared)
+            self.kv_cache.share_prompt(lead, fork)
             fork.num_computed = lead.num_prompt_tokens - 1
             fork.queue_key = (lead.queue_key[0], next(self._order))  # its own tie-breaker: keys are unique
             fork.scheduled_time = lead.scheduled_time
@@ -562,28 +436,6 @@ class Scheduler:
         """Running requests, and the choices still to fork from them: their room is taken."""
         return len(self.running) + sum(self._num_forking(r) for r in self.running if r.forks)
 
-    def _copy_on_write(self, request: Request, plan: StepPlan) -> None:
-        """Before `request` writes at `num_computed`: if that block is shared (or cached
-        under its address), write into a copy of it instead."""
-        if self._shares_next_block(request):
-            index = request.num_computed // self.block_size
-            shared = request.block_ids[index]
-            own = self.allocator.allocate()
-            plan.copies.append((shared, own))
-            self.allocator.free([shared])
-            # A new list, not a write into the old one: block lists are only ever appended
-            # to, which lets the runner keep their block tables across steps.
-            request.block_ids = [*request.block_ids[:index], own, *request.block_ids[index + 1 :]]
-
-    def _shares_next_block(self, request: Request) -> bool:
-        """The block `request` writes next is one it may not write: held by another request,
-        or registered (a choice recomputing the prompt's last token, when it ends a block)."""
-        index = request.num_computed // self.block_size
-        if index >= len(request.block_ids):
-            return False
-        block = request.block_ids[index]
-        return self.allocator.holders(block) > 1 or self.allocator.address(block) is not None
-
     # -- helpers -------------------------------------------------------------------
 
     @property
@@ -593,16 +445,13 @@ class Scheduler:
     def _largest_chunk(self, request: Request, budget: int) -> int:
         """The longest prompt chunk of `request` that the budget and the free blocks allow."""
         remaining = request.num_tokens - request.num_computed
-        have = len(request.block_ids) * self.block_size - request.num_computed
-        free = self.allocator.num_free - self._shares_next_block(request)  # a copy on write takes one
-        return max(0, min(remaining, budget, self.config.max_prefill_chunk, have + free * self.block_size))
+        return min(remaining, budget, self.config.max_prefill_chunk, self.kv_cache.room(request))
 
     def _add_prefill_chunk(self, request: Request, budget: int, plan: StepPlan) -> int:
         """Plan (and allocate blocks for) the largest chunk that fits; return its length."""
         n = self._largest_chunk(request, budget)
         if n:
-            self._copy_on_write(request, plan)
-            self._allocate(request, request.num_computed + n)
+            self.kv_cache.allocate(request, request.num_computed + n, plan)
             plan.chunks.append(self._chunk(request, n))
         return n
 
@@ -628,34 +477,16 @@ class Scheduler:
         Returns False if it could not: `request` was itself the victim, or preempting
         was not allowed.
         """
-        need = blocks_needed(num_tokens, self.block_size) - len(request.block_ids) + self._shares_next_block(request)
-        while need > self.allocator.num_free:
-            if not may_preempt:
+        while not self.kv_cache.allocate(request, num_tokens, plan):
+            if not may_preempt or self._preempt_one(plan) is request:
                 return False
-            if self._preempt_one(plan) is request:
-                return False
-            need = (
-                blocks_needed(num_tokens, self.block_size) - len(request.block_ids) + self._shares_next_block(request)
-            )
-        self._copy_on_write(request, plan)
-        self._allocate(request, num_tokens)
         return True
 
     def _preempt_one(self, plan: StepPlan) -> Request:
         """Preempt a running request (see the module doc for the order); return it."""
         # Swapping keeps a victim's progress, so it may go to whoever has run longest.
         victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
-        computed_blocks = victim.block_ids[: blocks_needed(victim.num_computed, self.block_size)]
-        host = self.host_allocator
-        # A block it copies on write this step holds nothing yet, so such a victim is recomputed.
-        if (
-            computed_blocks
-            and host is not None
-            and host.num_free >= len(computed_blocks)
-            and not any(own in victim.block_ids for _, own in plan.copies)
-        ):
-            victim.host_block_ids = [host.allocate() for _ in computed_blocks]
-            plan.swap_out.extend(zip(computed_blocks, victim.host_block_ids))
+        if self.kv_cache.swap_out(victim, plan):
             self._remove_running(victim, plan)
             self._enqueue(victim, RequestStatus.SWAPPED)
             return victim
@@ -670,14 +501,11 @@ class Scheduler:
     def _remove_running(self, victim: Request, plan: StepPlan) -> None:
         self.running.remove(victim)
         plan.chunks = [c for c in plan.chunks if c.request is not victim]
-        plan.copies = [(shared, own) for shared, own in plan.copies if own not in victim.block_ids]
         plan.preempted.append(victim)
-        self._release(victim)
+        self.kv_cache.release(victim, plan)
 
     def _swap_in(self, request: Request, plan: StepPlan) -> None:
-        request.block_ids = [self.allocator.allocate() for _ in request.host_block_ids]
-        plan.swap_in.extend(zip(request.host_block_ids, request.block_ids))
-        request.host_block_ids = []  # freed by `swaps_done`, once they have been read
+        self.kv_cache.swap_in(request, plan)
         plan.resumed.append(request)
         self._start_running(request)
 
@@ -702,14 +530,3 @@ class Scheduler:
         request = heapq.heappop(self._queue)[1]
         self._num_queued -= 1
         self._num_swapped -= request.status is RequestStatus.SWAPPED
-
-    def _allocate(self, request: Request, num_tokens: int) -> None:
-        for _ in range(blocks_needed(num_tokens, self.block_size) - len(request.block_ids)):
-            request.block_ids.append(self.allocator.allocate())
-
-    def _release(self, request: Request) -> None:
-        if request.block_ids:
-            # Last block first: cached blocks are evicted least recently freed first, so a
-            # chain loses its tail before its head (a lookup stops at the first miss).
-            self.allocator.free(reversed(request.block_ids))
-            request.block_ids = []
