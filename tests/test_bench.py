@@ -140,6 +140,28 @@ def test_tiny_real_run_writes_json_and_png(tmp_path, capsys):
     assert "engine vs hf_static" in capsys.readouterr().out
 
 
+def test_help_reads_as_sections_general_workload_systems_then_each_scenario():
+    parser = argparse.ArgumentParser(prog="inflight bench")
+    add_arguments(parser)
+    help_text = parser.format_help()
+    assert help_text.startswith("usage: inflight bench [--scenario NAME]")
+    sections = ["general:", "workload (", "systems and peers:", "spec scenario", "serve scenario"]
+    positions = [help_text.index(section) for section in sections]
+    assert positions == sorted(positions)
+    workload = help_text[help_text.index("workload (") : help_text.index("systems and peers:")]
+    assert "--prompt-len" in workload and "--vllm-python" not in workload
+    serve = help_text[help_text.index("serve scenario") :]
+    assert "--serve-rates" in serve and "--requests " not in serve
+    # The sections change nothing a command line means.
+    args = parser.parse_args([])
+    assert (args.scenario, args.requests, args.prompt_len, args.output_len) == ("throughput", 48, [20, 400], [16, 192])
+    assert (args.systems, args.static_batch, args.serve_rates) == (
+        "engine,hf_continuous,hf_static,llamacpp,vllm",
+        8,
+        "2,4",
+    )
+
+
 def test_single_stream_is_one_request_of_100_prompt_and_256_output_tokens():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
