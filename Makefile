@@ -70,8 +70,8 @@ gpu-wheels:
 		--platform manylinux2014_x86_64 --no-deps -d ops/gpu-wheels -r ops/gpu-wheels/requirements.txt
 
 # Regenerate the Grafana dashboard JSON from ops/grafana/dashboards.py (commit the result).
-dashboards:
-	python3 ops/grafana/dashboards.py
+dashboards: $(INSTALLED)
+	$(PYTHON) ops/grafana/dashboards.py
 
 # torch is pinned first: the CPU wheel of 2.13.0 lies on this kind of machine's disk,
 # and a looser requirement would pull a CUDA build of several GB. The bundled model

@@ -1,7 +1,11 @@
-"""The Grafana dashboard as code: the committed JSON is what the generator writes, and
-every panel queries only metrics a worker's (or a gateway's) registry exports (so a renamed metric cannot
-leave a panel silently empty). tests/test_observability.py runs the same queries against
-a real Prometheus scraping a real worker."""
+"""The Grafana dashboard as code: the committed JSON is what the generator writes, Grafana's
+typed dashboard model keeps every field of it, and every panel queries only metrics a worker's
+(or a gateway's) registry exports (so a renamed metric cannot leave a panel silently empty).
+tests/test_observability.py runs the same queries against a real Prometheus scraping a real
+worker.
+
+The generator builds with grafana-foundation-sdk, a `dev` dependency: without it the tests
+that run the generator or the SDK's model skip, and the others read the committed JSON."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from service.gateway.metrics import GatewayMetrics
 from service.metrics import Metrics
 from workers.api import FinalEvent, FinishReason, Timings, Usage
@@ -17,9 +23,11 @@ from workers.engine import EngineStats, StepRecord
 from workers.plan import Census
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("dashboards", ROOT / "ops" / "grafana" / "dashboards.py")
-dashboards = importlib.util.module_from_spec(_spec)  # the generator, a script rather than a package module
-_spec.loader.exec_module(dashboards)
+COMMITTED = ROOT / "ops" / "grafana" / "dashboards" / "inflight.json"
+needs_sdk = pytest.mark.skipif(
+    importlib.util.find_spec("grafana_foundation_sdk") is None,
+    reason="grafana-foundation-sdk is not installed (pip install -e '.[dev]' brings it)",
+)
 
 # Series Prometheus makes itself rather than scraping them from a worker.
 PROMETHEUS_OWN = {"up"}
@@ -67,6 +75,39 @@ def metric_names(expr: str) -> set[str]:
     return {name for name in names if name not in PROMQL_WORDS}
 
 
+def generator():
+    """ops/grafana/dashboards.py, a script rather than a package module."""
+    spec = importlib.util.spec_from_file_location("dashboards", ROOT / "ops" / "grafana" / "dashboards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def committed() -> dict:
+    return json.loads(COMMITTED.read_text())
+
+
+def fields_grafana_drops(written: object, typed: object, path: str = "") -> list[str]:
+    """The paths of `written` that Grafana's typed model did not give back as they were."""
+    if isinstance(written, dict) and isinstance(typed, dict):
+        return [
+            p for key, value in written.items() for p in fields_grafana_drops(value, typed.get(key), f"{path}.{key}")
+        ]
+    if isinstance(written, list) and isinstance(typed, list) and len(written) == len(typed):
+        return [p for i, (w, t) in enumerate(zip(written, typed)) for p in fields_grafana_drops(w, t, f"{path}[{i}]")]
+    return [] if written == typed else [path]
+
+
+def through_grafanas_model(dashboard: dict) -> dict:
+    """The dashboard read into the SDK's typed Dashboard (panels and queries by plugin) and written back."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.plugins import register_default_plugins
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    register_default_plugins()  # so timeseries options and Prometheus queries are typed, not kept as raw dicts
+    return json.loads(JSONEncoder().encode(Dashboard.from_json(dashboard)))
+
+
 def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
     return [
         (panel["title"], target["expr"])
@@ -76,9 +117,46 @@ def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
     ]
 
 
+@needs_sdk
 def test_the_committed_dashboard_is_what_the_generator_writes():
-    committed = (ROOT / "ops" / "grafana" / "dashboards" / "inflight.json").read_text()
-    assert committed == dashboards.render(), "stale: run `python ops/grafana/dashboards.py` and commit the JSON"
+    assert COMMITTED.read_text() == generator().render(), "stale: run `make dashboards` and commit the JSON"
+
+
+@needs_sdk
+def test_grafanas_typed_model_keeps_every_field_of_the_dashboard():
+    dashboard = committed()
+    assert fields_grafana_drops(dashboard, through_grafanas_model(dashboard)) == []
+
+
+@needs_sdk
+def test_a_field_outside_grafanas_schema_is_caught():
+    dashboard = committed()
+    dashboard["panels"][1]["options"]["legend"]["displayMod"] = "list"  # a typo
+    dashboard["panels"][1]["targets"][0]["expression"] = "up"  # Prometheus queries say expr
+    dashboard["panels"][1]["fieldConfig"]["defaults"]["units"] = "s"
+    assert fields_grafana_drops(dashboard, through_grafanas_model(dashboard)) == [
+        ".panels[1].fieldConfig.defaults.units",
+        ".panels[1].options.legend.displayMod",
+        ".panels[1].targets[0].expression",
+    ]
+
+
+def test_each_section_is_an_open_row_with_its_panels_beneath_it_two_a_line():
+    panels = committed()["panels"]
+    assert [(p["gridPos"]["y"], p["gridPos"]["x"]) for p in panels] == sorted(
+        (p["gridPos"]["y"], p["gridPos"]["x"]) for p in panels
+    ), "panels in reading order"
+    occupied: set[tuple[int, int]] = set()
+    for panel in panels:
+        pos = panel["gridPos"]
+        cells = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not cells & occupied, f"{panel['title']} overlaps a panel above it"
+        assert set(range(pos["y"])) <= {y for _, y in occupied}, f"an empty band above {panel['title']}"
+        occupied |= cells
+        if panel["type"] == "row":
+            assert (pos["x"], pos["w"], panel["collapsed"], panel["panels"]) == (0, 24, False, [])
+        else:
+            assert (pos["w"], pos["h"]) == (12, 8)
 
 
 def test_the_metric_name_extraction_finds_what_a_query_reads():
@@ -91,7 +169,7 @@ def test_the_metric_name_extraction_finds_what_a_query_reads():
 
 def test_every_panel_queries_only_metrics_the_worker_exports():
     exported = exported_series_names() | PROMETHEUS_OWN
-    queries = panel_queries(json.loads(dashboards.render()))
+    queries = panel_queries(committed())
     unknown = {(title, name) for title, expr in queries for name in metric_names(expr) if name not in exported}
     assert not unknown, f"panels query metrics the worker does not export: {sorted(unknown)}"
     assert all(metric_names(expr) for _, expr in queries)
@@ -107,7 +185,7 @@ def test_a_panel_on_an_unknown_metric_is_caught():
 
 
 def test_the_dashboard_has_the_panels_the_operators_need():
-    dashboard = json.loads(dashboards.render())
+    dashboard = committed()
     queries = " ".join(expr for _, expr in panel_queries(dashboard))
     for metric in (
         "inflight_generation_tokens_total",

@@ -1,5 +1,9 @@
-"""The Grafana dashboard, as code: `python ops/grafana/dashboards.py` writes
-`ops/grafana/dashboards/inflight.json`, which is committed and provisioned as is.
+"""The Grafana dashboard, as code: `make dashboards` (`python ops/grafana/dashboards.py`)
+writes `ops/grafana/dashboards/inflight.json`, which is committed and provisioned as is.
+
+The panels are built with Grafana's own typed builders (grafana-foundation-sdk, a `dev`
+dependency), so the JSON has the shape Grafana's dashboard schema expects. Only this
+generator needs them: the worker never imports it, and Grafana reads the committed JSON.
 
 Edit the panels here, never the JSON; `tests/test_dashboards.py` fails when the JSON is
 stale or a panel queries a metric the worker does not export, and
@@ -10,12 +14,27 @@ interval.
 
 from __future__ import annotations
 
-import json
+import itertools
 import sys
 from pathlib import Path
 
+from grafana_foundation_sdk.builders.common import VizLegendOptions, VizTooltipOptions
+from grafana_foundation_sdk.builders.dashboard import Dashboard, Row
+from grafana_foundation_sdk.builders.prometheus import Dataquery as PrometheusQuery
+from grafana_foundation_sdk.builders.timeseries import Panel as Timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import (
+    LegendDisplayMode,
+    LegendPlacement,
+    SortOrder,
+    TimeZoneBrowser,
+    TooltipDisplayMode,
+)
+from grafana_foundation_sdk.models.dashboard import DataSourceRef
+
 OUTPUT = Path(__file__).parent / "dashboards" / "inflight.json"
-DATASOURCE = {"type": "prometheus", "uid": "inflight-prometheus"}  # as provisioned in provisioning/datasources
+# As provisioned in provisioning/datasources.
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="inflight-prometheus")
 RATE = "$__rate_interval"
 WIDTH, HEIGHT = 12, 8  # two panels a row
 
@@ -329,63 +348,56 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
 ]
 
 
-def panel(
-    panel_id: int, title: str, unit: str, targets: list[tuple[str, str]], description: str, x: int, y: int
-) -> dict:
-    return {
-        "id": panel_id,
-        "type": "timeseries",
-        "title": title,
-        "description": description,
-        "datasource": DATASOURCE,
-        "gridPos": {"h": HEIGHT, "w": WIDTH, "x": x, "y": y},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
-        "targets": [
-            {"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
-            for i, (expr, legend) in enumerate(targets)
-        ],
-    }
-
-
-def dashboard() -> dict:
-    panels, y, next_id = [], 0, 1
-    for section, section_panels in SECTIONS:
-        panels.append(
-            {
-                "id": next_id,
-                "type": "row",
-                "title": section,
-                "collapsed": False,
-                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
-                "panels": [],
-            }
+def timeseries_panel(
+    panel_id: int, title: str, unit: str, targets: list[tuple[str, str]], description: str
+) -> Timeseries:
+    panel = (
+        Timeseries()
+        .id(panel_id)
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .span(WIDTH)
+        .height(HEIGHT)
+        .unit(unit)
+        # Said outright: the builders' defaults would hide the legend and sort the tooltip.
+        .legend(
+            VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST).placement(LegendPlacement.BOTTOM)
         )
-        next_id, y = next_id + 1, y + 1
-        for i, (title, unit, targets, description) in enumerate(section_panels):
-            panels.append(panel(next_id, title, unit, targets, description, (i % 2) * WIDTH, y + (i // 2) * HEIGHT))
-            next_id += 1
-        y += -(-len(section_panels) // 2) * HEIGHT
-    return {
-        "uid": "inflight-overview",
-        "title": "inflight",
-        "description": "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, "
-        "steps, the gateway, errors.",
-        "tags": ["inflight"],
-        "timezone": "browser",
-        "schemaVersion": 39,
-        "version": 1,
-        "editable": True,
-        "refresh": "10s",
-        "time": {"from": "now-1h", "to": "now"},
-        "templating": {"list": []},
-        "annotations": {"list": []},
-        "panels": panels,
-    }
+        .tooltip(VizTooltipOptions().mode(TooltipDisplayMode.MULTI).sort(SortOrder.NONE))
+    )
+    for i, (expr, legend) in enumerate(targets):
+        panel.with_target(
+            PrometheusQuery().ref_id(chr(ord("A") + i)).datasource(DATASOURCE).expr(expr).legend_format(legend)
+        )
+    return panel
+
+
+def dashboard() -> Dashboard:
+    """Each section is an expanded row; the builder lays its panels out below it, two a row."""
+    builder = (
+        Dashboard("inflight")
+        .uid("inflight-overview")
+        .description(
+            "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, the gateway, errors."
+        )
+        .tags(["inflight"])
+        .timezone(TimeZoneBrowser)
+        .editable()
+        .refresh("10s")
+        .time("now-1h", "now")
+        .version(1)
+    )
+    panel_ids = itertools.count(1)
+    for section, section_panels in SECTIONS:
+        builder.with_row(Row(section).id(next(panel_ids)))
+        for title, unit, targets, description in section_panels:
+            builder.with_panel(timeseries_panel(next(panel_ids), title, unit, targets, description))
+    return builder
 
 
 def render() -> str:
-    return json.dumps(dashboard(), indent=2, sort_keys=True) + "\n"
+    return JSONEncoder(sort_keys=True, indent=2).encode(dashboard().build()) + "\n"
 
 
 if __name__ == "__main__":
