@@ -33,6 +33,19 @@ class ScheduledChunk(NamedTuple):
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @classmethod
+    def decode(cls, request: Request) -> ScheduledChunk:
+        """The one token a decoding request runs: the one it sampled last."""
+        return cls(request, request.num_computed, (request.output_token_ids[-1],), request.block_ids, True, True)
+
+    @classmethod
+    def prefill(cls, request: Request, num_tokens: int) -> ScheduledChunk:
+        """The request's next `num_tokens` prompt tokens; its blocks must already hold them."""
+        start = request.num_computed
+        end = start + num_tokens
+        tokens = tuple(request.token_slice(start, end))
+        return cls(request, start, tokens, request.block_ids, end == request.num_tokens, False)
+
 
 @dataclass
 class StepPlan:

@@ -6,15 +6,10 @@ and the copies between tiers are the KV-cache manager's (`workers/kv_cache.py`),
 tokens and blocks. Plain Python; it never touches a tensor, so a simulated runner can
 drive it in tests.
 
-**Queue order (priority with aging).** Waiting and swapped-out requests share one
-queue ordered by a key fixed at arrival: `arrival - (priority - PRIORITY_MIN) * w`,
-with `w = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)`. Read it as "every
-priority step is a head start of w seconds": a request's effective priority grows
-with the time it waits, at the same rate for everyone, so the order never has to be
-recomputed. Consequence (the starvation bound): no request is ever overtaken by one
-that arrived more than `priority_bound_s` after it. Equal priority is first come,
-first served. The queue is strict: if its head cannot start (no blocks), nothing
-behind it starts either, so a large request cannot be starved by small ones.
+**Queue order** (`workers/request_queue.py`): priority with aging, so no request is
+overtaken by one that arrived more than `priority_bound_s` after it. The queue is
+strict: if its head cannot start (no blocks), nothing behind it starts either, so a
+large request cannot be starved by small ones.
 
 **Each step.**
 1. Decodes first: every running request that is decoding gets one token, up to
@@ -65,16 +60,16 @@ retires the rest through `finish` (stop strings, cancels, deadlines, a failed st
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import Counter
 
-from workers.api import PRIORITY_MAX, PRIORITY_MIN, FinishReason
+from workers.api import FinishReason
 from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.kv_cache import KVCacheManager
 from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
 from workers.request import Request, RequestStatus
+from workers.request_queue import QUEUED, RequestQueue
 from workers.speculative import (
     AcceptanceRecord,
     DraftGate,
@@ -84,8 +79,6 @@ from workers.speculative import (
     TokenHistory,
     drafts_worth,
 )
-
-QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
 
 class Scheduler:
@@ -112,13 +105,8 @@ class Scheduler:
         self.step_cost = StepCost()  # what a step's tokens cost, as measured (drafts pay or not)
         self.acceptance = AcceptanceRecord()  # every request's drafts together
         self.running: list[Request] = []  # in the order they (re)started
-        self._queue: list[tuple[tuple[float, int], Request]] = []  # heap; finished entries dropped lazily
-        self._num_queued = 0
-        self._num_swapped = 0
-        self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished entries dropped lazily
-        self._order = itertools.count()
+        self.queue = RequestQueue(config.priority_bound_s)
         self._step = 0
-        self._priority_weight = config.priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
 
     @property
     def allocator(self) -> BlockPool:
@@ -146,11 +134,8 @@ class Scheduler:
                 if not params.constrained and not params.wants_logprobs:
                     choice.draft_gate = DraftGate(self.speculative)
                     choice.history = TokenHistory()
-        virtual_arrival = request.arrival_time - (request.priority - PRIORITY_MIN) * self._priority_weight
-        request.queue_key = (virtual_arrival, next(self._order))  # the count breaks ties first come first
-        self._enqueue(request, RequestStatus.WAITING)
-        if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
+        self.queue.place(request)
+        self.queue.push(request, RequestStatus.WAITING)
 
     def finish(self, request: Request, reason: FinishReason, num_output_tokens: int | None = None) -> None:
         """Retire a request (finished, cancelled, expired or failed); free all its blocks at once.
@@ -163,20 +148,14 @@ class Scheduler:
         elif request.status is RequestStatus.FORKING:
             pass  # holds nothing yet; its lead skips it
         elif request.status in QUEUED:
-            self._num_queued -= 1  # its heap entry is skipped when it surfaces
-            self._num_swapped -= request.status is RequestStatus.SWAPPED
+            self.queue.discard(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
     def expired(self, now: float) -> list[Request]:
         """Unfinished requests whose deadline is at or before `now` (the caller retires them)."""
-        due = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            request = heapq.heappop(self._deadlines)[2]
-            if request.status is not RequestStatus.FINISHED:
-                due.append(request)
-        return due
+        return self.queue.expired(now)
 
     def swaps_done(self, plan: StepPlan, copied: bool = True) -> None:
         """The runner has made the plan's copies (or failed to: `copied` False)."""
@@ -251,29 +230,21 @@ class Scheduler:
             self.step_cost.observe(num_tokens, seconds)
 
     def has_unfinished(self) -> bool:
-        return bool(self._num_queued or self.running)
+        return bool(self.queue.num_queued or self.running)
 
     @property
     def num_waiting(self) -> int:
         """Queued requests, swapped-out ones included."""
-        return self._num_queued
+        return self.queue.num_queued
 
     @property
     def num_swapped(self) -> int:
-        return self._num_swapped
+        return self.queue.num_swapped
 
     def census(self) -> Census:
         """Counts by state and priority; O(running + queued), so call it once a step at most."""
         running = Counter(r.priority for r in self.running)
-        waiting: Counter[int] = Counter()
-        swapped: Counter[int] = Counter()
-        oldest = None
-        for _, request in self._queue:
-            if request.status not in QUEUED:
-                continue  # finished while queued, dropped lazily
-            (swapped if request.status is RequestStatus.SWAPPED else waiting)[request.priority] += 1
-            if oldest is None or request.arrival_time < oldest:
-                oldest = request.arrival_time
+        waiting, swapped, oldest = self.queue.census()
         return Census(dict(running), dict(waiting), dict(swapped), oldest)
 
     # -- the step plan -------------------------------------------------------------
@@ -351,7 +322,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue
             if kv_cache.writes_in_place(request) or self._grow(request, request.num_computed + 1, plan):
-                plan.chunks.append(self._decode_chunk(request))
+                plan.chunks.append(ScheduledChunk.decode(request))
 
     def _plan_prefills(self, plan: StepPlan) -> None:
         """2. Prompt chunks under the prefill sub-budget; swap-ins and admissions in queue order."""
@@ -367,8 +338,8 @@ class Scheduler:
                 budget -= self._add_prefill_chunk(request, budget, plan)
 
         # The queue's head starts, while it fits.
-        while self._num_queued:
-            request = self._head()
+        while self.queue.num_queued:
+            request = self.queue.head()
             if request in plan.preempted:
                 break  # never back in the step that preempted it
             if self._occupied() + 1 + self._num_forking(request) > config.max_running_requests:
@@ -380,16 +351,16 @@ class Scheduler:
                 if request.is_decoding:
                     if num_decodes == self._decode_cap or plan.num_tokens == config.max_batch_tokens:
                         break
-                    self._dequeue()
+                    self.queue.pop()
                     self._swap_in(request, plan)
                     self._grow(request, request.num_computed + 1, plan, may_preempt=False)
-                    plan.chunks.append(self._decode_chunk(request))
+                    plan.chunks.append(ScheduledChunk.decode(request))
                     num_decodes += 1
                     budget = min(budget, config.max_batch_tokens - plan.num_tokens)
                     continue
                 if budget == 0:
                     break
-                self._dequeue()
+                self.queue.pop()
                 self._swap_in(request, plan)
                 budget -= self._add_prefill_chunk(request, budget, plan)
                 continue
@@ -404,7 +375,7 @@ class Scheduler:
         remaining = request.num_tokens - prefix.num_tokens
         if min(remaining, budget, self.config.max_prefill_chunk, prefix.free_tokens) == 0:
             return False
-        self._dequeue()
+        self.queue.pop()
         self.kv_cache.take_prefix(request, prefix, plan)
         request.num_computed = prefix.num_tokens
         self._start_running(request)
@@ -421,11 +392,9 @@ class Scheduler:
                 continue  # ended already
             self.kv_cache.share_prompt(lead, fork)
             fork.num_computed = lead.num_prompt_tokens - 1
-            fork.queue_key = (lead.queue_key[0], next(self._order))  # its own tie-breaker: keys are unique
+            self.queue.place(fork, beside=lead)
             fork.scheduled_time = lead.scheduled_time
             self._start_running(fork)
-            if fork.deadline is not None:
-                heapq.heappush(self._deadlines, (fork.deadline, next(self._order), fork))
         lead.forks = []
 
     @staticmethod
@@ -452,24 +421,8 @@ class Scheduler:
         n = self._largest_chunk(request, budget)
         if n:
             self.kv_cache.allocate(request, request.num_computed + n, plan)
-            plan.chunks.append(self._chunk(request, n))
+            plan.chunks.append(ScheduledChunk.prefill(request, n))
         return n
-
-    @staticmethod
-    def _decode_chunk(request: Request) -> ScheduledChunk:
-        """The one token a decoding request runs: the one it sampled last."""
-        return ScheduledChunk(
-            request, request.num_computed, (request.output_token_ids[-1],), request.block_ids, True, True
-        )
-
-    @staticmethod
-    def _chunk(request: Request, num_tokens: int) -> ScheduledChunk:
-        """The request's next `num_tokens` prompt tokens; its blocks must already hold them."""
-        start = request.num_computed
-        end = start + num_tokens
-        return ScheduledChunk(
-            request, start, tuple(request.token_slice(start, end)), request.block_ids, end == request.num_tokens, False
-        )
 
     def _grow(self, request: Request, num_tokens: int, plan: StepPlan, may_preempt: bool = True) -> bool:
         """Give `request` blocks for `num_tokens` tokens, preempting victims if needed.
@@ -488,14 +441,14 @@ class Scheduler:
         victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
         if self.kv_cache.swap_out(victim, plan):
             self._remove_running(victim, plan)
-            self._enqueue(victim, RequestStatus.SWAPPED)
+            self.queue.push(victim, RequestStatus.SWAPPED)
             return victim
         # Recomputing throws progress away: take the last in queue order, so the first
         # always goes on and preemption cannot go round in circles.
         victim = max(self.running, key=lambda r: (-r.priority, r.queue_key))
         self._remove_running(victim, plan)
         victim.num_computed = 0  # recompute prompt + outputs when it runs again
-        self._enqueue(victim, RequestStatus.WAITING)
+        self.queue.push(victim, RequestStatus.WAITING)
         return victim
 
     def _remove_running(self, victim: Request, plan: StepPlan) -> None:
@@ -513,20 +466,3 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.running_since_step = self._step
         self.running.append(request)
-
-    def _enqueue(self, request: Request, status: RequestStatus) -> None:
-        request.status = status
-        heapq.heappush(self._queue, (request.queue_key, request))
-        self._num_queued += 1
-        self._num_swapped += status is RequestStatus.SWAPPED
-
-    def _head(self) -> Request:
-        while self._queue[0][1].status not in QUEUED:
-            heapq.heappop(self._queue)  # finished while queued
-        return self._queue[0][1]
-
-    def _dequeue(self) -> None:
-        """Take the head (as `_head` left it) off the queue."""
-        request = heapq.heappop(self._queue)[1]
-        self._num_queued -= 1
-        self._num_swapped -= request.status is RequestStatus.SWAPPED
