@@ -1,13 +1,16 @@
 """Turn per-token timestamps into the benchmark's figures, the same way for every system.
 
-A system's run yields, for each request, the times (seconds after t0, when every request
-arrived) at which each of its output tokens became available to the caller.
+A system's run yields, for each request, the times at which each of its output tokens (or
+text chunks) became available to the caller: `summarize` takes them as seconds after t0,
+when every request arrived; a `RequestRecord` keeps one request's, after it was sent, and
+`latency_figures` gives TTFT, TPOT, ITL and E2E percentiles over many.
 """
 
 from __future__ import annotations
 
 import math
 import resource
+from dataclasses import dataclass, field
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -54,6 +57,53 @@ def summarize(token_times: dict[str, list[float]], peak_rss_mb: float) -> dict:
         "wall_s": wall,
         "output_tokens": output_tokens,
     }
+
+
+@dataclass
+class RequestRecord:
+    """One request as its caller saw it; times in seconds."""
+
+    sent_s: float  # after t0
+    chunk_times_s: list[float] = field(default_factory=list)  # each token or text chunk's arrival, after sent
+    end_s: float | None = None  # the stream's end, after sent
+    completion_tokens: int = 0  # the system's count
+    prompt_tokens: int | None = None  # the system's count
+    error: str | None = None
+    request_id: str | None = None  # the system's id for it, where it gives one
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times_s[0]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (tokens - 1); None for a one-token answer."""
+        if self.completion_tokens < 2:
+            return None
+        return (self.end_s - self.ttft_s) / (self.completion_tokens - 1)
+
+    @property
+    def itls_s(self) -> list[float]:
+        return inter_token_latencies(self.chunk_times_s)
+
+
+def latency_figures(records: list[RequestRecord]) -> dict:
+    """TTFT, TPOT, ITL and E2E of the records that did not fail, in ms (None where there is no value)."""
+    done = [r for r in records if r.error is None]
+    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
+    samples = {
+        "ttft": [r.ttft_s for r in done],
+        "tpot": tpots,
+        "itl": [gap for r in done for gap in r.itls_s],
+        "e2e": [r.end_s for r in done],
+    }
+    figures = {}
+    for name, values in samples.items():
+        if name == "tpot":
+            figures["tpot_mean_ms"] = sum(tpots) / len(tpots) * 1e3 if tpots else None
+        for q in (50, 99):
+            figures[f"{name}_p{q}_ms"] = percentile(values, q) * 1e3 if values else None
+    return figures
 
 
 def peak_rss_mb() -> float:

@@ -66,7 +66,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shlex
 import signal
 import subprocess
@@ -76,17 +75,17 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.metrics import percentile
+from bench.arrivals import BURST, rate_points
+from bench.http_client import CompletionsClient, Prompt
+from bench.metrics import RequestRecord, latency_figures
 from bench.processes import GatewayProcess, RedisServer, WorkerProcess, free_port
-from bench.workload import Workload
+from bench.workload import Workload, draw_workload
 from service.config import DEFAULT_MODEL_NAME
 
 # --systems names this scenario serves, and the name each is reported under.
 SERVED_SYSTEMS = {"engine": "inflight", "vllm": "vllm"}
-BURST = "burst"
 # Figures divided inflight/vLLM in `ratio_inflight_to_vllm`.
 HEADLINE = (
     "output_tokens_per_s",
@@ -147,76 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# -- arrivals and figures (pure) -----------------------------------------------------------
-
-
-def poisson_arrivals(count: int, rate_per_s: float, seed: int) -> list[float]:
-    """Send times in seconds after t0: the first at t0, then exponential gaps of mean
-    1/rate, from a generator seeded by `seed` and the rate (so each point has its own)."""
-    if count < 1 or not rate_per_s > 0:
-        raise ValueError(f"need count >= 1 and a positive rate, got {count}, {rate_per_s}")
-    rng = random.Random(f"serve-arrivals-{seed}-{rate_per_s!r}")
-    times, now = [], 0.0
-    for _ in range(count):
-        times.append(now)
-        now += rng.expovariate(rate_per_s)
-    return times
-
-
-def arrival_points(count: int, rates: list[float], burst: bool, seed: int) -> dict[str, list[float]]:
-    """Each point's send times: one per rate (`rate_2`, ...), then the burst (all at t0)."""
-    points = {f"rate_{rate:g}": poisson_arrivals(count, rate, seed) for rate in rates}
-    if burst:
-        points[BURST] = [0.0] * count
-    return points
-
-
-@dataclass(frozen=True)
-class ServePrompt:
-    text: str  # the workload's token ids, decoded
-    prompt_tokens: int  # how many ids that was
-    output_len: int  # max_tokens, with EOS ignored
-
-
-@dataclass
-class RequestRecord:
-    """One request as the client saw it; times in seconds."""
-
-    sent_s: float  # after t0
-    chunk_times_s: list[float] = field(default_factory=list)  # each text chunk's arrival, after sent
-    end_s: float | None = None  # the stream's end, after sent
-    completion_tokens: int = 0  # the server's usage
-    prompt_tokens: int | None = None  # the server's usage
-    error: str | None = None
-
-    @property
-    def ttft_s(self) -> float:
-        return self.chunk_times_s[0]
-
-    @property
-    def tpot_s(self) -> float | None:
-        """(E2E - TTFT) / (tokens - 1); None for a one-token answer."""
-        if self.completion_tokens < 2:
-            return None
-        return (self.end_s - self.ttft_s) / (self.completion_tokens - 1)
-
-    @property
-    def itls_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times_s, self.chunk_times_s[1:])]
-
-
-def _ms(values: list[float], q: float) -> float | None:
-    return percentile(values, q) * 1e3 if values else None
+# -- figures (pure) ---------------------------------------------------------------------------
 
 
 def summarize_point(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     """A point's figures from its requests' records (failed requests count as not good and
     are left out of the latencies)."""
     done = [r for r in records if r.error is None]
-    ttfts = [r.ttft_s for r in done]
-    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    itls = [gap for r in done for gap in r.itls_s]
-    e2es = [r.end_s for r in done]
     tokens = sum(r.completion_tokens for r in done)
     good = sum(1 for r in done if r.ttft_s * 1e3 <= slo_ttft_ms and (r.tpot_s is None or r.tpot_s * 1e3 <= slo_tpot_ms))
     return {
@@ -229,15 +165,7 @@ def summarize_point(records: list[RequestRecord], duration_s: float, slo_ttft_ms
         "prompt_tokens": sum(r.prompt_tokens or 0 for r in done),
         "output_tokens_per_s": tokens / duration_s,
         "requests_per_s": len(done) / duration_s,
-        "ttft_p50_ms": _ms(ttfts, 50),
-        "ttft_p99_ms": _ms(ttfts, 99),
-        "tpot_mean_ms": sum(tpots) / len(tpots) * 1e3 if tpots else None,
-        "tpot_p50_ms": _ms(tpots, 50),
-        "tpot_p99_ms": _ms(tpots, 99),
-        "itl_p50_ms": _ms(itls, 50),
-        "itl_p99_ms": _ms(itls, 99),
-        "e2e_p50_ms": _ms(e2es, 50),
-        "e2e_p99_ms": _ms(e2es, 99),
+        **latency_figures(records),
         "goodput_requests": good,
         "goodput_share": good / len(records),
         "goodput_requests_per_s": good / duration_s,
@@ -252,88 +180,13 @@ def ratios(inflight: dict, vllm: dict) -> dict[str, float | None]:
     }
 
 
-# -- the client -------------------------------------------------------------------------------
-
-
-class ServeClient:
-    """Streamed `POST /v1/completions`, one connection per request, as separate users send them."""
-
-    def __init__(self, base_url: str, timeout_s: float) -> None:
-        self.url = f"{base_url}/v1/completions"
-        self.timeout_s = timeout_s
-
-    async def __aenter__(self) -> ServeClient:
-        import aiohttp
-
-        # A connection per request, as separate users open them: a pooled connection left
-        # idle between points can be closed by the server (its keep-alive timeout) just
-        # as the client reuses it, which fails that request with "Server disconnected".
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=True),
-            timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s),
-        )
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.session.close()
-
-    async def run_point(self, prompts: list[ServePrompt], arrivals: list[float]) -> tuple[list[RequestRecord], float]:
-        """Send prompt i at t0 + arrivals[i]; every record, and t0 to the last stream's end."""
-        t0 = time.perf_counter()
-
-        async def send_at(prompt: ServePrompt, at_s: float) -> RequestRecord:
-            await asyncio.sleep(max(0.0, t0 + at_s - time.perf_counter()))
-            return await self.request(prompt, t0)
-
-        records = await asyncio.gather(*(send_at(p, at) for p, at in zip(prompts, arrivals)))
-        return list(records), time.perf_counter() - t0
-
-    async def warm_up(self) -> None:
-        prompt = ServePrompt("Hello! How are you today?", 0, WARMUP_TOKENS)
-        records = await asyncio.gather(*(self.request(prompt, time.perf_counter()) for _ in range(WARMUP_REQUESTS)))
-        errors = {r.error for r in records if r.error is not None}
-        if errors:
-            raise RuntimeError(f"warm-up requests failed: {sorted(errors)}")
-
-    async def request(self, prompt: ServePrompt, t0: float) -> RequestRecord:
-        import aiohttp
-
-        body = {
-            "model": DEFAULT_MODEL_NAME,
-            "prompt": prompt.text,
-            "max_tokens": prompt.output_len,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        sent = time.perf_counter()
-        record = RequestRecord(sent_s=sent - t0)
-        try:
-            async with self.session.post(self.url, json=body) as response:
-                if response.status != 200:
-                    record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
-                    return record
-                async for line in response.content:
-                    arrived = time.perf_counter() - sent  # stamped before parsing
-                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        record.error = f"stream error: {str(chunk['error'])[:200]}"
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        record.chunk_times_s.append(arrived)
-                    if chunk.get("usage"):
-                        record.completion_tokens = chunk["usage"]["completion_tokens"]
-                        record.prompt_tokens = chunk["usage"]["prompt_tokens"]
-            record.end_s = time.perf_counter() - sent
-        except (TimeoutError, aiohttp.ClientError, ValueError) as error:
-            record.error = f"{type(error).__name__}: {error}"[:200]
-        if record.error is None and not record.chunk_times_s:
-            record.error = "no text came back"
-        elif record.error is None and record.completion_tokens != prompt.output_len:
-            record.error = f"{record.completion_tokens} tokens, {prompt.output_len} asked"
-        return record
+async def warm_up(client: CompletionsClient) -> None:
+    """A few short requests: first-request costs are not serving costs."""
+    prompt = Prompt("Hello! How are you today?", 0, WARMUP_TOKENS)
+    records = await asyncio.gather(*(client.request(prompt, time.perf_counter()) for _ in range(WARMUP_REQUESTS)))
+    errors = {r.error for r in records if r.error is not None}
+    if errors:
+        raise RuntimeError(f"warm-up requests failed: {sorted(errors)}")
 
 
 # -- the servers -------------------------------------------------------------------------------
@@ -526,8 +379,8 @@ def run(args: argparse.Namespace) -> dict:
     folder = _model_folder(args)
     tokenizer = _tokenizer(folder)
     workload = _workload(args, tokenizer, folder)
-    prompts = [ServePrompt(tokenizer.decode(r.prompt_ids), len(r.prompt_ids), r.output_len) for r in workload.requests]
-    points = arrival_points(len(prompts), rates, args.serve_burst == "on", args.seed)
+    prompts = [Prompt(tokenizer.decode(r.prompt_ids), len(r.prompt_ids), r.output_len) for r in workload.requests]
+    points = rate_points(len(prompts), rates, args.serve_burst == "on", args.seed)
     longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
 
     results: dict[str, dict] = {}
@@ -580,14 +433,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 async def _measure(
-    url: str, prompts: list[ServePrompt], points: dict[str, list[float]], args: argparse.Namespace, label: str
+    url: str, prompts: list[Prompt], points: dict[str, list[float]], args: argparse.Namespace, label: str
 ) -> dict[str, dict]:
-    async with ServeClient(url, args.serve_request_timeout_s) as client:
-        await client.warm_up()
+    async with CompletionsClient(url, args.serve_request_timeout_s) as client:
+        await warm_up(client)
         figures = {}
         for name, arrivals in points.items():
             print(f"bench: serve {label}: {name} ({len(prompts)} requests)", file=sys.stderr, flush=True)
-            records, duration_s = await client.run_point(prompts, arrivals)
+            records, duration_s = await client.send(prompts, arrivals)
             figures[name] = summarize_point(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
         return figures
 
@@ -637,19 +490,16 @@ def _tokenizer(folder: str):
 
 
 def _workload(args: argparse.Namespace, tokenizer, folder: str) -> Workload:
-    if args.workload == "sharegpt":
-        from bench.sharegpt import make_sharegpt_workload
-
-        return make_sharegpt_workload(tokenizer, args.requests, args.sharegpt_max_output, args.seed)
     from transformers import AutoConfig
 
-    from bench.workload import allowed_token_ids, make_workload, special_token_ids
-
-    vocab = min(len(tokenizer), AutoConfig.from_pretrained(folder).vocab_size)
-    return make_workload(
+    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+    return draw_workload(
+        args.workload,
+        tokenizer,
+        vocab_size,
         args.requests,
-        tuple(args.prompt_len),
-        tuple(args.output_len),
-        allowed_token_ids(vocab, special_token_ids(tokenizer)),
+        args.prompt_len,
+        args.output_len,
+        args.sharegpt_max_output,
         args.seed,
     )

@@ -1,9 +1,9 @@
-"""The benchmark's workload: seeded prompts of random token ids and fixed output lengths
-(or real first turns, `bench/sharegpt.py`).
+"""The benchmark's workload: seeded prompts of random token ids and fixed output lengths,
+or real ShareGPT first turns (`bench/sharegpt.py`).
 
 Every system gets exactly these prompts and must produce exactly `output_len` tokens for
-each request (EOS ignored), so throughput compares the same work. All requests arrive at
-once, at t0.
+each request (EOS ignored), so throughput compares the same work. When they arrive is the
+scenario's arrival process (`bench/arrivals.py`); the throughput scenario sends all at t0.
 """
 
 from __future__ import annotations
@@ -63,6 +63,30 @@ class Workload:
             requests=[BenchRequest(**r) for r in raw["requests"]],
             source=raw.get("source", "random"),
         )
+
+
+def draw_workload(
+    source: str,
+    tokenizer,
+    vocab_size: int,
+    requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    sharegpt_max_output: int,
+    seed: int,
+) -> Workload:
+    """`--workload`'s requests: random token ids of the length ranges, or ShareGPT first
+    turns (their replies' lengths capped by `sharegpt_max_output`)."""
+    if source == "sharegpt":
+        from bench.sharegpt import make_sharegpt_workload
+
+        return make_sharegpt_workload(tokenizer, requests, sharegpt_max_output, seed)
+    return make_workload(requests, tuple(prompt_len), tuple(output_len), prompt_vocabulary(tokenizer, vocab_size), seed)
+
+
+def prompt_vocabulary(tokenizer, vocab_size: int) -> list[int]:
+    """Ids a random prompt may use: those both the tokenizer and the model know, but the special ones."""
+    return allowed_token_ids(min(len(tokenizer), vocab_size), special_token_ids(tokenizer))
 
 
 def allowed_token_ids(vocab_size: int, special_ids: set[int]) -> list[int]:

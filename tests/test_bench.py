@@ -9,8 +9,10 @@ import math
 
 import pytest
 
+from bench.arrivals import ArrivalQueue, at_t0, bursts
+from bench.http_client import token_times
 from bench.main import DEFAULT_VLLM_PYTHON, add_arguments, run, single_stream_workload, without_missing_peers
-from bench.metrics import inter_token_latencies, percentile, summarize
+from bench.metrics import RequestRecord, inter_token_latencies, latency_figures, percentile, summarize
 from bench.report import SYSTEM_KEYS, build_report, format_table, write_png
 from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
 
@@ -81,6 +83,46 @@ def test_summarize_on_hand_made_timestamps():
     assert s["itl_p50_s"] == pytest.approx(0.5)
     assert s["itl_p99_s"] == pytest.approx(0.5 + 0.98 * 0.5)
     assert s["peak_rss_mb"] == 123.0
+
+
+def test_bursts_send_size_requests_at_once_every_period_from_the_first():
+    assert bursts(5, 2, every_s=1.5) == [0.0, 0.0, 1.5, 1.5, 3.0]
+    assert bursts(3, 1, every_s=2.0, first_s=2.0) == [2.0, 4.0, 6.0]
+    assert at_t0(3) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        bursts(3, 0, every_s=1.0)
+
+
+def test_an_open_loop_queue_releases_each_request_at_its_send_time():
+    queue = ArrivalQueue(["a", "b", "c"], times=[0.0, 1.0, 1.0])
+    assert queue.due(now_s=0.5) == ["a"] and queue.next_s() == 1.0
+    assert queue.due(now_s=0.9) == []
+    assert queue.due(now_s=1.0) == ["b", "c"] and not queue and queue.next_s() is None
+
+
+def test_a_closed_loop_queue_keeps_concurrency_requests_in_flight():
+    queue = ArrivalQueue(["a", "b", "c", "d"], concurrency=2)
+    assert queue.due(in_flight=0) == ["a", "b"]
+    assert queue.due(in_flight=2) == []
+    assert queue.due(in_flight=1) == ["c"] and len(queue) == 1
+    with pytest.raises(ValueError):
+        ArrivalQueue(["a"])
+
+
+def test_latency_figures_of_request_records_leave_failures_out():
+    records = [
+        RequestRecord(sent_s=0.0, chunk_times_s=[0.1, 0.2, 0.4], end_s=0.4, completion_tokens=4),
+        RequestRecord(sent_s=1.0, chunk_times_s=[0.3], end_s=0.3, completion_tokens=1),
+        RequestRecord(sent_s=0.0, error="boom"),
+    ]
+    figures = latency_figures(records)
+    assert figures["ttft_p50_ms"] == pytest.approx(200) and figures["e2e_p99_ms"] == pytest.approx(399)
+    assert figures["tpot_mean_ms"] == pytest.approx(100)  # (0.4 - 0.1) / 3; a one-token answer has none
+    assert figures["itl_p50_ms"] == pytest.approx(150)
+    assert latency_figures([]) == dict.fromkeys(figures)
+    # Token times after t0: a held-back token counts at the last chunk.
+    assert token_times(records[0]) == [0.1, 0.2, 0.4, 0.4]
+    assert token_times(records[1]) == [1.3]
 
 
 def test_report_ratios_table_and_png(tmp_path):

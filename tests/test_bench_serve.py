@@ -8,14 +8,16 @@ import math
 
 import pytest
 
+from bench.arrivals import BURST, poisson, rate_points
 from bench.main import add_arguments, run
-from bench.serve import BURST, HEADLINE, RequestRecord, arrival_points, poisson_arrivals, ratios, summarize_point
+from bench.metrics import RequestRecord
+from bench.serve import HEADLINE, ratios, summarize_point
 
 
 def test_poisson_arrivals_are_seeded_start_at_t0_and_have_the_asked_mean_rate():
-    arrivals = poisson_arrivals(20_000, 4.0, seed=7)
-    assert arrivals == poisson_arrivals(20_000, 4.0, seed=7)
-    assert arrivals != poisson_arrivals(20_000, 4.0, seed=8)
+    arrivals = poisson(20_000, 4.0, seed=7)
+    assert arrivals == poisson(20_000, 4.0, seed=7)
+    assert arrivals != poisson(20_000, 4.0, seed=8)
     assert arrivals[0] == 0.0 and all(b >= a for a, b in zip(arrivals, arrivals[1:]))
     assert (len(arrivals) - 1) / arrivals[-1] == pytest.approx(4.0, rel=0.03)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
@@ -26,11 +28,11 @@ def test_poisson_arrivals_are_seeded_start_at_t0_and_have_the_asked_mean_rate():
 
 
 def test_each_rate_gets_its_own_arrivals_and_the_burst_sends_all_at_t0():
-    points = arrival_points(5, [2.0, 4.0], burst=True, seed=0)
+    points = rate_points(5, [2.0, 4.0], burst=True, seed=0)
     assert list(points) == ["rate_2", "rate_4", BURST]
     assert points["rate_2"] != points["rate_4"]
     assert points[BURST] == [0.0] * 5
-    assert BURST not in arrival_points(5, [2.0], burst=False, seed=0)
+    assert BURST not in rate_points(5, [2.0], burst=False, seed=0)
 
 
 def record(ttft: float, gaps: list[float], tokens: int, **fields) -> RequestRecord:
