@@ -1,0 +1,218 @@
+"""The KV-cache manager, as the scheduler sees it: questions in tokens and blocks, and the
+copies it lists in a step's plan. Real pools, no scheduler, no tensors."""
+
+from __future__ import annotations
+
+from workers.api import SamplingParams
+from workers.block_pool import BlockPool
+from workers.kv_cache import KVCacheManager
+from workers.plan import StepPlan
+from workers.request import Request
+
+BLOCK = 4
+SALT = b"fake model|float32"
+
+
+def manager(num_blocks=8, host_blocks=0, cache_salt=SALT) -> KVCacheManager:
+    return KVCacheManager(BlockPool(num_blocks), BLOCK, BlockPool(host_blocks) if host_blocks else None, cache_salt)
+
+
+def request(prompt_len: int, first: int = 10, rid: str = "r") -> Request:
+    return Request(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=8), 0.0)
+
+
+def compute(kv: KVCacheManager, r: Request, num_tokens: int) -> StepPlan:
+    """What a step does to `r`'s blocks: allocate, run (the tokens are computed), register."""
+    plan = StepPlan()
+    assert kv.allocate(r, r.num_computed + num_tokens, plan)
+    kv.register_full_blocks(r, r.num_computed, r.num_computed + num_tokens)
+    r.num_computed += num_tokens
+    return plan
+
+
+def test_blocks_grow_with_the_tokens_scheduled_and_allocation_never_half_happens():
+    kv = manager(num_blocks=3)
+    assert kv.capacity == 3 * BLOCK
+    r = request(10)
+    assert kv.room(r) == 3 * BLOCK and kv.can_hold(10)
+    compute(kv, r, 5)
+    assert len(r.block_ids) == 2 and kv.room(r) == 3 + BLOCK  # the rest of its second block, one free block
+    other = request(10, rid="other")
+    assert not kv.allocate(other, 2 * BLOCK, StepPlan())  # one block free, two needed
+    assert other.block_ids == [] and kv.device_pool.num_free == 1
+    assert kv.room(r, keep_free=1) == 3  # the free block is kept for someone else
+    kv.free(r)
+    assert kv.device_pool.num_free == 3
+
+
+def test_a_decode_writes_in_place_until_its_block_is_full():
+    kv = manager(cache_salt=None)
+    r = request(5)
+    compute(kv, r, 5)
+    assert kv.writes_in_place(r)  # position 5 lies in its second block, its own
+    compute(kv, r, 3)
+    assert not kv.writes_in_place(r)  # position 8 needs a new block
+
+
+def test_a_choice_sharing_its_leads_prompt_copies_the_block_before_writing_into_it():
+    kv = manager()
+    lead, fork = request(6, rid="lead"), request(6, rid="fork")
+    compute(kv, lead, 6)
+    kv.share_prompt(lead, fork)
+    fork.num_computed = 5  # it recomputes the prompt's last token for logits of its own
+    assert fork.block_ids == lead.block_ids
+    assert kv.shares_next_block(fork) and not kv.writes_in_place(fork)
+    free = kv.device_pool.num_free
+    assert kv.room(fork) == BLOCK - 1 + (free - 1) * BLOCK  # the copy takes a free block
+    shared_list = fork.block_ids
+    plan = StepPlan()
+    assert kv.allocate(fork, 6, plan)
+    assert plan.copies == [(lead.block_ids[1], fork.block_ids[1])]
+    assert fork.block_ids[0] == lead.block_ids[0] and fork.block_ids[1] != lead.block_ids[1]
+    assert shared_list is not fork.block_ids  # a new list: the old one may back a block table
+    assert kv.device_pool.holders(lead.block_ids[1]) == 1
+
+
+def test_with_no_free_block_a_shared_next_block_leaves_no_room():
+    kv = manager(num_blocks=2)
+    lead, fork = request(6, rid="lead"), request(6, rid="fork")
+    compute(kv, lead, 6)
+    kv.share_prompt(lead, fork)
+    fork.num_computed = 5
+    assert kv.room(fork) == 0
+    assert not kv.allocate(fork, 6, StepPlan())
+
+
+def test_a_request_takes_the_cached_full_blocks_before_its_last_token_and_the_hits_are_counted():
+    kv = manager()
+    first = request(12, rid="first")
+    compute(kv, first, 12)  # three full blocks, registered
+    blocks = first.block_ids
+    kv.free(first)
+    assert kv.device_pool.num_cached == 3 and kv.device_pool.num_free == 8
+
+    kv.start_step()
+    again = request(12, rid="again")  # all cached: its last block is recomputed for its logits
+    prefix = kv.find_prefix(again)
+    assert prefix.blocks == blocks[:2] and prefix.num_tokens == 2 * BLOCK
+    assert prefix.free_tokens == (8 - 2) * BLOCK  # the hits stop being free once taken
+    plan = StepPlan()
+    kv.take_prefix(again, prefix, plan)
+    assert plan.fetch == [] and len(again.block_ids) == 2
+    stats = kv.stats()
+    assert (stats.queried_tokens, stats.device_hit_tokens, stats.host_hit_tokens) == (12, 2 * BLOCK, 0)
+
+    longer = request(13, rid="longer")  # shares all three full blocks, two of them held
+    assert len(kv.find_prefix(longer).blocks) == 3
+    other = request(12, first=50, rid="other")
+    assert kv.find_prefix(other).blocks == []
+
+
+def test_without_a_cache_salt_nothing_is_cached_or_counted():
+    kv = manager(cache_salt=None)
+    r = request(12)
+    compute(kv, r, 12)
+    assert kv.device_pool.num_cached == 0
+    kv.free(r)
+    prefix = kv.find_prefix(request(12))
+    assert prefix.blocks == [] and prefix.num_tokens == 0 and prefix.free_tokens == 8 * BLOCK
+    kv.take_prefix(request(12), prefix, StepPlan())
+    assert kv.stats().queried_tokens == 0
+
+
+def test_a_released_chain_loses_its_tail_first():
+    kv = manager(num_blocks=3)
+    first = request(12, rid="first")
+    compute(kv, first, 12)
+    kv.release(first)
+    assert first.block_ids == []
+    compute(kv, request(1, first=90, rid="evicts"), 1)  # takes one cached block: the tail's
+    assert len(kv.find_prefix(request(13, rid="again")).blocks) == 2  # the head survives
+
+
+def test_evicted_cached_blocks_go_to_the_host_tier_and_come_back_as_fetches():
+    kv = manager(num_blocks=2, host_blocks=4)
+    first = request(8, rid="first")
+    compute(kv, first, 8)
+    kv.free(first)
+    kv.start_step()
+    evicting = request(8, first=50, rid="evicts")
+    plan = compute(kv, evicting, 8)  # evicts both cached blocks
+    kv.plan_offloads(plan)
+    assert len(plan.offload) == 2 and kv.stats().offloaded_blocks == 2
+    kv.copies_done(plan)
+    assert kv.host_pool.num_cached == 2 and kv.host_pool.num_free == 4  # cached, not held
+
+    kv.free(evicting)  # it ends; the first's prompt comes back, found in the host tier
+    kv.start_step()
+    again = request(9, rid="again")
+    prefix = kv.find_prefix(again)
+    assert [isinstance(entry, tuple) for entry in prefix.blocks] == [True, True]
+    fetch_plan = StepPlan()
+    kv.take_prefix(again, prefix, fetch_plan)
+    assert [device for _, device in fetch_plan.fetch] == again.block_ids
+    assert kv.stats().host_hit_tokens == 2 * BLOCK
+    assert kv.host_pool.num_free == 2  # held until the copies are made
+    kv.copies_done(fetch_plan)
+    assert kv.host_pool.num_free == 4
+
+
+def test_a_failed_copy_drops_the_addresses_it_would_have_made_true():
+    kv = manager(num_blocks=2, host_blocks=4)
+    first = request(8, rid="first")
+    compute(kv, first, 8)
+    kv.free(first)
+    plan = StepPlan()
+    evicting = request(8, first=50, rid="evicts")
+    assert kv.allocate(evicting, 8, plan)
+    kv.plan_offloads(plan)
+    kv.copies_done(plan, copied=False)
+    assert kv.host_pool.num_cached == 0 and kv.host_pool.num_free == 4
+
+
+def test_a_swap_moves_the_computed_blocks_out_and_back_and_frees_the_host_blocks_once_read():
+    kv = manager(num_blocks=4, host_blocks=4, cache_salt=None)
+    r = request(6)
+    compute(kv, r, 6)
+    assert kv.allocate(r, 9, StepPlan())  # a block for tokens not computed yet: not swapped
+    computed = r.block_ids[:2]
+    out = StepPlan()
+    assert kv.swap_out(r, out)
+    kv.release(r, out)
+    assert out.swap_out == list(zip(computed, r.host_block_ids)) and kv.device_pool.num_free == 4
+    back = StepPlan()
+    kv.swap_in(r, back)
+    assert back.swap_in == list(zip([h for _, h in out.swap_out], r.block_ids)) and r.host_block_ids == []
+    assert kv.host_pool.num_free == 2
+    kv.copies_done(back)
+    assert kv.host_pool.num_free == 4
+
+
+def test_no_swap_without_host_room_or_while_a_block_of_it_is_copied_on_write():
+    kv = manager(num_blocks=4, host_blocks=1, cache_salt=None)
+    r = request(6)
+    compute(kv, r, 6)
+    assert not kv.swap_out(r, StepPlan())  # two computed blocks, one host block
+    assert manager(cache_salt=None).swap_out(request(6), StepPlan()) is False  # no host tier, nothing computed
+
+    kv = manager(host_blocks=4)
+    lead, fork = request(6, rid="lead"), request(6, rid="fork")
+    compute(kv, lead, 6)
+    kv.share_prompt(lead, fork)
+    fork.num_computed = 5
+    plan = StepPlan()
+    kv.allocate(fork, 6, plan)  # its copy holds nothing until the step runs
+    assert not kv.swap_out(fork, plan)
+    kv.release(fork, plan)
+    assert plan.copies == []  # no copy into a block it no longer holds
+
+
+def test_truncating_frees_the_blocks_past_the_kept_tokens():
+    kv = manager(cache_salt=None)
+    r = request(3)
+    compute(kv, r, 3)
+    assert kv.allocate(r, 10, StepPlan())  # a decode and its drafts
+    kept_list = r.block_ids
+    kv.truncate(r, 5)
+    assert len(r.block_ids) == 2 and kv.device_pool.num_free == 6
+    assert kept_list is not r.block_ids and len(kept_list) == 3
