@@ -16,18 +16,16 @@ import sys
 import time
 from pathlib import Path
 
-from service.config import (
-    RedisConfig,
-    WorkerConfig,
+from service.config import RedisConfig, WorkerConfig
+from service.flags import (
     add_engine_arguments,
     add_gateway_arguments,
-    add_observability_arguments,
-    add_redis_arguments,
+    add_worker_arguments,
+    default_queue_url,
     engine_config_from_args,
     gateway_config_from_args,
     worker_config_from_args,
 )
-from service.embedded import embedded_url
 
 # The worker's exit status: 0 when it drained everything it held.
 EXIT_CREDENTIALS = 2  # Redis refused the credentials
@@ -56,10 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(demo)
 
     worker = commands.add_parser("worker", help="serve jobs from a Redis stream until SIGTERM")
-    redis_defaults = RedisConfig()
-    add_redis_arguments(worker)
-    add_engine_arguments(worker)
-    add_observability_arguments(worker)
+    add_worker_arguments(worker)
 
     submit = commands.add_parser("submit", help="send a prompt through Redis and stream the answer")
     submit.add_argument("prompt", help="the text; sent as a chat message unless --raw")
@@ -83,10 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     shape.add_argument("--choice", action="append", help="the answer is exactly one of these strings (repeatable)")
     submit.add_argument(
         "--redis-url",
-        default=redis_defaults.url or embedded_url(redis_defaults.embedded_port),
+        default=default_queue_url(),
         help="default: $REDIS_URL, else the embedded server's address (%(default)s)",
     )
-    submit.add_argument("--requests-stream", default=redis_defaults.requests_stream)
+    submit.add_argument("--requests-stream", default=RedisConfig().requests_stream)
     submit.add_argument(
         "--timeout-s",
         type=float,

@@ -201,7 +201,7 @@ def test_engine_generates_the_same_tokens_with_graphs_as_without(kernels, tiny_l
 
 
 def test_the_switch_and_its_flags():
-    from service.config import add_engine_arguments, engine_config_from_args
+    from service.flags import add_engine_arguments, engine_config_from_args
 
     assert ModelConfig().cuda_graphs and ModelConfig().max_graph_batch == 256
     with pytest.raises(ValueError):

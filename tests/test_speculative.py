@@ -368,7 +368,7 @@ def test_speculative_config_is_validated():
 def test_the_worker_flags_map_onto_the_speculative_config():
     import argparse
 
-    from service.config import add_engine_arguments, engine_config_from_args
+    from service.flags import add_engine_arguments, engine_config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

@@ -1,0 +1,372 @@
+"""The command-line flags of `inflight worker`, `inflight demo` and `inflight gateway`,
+read onto the frozen configs (`service/config.py`, `workers/config.py`).
+
+One table a config, one `Flag` a field, in the order `--help` lists them. A flag takes
+its type and default from its field and its name from the field's name:
+`claim_idle_ms: int = 2000` is `--claim-idle-ms`, an int, 2000. A field that defaults to
+True is turned off by `--no-<field>`, one that defaults to False on by `--<field>`, and a
+tuple field takes its flag once per item. A table says only what differs: the help, a
+name of the flag's own (`--redis-url` sets `url`), a unit (`--kv-memory-mb` sets bytes).
+The fields no flag sets are named in `unflagged`, so a new field is given a flag, or left
+out, on purpose (tests/test_flags.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from service.config import (
+    LOG_FORMATS,
+    LOG_LEVELS,
+    GatewayConfig,
+    LoggingConfig,
+    MetricsConfig,
+    RedisConfig,
+    WorkerConfig,
+)
+from service.embedded import embedded_url
+from workers.config import (
+    DTYPES,
+    WEIGHTS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredConfig,
+)
+
+MIB = 1 << 20
+API_KEYS_ENV = "INFLIGHT_API_KEYS"
+
+
+def default_queue_url() -> str:
+    """Where a client of the queue (`inflight submit`, the gateway) finds it:
+    $REDIS_URL, else the embedded server a local worker starts."""
+    redis = RedisConfig()
+    return redis.url or embedded_url(redis.embedded_port)
+
+
+class Arguments(Protocol):
+    """Where flags are added: a parser, or one of its argument groups."""
+
+    def add_argument(self, *names: str, **options: Any) -> argparse.Action: ...
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag that sets one config field."""
+
+    field: str
+    help: str
+    # Where the field's name does not say it; else --field-name, or --no-field-name for
+    # a field that defaults to True.
+    name: str = ""
+    choices: tuple[str, ...] | None = None
+    # The field counts in units this many times smaller than the flag (bytes for MiB).
+    unit: int = 1
+    # Where the flag's default is not the field's; called as the parser is built.
+    default: Callable[[], Any] | None = None
+    # Whether --help adds "(default: ...)"; off where the help says the default in words.
+    show_default: bool = True
+
+    def option(self, field_default: Any) -> str:
+        """The flag as typed: --claim-idle-ms, --no-cuda-graphs."""
+        if self.name:
+            return self.name
+        dashed = self.field.replace("_", "-")
+        return f"--no-{dashed}" if field_default is True else f"--{dashed}"
+
+    def dest(self, field_default: Any) -> str:
+        """Its attribute in the parsed arguments: the option's words (--no-X sets X)."""
+        words = self.option(field_default).removeprefix("--")
+        if field_default is True:
+            words = words.removeprefix("no-")
+        return words.replace("-", "_")
+
+    def add_to(self, arguments: Arguments, field_type: Any, field_default: Any) -> None:
+        option, dest = self.option(field_default), self.dest(field_default)
+        if field_type is bool:
+            action = "store_false" if field_default else "store_true"
+            arguments.add_argument(option, dest=dest, action=action, help=self.help)
+        elif typing.get_origin(field_type) is tuple:  # None when not given: the field keeps its default
+            shown = " ".join(field_default)
+            help = f"{self.help} (repeatable; default: {shown})"
+            arguments.add_argument(option, dest=dest, action="append", help=help)
+        else:
+            default = self.default() if self.default else field_default
+            if self.unit > 1:
+                default //= self.unit
+            help = self.help + (" (default: %(default)s)" if self.show_default else "")
+            arguments.add_argument(option, dest=dest, type=field_type, default=default, choices=self.choices, help=help)
+
+    def value(self, args: argparse.Namespace, field_default: Any) -> Any:
+        """The field's value from the parsed arguments; None leaves the field's default."""
+        value = getattr(args, self.dest(field_default))
+        if isinstance(value, list):  # a repeated flag
+            return tuple(value)
+        if self.unit > 1:
+            return value * self.unit
+        return value
+
+
+@dataclass(frozen=True)
+class FlagGroup:
+    """The flags of one config, listed together under `title` in --help."""
+
+    title: str
+    config: type
+    flags: tuple[Flag, ...]
+    # Fields no flag of this table sets: they keep their defaults, or the caller gives
+    # them to `build`.
+    unflagged: tuple[str, ...] = ()
+
+    def add_to(self, parser: argparse.ArgumentParser) -> Arguments:
+        """Adds the flags, as one group of --help; returns the group (for flags of its own)."""
+        where = self.config.__module__.replace(".", "/") + ".py"
+        group = parser.add_argument_group(self.title, f"sets {self.config.__name__} ({where})")
+        types, defaults = typing.get_type_hints(self.config), self.config()
+        for flag in self.flags:
+            flag.add_to(group, types[flag.field], getattr(defaults, flag.field))
+        return group
+
+    def build(self, args: argparse.Namespace, **fields: Any):
+        """The config from the parsed arguments; `fields` set what no flag does."""
+        defaults = self.config()
+        values = {flag.field: flag.value(args, getattr(defaults, flag.field)) for flag in self.flags}
+        given = {name: value for name, value in values.items() if value is not None}
+        return self.config(**{**given, **fields})
+
+    def without(self, *fields: str) -> FlagGroup:
+        """These flags left out (their fields then keep their defaults)."""
+        kept = tuple(flag for flag in self.flags if flag.field not in fields)
+        return replace(self, flags=kept, unflagged=self.unflagged + fields)
+
+
+# -- the worker and the demo ----------------------------------------------------------------
+
+REDIS = FlagGroup(
+    "Redis",
+    RedisConfig,
+    (
+        Flag(
+            "url",
+            "the server jobs arrive on: $REDIS_URL, else an embedded Valkey server on --embedded-port",
+            name="--redis-url",
+            show_default=False,  # it may hold a password
+        ),
+        Flag("embedded_port", "port of the embedded Valkey server used when no URL is given"),
+        Flag("embedded_data_dir", "the embedded server's data directory"),
+        Flag("consumer", "this worker's stable name in the consumer group"),
+        Flag("requests_stream", "where jobs arrive"),
+        Flag("dead_letter_stream", "jobs that could not be served, with their error"),
+        Flag("control_stream", "cancellations"),
+        Flag("shutdown_grace_s", "on SIGINT/SIGTERM, time to finish in-flight requests before leaving them pending"),
+        Flag("claim_idle_ms", "lease: take over entries whose worker stopped renewing them this long ago"),
+        Flag("reply_ttl_s", "reply streams expire this long after their last event"),
+        Flag("reply_prefixes", "a key prefix reply_to may use", name="--reply-prefix"),
+        Flag("cancel_ttl_s", "how long a cancel is remembered"),
+        Flag("dead_letter_max_len", "approximate cap on the dead-letter stream"),
+        Flag("control_max_len", "approximate cap on the control stream"),
+    ),
+    unflagged=("group", "block_ms", "max_deliveries"),
+)
+
+MODEL = FlagGroup(
+    "model",
+    ModelConfig,
+    (
+        Flag(
+            "source",
+            "HF model dir or hub id, a .gguf file, or random:NAME (random weights, e.g. random:smollm2-135m) "
+            "(default: bundled SmolLM2-135M-Instruct)",
+            name="--model",
+            show_default=False,
+        ),
+        Flag("dtype", "weights and activations", choices=DTYPES),
+        Flag(
+            "weights",
+            "linear weights: dense (in --dtype), int8 per output channel or int4 in groups of 32 (bfloat16), on a CPU",
+            choices=WEIGHTS,
+        ),
+        Flag("cache_dir", "where converted GGUF weights are cached"),
+        Flag("threads", "torch threads, 0 = one per core"),
+        Flag("device", "auto, cpu, cuda or cuda:N"),
+        Flag("cuda_graphs", "on a GPU, launch decode-only steps kernel by kernel instead of replaying CUDA graphs"),
+        Flag("max_graph_batch", "largest decode batch replayed from a CUDA graph"),
+    ),
+)
+
+CACHE = FlagGroup(
+    "KV cache",
+    CacheConfig,
+    (
+        Flag("block_size", "tokens per KV block"),
+        Flag("kv_memory_bytes", "KV cache size in MiB", name="--kv-memory-mb", unit=MIB),
+        Flag(
+            "swap_memory_bytes",
+            "host KV pool for preempted requests and the prefix cache's host tier in MiB, 0 = neither: "
+            "recompute instead",
+            name="--swap-memory-mb",
+            unit=MIB,
+        ),
+        Flag("prefix_caching", "compute every prompt from scratch: no reuse of cached prefix blocks"),
+    ),
+)
+
+SCHEDULER = FlagGroup(
+    "scheduler",
+    SchedulerConfig,
+    (
+        Flag("max_batch_tokens", "tokens per step"),
+        Flag("max_prefill_tokens", "prompt tokens per step"),
+        Flag("max_decode_tokens", "decode tokens per step"),
+        Flag("max_prefill_chunk", "prompt tokens of one request per step"),
+        Flag("max_running_requests", "requests holding KV blocks at once"),
+        Flag("priority_bound_s", "no request is overtaken by one arriving this much later"),
+    ),
+)
+
+STRUCTURED = FlagGroup("structured outputs", StructuredConfig, (), unflagged=("grammar_cache_size",))
+
+SPECULATIVE = FlagGroup(
+    "speculative decoding",
+    SpeculativeConfig,
+    (
+        Flag("enabled", "never draft tokens by prompt lookup (speculative decoding)", name="--no-speculative"),
+        Flag("max_draft_tokens", "draft tokens one request verifies per step, at most"),
+        Flag(
+            "acceptance_threshold",
+            "a request whose drafts are accepted less than this stops drafting for a cool-down",
+            name="--spec-acceptance-threshold",
+        ),
+        Flag(
+            "cooldown_steps",
+            "steps a gated request waits before drafting again, doubled after each pause that follows another",
+            name="--spec-cooldown-steps",
+        ),
+    ),
+    unflagged=("min_ngram", "max_ngram"),
+)
+
+METRICS = FlagGroup(
+    "metrics",
+    MetricsConfig,
+    (
+        Flag("port", "Prometheus /metrics port, 0 = off", name="--metrics-port"),
+        Flag("host", "address /metrics listens on", name="--metrics-host"),
+        Flag("ingest_poll_s", "seconds between Redis ingest-lag polls"),
+    ),
+)
+
+LOGGING = FlagGroup(
+    "logging",
+    LoggingConfig,
+    (
+        Flag("format", "auto = JSON unless stderr is a terminal", name="--log-format", choices=LOG_FORMATS),
+        Flag("level", "the least severe events logged", name="--log-level", choices=LOG_LEVELS),
+        Flag("log_prompts", "put prompts and outputs in the per-request log line"),
+    ),
+)
+
+# EngineConfig's fields, each a config with its table.
+ENGINE: Mapping[str, FlagGroup] = {
+    "model": MODEL,
+    "cache": CACHE,
+    "scheduler": SCHEDULER,
+    "structured": STRUCTURED,
+    "speculative": SPECULATIVE,
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that map onto `EngineConfig` (defaults shown in --help)."""
+    for group in ENGINE.values():
+        if group.flags:
+            group.add_to(parser)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: group.build(args) for name, group in ENGINE.items()})
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `inflight worker`: the queue's, the engine's, metrics and logging."""
+    REDIS.add_to(parser)
+    add_engine_arguments(parser)
+    METRICS.add_to(parser)
+    LOGGING.add_to(parser)
+
+
+def worker_config_from_args(args: argparse.Namespace, url: str) -> WorkerConfig:
+    """`url` is the resolved server (the flag, or the embedded server's address)."""
+    return WorkerConfig(
+        engine=engine_config_from_args(args),
+        redis=REDIS.build(args, url=url),
+        metrics=METRICS.build(args),
+        logging=LOGGING.build(args),
+    )
+
+
+# -- the gateway ---------------------------------------------------------------------------
+
+GATEWAY = FlagGroup(
+    "gateway",
+    GatewayConfig,
+    (
+        Flag("host", "address to listen on"),
+        Flag("port", "HTTP port; /metrics is served on it too"),
+        Flag(
+            "redis_url",
+            "the queue's server: $REDIS_URL, else the embedded server's address",
+            default=default_queue_url,
+        ),
+        Flag("requests_stream", "where jobs go"),
+        Flag("control_stream", "where cancels go"),
+        Flag("model_name", "the `model` requests must name", name="--served-model-name"),
+        Flag("default_max_tokens", "max_tokens of a request that gives none"),
+        Flag("max_queue_depth", "answer 429 above this many undelivered jobs, 0 = no limit"),
+        Flag("max_queue_age_s", "answer 429 while the oldest undelivered job waited longer, 0 = no limit"),
+        Flag("queue_poll_s", "how often the queue's depth and age are looked up"),
+        Flag("retry_after_s", "Retry-After of a 429"),
+        Flag("reply_timeout_s", "cancel and answer 504 when a job's replies stay silent this long"),
+    ),
+    # api_keys: from --api-keys-file and $INFLIGHT_API_KEYS together; logging: GATEWAY_LOGGING.
+    unflagged=("group", "api_keys", "max_body_bytes", "logging"),
+)
+
+GATEWAY_LOGGING = LOGGING.without("log_prompts")  # the gateway logs no prompts
+
+
+def read_api_keys(path: Path | None, env: str | None) -> frozenset[str]:
+    """Keys from a file (one a line; blank lines and # comments skipped) and from the
+    environment variable's text (comma-separated)."""
+    keys = [key.strip() for key in (env or "").split(",")]
+    if path is not None:
+        keys += [line.strip() for line in Path(path).read_text().splitlines() if not line.strip().startswith("#")]
+    return frozenset(key for key in keys if key)
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `inflight gateway`, each mapping onto a `GatewayConfig` field."""
+    gateway = GATEWAY.add_to(parser)
+    gateway.add_argument(
+        "--api-keys-file",
+        type=Path,
+        help=f"bearer keys, one a line; also ${API_KEYS_ENV} (comma-separated); none = no auth",
+    )
+    GATEWAY_LOGGING.add_to(parser)
+
+
+def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GATEWAY.build(
+        args,
+        api_keys=read_api_keys(args.api_keys_file, os.environ.get(API_KEYS_ENV)),
+        logging=GATEWAY_LOGGING.build(args),
+    )
