@@ -6,7 +6,8 @@ dependency), so the JSON has the shape Grafana's dashboard schema expects. Only 
 generator needs them: the worker never imports it, and Grafana reads the committed JSON.
 
 Edit the panels here, never the JSON; `tests/test_dashboards.py` fails when the JSON is
-stale or a panel queries a metric the worker does not export, and
+stale, holds a field Grafana's typed model does not know, or a panel queries a metric the
+worker does not export, and
 `tests/test_observability.py` runs every query against a real Prometheus scraping a
 real worker. Queries use `$__rate_interval`, which Grafana fills in from the scrape
 interval.
