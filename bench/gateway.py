@@ -20,21 +20,16 @@ streamed, is what one more hop costs the machine.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import random
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-from bench.metrics import percentile, summarize
+from bench.metrics import percentile
+from bench.paired import paired_runs, short_prompts, text_prompts
 from bench.processes import GatewayProcess
-from bench.through_redis import _brief, _redis_server, _start_worker, _ThroughRedis, paired_ttft
-from bench.workload import allowed_token_ids, make_workload, special_token_ids
-from service.config import DEFAULT_MODEL_NAME
+from bench.systems import ThroughGateway, ThroughRedis, redis_server, start_worker
+from bench.workload import make_workload, prompt_vocabulary
 from service.connect import connect
-from service.protocol import reply_stream
 from workers.config import ModelConfig
 
 
@@ -65,22 +60,19 @@ async def _run(args: argparse.Namespace) -> dict:
 
     loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))  # for its tokenizer
     tokenizer = loaded.tokenizer
-    vocab_ids = allowed_token_ids(min(len(tokenizer), loaded.model.config.vocab_size), special_token_ids(tokenizer))
+    vocab_ids = prompt_vocabulary(tokenizer, loaded.model.config.vocab_size)
     del loaded
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
-    prompts = {r.request_id: (tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
-    rng = random.Random(args.seed + 1)
-    short_prompts = [
-        tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)]) for _ in range(args.gateway_ttft_pairs)
-    ]
+    prompts = text_prompts(tokenizer, workload)
+    short = short_prompts(tokenizer, vocab_ids, args.gateway_ttft_pairs, args.seed)
 
-    with _redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-gw-") as logs:
+    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-gw-") as logs:
         client = connect(url, socket_timeout=30)
         run_id = uuid.uuid4().hex[:8]
         prefix = f"inflight:bench:{run_id}"
         # Both paths share this worker: with prefix caching, only the first round would
         # compute its prompts, and the path it belongs to would look slow.
-        worker = _start_worker(url, prefix, args, "--no-prefix-caching")
+        worker = start_worker(url, prefix, args, "--no-prefix-caching")
         gateway = GatewayProcess(
             "bench",
             [
@@ -102,21 +94,11 @@ async def _run(args: argparse.Namespace) -> dict:
         gateway.start()
         try:
             gateway.wait_ready()
-            async with _ThroughGateway(gateway.url, client) as through_gateway:
-                paths = {"redis": _ThroughRedis(client, prefix), "gateway": through_gateway}
-                for path in paths.values():  # warm both (the worker loads its model meanwhile)
-                    await path.generate({f"warmup-{uuid.uuid4().hex[:6]}": (short_prompts[0], 2)})
-                runs: dict[str, list[dict]] = {"redis": [], "gateway": []}
-                gateway_cpu_s = 0.0
-                for round_ in range(args.gateway_rounds):
-                    order = ("redis", "gateway") if round_ % 2 == 0 else ("gateway", "redis")
-                    for name in order:
-                        tagged = {f"{run_id}-{k}-{name}-{round_}": v for k, v in prompts.items()}
-                        cpu_before = gateway.cpu_seconds()
-                        runs[name].append(summarize(await paths[name].generate(tagged), 0.0))
-                        if name == "gateway":
-                            gateway_cpu_s += gateway.cpu_seconds() - cpu_before
-                ttft = await paired_ttft(paths, ("redis", "gateway"), short_prompts, run_id)
+            async with ThroughGateway(gateway.url, client) as through_gateway:
+                paths = {"redis": ThroughRedis(client, prefix), "gateway": through_gateway}
+                runs = await paired_runs(
+                    paths, prompts, short, args.gateway_rounds, run_id, meters={"gateway": gateway.cpu_seconds}
+                )
         finally:
             gateway.stop()
             worker.terminate()
@@ -124,81 +106,19 @@ async def _run(args: argparse.Namespace) -> dict:
             await client.delete(*[key async for key in client.scan_iter(f"{prefix}:*")])
             await client.aclose()
 
-    def pooled(name: str) -> float:
-        return sum(r["output_tokens"] for r in runs[name]) / sum(r["wall_s"] for r in runs[name])
-
-    streamed = sum(r["output_tokens"] for r in runs["gateway"])
-    differences = [g - r for g, r in zip(ttft["gateway"], ttft["redis"])]
+    streamed = runs.output_tokens("gateway")
+    gateway_cpu_s = runs.metered["gateway"]
     return {
-        "output_tokens_per_s": pooled("gateway"),
-        "redis_output_tokens_per_s": pooled("redis"),
-        "throughput_ratio": pooled("gateway") / pooled("redis"),
-        "ttft_overhead_p50_s": percentile(differences, 50),
-        "ttft_p50_s": percentile(ttft["gateway"], 50),
-        "redis_ttft_p50_s": percentile(ttft["redis"], 50),
-        "ttft_pairs": len(differences),
+        "output_tokens_per_s": runs.output_tokens_per_s("gateway"),
+        "redis_output_tokens_per_s": runs.output_tokens_per_s("redis"),
+        "throughput_ratio": runs.output_tokens_per_s("gateway") / runs.output_tokens_per_s("redis"),
+        "ttft_overhead_p50_s": runs.ttft_overhead_p50_s("redis", "gateway"),
+        "ttft_p50_s": percentile(runs.ttft["gateway"], 50),
+        "redis_ttft_p50_s": percentile(runs.ttft["redis"], 50),
+        "ttft_pairs": len(runs.ttft["gateway"]),
         "gateway_cpu_s": gateway_cpu_s,
         "gateway_cpu_ms_per_1000_tokens": gateway_cpu_s * 1e6 / streamed,
         "streamed_tokens": streamed,
-        "rounds": {name: [_brief(r) for r in figures] for name, figures in runs.items()},
+        "rounds": runs.brief_rounds(),
         "workload": workload.describe(),
     }
-
-
-class _ThroughGateway:
-    """Concurrent streaming clients: one `POST /v1/completions` per request, all at t0."""
-
-    def __init__(self, url: str, redis) -> None:
-        self.url = f"{url}/v1/completions"
-        self.redis = redis
-
-    async def __aenter__(self) -> _ThroughGateway:
-        import aiohttp
-
-        # No connection cap: every request streams on a connection of its own, as separate clients would.
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None, sock_read=300)
-        )
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.session.close()
-
-    async def generate(self, prompts: dict[str, tuple[str, int]]) -> dict[str, list[float]]:
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(self._stream(text, n, t0) for text, n in prompts.values()))
-        request_ids = [request_id for request_id, _ in results]
-        await self.redis.delete(
-            *[reply_stream(r) for r in request_ids], *[f"{reply_stream(r)}:owner" for r in request_ids]
-        )
-        return {label: times for label, (_, times) in zip(prompts, results)}
-
-    async def _stream(self, text: str, max_tokens: int, t0: float) -> tuple[str, list[float]]:
-        body = {
-            "model": DEFAULT_MODEL_NAME,
-            "prompt": text,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": True,
-        }
-        times: list[float] = []
-        tokens = 0
-        async with self.session.post(self.url, json=body) as response:
-            if response.status != 200:
-                raise RuntimeError(f"through the gateway: {response.status} {await response.text()}")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                now = time.perf_counter() - t0
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"through the gateway: {chunk['error']}")
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    times.append(now)
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-            request_id = response.headers["x-request-id"]
-        # A token whose text was held back (a partial character) arrives with a later one.
-        return request_id, times + [times[-1] if times else time.perf_counter() - t0] * (tokens - len(times))

@@ -1,0 +1,81 @@
+"""Two paths (`bench/systems.py`) on the same workload, compared against the machine's drift.
+
+Throughput: rounds of the whole workload alternate between the paths, A B B A ..., and
+each path's figures pool its rounds. Time to first token: short prompts one at a time on
+an idle system, the order alternating, so the median of the paired differences is what
+the second path adds, out of the drift's reach.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.metrics import percentile, summarize
+
+# A round's figures kept in the report.
+BRIEF = ("output_tokens_per_s", "output_tokens", "wall_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s")
+
+
+def text_prompts(tokenizer, workload) -> dict[str, tuple[str, int]]:
+    """The workload's token ids decoded to text: what goes down every path."""
+    return {r.request_id: (tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
+
+
+def short_prompts(tokenizer, vocab_ids: list[int], count: int, seed: int) -> list[str]:
+    """`count` prompts of 16 random tokens, for the TTFT pairs."""
+    rng = random.Random(seed + 1)
+    return [tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)]) for _ in range(count)]
+
+
+@dataclass
+class PairedRuns:
+    rounds: dict[str, list[dict]]  # each path's figures, a round each
+    ttft: dict[str, list[float]]  # each path's TTFT of each short prompt
+    metered: dict[str, float] = field(default_factory=dict)  # each meter's total over its path's rounds
+
+    def output_tokens_per_s(self, name: str) -> float:
+        rounds = self.rounds[name]
+        return sum(r["output_tokens"] for r in rounds) / sum(r["wall_s"] for r in rounds)
+
+    def output_tokens(self, name: str) -> int:
+        return sum(r["output_tokens"] for r in self.rounds[name])
+
+    def ttft_overhead_p50_s(self, base: str, other: str) -> float:
+        return percentile([o - b for o, b in zip(self.ttft[other], self.ttft[base])], 50)
+
+    def brief_rounds(self) -> dict[str, list[dict]]:
+        return {name: [{k: r[k] for k in BRIEF} for r in rounds] for name, rounds in self.rounds.items()}
+
+
+async def paired_runs(
+    paths: dict,
+    prompts: dict[str, tuple[str, int]],
+    short: list[str],
+    rounds: int,
+    run_id: str,
+    meters: dict[str, Callable[[], float]] | None = None,
+) -> PairedRuns:
+    """Warm both paths, run `rounds` A/B rounds of `prompts`, then the TTFT pairs of `short`.
+    `meters[name]` (a process's CPU seconds, say) is read around each of that path's rounds."""
+    names = tuple(paths)
+    meters = meters or {}
+    for path in paths.values():  # warm both: first-step costs are not the path's
+        await path.generate({f"warmup-{uuid.uuid4().hex[:6]}": (short[0], 2)})
+    figures: dict[str, list[dict]] = {name: [] for name in names}
+    metered = dict.fromkeys(meters, 0.0)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            tagged = {f"{run_id}-{k}-{name}-{round_}": v for k, v in prompts.items()}
+            before = meters[name]() if name in meters else 0.0
+            figures[name].append(summarize(await paths[name].generate(tagged), 0.0))
+            if name in meters:
+                metered[name] += meters[name]() - before
+    ttft: dict[str, list[float]] = {name: [] for name in names}
+    for i, prompt in enumerate(short):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times = await paths[name].generate({f"{run_id}-ttft-{i}-{name}": (prompt, 1)})
+            ttft[name].append(next(iter(times.values()))[0])
+    return PairedRuns(figures, ttft, metered)
