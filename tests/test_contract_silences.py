@@ -1,6 +1,7 @@
-"""Six places the docs once left silent (issue 40), each held as README.md and
-docs/protocol.md now say, against the real thing: a real worker (the bundled model) and
-real gateways on private streams of a real Redis, as tests/test_gateway.py runs them.
+"""Six places the docs once left silent (issue 40), each held as README.md, docs/protocol.md,
+docs/gateway.md and docs/operations.md now say, against the real thing: a real worker (the
+bundled model) and real gateways on private streams of a real Redis, as tests/test_gateway.py
+runs them.
 
 - `locked`: in front of the worker, with a bearer key;
 - `idle`: on a stream no worker serves, a backlog limit of 2 and a short reply timeout;
@@ -29,7 +30,8 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+# The metrics table lives in docs/operations.md ("Observability"), which the README links to.
+OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 MODEL = DEFAULT_MODEL_NAME
 KEY = "sk-contract"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -212,15 +214,15 @@ def test_x_request_id_is_the_job_id_so_its_reply_stream_can_be_read_and_cancelle
 
 
 def documented_metrics() -> dict[str, tuple[str, frozenset[str]]]:
-    """README's Observability table: metric name -> (type, labels)."""
-    section = README.read_text().split("## Observability", 1)[1].split("\n#", 1)[0]
+    """The docs' Observability table (docs/operations.md): metric name -> (type, labels)."""
+    section = OPERATIONS.read_text().split("## Observability", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `(inflight_\w+)` \| (\w+) \|([^|]*)\|", section, re.M)
     assert len(rows) == len({name for name, _, _ in rows}), "a metric listed twice"
     return {name: (kind, frozenset(re.findall(r"`(\w+)`", labels))) for name, kind, labels in rows}
 
 
 def exported_metrics(url: str) -> dict[str, tuple[str, frozenset[str]]]:
-    """A real /metrics, named as the README names them: counters with `_total`; the
+    """A real /metrics, named as the docs name them: counters with `_total`; the
     `_created` series prometheus_client adds to counters and histograms left out."""
     with urllib.request.urlopen(url, timeout=10) as response:
         families = list(text_string_to_metric_families(response.read().decode()))
@@ -237,7 +239,7 @@ def exported_metrics(url: str) -> dict[str, tuple[str, frozenset[str]]]:
     return exported
 
 
-def test_the_readme_lists_every_metric_the_worker_and_the_gateway_export_and_no_other(fleet, gateways):
+def test_the_docs_list_every_metric_the_worker_and_the_gateway_export_and_no_other(fleet, gateways):
     # Traffic first, so that every labelled metric has a series to read its labels from.
     answer = client(gateways["locked"]).completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
     assert answer.usage.completion_tokens == 2
@@ -286,7 +288,7 @@ def test_completions_top_logprobs_is_null_as_a_whole_at_k_0_and_text_offset_coun
 # -- 5. error codes on HTTP --------------------------------------------------------------------
 
 
-def test_each_http_error_carries_the_code_the_readme_gives_it(fleet, gateways):
+def test_each_http_error_carries_the_code_the_gateway_docs_give_it(fleet, gateways):
     locked, idle = gateways["locked"], gateways["idle"]
     floats = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"enum": [0.5] * 200_000}}}
     cases = [  # (route, body, key) -> (status, code, param)
