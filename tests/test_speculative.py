@@ -203,7 +203,7 @@ def test_drafts_stop_where_a_steps_time_is_all_per_token_and_go_on_where_it_is_f
         outputs[profile] = [r.output_token_ids for r in requests]
         drafted_late[profile] = sum(plan.num_draft_tokens for plan in plans[20:])
         if profile == "memory":
-            assert s.step_cost.token_share(3) < 0.01
+            assert s.drafts.step_cost.token_share(3) < 0.01
     assert outputs["compute"] == outputs["memory"] == outputs["off"]
     assert drafted_late["compute"] == 0  # once the fit knows a token's price, no draft is worth it
     assert drafted_late["memory"] > 0

@@ -51,7 +51,7 @@ def baseline(smollm2):
     ids = prompts(smollm2)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     results = run_to_completion(engine, {0: [(rid, prompt, params) for rid, prompt in ids.items()]})
-    assert engine.scheduler.proposer is None
+    assert engine.scheduler.drafts is None
     return {rid: (ids[rid], results[rid][0]) for rid in ids}
 
 
@@ -216,7 +216,7 @@ def test_sampled_tokens_keep_the_model_distribution():
     )
     engine = Engine(tiny, EngineConfig(scheduler=batch, speculative=SpeculativeConfig(max_draft_tokens=1)))
     drafts = ModelDrafts(reference.model, temperature)
-    engine.scheduler.proposer = drafts
+    engine.scheduler.drafts.proposer = drafts
     records = StepRecorder(engine)
     prompt = tiny.tokenizer("The tiny model").input_ids
     params = [SamplingParams(max_tokens=3, temperature=temperature, seed=seed, ignore_eos=True) for seed in range(n)]

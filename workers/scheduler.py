@@ -1,56 +1,16 @@
 """Iteration-level scheduler: which tokens of which requests run in the next step.
 
-The policy: the queue and its order, the step's budgets, admission, preemption, parallel
-sampling's forks and speculation's drafts. Which blocks a request holds, the prefix cache
-and the copies between tiers are the KV-cache manager's (`workers/kv_cache.py`), asked in
-tokens and blocks. Plain Python; it never touches a tensor, so a simulated runner can
-drive it in tests.
+The policy: the step's budgets, who starts from the queue (`workers/request_queue.py`,
+priority with aging), who is preempted and when parallel choices fork. How many draft
+tokens a request may verify is the draft planner's (`workers/draft_planner.py`); which
+blocks a request holds, the prefix cache and the copies between tiers are the KV-cache
+manager's (`workers/kv_cache.py`), asked in tokens and blocks. Plain Python; it never
+touches a tensor, so a simulated runner can drive it in tests.
 
-**Queue order** (`workers/request_queue.py`): priority with aging, so no request is
-overtaken by one that arrived more than `priority_bound_s` after it. The queue is
-strict: if its head cannot start (no blocks), nothing behind it starts either, so a
-large request cannot be starved by small ones.
-
-**Each step.**
-1. Decodes first: every running request that is decoding gets one token, up to
-   `max_decode_tokens` (best queue key first if there are more).
-2. Prompt chunks, under the prefill sub-budget `min(max_prefill_tokens, what the
-   decodes left of max_batch_tokens)`, at most `max_prefill_chunk` per request:
-   running requests part-way through their prompt first, then the queue's head —
-   a swapped-out request is swapped back in (all its blocks at once), a waiting one
-   is admitted after its cached prefix — while `max_running_requests` and free blocks
-   allow.
-3. Drafts last (see Speculation).
-
-**Preemption.** When a decode needs a block and none is free, a running request is
-preempted and returns to the queue under its original key, keeping its place:
-- swapped out, when the host pool has room: the victim is the request with the
-  lowest priority, and among those the one that has run the most steps since it
-  last started (so long generations take turns with memory and short requests keep
-  flowing), then the latest in queue order. Its progress is kept;
-- else recomputed (prompt plus the tokens it produced, when it runs again): the
-  victim is the lowest priority, then the latest in queue order. Taking the last in
-  queue order means the first always progresses, so recomputation cannot livelock.
-A request is never swapped back in during the step that swapped it out.
-
-**Parallel sampling.** A request with n choices is one `Request` per choice. The first
-(the lead) is queued and computes the prompt; the others wait (FORKING) until it
-samples its first token, then start running beside it holding the same prompt
-blocks. Each recomputes the prompt's last token for logits of its own, in a copy of
-the block that token lies in (copy on write). The lead is admitted only when the
-running set has room for all its choices.
-
-**Speculation** (`workers/speculative.py`; on with a `SpeculativeConfig`). Last in
-each step, once decodes and prompt chunks are planned, decoding requests whose gate
-allows it (best queue key first) may extend their one-token chunk with draft tokens
-from the proposer, as many as are likely enough to be accepted to pay for the time
-they add to the step (the measured step cost), within what is left of
-`max_decode_tokens` and `max_batch_tokens` after everyone else, and taking blocks only
-while more stay free than there are running requests
-(each may need one next step). So under load speculation yields first: it never takes
-another request's tokens or forces a preemption. The drafts' K/V slots are written by
-the step; `update_from_output` keeps the accepted ones and frees every block that held
-only rejected ones.
+**Each step** (`schedule`): decodes first (`_plan_decodes`), then prompt chunks and the
+queue's head (`_plan_prefills`), then drafts with what is left (`DraftPlanner.plan`). KV
+blocks are allocated as tokens are scheduled, never reserved for max_tokens up front;
+when a decode finds none free, a running request is preempted (`_preempt_one`).
 
 **After the step** the scheduler owns what changed: `update_from_output` moves each
 chunk's request past the tokens it ran, appends the sampled tokens (after any accepted
@@ -66,19 +26,12 @@ from collections import Counter
 from workers.api import FinishReason
 from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig, SpeculativeConfig
+from workers.draft_planner import DraftPlanner
 from workers.kv_cache import KVCacheManager
 from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
 from workers.request import Request, RequestStatus
 from workers.request_queue import QUEUED, RequestQueue
-from workers.speculative import (
-    AcceptanceRecord,
-    DraftGate,
-    PromptLookup,
-    Proposer,
-    StepCost,
-    TokenHistory,
-    drafts_worth,
-)
+from workers.speculative import Proposer
 
 
 class Scheduler:
@@ -98,12 +51,9 @@ class Scheduler:
         (default: prompt lookup)."""
         self.config = config
         self.kv_cache = KVCacheManager(allocator, block_size, host_allocator, cache_salt)
-        self.speculative = speculative if speculative is not None and speculative.enabled else None
-        if self.speculative is not None and proposer is None:
-            proposer = PromptLookup(self.speculative.min_ngram, self.speculative.max_ngram)
-        self.proposer = proposer if self.speculative is not None else None
-        self.step_cost = StepCost()  # what a step's tokens cost, as measured (drafts pay or not)
-        self.acceptance = AcceptanceRecord()  # every request's drafts together
+        self.drafts = None  # speculation off
+        if speculative is not None and speculative.enabled:
+            self.drafts = DraftPlanner(speculative, self.kv_cache, proposer)
         self.running: list[Request] = []  # in the order they (re)started
         self.queue = RequestQueue(config.priority_bound_s)
         self._step = 0
@@ -117,7 +67,7 @@ class Scheduler:
     def host_allocator(self) -> BlockPool | None:
         return self.kv_cache.host_pool
 
-    # -- queue changes -------------------------------------------------------------
+    # -- requests in and out ---------------------------------------------------------
 
     def add(self, request: Request) -> None:
         """Queue a request (with its `forks`, the other choices of a request with n > 1)."""
@@ -126,14 +76,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id} needs more KV blocks than the pool has")
         if 1 + len(request.forks) > self.config.max_running_requests:
             raise ValueError(f"request {request.request_id} has more choices than max_running_requests")
-        if self.speculative is not None:
+        if self.drafts is not None:
             for choice in (request, *request.forks):
-                params = choice.params
-                # A constraint or log probabilities would need every draft checked by the
-                # grammar or given its own: such requests do not speculate.
-                if not params.constrained and not params.wants_logprobs:
-                    choice.draft_gate = DraftGate(self.speculative)
-                    choice.history = TokenHistory()
+                self.drafts.enroll(choice)
         self.queue.place(request)
         self.queue.push(request, RequestStatus.WAITING)
 
@@ -192,8 +137,9 @@ class Scheduler:
                 continue
             token_id, accepted = next(sampled)
             took.append(request)
-            if chunk.drafts and not self._settle_drafts(chunk, accepted):
-                continue  # an accepted draft was a stop token
+            if chunk.drafts and not self.drafts.settle(chunk, accepted, self._step):
+                self.finish(request, FinishReason.STOP)  # an accepted draft was a stop token
+                continue
             if request.forks:
                 self._fork(request)
             request.output_token_ids.append(token_id)
@@ -203,31 +149,10 @@ class Scheduler:
                 self.finish(request, FinishReason.LENGTH)
         return took
 
-    def _settle_drafts(self, chunk: ScheduledChunk, accepted: int) -> bool:
-        """Keep the first `accepted` drafts of a verified chunk as output, move the request
-        past them and free the blocks that only rejected drafts were written to. False
-        when a kept draft is a stop token (the request is retired)."""
-        request = chunk.request
-        kept = list(chunk.drafts[:accepted])
-        stop = next((i for i, token in enumerate(kept) if token in request.stop_token_ids), None)
-        if stop is not None:
-            kept = kept[: stop + 1]
-        request.output_token_ids.extend(kept)
-        end = chunk.start + 1 + len(kept)
-        self.kv_cache.register_full_blocks(request, chunk.start, end)
-        request.num_computed = end
-        request.draft_gate.record(self._step, len(chunk.drafts), accepted)
-        self.acceptance.record(len(chunk.drafts), accepted)
-        if stop is not None:
-            self.finish(request, FinishReason.STOP)
-            return False
-        self.kv_cache.truncate(request, end)
-        return True
-
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step of `num_tokens` tokens took `seconds`: what decides whether drafts pay."""
-        if self.proposer is not None:
-            self.step_cost.observe(num_tokens, seconds)
+        if self.drafts is not None:
+            self.drafts.observe_step(num_tokens, seconds)
 
     def has_unfinished(self) -> bool:
         return bool(self.queue.num_queued or self.running)
@@ -261,58 +186,17 @@ class Scheduler:
             # Every running request is stuck mid-prompt with no free block: preempt a
             # victim so the others can go on, and plan again.
             self._preempt_one(plan)
-        if self.proposer is not None:
-            self._plan_drafts(plan)
+        if self.drafts is not None:
+            config = self.config
+            room = min(config.max_decode_tokens - plan.num_decode_tokens, config.max_batch_tokens - plan.num_tokens)
+            self.drafts.plan(plan, room, len(self.running), self._step)
         self.kv_cache.plan_offloads(plan)
         return plan
 
-    def _plan_drafts(self, plan: StepPlan) -> None:
-        """3. Drafts last, with what the budgets and the free blocks leave (see the module doc)."""
-        config = self.config
-        room = min(config.max_decode_tokens - plan.num_decode_tokens, config.max_batch_tokens - plan.num_tokens)
-        if room <= 0:
-            return
-        # What a token adds to this step's time, against what each of its tokens is worth:
-        # drafts less likely than that to be accepted cost more than they bring.
-        share = self.step_cost.token_share(plan.num_tokens)
-        overall = self.acceptance.estimate(prior=0.5)
-        wanted = []  # (chunk's place in the plan, request, most drafts)
-        for place, chunk in enumerate(plan.chunks):
-            request = chunk.request
-            gate = request.draft_gate
-            if chunk.is_decode and gate is not None:
-                # The drafts and the token after them must fit in max_tokens.
-                k = min(gate.draft_length(self._step), request.params.max_tokens - len(request.output_token_ids) - 1)
-                if share is not None:
-                    k = drafts_worth(gate.per_token.estimate(overall), share, k)
-                if k > 0:
-                    wanted.append((place, request, k))
-        if not wanted:
-            return
-        wanted.sort(key=lambda entry: entry[1].queue_key)
-        del wanted[room:]  # each takes a token at least
-        histories = []
-        for _, request, _ in wanted:
-            history = request.history
-            if len(history.tokens) < request.num_tokens:
-                history.tokens.extend(request.token_slice(len(history.tokens), request.num_tokens))
-            histories.append(history)
-        proposals = self.proposer.propose(histories, [k for _, _, k in wanted])
-        for (place, request, k), draft in zip(wanted, proposals):
-            # Room in its own blocks, and in free blocks beyond one for each running request.
-            fits = self.kv_cache.room(request, keep_free=len(self.running)) - 1
-            draft = tuple(draft[: min(k, room, fits)])
-            if not draft:
-                continue
-            self.kv_cache.allocate(request, request.num_computed + 1 + len(draft), plan)
-            chunk = plan.chunks[place]
-            plan.chunks[place] = chunk._replace(token_ids=chunk.token_ids + draft, drafts=draft)
-            room -= len(draft)
-            if room == 0:
-                break
-
     def _plan_decodes(self, plan: StepPlan) -> None:
-        """1. Decodes first; preempt victims when blocks run out."""
+        """1. Every running request that is decoding gets one token, up to
+        `max_decode_tokens` (best queue key first if there are more), preempting victims
+        when blocks run out."""
         decoding = [r for r in self.running if r.is_decoding]
         cap = self._decode_cap
         if len(decoding) > cap:
@@ -325,7 +209,15 @@ class Scheduler:
                 plan.chunks.append(ScheduledChunk.decode(request))
 
     def _plan_prefills(self, plan: StepPlan) -> None:
-        """2. Prompt chunks under the prefill sub-budget; swap-ins and admissions in queue order."""
+        """2. Prompt chunks, under the prefill sub-budget `min(max_prefill_tokens, what the
+        decodes left of max_batch_tokens)`, at most `max_prefill_chunk` per request:
+        running requests part-way through their prompt first, then the queue's head (a
+        swapped-out request is swapped back in, all its blocks at once; a waiting one is
+        admitted after its cached prefix) while `max_running_requests` and free blocks
+        allow. The queue is strict: if its head cannot start, nothing behind it starts
+        either, so a large request cannot be starved by small ones. A request is never
+        swapped back in during the step that swapped it out.
+        """
         config = self.config
         num_decodes = len(plan.chunks)
         budget = min(config.max_prefill_tokens, config.max_batch_tokens - num_decodes)
@@ -384,9 +276,13 @@ class Scheduler:
     # -- parallel sampling -----------------------------------------------------------
 
     def _fork(self, lead: Request) -> None:
-        """`lead` has computed the prompt: its other choices start running, holding the
-        prompt's blocks with it, each with the prompt's last token (and any output of its
-        own, after a takeover) left to compute."""
+        """Parallel sampling: a request with n choices is one `Request` per choice. The
+        first (the lead) is queued and computes the prompt, admitted only when the running
+        set has room for all its choices; the others wait (FORKING) until it samples its
+        first token, here. Then they start running beside it holding the prompt's blocks,
+        each with the prompt's last token (and any output of its own, after a takeover)
+        left to compute, for logits of its own (in a copy of the block that token lies in:
+        copy on write)."""
         for fork in lead.forks:
             if fork.status is not RequestStatus.FORKING:
                 continue  # ended already
@@ -436,15 +332,23 @@ class Scheduler:
         return True
 
     def _preempt_one(self, plan: StepPlan) -> Request:
-        """Preempt a running request (see the module doc for the order); return it."""
-        # Swapping keeps a victim's progress, so it may go to whoever has run longest.
+        """Preempt a running request and return it; it goes back to the queue under its
+        original key, keeping its place.
+
+        - Swapped out, when the host tier has room: the victim is the request with the
+          lowest priority, and among those the one that has run the most steps since it
+          last started (so long generations take turns with memory and short requests keep
+          flowing), then the latest in queue order. Its progress is kept.
+        - Else recomputed (prompt plus the tokens it produced, when it runs again): the
+          victim is the lowest priority, then the latest in queue order. Taking the last
+          in queue order means the first always progresses, so recomputation cannot
+          livelock.
+        """
         victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
         if self.kv_cache.swap_out(victim, plan):
             self._remove_running(victim, plan)
             self.queue.push(victim, RequestStatus.SWAPPED)
             return victim
-        # Recomputing throws progress away: take the last in queue order, so the first
-        # always goes on and preemption cannot go round in circles.
         victim = max(self.running, key=lambda r: (-r.priority, r.queue_key))
         self._remove_running(victim, plan)
         victim.num_computed = 0  # recompute prompt + outputs when it runs again
