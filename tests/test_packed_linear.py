@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from gpu.cpu.packed_linear import PackedLinear, _packs, can_pack, pack_linears
+from gpu.cpu.packed_linear import PackedLinear, can_pack, onednn_packs, pack_linears
 
-BF16_PACKS = pytest.mark.skipif(not _packs(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 here")
+BF16_PACKS = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 here")
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 3e-2, marks=BF16_PACKS)])
@@ -58,4 +58,4 @@ def test_float16_is_left_alone():
 def test_bfloat16_is_packed_only_where_onednn_can():
     """On a CPU without the instructions oneDNN's bfloat16 packing needs, the model keeps
     its plain linears (and still serves: see the engine's bfloat16 test)."""
-    assert can_pack(nn.Linear(8, 8).to(torch.bfloat16)) == _packs(torch.bfloat16)
+    assert can_pack(nn.Linear(8, 8).to(torch.bfloat16)) == onednn_packs(torch.bfloat16)

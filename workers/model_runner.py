@@ -1,19 +1,12 @@
 """Runs one step's plan: its KV copies (swaps and the prefix cache's host tier), then one
-forward of the Hugging Face model over the paged KV cache.
+forward of the model over the paged KV cache.
 
 The plan's chunks are packed into a single `[1, T]` sequence with their own positions
 (no padding to the longest request). Logits are computed only for the last token of
-each chunk that samples, not for every prompt token. On CPU the model's norms and MLPs
-are fused (`gpu.cpu.fusions`) and its linears swapped for oneDNN ones with packed
-weights (`gpu.cpu.packed_linear`), or, with `ModelConfig.weights` "int8" or "int4", for
-quantized ones (`gpu.cpu.int8_linear`, `gpu.cpu.int4_linear`; the LM head stays packed
-and dense); a Llama, Qwen2 or Mistral
-stack runs the lean forward (`gpu.cpu.lean_forward`: the same modules without the eager
-forward's per-layer host overhead; the Hugging Face forward for any other model), and
-with int4 weights its decode steps run in one C++ call, layers and head (`gpu.cpu.int4_decode`).
-Attention runs on the CUDA kernels on a GPU, on the C++ decode kernel on a CPU, and on
-the torch reference otherwise (`gpu.backends`). On the CUDA kernels, a decode-only step
-(one token per request) replays a CUDA graph (`gpu.cuda.graphs`).
+each chunk that samples, not for every prompt token. The model is prepared for its
+device once, at construction (`gpu.prepare`): on a CPU a Llama-family stack runs the
+lean forward (the Hugging Face forward runs any other model), and with the CUDA kernels
+on a GPU a decode-only step (one token per request) replays a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,16 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.attention import ATTN_IMPLEMENTATION, AttentionBackend, PagedBatch, SequenceSlice, long_tensor
-from gpu.backends import select_backend
-from gpu.cpu import int4_linear, int8_linear
-from gpu.cpu.fusions import fuse_for_cpu
-from gpu.cpu.int4_decode import Int4DecodeStep
-from gpu.cpu.lean_forward import LeanForward, lean_forward_applies
-from gpu.cpu.packed_linear import can_pack, pack_linears
-from gpu.cuda.graphs import decode_graphs
-from gpu.kv_cache import KVShape, PagedKVCache
-from gpu.offload import HostKVPool
+from gpu.attention import AttentionBackend, PagedBatch, SequenceSlice, long_tensor
+from gpu.prepare import DeviceOptions, prepare_model
 from workers.config import CacheConfig, ModelConfig
 from workers.plan import StepPlan
 
@@ -54,45 +39,22 @@ class ModelRunner:
         backend_class: type[AttentionBackend] | None = None,
         model_config: ModelConfig | None = None,
     ):
-        """`backend_class` None picks one (`gpu.backends`): the CUDA kernels on a GPU, else torch.
-        `model_config` says how the linears' weights are stored and whether decode-only steps
-        replay CUDA graphs (default: dense, yes)."""
+        """Prepares `model` for its device (`gpu.prepare`). `backend_class` None picks the
+        attention backend (`gpu.backends`); `model_config` says how the linears' weights are
+        stored and whether decode-only steps replay CUDA graphs (default: dense, yes)."""
         settings = model_config or ModelConfig()
-        self.model = model
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        if settings.weights != "dense" and not on_cpu:
-            raise ValueError(
-                f"weights={settings.weights} runs on a CPU only; this model is on "
-                f"{next(model.parameters()).device} (use --device cpu, or --weights dense)"
-            )
-        if on_cpu:
-            fuse_for_cpu(model)
-        if settings.weights == "int8":
-            int8_linear.quantize_model(model)  # the LM head stays dense: logits keep the dense model's precision
-        elif settings.weights == "int4":
-            int4_linear.quantize_model(model)
-        if can_pack(model):
-            pack_linears(model)
-        self.device = next(model.parameters()).device
-        self.kv_cache = PagedKVCache.from_budget(
-            KVShape.of(model.config),
-            cache_config.kv_memory_bytes,
-            cache_config.block_size,
-            model.dtype,
-            self.device,
+        options = DeviceOptions(
+            kv_memory_bytes=cache_config.kv_memory_bytes,
+            block_size=cache_config.block_size,
+            swap_memory_bytes=cache_config.swap_memory_bytes,
+            weights=settings.weights,
+            cuda_graphs=settings.cuda_graphs,
+            max_graph_batch=settings.max_graph_batch,
         )
-        self.backend = backend_class(self.kv_cache) if backend_class else select_backend(self.kv_cache)
-        # With the CUDA kernels, swaps are kernel launches too.
-        self.host_pool = HostKVPool.from_budget(self.kv_cache, cache_config.swap_memory_bytes, self.backend.kernels)
-        # With the CUDA kernels on a GPU, decode-only steps replay CUDA graphs (`gpu.cuda.graphs`).
-        self.graphs = decode_graphs(model, self.backend, settings.max_graph_batch) if settings.cuda_graphs else None
-        # Built last: it keeps the modules the swaps above put in place. With int4 weights,
-        # decode steps run in one C++ call (`gpu.cpu.int4_decode`).
-        self.lean = None
-        if self.device.type == "cpu" and lean_forward_applies(model):
-            decode_step = Int4DecodeStep.build(model, self.backend) if settings.weights == "int4" else None
-            self.lean = LeanForward(model, decode_step)
+        prepared = prepare_model(model, options, backend_class)
+        self.model, self.device = prepared.model, prepared.device
+        self.kv_cache, self.backend, self.host_pool = prepared.kv_cache, prepared.backend, prepared.host_pool
+        self.graphs, self.lean = prepared.graphs, prepared.lean
 
     @property
     def num_host_blocks(self) -> int:

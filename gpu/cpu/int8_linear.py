@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu.cpu.packed_linear import _packs
+from gpu.cpu.packed_linear import onednn_packs
 
 # The most rows a call runs on `_weight_int8pack_mm`; more rows dequantize and run dense.
 # The int8 kernel's cost grows with every row while the dequantized matmul's is mostly a
@@ -73,7 +73,7 @@ class Int8Linear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.max_int8pack_rows = INT8PACK_MAX_ROWS[dtype]
         # The dense path's dtype: the activations' where oneDNN runs it natively, else float32.
-        self.dense_dtype = dtype if _packs(dtype) else torch.float32
+        self.dense_dtype = dtype if onednn_packs(dtype) else torch.float32
         self.dense_scales = self.scales.to(self.dense_dtype)[:, None]
         self.dense_bias = None if self.bias is None else self.bias.to(self.dense_dtype)
 

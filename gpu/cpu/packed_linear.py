@@ -39,11 +39,11 @@ class PackedLinear(nn.Module):
 
 def can_pack(model: nn.Module) -> bool:
     parameter = next(model.parameters())
-    return parameter.device.type == "cpu" and _packs(parameter.dtype)
+    return parameter.device.type == "cpu" and onednn_packs(parameter.dtype)
 
 
 @functools.cache
-def _packs(dtype: torch.dtype) -> bool:
+def onednn_packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN packs `dtype` on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
     if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False
