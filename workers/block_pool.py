@@ -1,7 +1,8 @@
 """KV block bookkeeping: which block ids are free, shared or cached. Pure Python, no tensors.
 
 The tensors live in `gpu.kv_cache` (device) and `gpu.offload` (host); a `BlockPool`
-only hands out and takes back ids, one pool per tier.
+only hands out and takes back ids, one pool per tier. The KV-cache manager
+(`workers/kv_cache.py`) decides which request holds which of them.
 
 **Refcounts.** A block is held by every request whose block table lists it; `free`
 drops one holder. A block with no holder is free.

@@ -3,7 +3,8 @@
 The scheduler decides who runs; it asks this manager, in tokens and blocks, what fits and
 what a request starts from, and the manager changes the pools (`workers/block_pool.py`,
 one per tier) and lists the copies a step needs in its `StepPlan`. Plain Python over
-block ids, like the scheduler.
+block ids, like the scheduler; the tensors the ids index are `gpu/kv_cache.py`'s and
+`gpu/offload.py`'s.
 
 **Allocation.** A request's device blocks grow as its tokens are scheduled (`allocate`),
 never reserved for max_tokens up front, and are freed all at once when it ends or is
