@@ -2,8 +2,8 @@
 
 The worker's own settings (Redis, metrics, logging) gathered with the engine's
 (`workers.config`) into one `WorkerConfig`, and the gateway's `GatewayConfig`. The
-command-line flags map onto them in `service/flags.py`; besides the defaults below
-($REDIS_URL, the host name), no module of the edge reads the environment.
+command-line flags map onto them in `service/flags.py`. The edge reads the environment
+only here ($REDIS_URL, in the defaults below) and there ($INFLIGHT_API_KEYS).
 """
 
 from __future__ import annotations

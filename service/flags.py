@@ -96,8 +96,7 @@ class Flag:
             action = "store_false" if field_default else "store_true"
             arguments.add_argument(option, dest=dest, action=action, help=self.help)
         elif typing.get_origin(field_type) is tuple:  # None when not given: the field keeps its default
-            shown = " ".join(field_default)
-            help = f"{self.help} (repeatable; default: {shown})"
+            help = f"{self.help} (repeatable; default: {' '.join(field_default)})"
             arguments.add_argument(option, dest=dest, action="append", help=help)
         else:
             default = self.default() if self.default else field_default
@@ -109,6 +108,8 @@ class Flag:
     def value(self, args: argparse.Namespace, field_default: Any) -> Any:
         """The field's value from the parsed arguments; None leaves the field's default."""
         value = getattr(args, self.dest(field_default))
+        if value is None:
+            return None
         if isinstance(value, list):  # a repeated flag
             return tuple(value)
         if self.unit > 1:
@@ -142,6 +143,11 @@ class FlagGroup:
         values = {flag.field: flag.value(args, getattr(defaults, flag.field)) for flag in self.flags}
         given = {name: value for name, value in values.items() if value is not None}
         return self.config(**{**given, **fields})
+
+    def options(self) -> dict[str, str]:
+        """Each flag as typed, to the field it sets: {"--no-cuda-graphs": "cuda_graphs"}."""
+        defaults = self.config()
+        return {flag.option(getattr(defaults, flag.field)): flag.field for flag in self.flags}
 
     def without(self, *fields: str) -> FlagGroup:
         """These flags left out (their fields then keep their defaults)."""

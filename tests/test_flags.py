@@ -65,6 +65,14 @@ def test_the_engine_tables_cover_every_part_of_the_engine_config():
     }
 
 
+def test_a_flag_is_named_after_its_field_unless_its_table_names_it():
+    assert REDIS.options()["--claim-idle-ms"] == "claim_idle_ms"
+    assert REDIS.options()["--redis-url"] == "url"
+    assert ENGINE["model"].options()["--no-cuda-graphs"] == "cuda_graphs"  # defaults to True: a flag turns it off
+    assert LOGGING.options()["--log-prompts"] == "log_prompts"  # defaults to False: a flag turns it on
+    assert ENGINE["cache"].options()["--kv-memory-mb"] == "kv_memory_bytes"
+
+
 def test_with_no_flags_every_config_is_its_defaults(monkeypatch):
     monkeypatch.delenv(API_KEYS_ENV, raising=False)
     assert engine_config_from_args(parse(add_engine_arguments, [])) == EngineConfig()
@@ -138,8 +146,7 @@ def test_help_lists_the_flags_grouped_by_config(command, tables, capsys):
     headings = [text.index(f"\n{table.title}:\n  sets {table.config.__name__} (") for table in shown]
     assert headings == sorted(headings)  # in the order of the config
     for table, start, end in zip(shown, headings, [*headings[1:], len(text)]):
-        for flag in table.flags:
-            option = flag.option(getattr(table.config(), flag.field))
+        for option in table.options():
             assert re.search(rf"^  {option}\b", text[start:end], re.M), option
 
 
