@@ -4,7 +4,8 @@ Each HTTP request becomes one protocol job (docs/protocol.md) on the request str
 its reply stream is read back and answered as OpenAI JSON or server-sent events. The
 gateway keeps no state between requests, so any number of them can front one queue.
 
-    config       GatewayConfig lives in service/config.py with the other settings
+    config       GatewayConfig lives in service/config.py with the other settings, its flags in
+                 service/flags.py
     openai_api   OpenAI request bodies -> job fields, and replies -> OpenAI responses
     errors       OpenAI-shaped errors, and the queue's error codes as HTTP statuses
     queue        the Redis side: submit, read replies resumably, cancel, queue depth
