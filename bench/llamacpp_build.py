@@ -54,7 +54,7 @@ def cmake_args(flags: set[str]) -> str:
 def main() -> None:
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
-        sys.exit("llamacpp_build: no /proc/cpuinfo; set CMAKE_ARGS by hand (README, 'llama.cpp as a peer')")
+        sys.exit("llamacpp_build: no /proc/cpuinfo; set CMAKE_ARGS by hand (docs/benchmarks.md, 'llama.cpp as a peer')")
     print(cmake_args(cpu_flags(cpuinfo.read_text())))
 
 

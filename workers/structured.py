@@ -1,7 +1,7 @@
 """Structured outputs: a request's constraint compiled to a grammar, each choice's grammar
 state, and the token masks applied to the logits before sampling.
 
-The grammar engine is llguidance (why, with the figures: README, "Structured outputs").
+The grammar engine is llguidance (why, with the figures: docs/benchmarks.md, "llguidance against xgrammar").
 A constraint (`json_schema`, `json_object`, `regex` or `choice`) compiles against the
 tokenizer's vocabulary into a matcher; compiled matchers are cached by the constraint's
 canonical text, and every choice of every request starts from a copy of the cached one.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-# A queue error code -> (HTTP status, OpenAI error type). The README's table is this one.
+# A queue error code -> (HTTP status, OpenAI error type). docs/gateway.md, "Errors", is this table.
 QUEUE_ERRORS: dict[str, tuple[int, str]] = {
     # The job itself was wrong: the client's to fix.
     "missing_field": (400, "invalid_request_error"),
