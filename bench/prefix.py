@@ -221,8 +221,8 @@ def run_shared(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
 
 def run_peer(args: argparse.Namespace, requests: list[tuple[str, list[int], int]]) -> dict:
     """Transformers' continuous batching with block sharing, in its own process (its
-    generation thread must be the process's only OpenMP team; see bench/main.py)."""
-    from bench.main import _Children
+    generation thread must be the process's only OpenMP team; see bench/children.py)."""
+    from bench.children import Children
     from bench.metrics import summarize
     from bench.workload import BenchRequest, Workload
 
@@ -234,7 +234,7 @@ def run_peer(args: argparse.Namespace, requests: list[tuple[str, list[int], int]
         [BenchRequest(request_id, prompt, n) for request_id, prompt, n in requests],
     )
     with tempfile.TemporaryDirectory(prefix="inflight-prefix-") as tmp:
-        children = _Children(Path(tmp), args.model, args.dtype)
+        children = Children(Path(tmp), args.model, args.dtype)
         workload.save(children.workload_path)
         out = children.run("hf_continuous", max_batch_tokens=args.prefix_hf_batch_tokens, allow_block_sharing=True)
     figures = summarize(out["token_times"], out["peak_rss_mb"])  # TTFT from t0, when all were submitted

@@ -458,7 +458,7 @@ def _rates(text: str) -> list[float]:
 def _systems(args: argparse.Namespace) -> list[str]:
     """engine and/or vllm from --systems (the others have no server); vllm dropped, with a
     line, where its environment is missing."""
-    from bench.main import without_missing_peers
+    from bench.throughput import without_missing_peers
 
     systems = [s.strip() for s in args.systems.split(",") if s.strip() in SERVED_SYSTEMS]
     systems = without_missing_peers(systems, args.vllm_python)

@@ -11,9 +11,10 @@ import pytest
 
 from bench.arrivals import ArrivalQueue, at_t0, bursts
 from bench.http_client import token_times
-from bench.main import DEFAULT_VLLM_PYTHON, add_arguments, run, single_stream_workload, without_missing_peers
+from bench.main import add_arguments, run
 from bench.metrics import RequestRecord, inter_token_latencies, latency_figures, percentile, summarize
 from bench.report import SYSTEM_KEYS, build_report, format_table, write_png
+from bench.throughput import DEFAULT_VLLM_PYTHON, single_stream_workload, without_missing_peers
 from bench.workload import Workload, allowed_token_ids, make_workload, special_token_ids
 
 SPECIAL = {0, 1, 2, 7}

@@ -1,0 +1,220 @@
+"""`inflight bench` (`--scenario throughput`, the default): the engine and its peers on
+one seeded workload, every request at t0, in one run.
+
+The parent process only orchestrates: each system runs in a child process of its own
+(`bench/children.py`) that loads the model itself. Order:
+
+1. `prepare`: loads the model (warming the converted-weights cache, so no measured
+   child pays a GGUF conversion) and draws the workload from its tokenizer.
+2. `engine`, then `ceiling` (bare forwards over the engine's recorded step schedule).
+3. `hf_continuous`, once per `--hf-batch-tokens` value; the best by output tok/s is reported.
+4. `hf_static`.
+5. `llamacpp`: llama.cpp (llama-cpp-python) on the same GGUF (`bench.peer_llamacpp`);
+   skipped, with a line saying so, where llama-cpp-python is not installed.
+6. `vllm`: vLLM's CPU backend on the same converted folder and token ids
+   (`bench.peer_vllm`), in its own virtual environment (`make vllm-peer`), once per
+   `--vllm-settings` entry (`vllm` is both cores for its engine, `vllm_default` its own
+   default); skipped, with a line saying so, where that environment is missing.
+
+`single` is the same comparison on one request (a 100-token prompt, 256 tokens out unless
+`--prompt-len`/`--output-len` say otherwise): what one user with one chat open gets, read
+as the time between tokens (ITL p50).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.children import REPO_ROOT, Children
+
+SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp", "vllm")
+DEFAULT_PNG = Path("bench-results/bench.png")
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+# `--vllm-settings` entries and the system name each is reported as (bench/peer_vllm.py).
+VLLM_SETTINGS = {"both-cores": "vllm", "default": "vllm_default"}
+# The single-stream scenario's workload, where the flags are left at their defaults.
+SINGLE_STREAM = {"requests": 1, "prompt_len": [100, 100], "output_len": [256, 256]}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The throughput (or single) scenario as `args` asks; prints a table, writes JSON/PNG,
+    returns the report."""
+    if args.scenario == "single":
+        single_stream_workload(args)
+    from bench.metrics import summarize
+    from bench.report import build_report, format_table, write_json, write_png
+    from bench.workload import Workload
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not systems:
+        raise SystemExit(f"--systems must be a subset of {','.join(SYSTEMS)}, got {args.systems!r}")
+    sweep = [int(v) for v in args.hf_batch_tokens.split(",") if v.strip()]
+    if "hf_continuous" in systems and (not sweep or min(sweep) < 1):
+        raise SystemExit(f"--hf-batch-tokens needs positive integers, got {args.hf_batch_tokens!r}")
+    for name in ("prompt_len", "output_len"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
+    if args.requests < 1 or args.static_batch < 1:
+        raise SystemExit("--requests and --static-batch must be >= 1")
+    vllm_settings = [v.strip() for v in args.vllm_settings.split(",") if v.strip()]
+    if "vllm" in systems and (not vllm_settings or set(vllm_settings) - set(VLLM_SETTINGS)):
+        raise SystemExit(f"--vllm-settings must be a subset of {','.join(VLLM_SETTINGS)}, got {args.vllm_settings!r}")
+    systems = without_missing_peers(systems, args.vllm_python)
+
+    # Other processes on the host skew every figure; the load average says whether there were any.
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
+        children = Children(Path(tmp), args.model, args.dtype, args.weights)
+        prepared = children.run(
+            "prepare",
+            requests=args.requests,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            seed=args.seed,
+            workload=args.workload,
+            sharegpt_max_output=args.sharegpt_max_output,
+        )
+        workload = Workload.load(children.workload_path)
+        results: dict[str, dict] = {}
+        if "engine" in systems:
+            results["engine"] = _engine_figures(children, args.speculation == "on")
+        if "hf_continuous" in systems:
+            results["hf_continuous"] = _continuous_figures(children, sweep)
+        if "hf_static" in systems:
+            out = children.run("hf_static", batch_size=args.static_batch)
+            keep = (
+                "batch_size",
+                "wasted_output_tokens",
+                "padding_prompt_tokens",
+                "attn_implementation",
+                "load_rss_mb",
+                "load_average_1m",
+            )
+            results["hf_static"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
+        if "llamacpp" in systems:
+            out = children.run("llamacpp")
+            keep = (
+                "max_batch_tokens",
+                "micro_batch_tokens",
+                "context_tokens",
+                "llama_threads",
+                "llama_cpp_python",
+                "system_info",
+                "load_rss_mb",
+                "load_average_1m",
+            )
+            results["llamacpp"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
+        if "vllm" in systems:
+            for setting in vllm_settings:
+                out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
+                name = VLLM_SETTINGS[setting]
+                results[name] = summarize(out["token_times"], out["peak_rss_mb"]) | {
+                    "vllm": out["vllm"],
+                    "setting": setting,
+                    "environment": out["environment"],
+                }
+
+    description = workload.describe() | {
+        "model": prepared["model"],
+        "dtype": args.dtype,
+        "weights": args.weights,
+        "speculation": args.speculation,
+        "scenario": args.scenario,
+    }
+    environment = {
+        "python": platform.python_version(),
+        "torch": prepared["torch"],
+        "transformers": prepared["transformers"],
+        "torch_threads": prepared["torch_threads"],
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "one_process_per_system": True,
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # at start, at end
+    }
+    report = build_report(description, environment, results)
+    if args.json is not None:
+        write_json(report, args.json)
+    png = args.png or (args.json.with_suffix(".png") if args.json is not None else DEFAULT_PNG)
+    write_png(report, png)
+    report_paths = ", ".join(str(p) for p in (args.json, png) if p is not None)
+    print(format_table(report))
+    print(f"wrote {report_paths}")
+    return report
+
+
+def without_missing_peers(systems: list[str], vllm_python: Path = DEFAULT_VLLM_PYTHON) -> list[str]:
+    """`systems` less llamacpp where llama-cpp-python is not installed and less vllm where
+    its environment is missing, with a line saying so."""
+    if "vllm" in systems and not Path(vllm_python).exists():
+        print(f"bench: vllm skipped: {vllm_python} is missing (`make vllm-peer` builds it)", file=sys.stderr)
+        systems = [s for s in systems if s != "vllm"]
+    from bench.peer_llamacpp import INSTALL_HINT, available
+
+    if "llamacpp" not in systems or available():
+        return systems
+    print(f"bench: llamacpp skipped: llama-cpp-python is not installed; {INSTALL_HINT}", file=sys.stderr)
+    return [s for s in systems if s != "llamacpp"]
+
+
+def single_stream_workload(args: argparse.Namespace) -> None:
+    """One request of SINGLE_STREAM's lengths, for each workload flag left at its default."""
+    from bench.main import add_arguments
+
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    for name, value in SINGLE_STREAM.items():
+        if getattr(args, name) == defaults.get_default(name):
+            setattr(args, name, value)
+
+
+def _engine_figures(children: Children, speculation: bool) -> dict:
+    """The engine's run, then the ceiling replay of its step schedule."""
+    from bench.metrics import summarize
+
+    engine = children.run("engine", speculation=int(speculation))
+    steps = engine["steps"]
+    ceiling = children.run("ceiling", step_tokens=[s["num_tokens"] for s in steps])
+    figures = summarize(engine["token_times"], engine["peak_rss_mb"])
+    return figures | {
+        "overhead_fraction": engine["overhead_fraction"],
+        # Bare eager forwards over the same schedule / the engine's wall time (see run_ceiling).
+        "ceiling_fraction": ceiling["forward_s"] / figures["wall_s"],
+        "ceiling_forward_s": ceiling["forward_s"],
+        "forward_s": engine["forward_s"],
+        "step_s": engine["step_s"],
+        "num_steps": len(steps),
+        "mean_tokens_per_step": sum(s["num_tokens"] for s in steps) / max(1, len(steps)),
+        "load_rss_mb": engine["load_rss_mb"],
+        "load_average_1m": engine["load_average_1m"],
+        "scheduler": engine["scheduler"],
+        "kv_memory_bytes": engine["kv_memory_bytes"],
+    }
+
+
+def _continuous_figures(children: Children, sweep: list[int]) -> dict:
+    """One child per max_batch_tokens value; the best by output tok/s, with the whole sweep."""
+    from bench.metrics import summarize
+
+    runs = {}
+    for max_batch_tokens in sweep:
+        out = children.run("hf_continuous", max_batch_tokens=max_batch_tokens)
+        runs[max_batch_tokens] = (summarize(out["token_times"], out["peak_rss_mb"]), out)
+    best = max(runs, key=lambda k: runs[k][0]["output_tokens_per_s"])
+    figures, out = runs[best]
+    return figures | {
+        "max_batch_tokens": best,
+        "num_blocks": out["num_blocks"],
+        "tokens_per_block": out["tokens_per_block"],
+        "attn_implementation": out["attn_implementation"],
+        "load_rss_mb": out["load_rss_mb"],
+        "load_average_1m": out["load_average_1m"],
+        "timing": "per-token timestamps taken by transformers' generation thread (record_timestamps=True)",
+        "sweep": {str(k): v[0] for k, v in runs.items()},
+    }
