@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import os
 import tempfile
 import time
 import uuid
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import msgpack
 
-from bench.processes import RedisServer
+from bench.processes import RedisServer, cpu_seconds
 from service.config import RedisConfig
 from service.connect import connect
 from service.ingest import JobReader
@@ -98,11 +97,11 @@ async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
                 await reader.ack(entry_id)
             left["ack"] -= len(ids)
 
-    cpu_before = _cpu_s(server.process.pid)
+    cpu_before = cpu_seconds(server.process.pid)
     started = time.perf_counter()
     await asyncio.gather(*(produce(client) for client in producers), *(work(reader) for reader in readers))
     elapsed = time.perf_counter() - started
-    cpu = _cpu_s(server.process.pid) - cpu_before
+    cpu = cpu_seconds(server.process.pid) - cpu_before
     for client in [*producers, *(reader.redis for reader in readers)]:
         await client.aclose()
     cpu_per_job = cpu / args.intake_jobs
@@ -117,9 +116,3 @@ async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
         "batch": args.intake_batch,
         "renewals_per_job": args.intake_renewals,
     }
-
-
-def _cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of a process, from /proc/<pid>/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

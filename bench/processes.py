@@ -25,6 +25,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class RedisServer:
     """A `redis-server` of our own on a free port, writing into `data_dir` (its log,
     and its append-only file when `appendonly`).
@@ -412,9 +418,7 @@ class GatewayProcess:
             time.sleep(0.05)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time the process has used so far (/proc/<pid>/stat)."""
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.process.pid)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
