@@ -1,18 +1,16 @@
 """`inflight bench --scenario serve`: inflight and vLLM as servers, under requests that
 arrive over time, driven by the same HTTP client.
 
-Each system runs in its own processes, one after the other in the same run:
+Each system runs in its own processes (`bench/servers.py`), one after the other in the
+same run:
 
 - `inflight` (`--systems engine`): a private redis-server, one `inflight worker` (with the
   bench's `--dtype`, `--weights` and `--speculation`) and one `inflight gateway`, its
   backpressure off (vLLM has none to match).
 - `vllm`: `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server` on the same model
   folder (a GGUF's converted folder, in `--dtype`), with the both-cores environment of
-  `bench/peer_vllm.py` (`settings()`), in a session of its own so that its whole process
-  group (API server, EngineCore, workers) is killed at the end, on an error or on
-  SIGTERM/SIGHUP too; should the bench be SIGKILLed, a watcher process kills the group
-  (and inflight's processes). Its first start compiles for minutes;
-  `--vllm-start-timeout-s` bounds the wait. Skipped, with a line saying so, where
+  `bench/peer_vllm.py` (`settings()`), its whole process group killed at the end. Its
+  first start compiles for minutes; `--vllm-start-timeout-s` bounds the wait. Skipped, with a line saying so, where
   `.venv-vllm` is missing (`make vllm-peer`).
 
 Prefix caching is off on both: every point sends the same prompts again, and a warm cache
@@ -63,26 +61,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import os
-import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 from bench.arrivals import BURST, rate_points
 from bench.http_client import CompletionsClient, Prompt
 from bench.metrics import RequestRecord, latency_figures
-from bench.processes import GatewayProcess, RedisServer, WorkerProcess, free_port
+from bench.servers import inflight_server, signals_as_exit, vllm_server
 from bench.workload import Workload, draw_workload
-from service.config import DEFAULT_MODEL_NAME
 
 # --systems names this scenario serves, and the name each is reported under.
 SERVED_SYSTEMS = {"engine": "inflight", "vllm": "vllm"}
@@ -105,7 +94,6 @@ HEADLINE = (
 # Short requests before the first point: first-request costs are not serving costs.
 WARMUP_REQUESTS = 4
 WARMUP_TOKENS = 8
-VLLM_STOP_WAIT_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,187 +177,6 @@ async def warm_up(client: CompletionsClient) -> None:
         raise RuntimeError(f"warm-up requests failed: {sorted(errors)}")
 
 
-# -- the servers -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: float = 600.0) -> Iterator[dict]:
-    """A private redis-server, one worker and one gateway; yields the gateway's URL and settings."""
-    with RedisServer(log_dir / "redis", appendonly=False) as redis:
-        worker_argv = [
-            "--redis-url",
-            redis.url,
-            "--dtype",
-            args.dtype,
-            "--weights",
-            args.weights,
-            "--no-prefix-caching",
-            *(["--no-speculative"] if args.speculation == "off" else []),
-            *(["--model", args.model] if args.model else []),
-            *shlex.split(args.serve_worker_args),
-        ]
-        worker = WorkerProcess("serve", worker_argv, log_dir)
-        # No 429s: vLLM queues whatever arrives, and a refused request would be a failure here.
-        gateway = GatewayProcess(
-            "serve",
-            [
-                "--redis-url",
-                redis.url,
-                "--max-queue-depth",
-                "0",
-                "--max-queue-age-s",
-                "0",
-                "--reply-timeout-s",
-                str(args.serve_request_timeout_s),
-            ],
-            log_dir,
-        )
-        reaper = None
-        try:
-            worker.start()
-            gateway.start()
-            reaper = _reaper([str(redis.process.pid), str(worker.pid), str(gateway.process.pid)])
-            worker.wait_ready(start_timeout_s)
-            gateway.wait_ready()
-            yield {"url": gateway.url, "worker_argv": worker_argv}
-        finally:
-            gateway.stop()
-            worker.stop()
-            if reaper is not None:
-                _stop_reaper(reaper)
-
-
-def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len: int) -> list[str]:
-    return [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        folder,
-        "--served-model-name",
-        DEFAULT_MODEL_NAME,
-        "--dtype",
-        dtype,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(max_model_len),
-        "--seed",
-        "0",
-        "--no-enable-prefix-caching",
-    ]
-
-
-def vllm_environment() -> dict[str, str]:
-    """This environment less its OpenMP/vLLM settings, plus peer_vllm's both-cores ones."""
-    from bench.peer_vllm import settings
-
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
-    return environment | settings(len(os.sched_getaffinity(0)))["both-cores"]
-
-
-def _reaper(targets: list[str]) -> subprocess.Popen:
-    """A watcher that SIGKILLs `targets` (pids, or -pgid for a process group) once this
-    process is gone, should it die without its `finally` blocks running (SIGKILL). vLLM's
-    server cannot be relied on for that: during its start it does not act on SIGTERM."""
-    return subprocess.Popen(
-        ["sh", "-c", f"tail --pid={os.getpid()} -f /dev/null; kill -KILL {' '.join(targets)}"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-def _stop_reaper(reaper: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(reaper.pid, signal.SIGKILL)  # its shell and its tail
-    reaper.wait(timeout=VLLM_STOP_WAIT_S)
-
-
-@contextlib.contextmanager
-def vllm_server(
-    python: Path, folder: str, dtype: str, max_model_len: int, log_dir: Path, start_timeout_s: float
-) -> Iterator[dict]:
-    """vLLM's OpenAI server in a session of its own; on the way out, its whole process group
-    gets SIGTERM, then SIGKILL (its EngineCore processes are in that group too)."""
-    port = free_port()
-    command = vllm_command(python, folder, dtype, port, max_model_len)
-    environment = vllm_environment()
-    log_path = log_dir / "vllm.log"
-    with open(log_path, "w") as log:
-        # Its own cwd: the repository's top-level packages must not shadow anything vLLM imports.
-        process = subprocess.Popen(
-            command, cwd=log_dir, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    reaper = _reaper([f"-{process.pid}"])
-    print(f"bench: serve vllm: process group {process.pid}, log {log_path}", file=sys.stderr, flush=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process, log_path, start_timeout_s)
-        with urllib.request.urlopen(f"{url}/version", timeout=10) as response:
-            version = json.loads(response.read()).get("version")
-        settings = {
-            k: environment.get(k)
-            for k in (
-                "OMP_NUM_THREADS",
-                "VLLM_CPU_OMP_THREADS_BIND",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                "VLLM_CPU_KVCACHE_SPACE",
-            )
-        }
-        yield {"url": url, "command": command, "vllm": version, "environment": settings}
-    finally:
-        _kill_group(process)
-        _stop_reaper(reaper)
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (OSError, urllib.error.HTTPError):
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            exited = process.poll() is not None
-            why = f"exited with {process.returncode}" if exited else f"was not healthy in {timeout_s:.0f} s"
-            raise RuntimeError(f"vLLM's server {why}:\n{log_path.read_text(errors='replace')[-4000:]}")
-        time.sleep(1.0)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the group, SIGKILL to whatever is left of it, even once the leader is gone."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=VLLM_STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=VLLM_STOP_WAIT_S)
-
-
-@contextlib.contextmanager
-def _signals_as_exit() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise SystemExit, so the servers' `finally` blocks still run."""
-
-    def leave(signum: int, frame) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = {number: signal.signal(number, leave) for number in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-
-
 # -- the scenario -------------------------------------------------------------------------------
 
 
@@ -384,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
     longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
 
     results: dict[str, dict] = {}
-    with _signals_as_exit(), tempfile.TemporaryDirectory(prefix="inflight-bench-serve-") as tmp:
+    with signals_as_exit(), tempfile.TemporaryDirectory(prefix="inflight-bench-serve-") as tmp:
         for system in systems:
             label = SERVED_SYSTEMS[system]
             log_dir = Path(tmp) / label
