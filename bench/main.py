@@ -82,7 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     general.add_argument("--seed", type=int, default=0, help="workload seed")
     general.add_argument("--json", type=Path, default=None, help="write the report here")
     general.add_argument(
-        "--png", type=Path, default=None, help=f"comparison chart (default: next to --json, else {DEFAULT_PNG})"
+        "--png",
+        type=Path,
+        default=None,
+        help=f"the chart (default: next to --json, else {DEFAULT_PNG}; bench-results/SCENARIO.png for the "
+        "other scenarios with a chart)",
     )
 
     workload = parser.add_argument_group("workload (throughput, single, and the scenarios that take it)")
@@ -167,10 +171,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def run_scenario(args: argparse.Namespace) -> dict:
-    """A scheduler scenario, in this process: `{"scenario": name, name: figures, ...}`."""
+    """Any scenario but throughput, in this process: `{"scenario": name, name: figures, ...}`;
+    a scenario with `chart_panels(figures)` gets its PNG too (`--png`, else next to `--json`,
+    else bench-results/NAME.png), its path in `figures["png"]`."""
     import torch
 
-    from bench.report import write_json
+    from bench.report import write_bar_panels, write_json
 
     try:
         module = scenario_module(args.scenario)
@@ -190,6 +196,12 @@ def run_scenario(args: argparse.Namespace) -> dict:
         loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
         vocab_ids = prompt_vocabulary(loaded.tokenizer, loaded.model.config.vocab_size)
         figures = module.run(loaded, args, vocab_ids)
+    if hasattr(module, "chart_panels"):
+        png = args.png or (
+            args.json.with_suffix(".png") if args.json is not None else DEFAULT_PNG.with_stem(args.scenario)
+        )
+        write_bar_panels(module.chart_panels(figures), png, f"inflight bench --scenario {args.scenario}")
+        figures["png"] = str(png)
     report = {
         "scenario": args.scenario,
         args.scenario: figures,

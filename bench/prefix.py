@@ -29,13 +29,13 @@ from pathlib import Path
 
 from bench.drive import Driver, random_prompts
 from bench.metrics import percentile
+from bench.report import system_panel
 from gpu.kv_cache import KVShape
 from workers.api import SamplingParams
 from workers.block_pool import blocks_needed
 from workers.config import CacheConfig, EngineConfig, ModelConfig
 
 WORKLOADS = ("shared", "multi_turn", "n")
-DEFAULT_PNG = Path("bench-results/prefix.png")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,9 +92,6 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
         report["multi_turn"] = run_multi_turn(loaded, args, vocab_ids)
     if "n" in workloads:
         report["n"] = run_parallel_sampling(loaded, args, vocab_ids)
-    png = args.png or (args.json.with_suffix(".png") if args.json is not None else DEFAULT_PNG)
-    write_chart(report, png)
-    report["png"] = str(png)
     return report
 
 
@@ -376,49 +373,23 @@ def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]
 # -- the chart --------------------------------------------------------------------------
 
 
-def write_chart(report: dict, path: Path) -> None:
-    from bench.report import write_bar_panels
-
+def chart_panels(report: dict) -> list[tuple]:
     panels = []
     if "shared" in report:
         systems = report["shared"]["systems"]
-        panels.append(
-            (
-                "shared: output tok/s (higher is better)",
-                {name: s["output_tokens_per_s"] for name, s in systems.items()},
-                "{:.1f}",
-            )
-        )
-        panels.append(
-            ("shared: TTFT p50 s (lower is better)", {name: s["ttft_p50_s"] for name, s in systems.items()}, "{:.2f}")
-        )
+        panels.append(system_panel("shared: output tok/s (higher is better)", systems, "output_tokens_per_s", "{:.1f}"))
+        panels.append(system_panel("shared: TTFT p50 s (lower is better)", systems, "ttft_p50_s", "{:.2f}"))
     if "multi_turn" in report:
         systems = report["multi_turn"]["systems"]
-        panels.append(
-            (
-                "multi-turn: TTFT p50 s (lower is better)",
-                {name: s["ttft_p50_s"] for name, s in systems.items()},
-                "{:.2f}",
-            )
-        )
-        panels.append(
-            (
-                "multi-turn: prompt tokens found cached",
-                {
-                    f"{name}\n{tier}": s["cache"][f"{tier}_hit_rate"]
-                    for name, s in systems.items()
-                    for tier in ("device", "host")
-                },
-                "{:.0%}",
-            )
-        )
+        panels.append(system_panel("multi-turn: TTFT p50 s (lower is better)", systems, "ttft_p50_s", "{:.2f}"))
+        hit_rates = {
+            f"{name}\n{tier}": s["cache"][f"{tier}_hit_rate"]
+            for name, s in systems.items()
+            for tier in ("device", "host")
+        }
+        panels.append(("multi-turn: prompt tokens found cached", hit_rates, "{:.0%}"))
     if "n" in report and "skipped" not in report["n"]:
         systems = report["n"]["systems"]
-        panels.append(
-            (
-                f"n={report['n']['n']}: output tok/s (higher is better)",
-                {name: s["output_tokens_per_s"] for name, s in systems.items()},
-                "{:.1f}",
-            )
-        )
-    write_bar_panels(panels, Path(path), "inflight bench --scenario prefix")
+        title = f"n={report['n']['n']}: output tok/s (higher is better)"
+        panels.append(system_panel(title, systems, "output_tokens_per_s", "{:.1f}"))
+    return panels

@@ -100,6 +100,12 @@ def write_bar_panels(panels: list[tuple[str, dict[str, float], str]], path: Path
     plt.close(fig)
 
 
+def system_panel(title: str, systems: dict[str, dict], key: str, fmt: str, scale: float = 1.0) -> tuple:
+    """A `write_bar_panels` panel: one bar per system of its figure `key` (times `scale`);
+    a system without that figure has no bar."""
+    return title, {name: f[key] * scale for name, f in systems.items() if f.get(key) is not None}, fmt
+
+
 def _labelled_bars(ax, xs, values, width, color, fmt, label=None) -> None:
     bars = ax.bar(xs, values, width, color=color, label=label)
     ax.bar_label(bars, [fmt.format(v) for v in values], fontsize=7)

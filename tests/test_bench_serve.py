@@ -118,3 +118,5 @@ def test_serve_scenario_against_inflight_returns_figures_for_every_request(tmp_p
         for name in ("ttft_p50_ms", "tpot_mean_ms", "itl_p50_ms", "e2e_p99_ms", "output_tokens_per_s"):
             assert figures[name] > 0, name
         assert figures["e2e_p99_ms"] >= figures["ttft_p99_ms"]
+    # The chart is written beside the report, in the bench's one style.
+    assert serve["png"] == str(tmp_path / "report.png") and (tmp_path / "report.png").stat().st_size > 0
