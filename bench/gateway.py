@@ -27,7 +27,7 @@ from pathlib import Path
 from bench.metrics import percentile
 from bench.paired import paired_runs, short_prompts, text_prompts
 from bench.processes import GatewayProcess
-from bench.systems import ThroughGateway, ThroughRedis, redis_server, start_worker
+from bench.systems import ThroughGateway, ThroughRedis, bench_worker, redis_server
 from bench.workload import make_workload, prompt_vocabulary
 from service.connect import connect
 from workers.config import ModelConfig
@@ -72,7 +72,8 @@ async def _run(args: argparse.Namespace) -> dict:
         prefix = f"inflight:bench:{run_id}"
         # Both paths share this worker: with prefix caching, only the first round would
         # compute its prompts, and the path it belongs to would look slow.
-        worker = start_worker(url, prefix, args, "--no-prefix-caching")
+        worker = bench_worker(url, prefix, args, Path(logs), "--no-prefix-caching")
+        worker.start()
         gateway = GatewayProcess(
             "bench",
             [
@@ -101,8 +102,7 @@ async def _run(args: argparse.Namespace) -> dict:
                 )
         finally:
             gateway.stop()
-            worker.terminate()
-            worker.wait(timeout=60)
+            worker.stop()
             await client.delete(*[key async for key in client.scan_iter(f"{prefix}:*")])
             await client.aclose()
 

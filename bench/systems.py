@@ -6,7 +6,7 @@ arrival times in seconds after t0, every request sent at t0, greedy with EOS ign
   all reply streams followed with one blocking XREAD;
 - `ThroughGateway`: one streamed `POST /v1/completions` per request (`bench/http_client.py`).
 
-`redis_server` and `start_worker` bring up what the paths go through.
+`redis_server` and `bench_worker` bring up what the paths go through.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ import msgpack
 
 from bench.arrivals import at_t0
 from bench.http_client import CompletionsClient, Prompt, token_times
+from bench.processes import WorkerProcess
 from service.protocol import reply_stream
 from service.sdk import job_payload
 
@@ -100,34 +99,16 @@ async def delete_replies(client, request_ids: list[str]) -> None:
     await client.delete(*streams, *[f"{stream}:owner" for stream in streams])
 
 
-def start_worker(url: str, prefix: str, args: argparse.Namespace, *extra: str) -> subprocess.Popen:
+def bench_worker(url: str, prefix: str, args: argparse.Namespace, log_dir: Path, *extra: str) -> WorkerProcess:
     """An `inflight worker` process on `prefix`'s private streams, with the bench's model and dtype."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "worker",
-            "--redis-url",
-            url,
-            "--requests-stream",
-            f"{prefix}:requests",
-            "--dead-letter-stream",
-            f"{prefix}:dead",
-            "--control-stream",
-            f"{prefix}:control",
-            "--consumer",
-            "bench",
-            "--metrics-port",
-            "0",
-            "--dtype",
-            args.dtype,
-            *(["--model", args.model] if args.model else []),
-            *extra,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    argv = ["--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
+    for flag, stream in (
+        ("--requests-stream", "requests"),
+        ("--dead-letter-stream", "dead"),
+        ("--control-stream", "control"),
+    ):
+        argv += [flag, f"{prefix}:{stream}"]
+    return WorkerProcess("bench", [*argv, *extra], log_dir)
 
 
 @contextlib.contextmanager
