@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
-from workers.api import FinalEvent, SamplingParams, TokenEvent
+from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 
 
 class StepRecorder:
@@ -76,10 +76,10 @@ class Driver:
         return time.perf_counter() - self.t0
 
     def submit(self, request_id: str, *arguments, **options) -> None:
-        """`engine.add_request(request_id, *arguments, **options)`, its arrival noted."""
+        """`engine.add_request(GenerationRequest(request_id, *arguments, **options))`, its arrival noted."""
         self.arrivals[request_id] = self.now()
         self.token_times[request_id] = []
-        self.engine.add_request(request_id, *arguments, **options)
+        self.engine.add_request(GenerationRequest(request_id, *arguments, **options))
 
     def add(
         self, request_id: str, prompt_ids: list[int], output_len: int, priority: int = 0, ignore_eos: bool = True

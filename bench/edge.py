@@ -239,11 +239,9 @@ class StubEngine:
         self._cancelled: set[str] = set()
         self._running: dict[str, list[int]] = {}  # request id -> [tokens made, tokens wanted]
 
-    def add_request(
-        self, request_id, prompt, params, priority=0, deadline=None, arrived_at=None, resumed_output_ids=()
-    ) -> None:
+    def add_request(self, request) -> None:
         with self._lock:
-            self._added.append((request_id, params.max_tokens - len(resumed_output_ids)))
+            self._added.append((request.request_id, request.params.max_tokens - len(request.resumed_output_ids)))
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import torch
 
 from bench.metrics import percentile
-from workers.api import FinalEvent, SamplingParams, TokenEvent
+from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from workers.detokenizer import IncrementalDetokenizer
 
@@ -95,7 +95,7 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
         nonlocal made
         prompt = [rng.choice(vocab_ids) for _ in range(rng.randint(*prompt_range))]
         params = SamplingParams(max_tokens=rng.randint(*output_range), temperature=0.0, ignore_eos=True)
-        engine.add_request(f"r{made}", prompt, params)
+        engine.add_request(GenerationRequest(f"r{made}", prompt, params))
         made += 1
 
     for _ in range(size + 4):  # a few waiting beyond the batch: arrivals keep prefills coming

@@ -40,7 +40,7 @@ from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
-from workers.api import FinalEvent, SamplingParams, TokenEvent
+from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 from workers.config import EngineConfig, ModelConfig
 
 
@@ -148,7 +148,7 @@ class _InProcess:
         """Submit every prompt at t0; each request's token arrival times after t0."""
         t0 = time.perf_counter()
         streams = {
-            rid: self.front.submit(text, SamplingParams(max_tokens=n, ignore_eos=True), rid)
+            rid: self.front.submit_streamed(GenerationRequest(rid, text, SamplingParams(max_tokens=n, ignore_eos=True)))
             for rid, (text, n) in prompts.items()
         }
 

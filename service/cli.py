@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 async def _demo(args: argparse.Namespace) -> int:
     import uvloop
 
-    from workers.api import FinalEvent, SamplingParams
+    from workers.api import FinalEvent, GenerationRequest, SamplingParams
     from workers.async_engine import AsyncEngine, on_torch_thread
     from workers.engine import Engine
 
@@ -153,7 +153,10 @@ async def _demo(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     async with AsyncEngine(engine) as front:
         # Submit everything at once so the engine batches it; print one answer at a time.
-        streams = [front.submit(prompt, params) for _, prompt in prompts]
+        streams = [
+            front.submit_streamed(GenerationRequest(f"demo-{i}", prompt, params))
+            for i, (_, prompt) in enumerate(prompts)
+        ]
         for (kind, prompt), stream in zip(prompts, streams):
             shown = prompt[-1]["content"] if kind == "chat" else prompt
             print(f"\n\033[1m[{kind}] {shown}\033[0m")

@@ -47,7 +47,7 @@ from service.protocol import Job, ProtocolError, decode_job
 from service.publish import LeaseLost, ReplyPublisher
 from service.retry import is_transient, retrying
 from service.structured_logging import bind_request, log_request_finished
-from workers.api import FinalEvent, FinishReason, InvalidRequest, Timings, Usage
+from workers.api import FinalEvent, FinishReason, GenerationRequest, InvalidRequest, Timings, Usage
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
 
@@ -248,10 +248,10 @@ class Worker:
             entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts, choices=job.params.n
         )
         resumed = claim.token_ids if job.params.n == 1 else [claim.choices.get(i, []) for i in range(job.params.n)]
-        if job.params.constrained:  # compiled (or found cached) off the event loop; its error comes from enqueue
+        if job.params.constrained:  # compiled (or found cached) off the event loop; its error comes from the submit
             await asyncio.to_thread(_compile_quietly, self.front.engine, job.params)
-        self.front.enqueue(
-            job.prompt, job.params, entry.entry_id, job.priority, deadline, arrived_at, resumed_output_ids=resumed
+        self.front.submit_batched(
+            GenerationRequest(entry.entry_id, job.prompt, job.params, job.priority, deadline, arrived_at, resumed)
         )
         self.held[entry.entry_id].submitted = True
         outcome = await published

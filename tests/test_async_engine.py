@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tests.waiting import eventually
-from workers.api import FinalEvent, FinishReason, SamplingParams, TokenEvent
+from workers.api import FinalEvent, FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from workers.async_engine import AsyncEngine
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,10 @@ def test_concurrent_requests_each_get_their_own_ordered_stream(make_engine):
 
     async def main():
         async with AsyncEngine(engine) as front:
-            streams = [front.submit(f"Count to {n}:", SamplingParams(max_tokens=6 + n)) for n in range(4)]
+            streams = [
+                front.submit_streamed(GenerationRequest(f"r{n}", f"Count to {n}:", SamplingParams(max_tokens=6 + n)))
+                for n in range(4)
+            ]
             return await asyncio.gather(*(collect(s) for s in streams))
 
     for n, events in enumerate(asyncio.run(main())):
@@ -51,7 +54,8 @@ def test_the_event_loop_stays_free_while_the_model_steps(make_engine):
 
         engine.observer = observer
         async with AsyncEngine(engine) as front:
-            return await collect(front.submit("Tell me about the moon.", SamplingParams(max_tokens=24)))
+            request = GenerationRequest("moon", "Tell me about the moon.", SamplingParams(max_tokens=24))
+            return await collect(front.submit_streamed(request))
 
     events = asyncio.run(main())
     assert isinstance(events[-1], FinalEvent)
@@ -63,7 +67,8 @@ def test_leaving_the_stream_early_cancels_the_request(make_engine):
 
     async def main():
         async with AsyncEngine(engine) as front:
-            async for event in front.generate("Write a long essay about rivers.", SamplingParams(max_tokens=200)):
+            request = GenerationRequest("essay", "Write a long essay about rivers.", SamplingParams(max_tokens=200))
+            async for event in front.generate(request):
                 break
             await eventually(lambda: not engine.has_unfinished(), 30, "the cancel to land at the next step")
 
@@ -76,13 +81,35 @@ def test_bad_input_arrives_as_a_final_error_event(make_engine):
 
     async def main():
         async with AsyncEngine(engine) as front:
-            return await collect(front.submit("", SamplingParams()))
+            return await collect(front.submit_streamed(GenerationRequest("empty", "", SamplingParams())))
 
     (event,) = asyncio.run(main())
     assert event.finish_reason is FinishReason.ERROR and "empty" in event.error
 
 
-def test_an_enqueued_request_is_held_until_its_final_event_is_handed_on(make_engine):
+def test_streamed_and_batched_requests_differ_only_in_where_their_events_go(make_engine):
+    """A streamed request's events come in its stream and never reach `on_events`; a
+    batched one's reach `on_events` alone. Both make the same tokens."""
+    engine = make_engine()
+    handed_on: list = []
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+
+    async def main():
+        async with AsyncEngine(engine, handed_on.extend) as front:
+            stream = front.submit_streamed(GenerationRequest("streamed", "Count to ten:", params))
+            front.submit_batched(GenerationRequest("batched", "Count to ten:", params))
+            streamed = await collect(stream)
+            await eventually(lambda: not front.holds("batched"), 60, "the batched final event")
+            return streamed
+
+    streamed = asyncio.run(main())
+    assert {e.request_id for e in streamed} == {"streamed"}
+    assert {e.request_id for e in handed_on} == {"batched"}
+    tokens = [[t for e in events if isinstance(e, TokenEvent) for t in e.token_ids] for events in (streamed, handed_on)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+def test_a_batched_request_is_held_until_its_final_event_is_handed_on(make_engine):
     """A worker that lost a job and claims it back waits on `holds`: the old request's
     id is taken, and its events would reach the new stream, until its final event is out."""
     engine = make_engine()
@@ -90,16 +117,18 @@ def test_an_enqueued_request_is_held_until_its_final_event_is_handed_on(make_eng
 
     async def main():
         async with AsyncEngine(engine, handed_on.extend) as front:
-            front.enqueue("Tell me about the moon.", SamplingParams(max_tokens=200, ignore_eos=True), "job-1")
+            front.submit_batched(
+                GenerationRequest("job-1", "Tell me about the moon.", SamplingParams(max_tokens=200, ignore_eos=True))
+            )
             await eventually(lambda: any(isinstance(e, TokenEvent) for e in handed_on), 60, "a token")
             front.cancel("job-1")
             assert front.holds("job-1")  # the cancel ends it at the next step, not now
             await eventually(lambda: not front.holds("job-1"), 60, "the cancelled final event")
             final = handed_on[-1]
             assert isinstance(final, FinalEvent) and final.finish_reason is FinishReason.CANCELLED
-            front.enqueue(
-                "Tell me about the moon.", SamplingParams(max_tokens=2, ignore_eos=True), "job-1"
-            )  # the id is free
+            front.submit_batched(  # the id is free
+                GenerationRequest("job-1", "Tell me about the moon.", SamplingParams(max_tokens=2, ignore_eos=True))
+            )
             await eventually(lambda: not front.holds("job-1"), 60, "the second final event")
 
     asyncio.run(main())

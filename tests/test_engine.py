@@ -9,7 +9,7 @@ import torch
 from bench.drive import Driver, StepRecorder
 from tests.conftest import run_to_completion
 from tests.waiting import wait_until
-from workers.api import ErrorCode, FinishReason, InvalidRequest, SamplingParams
+from workers.api import ErrorCode, FinishReason, GenerationRequest, InvalidRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -111,10 +111,14 @@ def test_deadlines_end_waiting_and_running_requests(make_engine, expected):
 
     engine = make_engine(max_running_requests=1)
     deadline = time.time() + 1.0
-    engine.add_request("late", expected["p1"][0], SamplingParams(max_tokens=5), 0, time.time() - 1)
-    engine.add_request("runs", expected["p3"][0], SamplingParams(max_tokens=500, ignore_eos=True), 0, deadline)
-    engine.add_request("queued", expected["p2"][0], SamplingParams(max_tokens=500), 0, time.time() + 0.5)
-    engine.add_request("after", expected["p2"][0], SamplingParams(max_tokens=3), 0)
+    engine.add_request(GenerationRequest("late", expected["p1"][0], SamplingParams(max_tokens=5), 0, time.time() - 1))
+    engine.add_request(
+        GenerationRequest("runs", expected["p3"][0], SamplingParams(max_tokens=500, ignore_eos=True), 0, deadline)
+    )
+    engine.add_request(
+        GenerationRequest("queued", expected["p2"][0], SamplingParams(max_tokens=500), 0, time.time() + 0.5)
+    )
+    engine.add_request(GenerationRequest("after", expected["p2"][0], SamplingParams(max_tokens=3), 0))
     drive = Driver(engine, raise_errors=False)
     drive.run_until(lambda: "runs" in drive.tokens, max_steps=100)  # running: its first token is out
     # No step until both deadlines have passed: "runs" cannot reach 500 tokens by then,
@@ -199,8 +203,8 @@ def test_eos_stops_unless_ignored(make_engine, smollm2):
 
 def test_cancel_frees_the_request_at_once(make_engine):
     engine = make_engine()
-    engine.add_request("long", "Count from one to a thousand:", SamplingParams(max_tokens=200))
-    engine.add_request("other", "Hello", SamplingParams(max_tokens=5))
+    engine.add_request(GenerationRequest("long", "Count from one to a thousand:", SamplingParams(max_tokens=200)))
+    engine.add_request(GenerationRequest("other", "Hello", SamplingParams(max_tokens=5)))
     drive = Driver(engine)
     drive.run_until(lambda: "long" in drive.tokens, max_steps=50)  # running: its first token is out
     assert any(r.request_id == "long" for r in engine.scheduler.running)
@@ -239,9 +243,9 @@ BAD_INPUTS = [
 def test_bad_input_fails_only_that_request(make_engine, expected):
     engine = make_engine()
     prompt_ids, want = expected["p1"]
-    engine.add_request("good", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    engine.add_request(GenerationRequest("good", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS)))
     for name, *arguments in BAD_INPUTS:
-        engine.add_request(name, *arguments)
+        engine.add_request(GenerationRequest(name, *arguments))
     results = run_to_completion(engine)
     for name, *_ in BAD_INPUTS:
         token_ids, final, _ = results[name]
@@ -253,11 +257,11 @@ def test_bad_input_fails_only_that_request(make_engine, expected):
 
 def test_a_live_request_id_cannot_be_reused(make_engine):
     engine = make_engine()
-    engine.add_request("same", "Hello", SamplingParams(max_tokens=3))
+    engine.add_request(GenerationRequest("same", "Hello", SamplingParams(max_tokens=3)))
     with pytest.raises(InvalidRequest, match="already in use"):
-        engine.add_request("same", "Hello again", SamplingParams(max_tokens=3))
+        engine.add_request(GenerationRequest("same", "Hello again", SamplingParams(max_tokens=3)))
     run_to_completion(engine)
-    engine.add_request("same", "Once finished, the id is free", SamplingParams(max_tokens=2))
+    engine.add_request(GenerationRequest("same", "Once finished, the id is free", SamplingParams(max_tokens=2)))
     run_to_completion(engine)
 
 
@@ -288,7 +292,7 @@ def test_a_failing_step_observer_does_not_stop_generation(make_engine, expected,
 
     engine.observer = broken_metrics
     prompt_ids, want = expected["p1"]
-    engine.add_request("r", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    engine.add_request(GenerationRequest("r", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS)))
     assert run_to_completion(engine)["r"][0] == want
     assert "the step observer failed" in caplog.text
 
@@ -320,7 +324,7 @@ def test_a_resumed_request_continues_exactly_where_the_published_tokens_stop(mak
     engine = make_engine()
     prompt_ids, want = expected["p3"]
     params = SamplingParams(max_tokens=MAX_TOKENS)
-    engine.add_request("resumed", prompt_ids, params, resumed_output_ids=want[:7])
+    engine.add_request(GenerationRequest("resumed", prompt_ids, params, resumed_output_ids=want[:7]))
     token_ids, final, _ = run_to_completion(engine)["resumed"]
     assert token_ids == want[7:]
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt_ids), len(want))
@@ -331,7 +335,9 @@ def test_a_resumed_request_continues_exactly_where_the_published_tokens_stop(mak
 )
 def test_resumed_output_that_cannot_be_continued_is_an_invalid_request(make_engine, resumed):
     engine = make_engine()
-    engine.add_request("r", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=resumed)
+    engine.add_request(
+        GenerationRequest("r", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=resumed)
+    )
     _, final, _ = run_to_completion(engine)["r"]
     assert final.error_code is ErrorCode.INVALID_REQUEST
 
@@ -341,7 +347,9 @@ def test_a_resumed_request_whose_published_tokens_already_end_it_ends_at_once(ma
     takeover writes only the final event, with the whole request's usage."""
     engine = make_engine()
     engine.add_request(
-        "full", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=list(range(MAX_TOKENS))
+        GenerationRequest(
+            "full", "Hello", SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=list(range(MAX_TOKENS))
+        )
     )
     token_ids, final, _ = run_to_completion(engine)["full"]
     assert token_ids == [] and final.finish_reason is FinishReason.LENGTH and final.error is None
@@ -358,13 +366,13 @@ def test_a_failed_model_step_fails_the_requests_it_ran_with_internal_error_and_t
         engine.runner.execute = execute  # the next step runs normally
         raise RuntimeError("device lost")
 
-    engine.add_request("hit", "Hello", SamplingParams(max_tokens=5))
+    engine.add_request(GenerationRequest("hit", "Hello", SamplingParams(max_tokens=5)))
     engine.runner.execute = failing_once
     _, final, _ = run_to_completion(engine)["hit"]
     assert final.finish_reason is FinishReason.ERROR and final.error_code is ErrorCode.INTERNAL_ERROR
     assert "device lost" in final.error
     prompt_ids, want = expected["p1"]
-    engine.add_request("after", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    engine.add_request(GenerationRequest("after", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS)))
     assert run_to_completion(engine)["after"][0] == want
 
 
@@ -447,6 +455,6 @@ def test_a_takeover_continues_every_choice_after_its_published_tokens(make_engin
 @pytest.mark.parametrize("n", [0, 17, True])
 def test_n_outside_1_to_16_is_an_invalid_request(make_engine, n):
     engine = make_engine()
-    engine.add_request("r", "Hello", SamplingParams(max_tokens=4, n=n))
+    engine.add_request(GenerationRequest("r", "Hello", SamplingParams(max_tokens=4, n=n)))
     _, final, _ = run_to_completion(engine)["r"]
     assert final.error_code is ErrorCode.INVALID_REQUEST and "n must be" in final.error

@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from service.metrics import Metrics
-from workers.api import FinalEvent, SamplingParams
+from workers.api import FinalEvent, GenerationRequest, SamplingParams
 
 BLOCK_BYTES = 16 * 46_080  # one 16-token block of SmolLM2-135M in float32 (all layers, K and V)
 UNITS = ("_seconds", "_tokens", "_blocks", "_entries", "_ratio", "_requests", "_preemptions", "_letters")
@@ -39,7 +39,9 @@ def test_a_real_engine_feeds_step_and_request_metrics_through_its_observer(make_
     engine.observer = observe
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     for request_id, priority in (("low", -2), ("mid", 0), ("high", 3)):
-        engine.add_request(request_id, "List the numbers from 1 to 300, comma separated:", params, priority)
+        engine.add_request(
+            GenerationRequest(request_id, "List the numbers from 1 to 300, comma separated:", params, priority)
+        )
     finals, steps, first_finish_step = [], 0, None
     while engine.has_unfinished():
         finals += [e for e in engine.step() if isinstance(e, FinalEvent)]
@@ -114,7 +116,7 @@ def test_prefix_cache_hits_evictions_and_offloads_by_tier(make_engine):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
 
     def run(request_id, prompt):
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(GenerationRequest(request_id, prompt, params))
         while engine.has_unfinished():
             engine.step()
 
@@ -293,7 +295,7 @@ def test_speculative_decoding_counts_drafted_and_accepted_tokens_and_each_verifi
         metrics.observe_step(stats)
 
     engine.observer = observe
-    engine.add_request("copies", COPYING[1], SamplingParams(max_tokens=24))
+    engine.add_request(GenerationRequest("copies", COPYING[1], SamplingParams(max_tokens=24)))
     while engine.has_unfinished():
         engine.step()
     drafted = value(metrics, "inflight_speculative_tokens_total", kind="drafted")

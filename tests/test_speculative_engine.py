@@ -15,7 +15,7 @@ from bench.drive import StepRecorder
 from bench.spec import PARAGRAPHS as BENCH_PARAGRAPHS
 from tests.conftest import run_to_completion
 from tests.test_engine import PROMPTS
-from workers.api import FinishReason, SamplingParams, TokenEvent
+from workers.api import FinishReason, GenerationRequest, SamplingParams, TokenEvent
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from workers.engine import Engine
 from workers.model_loader import load_model
@@ -95,7 +95,9 @@ def test_a_takeover_continues_exactly_with_speculation(make_engine, baseline):
     engine = make_engine()
     records = StepRecorder(engine)
     prompt_ids, want = baseline["copy1"]
-    engine.add_request("resumed", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=want[:7])
+    engine.add_request(
+        GenerationRequest("resumed", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS), resumed_output_ids=want[:7])
+    )
     token_ids, final, _ = run_to_completion(engine)["resumed"]
     assert token_ids == want[7:]
     assert final.usage.completion_tokens == len(want)
@@ -145,7 +147,7 @@ def test_random_cancels_mid_speculation_leave_no_block_behind(make_engine, basel
     ids = list(baseline)
     for i in range(12):
         rid = rng.choice(ids)
-        engine.add_request(f"r{i}", baseline[rid][0], SamplingParams(max_tokens=MAX_TOKENS))
+        engine.add_request(GenerationRequest(f"r{i}", baseline[rid][0], SamplingParams(max_tokens=MAX_TOKENS)))
     live = {f"r{i}" for i in range(12)}
     cancelled_while_drafting = 0
     while engine.has_unfinished():

@@ -19,7 +19,7 @@ import torch
 from bench.drive import Driver, StepRecorder
 from bench.schemas import generate_schemas
 from tests.conftest import run_to_completion
-from workers.api import ErrorCode, FinishReason, SamplingParams, TokenEvent
+from workers.api import ErrorCode, FinishReason, GenerationRequest, SamplingParams, TokenEvent
 
 pytestmark = pytest.mark.slow
 
@@ -195,8 +195,10 @@ def test_takeover_rebuilds_grammar_state_from_published_tokens(make_engine):
     assert final.finish_reason is FinishReason.STOP
     assert_valid(PERSON, text)
     cut = len(tokens) // 2
-    engine.add_request("resumed", schema_prompt(PERSON), params, resumed_output_ids=tokens[:cut])
-    engine.add_request("misfit", schema_prompt(PERSON), params, resumed_output_ids=engine.tokenizer.encode("hello"))
+    engine.add_request(GenerationRequest("resumed", schema_prompt(PERSON), params, resumed_output_ids=tokens[:cut]))
+    engine.add_request(
+        GenerationRequest("misfit", schema_prompt(PERSON), params, resumed_output_ids=engine.tokenizer.encode("hello"))
+    )
     results = run_to_completion(engine)
     assert results["resumed"][0] == tokens[cut:]
     assert results["resumed"][1].finish_reason is FinishReason.STOP
@@ -217,8 +219,12 @@ def test_logprobs_equal_log_softmax_of_plain_transformers(make_engine, smollm2_r
     the mask (the model's distribution), so they are the same numbers."""
     engine = make_engine()
     prompt_ids = engine.tokenizer("The three primary colors are").input_ids
-    engine.add_request("free", prompt_ids, SamplingParams(max_tokens=8, logprobs=True, top_logprobs=5))
-    engine.add_request("shaped", prompt_ids, SamplingParams(max_tokens=8, top_logprobs=3, regex=r"[a-z ,]+"))
+    engine.add_request(
+        GenerationRequest("free", prompt_ids, SamplingParams(max_tokens=8, logprobs=True, top_logprobs=5))
+    )
+    engine.add_request(
+        GenerationRequest("shaped", prompt_ids, SamplingParams(max_tokens=8, top_logprobs=3, regex=r"[a-z ,]+"))
+    )
     token_events = {"free": [], "shaped": []}
     while engine.has_unfinished():
         for event in engine.step():

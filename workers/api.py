@@ -1,10 +1,12 @@
-"""The engine's public types: what a caller asks for (`SamplingParams`) and the events it gets
-back (`TokenEvent`, `FinalEvent`). The scheduler's own request state is `workers/request.py`."""
+"""The engine's public types: what a caller asks for (`GenerationRequest`, its `SamplingParams`)
+and the events it gets back (`TokenEvent`, `FinalEvent`). The scheduler's own request state is
+`workers/request.py`."""
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
@@ -141,6 +143,42 @@ class SamplingParams:
             raise InvalidRequest(
                 f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
             )
+
+
+Prompt = str | list[dict] | list[int]  # text, chat messages, or token ids
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request, as the edge hands it to the engine (`Engine.add_request`).
+
+    `priority` is an integer in [PRIORITY_MIN, PRIORITY_MAX], higher first.
+    `deadline` is a wall-clock time (`time.time()` seconds): a request not finished
+    by then ends with finish_reason `deadline`, keeping the tokens it produced.
+    `arrived_at` (a `time.time()` in the past) is when a request that waited
+    elsewhere first arrived, e.g. a job taken over from a worker that died: it keeps
+    its place in the queue's order, and its timings count from then.
+    `resumed_output_ids` are output tokens another worker already produced for this
+    request: they count towards `max_tokens` and `usage.completion_tokens`, are
+    recomputed with the prompt, and generation goes on after them (their text is
+    not emitted again; stop strings are matched in the new text only). With
+    `params.n` > 1 it holds one such list per choice (or is empty). A choice whose
+    tokens already end in a stop token or reach max_tokens has ended; a request
+    whose every choice has ended has only its final event.
+    With `params.n` > 1 the prompt is computed once and the choices share its KV
+    blocks; every token event names its choice (`index`), and the one final event
+    comes when the last choice ends, with each choice's end in `choices`.
+    Nothing is checked here: the engine validates a request as it takes it, and bad
+    input becomes the request's error event.
+    """
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams = SamplingParams()
+    priority: int = DEFAULT_PRIORITY
+    deadline: float | None = None
+    arrived_at: float | None = None
+    resumed_output_ids: Sequence[int] | Sequence[Sequence[int]] = ()
 
 
 class FinishReason(str, enum.Enum):

@@ -1,8 +1,9 @@
-"""An asyncio front end for the engine: submit a request, iterate its events.
+"""An asyncio front end for the engine: submit a request, get its events.
 
 The model step runs in a single worker thread, so the event loop (Redis I/O,
-/metrics) never waits for a forward pass. Each request gets a queue that the
-stepping task fills with its events.
+/metrics) never waits for a forward pass. A request's events go where its submit
+says: `submit_streamed` gives it a stream (a queue the stepping task fills) to
+iterate; `submit_batched` hands them to `on_events` with the rest of their step's.
 
 That thread is the process's one torch thread: build the engine there too
 (`await on_torch_thread(Engine.from_config, config)`). libgomp keeps an OpenMP team
@@ -15,13 +16,12 @@ step slower than one loaded and stepped on one thread (see docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from workers.api import DEFAULT_PRIORITY, Event, FinalEvent, SamplingParams
-from workers.engine import Engine, Prompt
+from workers.api import Event, FinalEvent, GenerationRequest
+from workers.engine import Engine
 
 T = TypeVar("T")
 
@@ -36,15 +36,14 @@ async def on_torch_thread(fn: Callable[..., T], *args) -> T:
 class AsyncEngine:
     def __init__(self, engine: Engine, on_events: Callable[[list[Event]], None] | None = None) -> None:
         """`on_events`, when given, receives each step's events of the requests queued with
-        `enqueue`, all at once, on the event loop (a publisher that batches per step)."""
+        `submit_batched`, all at once, on the event loop (a publisher that batches per step)."""
         self.engine = engine
         self.on_events = on_events
         self._queues: dict[str, asyncio.Queue[Event]] = {}
-        self._enqueued: set[str] = set()  # ids queued with `enqueue` whose final event is not yet handed on
+        self._batched: set[str] = set()  # ids queued with `submit_batched` whose final event is not yet handed on
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._closing = False
-        self._ids = itertools.count()
 
     async def __aenter__(self) -> AsyncEngine:
         self._loop_task = asyncio.create_task(self._step_loop(), name="inflight-step-loop")
@@ -60,59 +59,30 @@ class AsyncEngine:
                 pass
             await on_torch_thread(lambda: None)  # a step still running finishes first
 
-    def submit(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = DEFAULT_PRIORITY,
-        deadline: float | None = None,
-        arrived_at: float | None = None,
-        resumed_output_ids: Sequence[int] = (),
-    ) -> RequestStream:
-        """Queue a request now; iterate the returned stream for its events.
+    def submit_streamed(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; its events come in the returned stream, to iterate.
 
-        `priority`, `deadline`, `arrived_at` and `resumed_output_ids` are as in
-        `Engine.add_request`. Raises
-        `InvalidRequest` only for an id that is already live; any other bad input
-        arrives as the stream's single, final error event.
+        Raises `InvalidRequest` only for an id that is already live; any other bad
+        input arrives as the stream's single, final error event.
         """
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        self.enqueue(prompt, params, request_id, priority, deadline, arrived_at, resumed_output_ids)
-        stream = RequestStream(self, request_id)
-        self._queues[request_id] = stream.queue
+        self._add(request)
+        stream = RequestStream(self, request.request_id)
+        self._queues[request.request_id] = stream.queue
         return stream
 
-    def enqueue(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = DEFAULT_PRIORITY,
-        deadline: float | None = None,
-        arrived_at: float | None = None,
-        resumed_output_ids: Sequence[int] = (),
-    ) -> None:
-        """Queue a request whose events go to `on_events`, with the rest of their step's."""
-        self.engine.add_request(request_id, prompt, params, priority, deadline, arrived_at, resumed_output_ids)
-        self._enqueued.add(request_id)
-        self._wakeup.set()
+    def submit_batched(self, request: GenerationRequest) -> None:
+        """Queue a request; its events go to `on_events`, with the rest of their step's."""
+        self._add(request)
+        self._batched.add(request.request_id)
 
     def holds(self, request_id: str) -> bool:
-        """Whether a request queued with `enqueue` under `request_id` has yet to hand its
-        final event to `on_events` (a cancelled one ends at the engine's next step)."""
-        return request_id in self._enqueued
+        """Whether a request queued with `submit_batched` under `request_id` has yet to hand
+        its final event to `on_events` (a cancelled one ends at the engine's next step)."""
+        return request_id in self._batched
 
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str | None = None,
-        priority: int = DEFAULT_PRIORITY,
-        deadline: float | None = None,
-    ) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """Submit and yield the events. Leaving early (break, task cancelled) cancels the request."""
-        stream = self.submit(prompt, params, request_id, priority, deadline)
+        stream = self.submit_streamed(request)
         try:
             async for event in stream:
                 yield event
@@ -123,6 +93,10 @@ class AsyncEngine:
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
+        self._wakeup.set()
+
+    def _add(self, request: GenerationRequest) -> None:
+        self.engine.add_request(request)
         self._wakeup.set()
 
     async def _step_loop(self) -> None:
@@ -152,7 +126,7 @@ class AsyncEngine:
             else:
                 unrouted.append(event)
                 if isinstance(event, FinalEvent):
-                    self._enqueued.discard(event.request_id)
+                    self._batched.discard(event.request_id)
         if unrouted and self.on_events is not None:
             self.on_events(unrouted)
 

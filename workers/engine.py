@@ -31,19 +31,20 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from workers.api import (
-    DEFAULT_PRIORITY,
     ChoiceEnd,
     ErrorCode,
     Event,
     FinalEvent,
     FinishReason,
+    GenerationRequest,
     InvalidRequest,
+    Prompt,
     SamplingParams,
     Timings,
     TokenEvent,
@@ -65,8 +66,6 @@ from workers.structured import Grammars, GrammarState, InvalidGrammar
 
 _log = logging.getLogger("inflight.engine")
 _NO_LOGPROBS = (None, None, ())  # a token event's logprob, token and top_logprobs, unasked
-
-Prompt = str | list[dict] | list[int]
 
 
 @dataclass(frozen=True)
@@ -218,37 +217,15 @@ class Engine:
 
     # -- the API -------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams,
-        priority: int = DEFAULT_PRIORITY,
-        deadline: float | None = None,
-        arrived_at: float | None = None,
-        resumed_output_ids: Sequence[int] = (),
-    ) -> None:
-        """Queue a request. Bad input does not raise: the request's only event is an error.
-
-        `priority` is an integer in [PRIORITY_MIN, PRIORITY_MAX], higher first.
-        `deadline` is a wall-clock time (`time.time()` seconds): a request not finished
-        by then ends with finish_reason `deadline`, keeping the tokens it produced.
-        `arrived_at` (a `time.time()` in the past) is when a request that waited
-        elsewhere first arrived, e.g. a job taken over from a worker that died: it keeps
-        its place in the queue's order, and its timings count from then.
-        `resumed_output_ids` are output tokens another worker already produced for this
-        request: they count towards `max_tokens` and `usage.completion_tokens`, are
-        recomputed with the prompt, and generation goes on after them (their text is
-        not emitted again; stop strings are matched in the new text only). With
-        `params.n` > 1 it holds one such list per choice (or is empty). A choice whose
-        tokens already end in a stop token or reach max_tokens has ended; a request
-        whose every choice has ended has only its final event.
-        With `params.n` > 1 the prompt is computed once and the choices share its KV
-        blocks; every token event names its choice (`index`), and the one final event
-        comes when the last choice ends, with each choice's end in `choices`.
-        A request id that is already live raises `InvalidRequest`, since an error
-        event under that id would end the other request's stream.
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request (see `GenerationRequest`). Bad input does not raise: the
+        request's only event is an error. A request id that is already live raises
+        `InvalidRequest`, since an error event under that id would end the other
+        request's stream.
         """
+        request_id, prompt, params = request.request_id, request.prompt, request.params
+        priority, deadline, arrived_at = request.priority, request.deadline, request.arrived_at
+        resumed_output_ids = request.resumed_output_ids
         arrival = time.perf_counter()
         if arrived_at is not None and math.isfinite(arrived_at):
             arrival -= max(0.0, time.time() - arrived_at)
