@@ -26,7 +26,7 @@ from pathlib import Path
 
 from bench.metrics import percentile
 from bench.paired import paired_runs, short_prompts, text_prompts
-from bench.processes import GatewayProcess
+from bench.servers import open_gateway
 from bench.systems import ThroughGateway, ThroughRedis, bench_worker, redis_server
 from bench.workload import make_workload, prompt_vocabulary
 from service.connect import connect
@@ -74,24 +74,8 @@ async def _run(args: argparse.Namespace) -> dict:
         # compute its prompts, and the path it belongs to would look slow.
         worker = bench_worker(url, prefix, args, Path(logs), "--no-prefix-caching")
         worker.start()
-        gateway = GatewayProcess(
-            "bench",
-            [
-                "--redis-url",
-                url,
-                "--requests-stream",
-                f"{prefix}:requests",
-                "--control-stream",
-                f"{prefix}:control",
-                "--reply-timeout-s",
-                "300",
-                "--max-queue-depth",
-                "0",
-                "--max-queue-age-s",
-                "0",
-            ],
-            Path(logs),
-        )
+        streams = ["--requests-stream", f"{prefix}:requests", "--control-stream", f"{prefix}:control"]
+        gateway = open_gateway("bench", url, 300, Path(logs), *streams)
         gateway.start()
         try:
             gateway.wait_ready()

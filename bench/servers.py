@@ -47,21 +47,7 @@ def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: fl
             *shlex.split(args.serve_worker_args),
         ]
         worker = WorkerProcess("serve", worker_argv, log_dir)
-        # No 429s: vLLM queues whatever arrives, and a refused request would be a failure here.
-        gateway = GatewayProcess(
-            "serve",
-            [
-                "--redis-url",
-                redis.url,
-                "--max-queue-depth",
-                "0",
-                "--max-queue-age-s",
-                "0",
-                "--reply-timeout-s",
-                str(args.serve_request_timeout_s),
-            ],
-            log_dir,
-        )
+        gateway = open_gateway("serve", redis.url, args.serve_request_timeout_s, log_dir)
         reaper = None
         try:
             worker.start()
@@ -75,6 +61,14 @@ def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: fl
             worker.stop()
             if reaper is not None:
                 stop_reaper(reaper)
+
+
+def open_gateway(name: str, redis_url: str, reply_timeout_s: float, log_dir: Path, *extra: str) -> GatewayProcess:
+    """A gateway that refuses nothing (no queue depth or age bound): a refused request would
+    be a failure in the bench, and vLLM, the peer, queues whatever arrives."""
+    backpressure_off = ["--max-queue-depth", "0", "--max-queue-age-s", "0"]
+    argv = ["--redis-url", redis_url, "--reply-timeout-s", str(reply_timeout_s), *backpressure_off, *extra]
+    return GatewayProcess(name, argv, log_dir)
 
 
 def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len: int) -> list[str]:
