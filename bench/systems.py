@@ -2,6 +2,7 @@
 `await path.generate({request_id: (text, max_tokens)})` returns each request's token
 arrival times in seconds after t0, every request sent at t0, greedy with EOS ignored.
 
+- `InProcess`: the engine in this process behind the `AsyncEngine` front a worker uses;
 - `ThroughRedis`: jobs queued on a worker's request stream in one pipelined round trip,
   all reply streams followed with one blocking XREAD;
 - `ThroughGateway`: one streamed `POST /v1/completions` per request (`bench/http_client.py`).
@@ -12,6 +13,7 @@ arrival times in seconds after t0, every request sent at t0, greedy with EOS ign
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import socket
 import tempfile
@@ -25,9 +27,37 @@ from bench.http_client import CompletionsClient, Prompt, token_times
 from bench.processes import WorkerProcess
 from service.protocol import reply_stream
 from service.sdk import job_payload
+from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 
 # A worker that stopped answering (or a job dead-lettered) fails the run instead of hanging it.
 QUIET_LIMIT_S = 120.0
+
+
+class InProcess:
+    """The engine in this process, behind the `AsyncEngine` front a worker uses."""
+
+    def __init__(self, front) -> None:
+        self.front = front
+
+    async def generate(self, prompts: dict[str, tuple[str, int]]) -> dict[str, list[float]]:
+        """Submit every prompt at t0; each request's token arrival times after t0."""
+        t0 = time.perf_counter()
+        streams = {
+            rid: self.front.submit_streamed(GenerationRequest(rid, text, SamplingParams(max_tokens=n, ignore_eos=True)))
+            for rid, (text, n) in prompts.items()
+        }
+
+        async def follow(stream) -> list[float]:
+            times = []
+            async for event in stream:
+                if isinstance(event, TokenEvent):
+                    times.extend([time.perf_counter() - t0] * len(event.token_ids))
+                elif isinstance(event, FinalEvent) and event.error:
+                    raise RuntimeError(f"in-process request {event.request_id} failed: {event.error}")
+            return times
+
+        results = await asyncio.gather(*(follow(s) for s in streams.values()))
+        return dict(zip(streams, results))
 
 
 class ThroughRedis:
