@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 
+from bench.arrivals import ArrivalQueue
 from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 
 
@@ -104,6 +105,22 @@ class Driver:
                     raise RuntimeError(f"request {request_id} failed: {event.error}")
                 self.finals[request_id] = event
         return events
+
+    def admit(self, queue: ArrivalQueue) -> None:
+        """Add what `queue` releases now (each item `add`'s keywords): at its send time after
+        t0, or while fewer than the queue's concurrency are in flight."""
+        for request in queue.due(self.now(), in_flight=len(self.arrivals) - len(self.finals)):
+            self.add(**request)
+
+    def run_arrivals(self, queue: ArrivalQueue) -> None:
+        """Step until every request of `queue` has arrived and finished; with nothing to
+        step, idle until the next send time."""
+        while queue or self.engine.has_unfinished():
+            self.admit(queue)
+            if self.engine.has_unfinished():
+                self.step()
+            elif queue.next_s() is not None:
+                time.sleep(max(0.0, queue.next_s() - self.now()))
 
     def run_until(self, done: Callable[[], bool], max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):

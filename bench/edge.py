@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import tempfile
 import threading
 import time
@@ -47,7 +46,7 @@ import structlog
 import uvloop
 
 from bench.metrics import percentile
-from bench.processes import RedisClusterServers, RedisServer
+from bench.processes import RedisClusterServers, RedisServer, cpu_seconds
 from service.config import RedisConfig
 from service.connect import connect
 from service.metrics import Metrics
@@ -201,12 +200,8 @@ def _middle_rate(landed: list[tuple[float, int]]) -> float | None:
 
 
 def _redis_cpu_s(nodes) -> float:
-    """User plus system CPU seconds of the redis-server processes (Linux /proc)."""
-    total = 0.0
-    for node in nodes:
-        fields = Path(f"/proc/{node.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    """User plus system CPU seconds of the redis-server processes."""
+    return sum(cpu_seconds(node.process.pid) for node in nodes)
 
 
 def _used_memory(nodes) -> int:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 
+from bench.arrivals import ArrivalQueue, bursts
 from bench.drive import Driver, random_prompts
 from bench.metrics import percentile
 from workers.api import PRIORITY_MAX, PRIORITY_MIN
@@ -47,19 +47,15 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     low_ids = [f"low-{i}" for i in range(args.priority_low)]
     for request_id, prompt in zip(low_ids, random_prompts(rng, len(low_ids), (8, 32), vocab_ids)):
         drive.add(request_id, prompt, output_len=rng.randint(2, 8), priority=PRIORITY_MIN)
-    high = [(f"high-{i}", (i + 1) * args.priority_high_every) for i in range(args.priority_high)]
-    high_prompts = random_prompts(rng, len(high), (8, 32), vocab_ids)
-    pending = list(zip(high, high_prompts))
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0][1] <= drive.now():
-            (request_id, _), prompt = pending.pop(0)
-            drive.add(request_id, prompt, output_len=rng.randint(2, 8), priority=PRIORITY_MAX)
-        if engine.has_unfinished():
-            drive.step()
-        elif pending:
-            time.sleep(max(0.0, pending[0][0][1] - drive.now()))  # idle until the next arrival
+    high_ids = [f"high-{i}" for i in range(args.priority_high)]
+    high_prompts = random_prompts(rng, len(high_ids), (8, 32), vocab_ids)
+    high = [
+        {"request_id": r, "prompt_ids": prompt, "output_len": rng.randint(2, 8), "priority": PRIORITY_MAX}
+        for r, prompt in zip(high_ids, high_prompts)
+    ]
+    every = args.priority_high_every
+    drive.run_arrivals(ArrivalQueue(high, times=bursts(len(high), 1, every_s=every, first_s=every)))
 
-    high_ids = [request_id for request_id, _ in high]
     first_token = {r: drive.token_times[r][0] for r in low_ids + high_ids}
     low_ttft = [drive.first_token_s(r) for r in low_ids]
     high_ttft = [drive.first_token_s(r) for r in high_ids]

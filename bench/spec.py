@@ -35,8 +35,8 @@ import random
 import time
 from collections import Counter
 
+from bench.arrivals import ArrivalQueue
 from bench.drive import Driver, StepRecorder, random_prompts
-from workers.api import SamplingParams
 from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
 from workers.engine import Engine
 from workers.model_loader import encode_prompt
@@ -117,24 +117,31 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
             for text in COPY_PROMPTS[: args.spec_copy_requests]
         ]
         for concurrency in (int(c) for c in args.spec_concurrency.split(",") if c.strip()):
-            requests = [(f"copy{i}", ids, args.spec_max_tokens, False) for i, ids in enumerate(prompts)]
+            requests = [
+                request(f"copy{i}", ids, args.spec_max_tokens, ignore_eos=False) for i, ids in enumerate(prompts)
+            ]
             report[f"copy_c{concurrency}"] = compare(loaded, args, on, requests, concurrency)
     if "default" in workloads:
         rng = random.Random(args.seed)
         prompts = random_prompts(rng, args.requests, tuple(args.prompt_len), vocab_ids)
-        requests = [(f"r{i}", ids, rng.randint(*args.output_len), True) for i, ids in enumerate(prompts)]
+        requests = [request(f"r{i}", ids, rng.randint(*args.output_len)) for i, ids in enumerate(prompts)]
         report["default"] = compare(loaded, args, on, requests, len(requests))
     if "sharegpt" in workloads:
         from bench.sharegpt import make_sharegpt_workload
 
         workload = make_sharegpt_workload(loaded.tokenizer, args.requests, args.sharegpt_max_output, args.seed)
-        requests = [(r.request_id, r.prompt_ids, r.output_len, True) for r in workload.requests]
+        requests = [request(r.request_id, r.prompt_ids, r.output_len) for r in workload.requests]
         for concurrency in (int(c) for c in args.spec_sharegpt_concurrency.split(",") if c.strip()):
             report[f"sharegpt_c{concurrency}"] = compare(loaded, args, on, requests, min(concurrency, len(requests)))
     return report
 
 
-def compare(loaded, args, on: SpeculativeConfig, requests: list[tuple], concurrency: int) -> dict:
+def request(request_id: str, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
+    """A greedy request, as `Driver.add` takes it."""
+    return {"request_id": request_id, "prompt_ids": prompt_ids, "output_len": max_tokens, "ignore_eos": ignore_eos}
+
+
+def compare(loaded, args, on: SpeculativeConfig, requests: list[dict], concurrency: int) -> dict:
     """Run `requests` on two engines, speculation off and on, stepped alternately (see the
     module doc); their figures and the ratio of their output tok/s."""
     runs = {
@@ -154,7 +161,9 @@ def compare(loaded, args, on: SpeculativeConfig, requests: list[tuple], concurre
         "concurrency": concurrency,
         "identical": off.driver.tokens == spec.driver.tokens,
         "speedup": result["on"]["output_tok_s"] / result["off"]["output_tok_s"],
-        "copied_fraction": copied_fraction([r[1] for r in requests], [off.driver.tokens[r[0]] for r in requests]),
+        "copied_fraction": copied_fraction(
+            [r["prompt_ids"] for r in requests], [off.driver.tokens[r["request_id"]] for r in requests]
+        ),
         "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
 
@@ -163,14 +172,13 @@ class Run:
     """One engine working through the requests, `concurrency` at a time, one step per call;
     its time is the sum of its own steps."""
 
-    def __init__(self, loaded, args, speculative: SpeculativeConfig, requests: list[tuple], concurrency: int):
+    def __init__(self, loaded, args, speculative: SpeculativeConfig, requests: list[dict], concurrency: int):
         self.engine = Engine(
             loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), speculative=speculative)
         )
         self.steps = StepRecorder(self.engine)
         self.driver = Driver(self.engine)
-        self.pending = list(requests)
-        self.concurrency = concurrency
+        self.arrivals = ArrivalQueue(requests, concurrency=concurrency)  # closed loop
         self.busy_s = 0.0
 
     @property
@@ -179,13 +187,10 @@ class Run:
 
     @property
     def going(self) -> bool:
-        return bool(self.pending) or self.engine.has_unfinished()
+        return bool(self.arrivals) or self.engine.has_unfinished()
 
     def step(self) -> None:
-        driver = self.driver
-        while self.pending and len(driver.arrivals) - len(driver.finals) < self.concurrency:
-            request_id, prompt_ids, max_tokens, ignore_eos = self.pending.pop(0)
-            self.driver.submit(request_id, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos))
+        self.driver.admit(self.arrivals)
         started = time.perf_counter()
         self.driver.step()
         self.busy_s += time.perf_counter() - started
