@@ -20,16 +20,11 @@ streamed, is what one more hop costs the machine.
 from __future__ import annotations
 
 import argparse
-import tempfile
-import uuid
-from pathlib import Path
 
-from bench.metrics import percentile
 from bench.paired import paired_runs, short_prompts, text_prompts
 from bench.servers import open_gateway
-from bench.systems import ThroughGateway, ThroughRedis, bench_worker, redis_server
+from bench.systems import ThroughGateway, ThroughRedis, private_worker
 from bench.workload import make_workload, prompt_vocabulary
-from service.connect import connect
 from workers.config import ModelConfig
 
 
@@ -66,43 +61,26 @@ async def _run(args: argparse.Namespace) -> dict:
     prompts = text_prompts(tokenizer, workload)
     short = short_prompts(tokenizer, vocab_ids, args.gateway_ttft_pairs, args.seed)
 
-    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-gw-") as logs:
-        client = connect(url, socket_timeout=30)
-        run_id = uuid.uuid4().hex[:8]
-        prefix = f"inflight:bench:{run_id}"
-        # Both paths share this worker: with prefix caching, only the first round would
-        # compute its prompts, and the path it belongs to would look slow.
-        worker = bench_worker(url, prefix, args, Path(logs), "--no-prefix-caching")
-        worker.start()
-        streams = ["--requests-stream", f"{prefix}:requests", "--control-stream", f"{prefix}:control"]
-        gateway = open_gateway("bench", url, 300, Path(logs), *streams)
+    # Both paths share the worker: with prefix caching, only the first round would compute
+    # its prompts, and the path it belongs to would look slow.
+    async with private_worker(args.redis_url, args, "--no-prefix-caching") as run:
+        streams = ["--requests-stream", f"{run.prefix}:requests", "--control-stream", f"{run.prefix}:control"]
+        gateway = open_gateway("bench", run.url, 300, run.log_dir, *streams)
         gateway.start()
         try:
             gateway.wait_ready()
-            async with ThroughGateway(gateway.url, client) as through_gateway:
-                paths = {"redis": ThroughRedis(client, prefix), "gateway": through_gateway}
-                runs = await paired_runs(
-                    paths, prompts, short, args.gateway_rounds, run_id, meters={"gateway": gateway.cpu_seconds}
-                )
+            async with ThroughGateway(gateway.url, run.client) as through_gateway:
+                paths = {"redis": ThroughRedis(run.client, run.prefix), "gateway": through_gateway}
+                meters = {"gateway": gateway.cpu_seconds}
+                runs = await paired_runs(paths, prompts, short, args.gateway_rounds, run.run_id, meters)
         finally:
             gateway.stop()
-            worker.stop()
-            await client.delete(*[key async for key in client.scan_iter(f"{prefix}:*")])
-            await client.aclose()
 
     streamed = runs.output_tokens("gateway")
     gateway_cpu_s = runs.metered["gateway"]
-    return {
-        "output_tokens_per_s": runs.output_tokens_per_s("gateway"),
-        "redis_output_tokens_per_s": runs.output_tokens_per_s("redis"),
-        "throughput_ratio": runs.output_tokens_per_s("gateway") / runs.output_tokens_per_s("redis"),
-        "ttft_overhead_p50_s": runs.ttft_overhead_p50_s("redis", "gateway"),
-        "ttft_p50_s": percentile(runs.ttft["gateway"], 50),
-        "redis_ttft_p50_s": percentile(runs.ttft["redis"], 50),
-        "ttft_pairs": len(runs.ttft["gateway"]),
+    return runs.figures("redis", "gateway") | {
         "gateway_cpu_s": gateway_cpu_s,
         "gateway_cpu_ms_per_1000_tokens": gateway_cpu_s * 1e6 / streamed,
         "streamed_tokens": streamed,
-        "rounds": runs.brief_rounds(),
         "workload": workload.describe(),
     }

@@ -46,6 +46,21 @@ class PairedRuns:
     def ttft_overhead_p50_s(self, base: str, other: str) -> float:
         return percentile([o - b for o, b in zip(self.ttft[other], self.ttft[base])], 50)
 
+    def figures(self, base: str, other: str) -> dict:
+        """`other` against `base`: its throughput and TTFT, `base`'s beside them (under its
+        name), their ratio, the TTFT overhead and every round in brief."""
+        throughput = self.output_tokens_per_s(other)
+        return {
+            "output_tokens_per_s": throughput,
+            f"{base}_output_tokens_per_s": self.output_tokens_per_s(base),
+            "throughput_ratio": throughput / self.output_tokens_per_s(base),
+            "ttft_overhead_p50_s": self.ttft_overhead_p50_s(base, other),
+            "ttft_p50_s": percentile(self.ttft[other], 50),
+            f"{base}_ttft_p50_s": percentile(self.ttft[base], 50),
+            "ttft_pairs": len(self.ttft[other]),
+            "rounds": self.brief_rounds(),
+        }
+
     def brief_rounds(self) -> dict[str, list[dict]]:
         return {name: [{k: r[k] for k in BRIEF} for r in rounds] for name, rounds in self.rounds.items()}
 

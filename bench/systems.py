@@ -7,7 +7,8 @@ arrival times in seconds after t0, every request sent at t0, greedy with EOS ign
   all reply streams followed with one blocking XREAD;
 - `ThroughGateway`: one streamed `POST /v1/completions` per request (`bench/http_client.py`).
 
-`redis_server` and `bench_worker` bring up what the paths go through.
+`private_worker` brings up what the Redis and gateway paths go through: a Redis server and
+a worker on streams of the run's own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import contextlib
 import socket
 import tempfile
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -25,6 +28,7 @@ import msgpack
 from bench.arrivals import at_t0
 from bench.http_client import CompletionsClient, Prompt, token_times
 from bench.processes import WorkerProcess
+from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
 from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
@@ -127,6 +131,33 @@ async def delete_replies(client, request_ids: list[str]) -> None:
     """The requests' reply streams and their owner keys, read and done with."""
     streams = [reply_stream(r) for r in request_ids]
     await client.delete(*streams, *[f"{stream}:owner" for stream in streams])
+
+
+@dataclass(frozen=True)
+class PrivateWorker:
+    url: str  # the Redis server's
+    client: object  # a redis.asyncio client of it
+    run_id: str  # request ids are unique while their reply streams live
+    prefix: str  # of the run's streams and keys
+    log_dir: Path
+
+
+@contextlib.asynccontextmanager
+async def private_worker(redis_url: str, args: argparse.Namespace, *worker_flags: str):
+    """A worker on streams of this run's own (on `redis_url`, else an embedded Valkey);
+    on the way out the worker stops and the run's keys are deleted."""
+    with redis_server(redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-") as logs:
+        client = connect(url, socket_timeout=30)
+        run_id = uuid.uuid4().hex[:8]
+        run = PrivateWorker(url, client, run_id, f"inflight:bench:{run_id}", Path(logs))
+        worker = bench_worker(url, run.prefix, args, run.log_dir, *worker_flags)
+        worker.start()
+        try:
+            yield run
+        finally:
+            worker.stop()
+            await client.delete(*[key async for key in client.scan_iter(f"{run.prefix}:*")])
+            await client.aclose()
 
 
 def bench_worker(url: str, prefix: str, args: argparse.Namespace, log_dir: Path, *extra: str) -> WorkerProcess:

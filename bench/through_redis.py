@@ -22,16 +22,11 @@ The paths are `bench/systems.py`'s, the rounds and pairs `bench/paired.py`'s.
 from __future__ import annotations
 
 import argparse
-import tempfile
-import uuid
-from pathlib import Path
 
-from bench.metrics import percentile
 from bench.paired import paired_runs, short_prompts, text_prompts
-from bench.systems import InProcess, ThroughRedis, bench_worker, redis_server
+from bench.systems import InProcess, ThroughRedis, private_worker
 from bench.workload import make_workload, prompt_vocabulary
 from service.config import RedisConfig
-from service.connect import connect
 from workers.config import EngineConfig, ModelConfig
 
 
@@ -80,29 +75,7 @@ async def _run(args: argparse.Namespace) -> dict:
     prompts = text_prompts(loaded.tokenizer, workload)
     short = short_prompts(loaded.tokenizer, vocab_ids, args.ttft_pairs, args.seed)
 
-    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-redis-") as logs:
-        client = connect(url, socket_timeout=30)
-        run_id = uuid.uuid4().hex[:8]  # request ids are unique while their reply streams live
-        prefix = f"inflight:bench:{run_id}"
-        worker = bench_worker(url, prefix, args, Path(logs))
-        worker.start()
-        try:
-            async with AsyncEngine(engine) as front:
-                paths = {"inprocess": InProcess(front), "redis": ThroughRedis(client, prefix)}
-                runs = await paired_runs(paths, prompts, short, args.redis_rounds, run_id)
-        finally:
-            worker.stop()
-            await client.delete(*[key async for key in client.scan_iter(f"{prefix}:*")])
-            await client.aclose()
-
-    return {
-        "output_tokens_per_s": runs.output_tokens_per_s("redis"),
-        "inprocess_output_tokens_per_s": runs.output_tokens_per_s("inprocess"),
-        "throughput_ratio": runs.output_tokens_per_s("redis") / runs.output_tokens_per_s("inprocess"),
-        "ttft_overhead_p50_s": runs.ttft_overhead_p50_s("inprocess", "redis"),
-        "ttft_p50_s": percentile(runs.ttft["redis"], 50),
-        "inprocess_ttft_p50_s": percentile(runs.ttft["inprocess"], 50),
-        "ttft_pairs": len(runs.ttft["redis"]),
-        "rounds": runs.brief_rounds(),
-        "workload": workload.describe(),
-    }
+    async with private_worker(args.redis_url, args) as run, AsyncEngine(engine) as front:
+        paths = {"inprocess": InProcess(front), "redis": ThroughRedis(run.client, run.prefix)}
+        runs = await paired_runs(paths, prompts, short, args.redis_rounds, run.run_id)
+    return runs.figures("inprocess", "redis") | {"workload": workload.describe()}
