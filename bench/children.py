@@ -35,16 +35,13 @@ class Children:
 
     def run_vllm(self, python: Path, setting: str, model_folder: str) -> dict:
         """vLLM in a child of its own environment's Python, with `setting`'s environment."""
-        from bench.peer_vllm import settings
+        from bench.peer_vllm import environment
 
-        cores = len(os.sched_getaffinity(0))
-        environment = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
-        environment |= settings(cores)[setting]
         return self._child(
             "vllm",
             {"setting": setting, "model_folder": model_folder},
             lambda job, out: [str(python), "-m", "bench.peer_vllm", job, out],
-            environment,
+            environment(setting),
         )
 
     def _child(self, system: str, params: dict, command, environment: dict | None = None) -> dict:

@@ -42,6 +42,25 @@ def settings(cores: int) -> dict[str, dict[str, str]]:
     }
 
 
+# The variables a setting sets, reported with each run.
+SETTING_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU",
+    "VLLM_CPU_KVCACHE_SPACE",
+)
+
+
+def environment(setting: str) -> dict[str, str]:
+    """This process's environment less its OpenMP/vLLM variables, plus `setting`'s."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
+    return base | settings(len(os.sched_getaffinity(0)))[setting]
+
+
+def reported(environment: dict[str, str]) -> dict[str, str | None]:
+    return {k: environment.get(k) for k in SETTING_VARIABLES}
+
+
 def run(job: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
@@ -78,15 +97,7 @@ def run(job: dict) -> dict:
     return {
         "token_times": token_times,
         "vllm": vllm.__version__,
-        "environment": {
-            k: os.environ.get(k)
-            for k in (
-                "OMP_NUM_THREADS",
-                "VLLM_CPU_OMP_THREADS_BIND",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                "VLLM_CPU_KVCACHE_SPACE",
-            )
-        },
+        "environment": reported(os.environ),
     }
 
 

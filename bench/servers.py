@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench import peer_vllm
 from bench.processes import GatewayProcess, RedisServer, WorkerProcess, free_port
 from service.config import DEFAULT_MODEL_NAME
 
@@ -94,14 +95,6 @@ def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len
     ]
 
 
-def vllm_environment() -> dict[str, str]:
-    """This environment less its OpenMP/vLLM settings, plus peer_vllm's both-cores ones."""
-    from bench.peer_vllm import settings
-
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
-    return environment | settings(len(os.sched_getaffinity(0)))["both-cores"]
-
-
 def start_reaper(targets: list[str]) -> subprocess.Popen:
     """A watcher that SIGKILLs `targets` (pids, or -pgid for a process group) once this
     process is gone, should it die without its `finally` blocks running (SIGKILL). vLLM's
@@ -129,7 +122,7 @@ def vllm_server(
     gets SIGTERM, then SIGKILL (its EngineCore processes are in that group too)."""
     port = free_port()
     command = vllm_command(python, folder, dtype, port, max_model_len)
-    environment = vllm_environment()
+    environment = peer_vllm.environment("both-cores")
     log_path = log_dir / "vllm.log"
     with open(log_path, "w") as log:
         # Its own cwd: the repository's top-level packages must not shadow anything vLLM imports.
@@ -143,16 +136,7 @@ def vllm_server(
         _wait_healthy(url, process, log_path, start_timeout_s)
         with urllib.request.urlopen(f"{url}/version", timeout=10) as response:
             version = json.loads(response.read()).get("version")
-        settings = {
-            k: environment.get(k)
-            for k in (
-                "OMP_NUM_THREADS",
-                "VLLM_CPU_OMP_THREADS_BIND",
-                "VLLM_CPU_NUM_OF_RESERVED_CPU",
-                "VLLM_CPU_KVCACHE_SPACE",
-            )
-        }
-        yield {"url": url, "command": command, "vllm": version, "environment": settings}
+        yield {"url": url, "command": command, "vllm": version, "environment": peer_vllm.reported(environment)}
     finally:
         _kill_group(process)
         stop_reaper(reaper)
