@@ -27,10 +27,7 @@ def run_engine(loaded, workload: Workload, config) -> dict:
 
     t0 = time.perf_counter()
     token_times = _drain(engine, {r.request_id: (r.prompt_ids, r.output_len) for r in workload.requests}, t0)
-    for request in workload.requests:
-        got = len(token_times[request.request_id])
-        if got != request.output_len:
-            raise RuntimeError(f"engine: {request.request_id} produced {got} tokens, expected {request.output_len}")
+    workload.check_lengths("engine", token_times)
 
     steps = [{"num_tokens": s.num_tokens, "forward_s": s.forward_s, "step_s": s.step_s} for s in steps_done]
     forward_s = sum(s["forward_s"] for s in steps)

@@ -89,11 +89,7 @@ def run(job: dict) -> dict:
     warmup = workload.requests[0]
     drive([type(warmup)("warmup", warmup.prompt_ids[:16], 4)])
     token_times = drive(workload.requests)
-    for r in workload.requests:
-        if len(token_times[r.request_id]) != r.output_len:
-            raise RuntimeError(
-                f"vLLM made {len(token_times[r.request_id])} tokens for {r.request_id}, asked {r.output_len}"
-            )
+    workload.check_lengths("vllm", token_times)
     return {
         "token_times": token_times,
         "vllm": vllm.__version__,

@@ -81,15 +81,11 @@ def run_hf_continuous(
         manager.stop(block=True)
         manager.destroy()
 
-    token_times = {}
-    for request in workload.requests:
-        out = outputs[request.request_id]
-        if len(out.generated_tokens) != request.output_len or len(out.timestamps or []) != request.output_len:
-            raise RuntimeError(
-                f"hf_continuous: {request.request_id} produced {len(out.generated_tokens)} tokens, "
-                f"expected {request.output_len}"
-            )
-        token_times[request.request_id] = [t - t0 for t in out.timestamps]
+    # A token is counted by its timestamp (record_timestamps=True stamps each one).
+    token_times = {r.request_id: [t - t0 for t in outputs[r.request_id].timestamps or []] for r in workload.requests}
+    workload.check_lengths("hf_continuous", token_times)
+    if any(len(outputs[r].generated_tokens) != len(times) for r, times in token_times.items()):
+        raise RuntimeError("hf_continuous: a request's tokens and timestamps differ in number")
     return {
         "token_times": token_times,
         "max_batch_tokens": max_batch_tokens,

@@ -50,6 +50,13 @@ class Workload:
             "total_output_tokens": self.total_output_tokens,
         }
 
+    def check_lengths(self, system: str, token_times: dict[str, list[float]]) -> None:
+        """Every request got exactly its output length, or `system` did other work than the rest."""
+        for r in self.requests:
+            got = len(token_times[r.request_id])
+            if got != r.output_len:
+                raise RuntimeError(f"{system}: {r.request_id} produced {got} tokens, expected {r.output_len}")
+
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(asdict(self)))
 

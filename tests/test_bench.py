@@ -49,6 +49,15 @@ def test_workload_round_trips_through_json(tmp_path):
     assert Workload.load(tmp_path / "w.json") == workload
 
 
+def test_a_system_that_made_other_lengths_than_asked_fails_the_run():
+    workload = make_workload(2, (3, 5), (2, 4), ALLOWED, seed=1)
+    exact = {r.request_id: [0.1] * r.output_len for r in workload.requests}
+    workload.check_lengths("peer", exact)
+    short = exact | {"req-1": exact["req-1"][1:]}
+    with pytest.raises(RuntimeError, match="peer: req-1 produced"):
+        workload.check_lengths("peer", short)
+
+
 def test_special_token_ids_include_added_special_tokens():
     class Added:
         def __init__(self, special):
