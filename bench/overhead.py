@@ -126,7 +126,7 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
         clock.wrap(runner, "execute", "execute")
         clock.wrap(engine.sampler, "sample", "sampling")
         clock.wrap(engine.sampler, "argmax", "sampling")
-        clock.wrap(engine, "_token_events", "token_events")
+        clock.wrap(engine.outputs, "token_events", "token_events")
         clock.wrap(IncrementalDetokenizer, "push", "detokenization")
         steps, _ = _run_steps(engine, stub, args.overhead_steps, submit, clock)
     finally:

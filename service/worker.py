@@ -248,7 +248,7 @@ class Worker:
             entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts, choices=job.params.n
         )
         resumed = claim.token_ids if job.params.n == 1 else [claim.choices.get(i, []) for i in range(job.params.n)]
-        if job.params.constrained:  # compiled (or found cached) off the event loop; its error comes from the submit
+        if job.params.constrained:  # compiled (or found cached) off the event loop; its error comes as an event
             await asyncio.to_thread(_compile_quietly, self.front.engine, job.params)
         self.front.submit_batched(
             GenerationRequest(entry.entry_id, job.prompt, job.params, job.priority, deadline, arrived_at, resumed)

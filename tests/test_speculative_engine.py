@@ -19,6 +19,7 @@ from workers.api import FinishReason, GenerationRequest, SamplingParams, TokenEv
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from workers.engine import Engine
 from workers.model_loader import load_model
+from workers.speculative import verify
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,24 @@ COPYING = [
 MAX_TOKENS = 20
 OFF = SpeculativeConfig(enabled=False)
 BLOCK_BYTES = 16 * 46080  # one block of 16 tokens of SmolLM2's K/V in float32
+
+
+def test_verify_keeps_the_drafts_the_drawn_tokens_agree_with_then_the_token_drawn_after_them():
+    """One draw per position, only for the chunks still agreeing: chunk 0's second draft
+    is rejected (the token drawn there replaces it), chunk 1 has no drafts, chunk 2's are
+    all accepted and the token after its last draft is drawn too."""
+    drawn_at = {0: [5, 6, 9, 9], 2: [7, 8, 4]}  # the token each position of a chunk draws
+    drafts = [(5, 7, 3), (), (7, 8)]
+    calls = []
+
+    def draw(chunks, depth):
+        calls.append((chunks, depth))
+        return [drawn_at[i][depth] for i in chunks]
+
+    token_ids = [drawn_at[0][0], 1, drawn_at[2][0]]
+    assert verify(drafts, token_ids, draw) == [1, 0, 2]
+    assert token_ids == [6, 1, 4]
+    assert calls == [([0, 2], 1), ([2], 2)]
 
 
 def prompts(smollm2) -> dict[str, list[int]]:

@@ -14,9 +14,17 @@ keeps deciding how many tokens each request may verify. A draft model's tokens a
 point masses (its greedy choice), so verification stays as it is; a sampled draft
 distribution would need its probabilities passed to the verifier.
 
-**Verification** happens in the engine (`Engine._verify`): a speculating request runs
-its last token and its K drafts as one chunk, and the token the sampler draws at each
-position is compared with the draft there. See `workers/engine.py`.
+**Verification** (`verify`, called by the engine's step). A speculating request runs
+its last token and its K drafts as one chunk, and the step returns logits at each of
+them. The sampler draws at the first position as for any request; while the drawn token
+equals the draft at that position, the draft is accepted and the next position is drawn
+(with the request's own generator, one draw per position, as without speculation), up
+to the position after the last draft. The last token drawn is the model's own next
+token. Greedy, this keeps the longest prefix of drafts that the argmax agrees with.
+Sampled, it is rejection sampling against a point-mass draft: a draft x is accepted
+with probability p(x), and on rejection the token drawn is distributed as p with x
+removed, renormalized (the residual max(p - q, 0)); so the output keeps the model's
+distribution, and a seeded request draws the very tokens it draws without speculation.
 
 **Gating** has two parts. The first is economic (`StepCost`, one per scheduler): a
 draft token pays when the output it is expected to add is worth more than the time it
@@ -44,7 +52,7 @@ more tokens) is accepted forgets earlier pauses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +119,32 @@ class PromptLookup:
                 if after is not None:
                     return tokens[after : after + k]
         return []
+
+
+def verify(
+    drafts: Sequence[Sequence[int]], token_ids: list[int], draw: Callable[[list[int], int], list[int]]
+) -> list[int]:
+    """Accept each chunk's drafts while the token drawn at a draft's position is that
+    draft, drawing the next position's token in its place (see the module doc).
+
+    `drafts[i]` are chunk i's drafts and `token_ids[i]` the token drawn at its first
+    position; `draw(chunks, depth)` draws the token at position `depth` (0 is the first)
+    of each of `chunks` (indices). `token_ids` ends holding each chunk's last token
+    drawn. Returns how many of each chunk's drafts were accepted.
+    """
+    accepted = [0] * len(drafts)
+    going = [i for i, chunk_drafts in enumerate(drafts) if chunk_drafts]
+    depth = 0
+    while going:
+        going = [i for i in going if token_ids[i] == drafts[i][depth]]
+        depth += 1
+        if not going:
+            break
+        for i, token_id in zip(going, draw(going, depth)):
+            token_ids[i] = token_id
+            accepted[i] = depth
+        going = [i for i in going if depth < len(drafts[i])]
+    return accepted
 
 
 class StepCost:
