@@ -35,32 +35,14 @@ from pathlib import Path
 from bench.throughput import DEFAULT_PNG, DEFAULT_VLLM_PYTHON, SYSTEMS
 from workers.config import DTYPES, WEIGHTS
 
-SCENARIOS = (
-    "throughput",
-    "single",
-    "storm",
-    "priority",
-    "swap",
-    "prefix",
-    "scheduler",
-    "redis",
-    "edge",
-    "soak",
-    "intake",
-    "overhead",
-    "gateway",
-    "structured",
-    "spec",
-    "serve",
-)
-
-# The module behind each scenario but throughput.
+# The module behind each scenario but throughput and single (bench/throughput.py).
 SCENARIO_MODULES = {
     "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
-    "overhead": "bench.overhead", "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis",
-    "edge": "bench.edge", "soak": "bench.soak", "intake": "bench.intake", "gateway": "bench.gateway",
+    "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis", "edge": "bench.edge", "soak": "bench.soak",
+    "intake": "bench.intake", "overhead": "bench.overhead", "gateway": "bench.gateway",
     "structured": "bench.structured", "spec": "bench.spec", "serve": "bench.serve",
 }  # fmt: skip
+SCENARIOS = ("throughput", "single", *SCENARIO_MODULES)
 # Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.
 MODEL_SCENARIOS = ("storm", "priority", "swap", "prefix", "overhead", "structured", "spec")
 

@@ -14,27 +14,11 @@ import random
 FORMATS = ("date", "email", "ipv4", "uuid")
 PATTERNS = (r"^[A-Z]{3}-[0-9]{3}$", r"^[a-z]+(_[a-z]+)?$", r"^\+?[0-9]{6,10}$", r"^#[0-9a-f]{6}$")
 WORDS = ("red", "green", "blue", "small", "large", "open", "closed", "draft", "final", "cat", "dog", "tree")
-KEYS = (
-    "name",
-    "id",
-    "title",
-    "count",
-    "price",
-    "tags",
-    "color",
-    "status",
-    "owner",
-    "email",
-    "created",
-    "size",
-    "score",
-    "items",
-    "kind",
-    "code",
-    "note",
-    "level",
-    "address",
-    "value",
+KEYS = tuple(
+    (
+        "name id title count price tags color status owner email created size score items kind code note "
+        "level address value"
+    ).split()
 )
 
 

@@ -58,44 +58,11 @@ TARGET_RSS_GROWTH = 0.05
 # What Redis may keep for good after the run: the request stream and the capped
 # dead-letter and control streams, no key of any one request.
 FLAT_REDIS_BYTES = 256 << 10
-WORDS = (
-    "the",
-    "sea",
-    "river",
-    "stone",
-    "light",
-    "a",
-    "quiet",
-    "city",
-    "at",
-    "night",
-    "wind",
-    "over",
-    "old",
-    "roads",
-    "and",
-    "we",
-    "remember",
-    "how",
-    "numbers",
-    "count",
-    "from",
-    "one",
-    "to",
-    "ten",
-    "while",
-    "birds",
-    "sing",
-    "in",
-    "green",
-    "fields",
-    "under",
-    "summer",
-    "rain",
-    "python",
-    "code",
-    "runs",
-    "fast",
+WORDS = tuple(
+    (
+        "the sea river stone light a quiet city at night wind over old roads and we remember how numbers "
+        "count from one to ten while birds sing in green fields under summer rain python code runs fast"
+    ).split()
 )
 
 
