@@ -90,8 +90,8 @@ def make_engine(smollm2):
 
 
 def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = None, max_steps: int = 10_000):
-    """Step until idle; `arrivals[step]` lists `add_request` arguments (request_id, prompt,
-    params[, priority, deadline, arrived_at]) added before that step.
+    """Step until idle; `arrivals[step]` lists the `GenerationRequest` fields (request_id,
+    prompt, params[, priority, deadline, arrived_at]) of the requests added before that step.
 
     Returns {request_id: (token_ids, final_event, text)}, in the order the requests finished.
     """
