@@ -142,6 +142,13 @@ class Driver:
 
         self.run_until(done, max_steps)
 
+    def throughput(self) -> dict:
+        """Output tokens made (as counted, not as asked for) over the time from t0 to now,
+        the run's end once drained."""
+        wall = self.now()
+        produced = sum(len(times) for times in self.token_times.values())
+        return {"output_tokens": produced, "output_tokens_per_s": produced / wall, "wall_s": wall}
+
     def first_token_s(self, request_id: str) -> float | None:
         """Time to first token, from the request's arrival."""
         times = self.token_times[request_id]

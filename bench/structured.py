@@ -109,13 +109,9 @@ def run_throughput(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> di
                 shape = {"json_schema": BENCH_SCHEMA} if name == "json_schema" else {}
                 drive.submit(f"req-{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, **shape))
             drive.drain()
-            wall = drive.now()
-            produced = sum(len(times) for times in drive.token_times.values())
             runs[name].append(
-                {
-                    "output_tokens": produced,
-                    "output_tokens_per_s": produced / wall,
-                    "wall_s": wall,
+                drive.throughput()
+                | {
                     "steps": len(steps),
                     "mask_s": spent["apply"],
                     "advance_s": spent["advance"],
