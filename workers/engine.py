@@ -280,6 +280,7 @@ class Engine:
         return events
 
     def _execute(self, plan: StepPlan) -> StepOutput:
+        """Run the plan's block copies and forward; the scheduler learns whether the copies were made."""
         copied = False
         try:
             output = self.runner.execute(plan)
