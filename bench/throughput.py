@@ -37,6 +37,11 @@ DEFAULT_PNG = Path("bench-results/bench.png")
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 # `--vllm-settings` entries and the system name each is reported as (bench/peer_vllm.py).
 VLLM_SETTINGS = {"both-cores": "vllm", "default": "vllm_default"}
+# What each of these peers reports of its own, beside the figures every system has.
+PEER_DETAILS = {
+    "hf_static": "batch_size wasted_output_tokens padding_prompt_tokens attn_implementation".split(),
+    "llamacpp": "max_batch_tokens micro_batch_tokens context_tokens llama_threads llama_cpp_python system_info".split(),
+}
 # The single-stream scenario's workload, where the flags are left at their defaults.
 SINGLE_STREAM = {"requests": 1, "prompt_len": [100, 100], "output_len": [256, 256]}
 
@@ -87,30 +92,11 @@ def run(args: argparse.Namespace) -> dict:
             results["engine"] = _engine_figures(children, args.speculation == "on")
         if "hf_continuous" in systems:
             results["hf_continuous"] = _continuous_figures(children, sweep)
-        if "hf_static" in systems:
-            out = children.run("hf_static", batch_size=args.static_batch)
-            keep = (
-                "batch_size",
-                "wasted_output_tokens",
-                "padding_prompt_tokens",
-                "attn_implementation",
-                "load_rss_mb",
-                "load_average_1m",
-            )
-            results["hf_static"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
-        if "llamacpp" in systems:
-            out = children.run("llamacpp")
-            keep = (
-                "max_batch_tokens",
-                "micro_batch_tokens",
-                "context_tokens",
-                "llama_threads",
-                "llama_cpp_python",
-                "system_info",
-                "load_rss_mb",
-                "load_average_1m",
-            )
-            results["llamacpp"] = summarize(out["token_times"], out["peak_rss_mb"]) | {k: out[k] for k in keep}
+        for peer, params in (("hf_static", {"batch_size": args.static_batch}), ("llamacpp", {})):
+            if peer in systems:
+                out = children.run(peer, **params)
+                kept = {k: out[k] for k in (*PEER_DETAILS[peer], "load_rss_mb", "load_average_1m")}
+                results[peer] = summarize(out["token_times"], out["peak_rss_mb"]) | kept
         if "vllm" in systems:
             for setting in vllm_settings:
                 out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
