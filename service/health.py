@@ -27,24 +27,18 @@ from redis.exceptions import RedisError, ResponseError
 
 from service.config import MetricsConfig, RedisConfig
 from service.connect import connect_sync
-from service.embedded import embedded_url
+from service.flags import default_queue_url
 
 # A metric every worker serves from its start: the endpoint is inflight's, not another server's.
 WORKER_METRIC = b"inflight_requests_total"
-
-
-def _default_redis_url() -> str:
-    """The worker's own default: $REDIS_URL, else the embedded server's address."""
-    redis = RedisConfig()
-    return redis.url or embedded_url(redis.embedded_port)
 
 
 @dataclass(frozen=True)
 class HealthConfig:
     # The worker's metrics port; the check runs beside the worker (in its container).
     metrics_port: int = MetricsConfig.port
-    # The worker's Redis, found as the worker finds it.
-    redis_url: str = field(default_factory=_default_redis_url)
+    # The worker's Redis, found as the worker finds it: $REDIS_URL, else the embedded server.
+    redis_url: str = field(default_factory=default_queue_url)
     requests_stream: str = RedisConfig.requests_stream
     group: str = RedisConfig.group
     # The worker's consumer name; the host name by default, as the worker's.
@@ -146,7 +140,7 @@ def add_health_arguments(parser) -> None:
     )
     parser.add_argument(
         "--redis-url",
-        default=_default_redis_url(),
+        default=default_queue_url(),
         help="the worker's Redis (default: $REDIS_URL, else the embedded server's address: %(default)s)",
     )
     parser.add_argument("--requests-stream", default=HealthConfig.requests_stream)
