@@ -1,29 +1,30 @@
-"""The throughput scenario's child processes: each system runs in a process of its own
-(`python -m bench --child JOB --out RESULT`) that loads the model itself, so peak RSS is
-per system and one system's allocations cannot slow another. The parent writes a job
-file, the child writes its result as JSON.
+"""The throughput scenario's systems, each in a child process of its own (`python -m bench
+--child JOB --out RESULT`) that loads the model itself, so peak RSS is per system and one
+system's allocations cannot slow another. The parent writes a job file, the child writes
+its result as JSON: each request's token times after t0 and the system's own figures.
+
+The engine and the ceiling are here; transformers' peers are in `bench/peers.py`,
+llama.cpp in `bench/peer_llamacpp.py`, vLLM (its own environment) in `bench/peer_vllm.py`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench.processes import REPO_ROOT
 
 
 class Children:
     """Runs one system per child process and reads back its JSON result."""
 
     def __init__(self, tmp: Path, model: str, dtype: str, weights: str = "dense") -> None:
-        self.tmp = tmp
-        self.model = model
-        self.dtype = dtype
-        self.weights = weights
+        self.tmp, self.model, self.dtype, self.weights = tmp, model, dtype, weights
         self.workload_path = tmp / "workload.json"
         self.count = 0
 
@@ -37,40 +38,25 @@ class Children:
         """vLLM in a child of its own environment's Python, with `setting`'s environment."""
         from bench.peer_vllm import environment
 
-        return self._child(
-            "vllm",
-            {"setting": setting, "model_folder": model_folder},
-            lambda job, out: [str(python), "-m", "bench.peer_vllm", job, out],
-            environment(setting),
-        )
+        params = {"setting": setting, "model_folder": model_folder}
+        return self._child("vllm", params, lambda job, out: [str(python), "-m", "bench.peer_vllm", job, out],
+                           environment(setting))  # fmt: skip
 
     def _child(self, system: str, params: dict, command, environment: dict | None = None) -> dict:
         self.count += 1
         stem = self.tmp / f"{self.count:02d}-{system}"
-        job = {
-            "system": system,
-            "model": self.model,
-            "dtype": self.dtype,
-            "weights": self.weights,
-            "workload": str(self.workload_path),
-            "params": params,
-        }
+        job = {"system": system, "model": self.model, "dtype": self.dtype, "weights": self.weights,
+               "workload": str(self.workload_path), "params": params}  # fmt: skip
         Path(f"{stem}.job.json").write_text(json.dumps(job))
         env = dict(os.environ if environment is None else environment)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        label = system + "".join(
-            f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)) and k != "model_folder"
-        )
+        shown = (f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)) and k != "model_folder")
+        label = system + "".join(shown)
         print(f"bench: {label} ...", file=sys.stderr, flush=True)
         started = time.perf_counter()
         with open(f"{stem}.log", "w") as log:
-            code = subprocess.call(
-                command(f"{stem}.job.json", f"{stem}.out.json"),
-                cwd=REPO_ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            code = subprocess.call(command(f"{stem}.job.json", f"{stem}.out.json"), cwd=REPO_ROOT, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         if code != 0:
             tail = Path(f"{stem}.log").read_text()[-4000:]
             raise RuntimeError(f"bench child {system!r} exited with {code}:\n{tail}")
@@ -79,76 +65,28 @@ class Children:
 
 
 def run_child(job_path: Path, out_path: Path) -> None:
-    """Inside a child: load the model, run one system, write its result."""
+    """Inside a child: run one system (`prepare` loads the model and draws the workload),
+    write its result with the process's peak RSS and the host's load average."""
     import torch
-    import transformers
 
-    from bench import engine_side, peers
     from bench.metrics import peak_rss_mb
-    from bench.workload import Workload, draw_workload
-    from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
-    from workers.model_loader import load_model, model_folder
 
     job = json.loads(Path(job_path).read_text())
-    system, params = job["system"], job["params"]
-    # The weights setting only changes the engine: the ceiling and the peers run the loaded (dense) model.
-    model_config = ModelConfig(source=job["model"], dtype=job["dtype"], weights=job.get("weights", "dense"))
-    if system == "llamacpp":
-        _run_llamacpp_child(job, Path(out_path))
-        return
-    # The ceiling is plain transformers eager; the peers use sdpa; the engine sets its own.
-    attn = "eager" if system == "ceiling" else "sdpa"
-    threads = torch.get_num_threads()
-    if system == "hf_continuous":
-        # Its generation loop runs on a thread of its own: loading here with one thread
-        # leaves that thread the process's only OpenMP team (see workers/async_engine.py),
-        # as the engine's worker has.
-        torch.set_num_threads(1)
-    loaded = load_model(model_config, attn_implementation=attn)
-    load_rss = peak_rss_mb()
-    load_average = os.getloadavg()[0]
-    model = loaded.model
+    if job["system"] == "llamacpp":  # llama.cpp reads the GGUF itself: no transformers model in its process
+        from bench.peer_llamacpp import run_llamacpp
+        from bench.workload import Workload
+        from workers.model_loader import gguf_source
 
-    if system == "prepare":
-        workload = draw_workload(
-            params.get("workload", "random"),
-            loaded.tokenizer,
-            model.config.vocab_size,
-            params["requests"],
-            params["prompt_len"],
-            params["output_len"],
-            params["sharegpt_max_output"],
-            params["seed"],
-        )
-        workload.save(Path(job["workload"]))
-        result = {
-            "model": loaded.name,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "model_folder": model_folder(model_config),
-        }
-    else:
+        gguf = gguf_source(job["model"])
+        if gguf is None:
+            raise SystemExit(f"llamacpp needs a GGUF model, got {job['model']!r}")
+        load_average = os.getloadavg()[0]
         workload = Workload.load(Path(job["workload"]))
-        if system == "engine":
-            speculative = SpeculativeConfig(enabled=bool(params.get("speculation", 1)))
-            result = engine_side.run_engine(loaded, workload, EngineConfig(model=model_config, speculative=speculative))
-        elif system == "ceiling":
-            result = engine_side.run_ceiling(model, params["step_tokens"], seed=workload.seed)
-        elif system == "hf_continuous":
-            kv_bytes = EngineConfig().cache.kv_memory_bytes  # the engine's KV budget, for a like-for-like cache
-            result = peers.run_hf_continuous(
-                model, workload, params["max_batch_tokens"], kv_bytes, threads, params.get("allow_block_sharing")
-            )
-        elif system == "hf_static":
-            pad = model.generation_config.pad_token_id
-            pad = loaded.tokenizer.pad_token_id if pad is None else pad
-            pad = loaded.tokenizer.eos_token_id if pad is None else pad
-            result = peers.run_hf_static(model, workload, params["batch_size"], pad)
-        else:
-            raise ValueError(f"unknown system {system!r}")
+        result = run_llamacpp(gguf, workload, threads=torch.get_num_threads()) | {"load_rss_mb": None}
+    else:
+        result, load_average = _run_on_loaded_model(job)
     result.update(
         peak_rss_mb=peak_rss_mb(),
-        load_rss_mb=load_rss,
         torch_threads=torch.get_num_threads(),
         # Host 1-min load before and after the run: above the core count, the figures are skewed.
         load_average_1m=[round(load_average, 2), round(os.getloadavg()[0], 2)],
@@ -156,23 +94,113 @@ def run_child(job_path: Path, out_path: Path) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def _run_llamacpp_child(job: dict, out_path: Path) -> None:
-    """llama.cpp reads the GGUF itself: no transformers model is loaded in its process."""
+def _run_on_loaded_model(job: dict) -> tuple[dict, float]:
+    """`prepare`, the engine, the ceiling or a transformers peer on the model this process
+    loads: the result and the load average once loaded."""
+    import torch
+    import transformers
+
+    from bench import peers
+    from bench.metrics import peak_rss_mb
+    from bench.workload import Workload, draw_workload
+    from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
+    from workers.model_loader import load_model, model_folder
+
+    system, params = job["system"], job["params"]
+    # The weights setting only changes the engine: the ceiling and the peers run the loaded (dense) model.
+    model_config = ModelConfig(source=job["model"], dtype=job["dtype"], weights=job.get("weights", "dense"))
+    threads = torch.get_num_threads()
+    if system == "hf_continuous":
+        # Its generation loop runs on a thread of its own: loading here with one thread
+        # leaves that thread the process's only OpenMP team (see workers/async_engine.py),
+        # as the engine's worker has.
+        torch.set_num_threads(1)
+    # The ceiling is plain transformers eager; the peers use sdpa; the engine sets its own.
+    loaded = load_model(model_config, attn_implementation="eager" if system == "ceiling" else "sdpa")
+    model, tokenizer = loaded.model, loaded.tokenizer
+    figures = {"load_rss_mb": peak_rss_mb()}
+    load_average = os.getloadavg()[0]
+    if system == "prepare":
+        draw_workload(tokenizer, model.config.vocab_size, **params).save(Path(job["workload"]))
+        return figures | {"model": loaded.name, "torch": torch.__version__, "transformers": transformers.__version__,
+                          "model_folder": model_folder(model_config)}, load_average  # fmt: skip
+    workload = Workload.load(Path(job["workload"]))
+    if system == "engine":
+        speculative = SpeculativeConfig(enabled=bool(params.get("speculation", 1)))
+        result = run_engine(loaded, workload, EngineConfig(model=model_config, speculative=speculative))
+    elif system == "ceiling":
+        result = run_ceiling(model, params["step_tokens"], seed=workload.seed)
+    elif system == "hf_continuous":
+        kv_bytes = EngineConfig().cache.kv_memory_bytes  # the engine's KV budget, for a like-for-like cache
+        result = peers.run_hf_continuous(
+            model, workload, params["max_batch_tokens"], kv_bytes, threads, params.get("allow_block_sharing")
+        )
+    elif system == "hf_static":
+        pad = next(p for p in (model.generation_config.pad_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
+                   if p is not None)  # fmt: skip
+        result = peers.run_hf_static(model, workload, params["batch_size"], pad)
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    return result | figures, load_average
+
+
+def run_engine(loaded, workload, config) -> dict:
+    """Every request is added at t0, then `step()` runs until none is left. A token's time
+    is when the `step()` that produced it returns, as a caller of the engine would see it."""
+    from bench.drive import Driver, StepRecorder
+    from workers.engine import Engine  # here, so the peers run even where the engine cannot import
+
+    engine = Engine(loaded, config)
+    steps_done = StepRecorder(engine)
+    warmup = Driver(engine)
+    warmup.add("warmup", workload.requests[0].prompt_ids[:8], 2)
+    warmup.drain()
+    steps_done.clear()  # the schedule and overhead cover the measured run only
+
+    drive = Driver(engine)
+    for r in workload.requests:
+        drive.add(r.request_id, r.prompt_ids, r.output_len)
+    drive.drain()
+    token_times = {r.request_id: drive.token_times[r.request_id] for r in workload.requests}
+    workload.check_lengths("engine", token_times)
+
+    steps = [{"num_tokens": s.num_tokens, "forward_s": s.forward_s, "step_s": s.step_s} for s in steps_done]
+    forward_s = sum(s["forward_s"] for s in steps)
+    step_s = sum(s["step_s"] for s in steps)
+    return {
+        "token_times": token_times,
+        "steps": steps,
+        "forward_s": forward_s,
+        "step_s": step_s,
+        # Share of the engine's step time spent outside the model forward (scheduling, input
+        # packing, sampling, detokenizing, bookkeeping).
+        "overhead_fraction": 1 - forward_s / step_s,
+        "scheduler": vars(config.scheduler),
+        "kv_memory_bytes": config.cache.kv_memory_bytes,
+    }
+
+
+def run_ceiling(model, step_tokens: list[int], seed: int = 0) -> dict:
+    """Bare model forwards over the engine's token schedule: the yardstick for `ceiling_fraction`.
+
+    For every engine step that ran T tokens, time one plain transformers forward
+    (eager attention, no KV cache, logits for every position) on a [1, T] input of random
+    ids. `ceiling_fraction = sum(these forward times) / engine wall time` (t0 to last token).
+    It is not a strict bound either way: it computes logits for all T positions (the engine
+    only where a token is sampled, so the engine can beat it, ratio > 1), but its T tokens
+    attend only to each other, never to a cached context, so it undercharges decode steps
+    whose requests carry hundreds of tokens of context.
+    """
     import torch
 
-    from bench.metrics import peak_rss_mb
-    from bench.peer_llamacpp import run_llamacpp
-    from bench.workload import Workload
-    from workers.model_loader import gguf_source
-
-    gguf = gguf_source(job["model"])
-    if gguf is None:
-        raise SystemExit(f"llamacpp needs a GGUF model, got {job['model']!r}")
-    load_average = os.getloadavg()[0]
-    result = run_llamacpp(gguf, Workload.load(Path(job["workload"])), threads=torch.get_num_threads())
-    result.update(
-        peak_rss_mb=peak_rss_mb(),
-        load_rss_mb=None,  # the model loads inside the run
-        load_average_1m=[round(load_average, 2), round(os.getloadavg()[0], 2)],
-    )
-    out_path.write_text(json.dumps(result))
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    times = []
+    with torch.inference_mode():
+        for num_tokens in [16, *step_tokens]:  # the first is the warmup
+            input_ids = torch.tensor([[rng.randrange(vocab) for _ in range(num_tokens)]])
+            started = time.perf_counter()
+            model(input_ids=input_ids, use_cache=False)
+            times.append(time.perf_counter() - started)
+    attn = model.config._attn_implementation
+    return {"forward_s": sum(times[1:]), "steps": len(step_tokens), "attn_implementation": attn}

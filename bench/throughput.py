@@ -37,11 +37,16 @@ DEFAULT_PNG = Path("bench-results/bench.png")
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 # `--vllm-settings` entries and the system name each is reported as (bench/peer_vllm.py).
 VLLM_SETTINGS = {"both-cores": "vllm", "default": "vllm_default"}
-# What each of these peers reports of its own, beside the figures every system has.
-PEER_DETAILS = {
-    "hf_static": "batch_size wasted_output_tokens padding_prompt_tokens attn_implementation".split(),
-    "llamacpp": "max_batch_tokens micro_batch_tokens context_tokens llama_threads llama_cpp_python system_info".split(),
+# What each system reports of its own, beside `summarize`'s figures; all but vLLM (its child
+# runs in vLLM's environment) also report their RSS once loaded and the host's load (HOST).
+DETAILS = {
+    "engine": "overhead_fraction forward_s step_s scheduler kv_memory_bytes",
+    "hf_continuous": "num_blocks tokens_per_block attn_implementation",
+    "hf_static": "batch_size wasted_output_tokens padding_prompt_tokens attn_implementation",
+    "llamacpp": "max_batch_tokens micro_batch_tokens context_tokens llama_threads llama_cpp_python system_info",
+    "vllm": "vllm environment",
 }
+HOST = "load_rss_mb load_average_1m"
 # The single-stream scenario's workload, where the flags are left at their defaults.
 SINGLE_STREAM = {"requests": 1, "prompt_len": [100, 100], "output_len": [256, 256]}
 
@@ -51,41 +56,15 @@ def run(args: argparse.Namespace) -> dict:
     returns the report."""
     if args.scenario == "single":
         single_stream_workload(args)
-    from bench.metrics import summarize
-    from bench.report import build_report, format_table, write_json, write_png
-    from bench.workload import Workload
+    from bench.report import build_report, chart_path, format_table, write_json, write_png
+    from bench.workload import WORKLOAD_FLAGS, Workload
 
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown or not systems:
-        raise SystemExit(f"--systems must be a subset of {','.join(SYSTEMS)}, got {args.systems!r}")
-    sweep = [int(v) for v in args.hf_batch_tokens.split(",") if v.strip()]
-    if "hf_continuous" in systems and (not sweep or min(sweep) < 1):
-        raise SystemExit(f"--hf-batch-tokens needs positive integers, got {args.hf_batch_tokens!r}")
-    for name in ("prompt_len", "output_len"):
-        lo, hi = getattr(args, name)
-        if not 1 <= lo <= hi:
-            raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
-    if args.requests < 1 or args.static_batch < 1:
-        raise SystemExit("--requests and --static-batch must be >= 1")
-    vllm_settings = [v.strip() for v in args.vllm_settings.split(",") if v.strip()]
-    if "vllm" in systems and (not vllm_settings or set(vllm_settings) - set(VLLM_SETTINGS)):
-        raise SystemExit(f"--vllm-settings must be a subset of {','.join(VLLM_SETTINGS)}, got {args.vllm_settings!r}")
-    systems = without_missing_peers(systems, args.vllm_python)
-
+    systems, sweep, vllm_settings = _checked(args)
     # Other processes on the host skew every figure; the load average says whether there were any.
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         children = Children(Path(tmp), args.model, args.dtype, args.weights)
-        prepared = children.run(
-            "prepare",
-            requests=args.requests,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-            seed=args.seed,
-            workload=args.workload,
-            sharegpt_max_output=args.sharegpt_max_output,
-        )
+        prepared = children.run("prepare", **{name: getattr(args, name) for name in WORKLOAD_FLAGS})
         workload = Workload.load(children.workload_path)
         results: dict[str, dict] = {}
         if "engine" in systems:
@@ -94,18 +73,10 @@ def run(args: argparse.Namespace) -> dict:
             results["hf_continuous"] = _continuous_figures(children, sweep)
         for peer, params in (("hf_static", {"batch_size": args.static_batch}), ("llamacpp", {})):
             if peer in systems:
-                out = children.run(peer, **params)
-                kept = {k: out[k] for k in (*PEER_DETAILS[peer], "load_rss_mb", "load_average_1m")}
-                results[peer] = summarize(out["token_times"], out["peak_rss_mb"]) | kept
-        if "vllm" in systems:
-            for setting in vllm_settings:
-                out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
-                name = VLLM_SETTINGS[setting]
-                results[name] = summarize(out["token_times"], out["peak_rss_mb"]) | {
-                    "vllm": out["vllm"],
-                    "setting": setting,
-                    "environment": out["environment"],
-                }
+                results[peer] = figures(peer, children.run(peer, **params))
+        for setting in vllm_settings if "vllm" in systems else ():
+            out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
+            results[VLLM_SETTINGS[setting]] = figures("vllm", out) | {"setting": setting}
 
     description = workload.describe() | {
         "model": prepared["model"],
@@ -127,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     report = build_report(description, environment, results)
     if args.json is not None:
         write_json(report, args.json)
-    png = args.png or (args.json.with_suffix(".png") if args.json is not None else DEFAULT_PNG)
+    png = chart_path(args, DEFAULT_PNG)
     write_png(report, png)
     report_paths = ", ".join(str(p) for p in (args.json, png) if p is not None)
     print(format_table(report))
@@ -160,47 +131,56 @@ def single_stream_workload(args: argparse.Namespace) -> None:
             setattr(args, name, value)
 
 
-def _engine_figures(children: Children, speculation: bool) -> dict:
-    """The engine's run, then the ceiling replay of its step schedule."""
+def figures(system: str, out: dict) -> dict:
+    """A child's result as the report has it: `summarize`'s figures and the system's DETAILS."""
     from bench.metrics import summarize
 
+    keys = DETAILS[system] if system == "vllm" else f"{DETAILS[system]} {HOST}"
+    return summarize(out["token_times"], out["peak_rss_mb"]) | {key: out[key] for key in keys.split()}
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[str], list[int], list[str]]:
+    """The systems to run (less the peers that are not installed), the hf_continuous sweep
+    and vLLM's settings, from the flags; a flag out of range exits with what it needs."""
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems or set(systems) - set(SYSTEMS):
+        raise SystemExit(f"--systems must be a subset of {','.join(SYSTEMS)}, got {args.systems!r}")
+    sweep = [int(v) for v in args.hf_batch_tokens.split(",") if v.strip()]
+    if "hf_continuous" in systems and (not sweep or min(sweep) < 1):
+        raise SystemExit(f"--hf-batch-tokens needs positive integers, got {args.hf_batch_tokens!r}")
+    for name in ("prompt_len", "output_len"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
+    if args.requests < 1 or args.static_batch < 1:
+        raise SystemExit("--requests and --static-batch must be >= 1")
+    vllm_settings = [v.strip() for v in args.vllm_settings.split(",") if v.strip()]
+    if "vllm" in systems and (not vllm_settings or set(vllm_settings) - set(VLLM_SETTINGS)):
+        raise SystemExit(f"--vllm-settings must be a subset of {','.join(VLLM_SETTINGS)}, got {args.vllm_settings!r}")
+    return without_missing_peers(systems, args.vllm_python), sweep, vllm_settings
+
+
+def _engine_figures(children: Children, speculation: bool) -> dict:
+    """The engine's run, then the ceiling replay of its step schedule."""
     engine = children.run("engine", speculation=int(speculation))
     steps = engine["steps"]
     ceiling = children.run("ceiling", step_tokens=[s["num_tokens"] for s in steps])
-    figures = summarize(engine["token_times"], engine["peak_rss_mb"])
-    return figures | {
-        "overhead_fraction": engine["overhead_fraction"],
+    result = figures("engine", engine)
+    return result | {
         # Bare eager forwards over the same schedule / the engine's wall time (see run_ceiling).
-        "ceiling_fraction": ceiling["forward_s"] / figures["wall_s"],
+        "ceiling_fraction": ceiling["forward_s"] / result["wall_s"],
         "ceiling_forward_s": ceiling["forward_s"],
-        "forward_s": engine["forward_s"],
-        "step_s": engine["step_s"],
         "num_steps": len(steps),
         "mean_tokens_per_step": sum(s["num_tokens"] for s in steps) / max(1, len(steps)),
-        "load_rss_mb": engine["load_rss_mb"],
-        "load_average_1m": engine["load_average_1m"],
-        "scheduler": engine["scheduler"],
-        "kv_memory_bytes": engine["kv_memory_bytes"],
     }
 
 
 def _continuous_figures(children: Children, sweep: list[int]) -> dict:
     """One child per max_batch_tokens value; the best by output tok/s, with the whole sweep."""
-    from bench.metrics import summarize
-
-    runs = {}
-    for max_batch_tokens in sweep:
-        out = children.run("hf_continuous", max_batch_tokens=max_batch_tokens)
-        runs[max_batch_tokens] = (summarize(out["token_times"], out["peak_rss_mb"]), out)
-    best = max(runs, key=lambda k: runs[k][0]["output_tokens_per_s"])
-    figures, out = runs[best]
-    return figures | {
+    runs = {n: figures("hf_continuous", children.run("hf_continuous", max_batch_tokens=n)) for n in sweep}
+    best = max(runs, key=lambda n: runs[n]["output_tokens_per_s"])
+    return runs[best] | {
         "max_batch_tokens": best,
-        "num_blocks": out["num_blocks"],
-        "tokens_per_block": out["tokens_per_block"],
-        "attn_implementation": out["attn_implementation"],
-        "load_rss_mb": out["load_rss_mb"],
-        "load_average_1m": out["load_average_1m"],
         "timing": "per-token timestamps taken by transformers' generation thread (record_timestamps=True)",
-        "sweep": {str(k): v[0] for k, v in runs.items()},
+        "sweep": {str(n): run for n, run in runs.items()},
     }

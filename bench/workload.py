@@ -72,19 +72,15 @@ class Workload:
         )
 
 
-def draw_workload(
-    source: str,
-    tokenizer,
-    vocab_size: int,
-    requests: int,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    sharegpt_max_output: int,
-    seed: int,
-) -> Workload:
+# The flags (and `prepare` child params) that say which workload to draw: `draw_workload`'s keywords.
+WORKLOAD_FLAGS = ("workload", "requests", "prompt_len", "output_len", "sharegpt_max_output", "seed")
+
+
+def draw_workload(tokenizer, vocab_size: int, workload: str, requests: int, prompt_len, output_len,
+                  sharegpt_max_output: int, seed: int) -> Workload:  # fmt: skip
     """`--workload`'s requests: random token ids of the length ranges, or ShareGPT first
     turns (their replies' lengths capped by `sharegpt_max_output`)."""
-    if source == "sharegpt":
+    if workload == "sharegpt":
         from bench.sharegpt import make_sharegpt_workload
 
         return make_sharegpt_workload(tokenizer, requests, sharegpt_max_output, seed)
