@@ -1,30 +1,23 @@
-"""`inflight bench --scenario gateway`: the throughput workload streamed through the
+"""`inflight bench --scenario gateway`: the bench's workload streamed through the
 OpenAI-compatible gateway by concurrent HTTP clients, against the same jobs sent straight
-to Redis, in one run.
+to Redis, as paired runs (`bench/paired.py`).
 
-One `inflight worker` process and one `inflight gateway` process on private streams.
-Straight to Redis is the `redis` scenario's producer (`bench/through_redis.py`): every
-job queued at t0, all reply streams followed with one XREAD. Through the gateway, every
-request is its own streamed `POST /v1/completions` (aiohttp, one connection each), all
-sent at t0; each token is stamped as its SSE event arrives here. Both send the same text
-prompts, greedy, EOS ignored, to one worker with prefix caching off, so every round
-does the same work. Rounds alternate (Redis,
-gateway, gateway, Redis, ...) against the machine's drift, and the figures pool them.
-
-Time to first token is compared on an idle system, as in the `redis` scenario: short
-prompts one at a time, alternating paths, the median of the paired differences.
-The gateway's CPU (user + system, from /proc) over the workload rounds, per 1,000 tokens
-streamed, is what one more hop costs the machine.
+One `inflight worker` (prefix caching off, so every round does the same work) and one
+`inflight gateway` on private streams. Straight to Redis is the `redis` scenario's path;
+through the gateway, every request is its own streamed `POST /v1/completions`, all sent
+at t0, each token stamped as its SSE event arrives. `gateway_cpu_ms_per_1000_tokens` is
+the gateway's CPU (user + system, from /proc) over the workload rounds per 1,000 tokens
+streamed: what one more hop costs the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench.paired import paired_runs, short_prompts, text_prompts
+from bench.paired import paired_runs, paired_workload
 from bench.servers import open_gateway
 from bench.systems import ThroughGateway, ThroughRedis, private_worker
-from bench.workload import make_workload, prompt_vocabulary
+from bench.workload import prompt_vocabulary
 from workers.config import ModelConfig
 
 
@@ -54,12 +47,9 @@ async def _run(args: argparse.Namespace) -> dict:
     from workers.model_loader import load_model
 
     loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))  # for its tokenizer
-    tokenizer = loaded.tokenizer
-    vocab_ids = prompt_vocabulary(tokenizer, loaded.model.config.vocab_size)
+    vocab_ids = prompt_vocabulary(loaded.tokenizer, loaded.model.config.vocab_size)
+    workload, prompts, short = paired_workload(args, loaded.tokenizer, vocab_ids, args.gateway_ttft_pairs)
     del loaded
-    workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
-    prompts = text_prompts(tokenizer, workload)
-    short = short_prompts(tokenizer, vocab_ids, args.gateway_ttft_pairs, args.seed)
 
     # Both paths share the worker: with prefix caching, only the first round would compute
     # its prompts, and the path it belongs to would look slow.

@@ -1,9 +1,11 @@
-"""Two paths (`bench/systems.py`) on the same workload, compared against the machine's drift.
+"""Two paths (`bench/systems.py`) on the same workload, compared against the machine's drift:
+the `redis` and `gateway` scenarios.
 
 Throughput: rounds of the whole workload alternate between the paths, A B B A ..., and
 each path's figures pool its rounds. Time to first token: short prompts one at a time on
 an idle system, the order alternating, so the median of the paired differences is what
-the second path adds, out of the drift's reach.
+the second path adds, out of the drift's reach. Both paths get the same text prompts
+(the workload's token ids decoded), greedy with EOS ignored, so they do the same work.
 """
 
 from __future__ import annotations
@@ -14,20 +16,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.metrics import percentile, summarize
+from bench.workload import make_workload
 
 # A round's figures kept in the report.
 BRIEF = ("output_tokens_per_s", "output_tokens", "wall_s", "ttft_p50_s", "itl_p50_s", "itl_p99_s")
 
 
-def text_prompts(tokenizer, workload) -> dict[str, tuple[str, int]]:
-    """The workload's token ids decoded to text: what goes down every path."""
-    return {r.request_id: (tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
-
-
-def short_prompts(tokenizer, vocab_ids: list[int], count: int, seed: int) -> list[str]:
-    """`count` prompts of 16 random tokens, for the TTFT pairs."""
-    rng = random.Random(seed + 1)
-    return [tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)]) for _ in range(count)]
+def paired_workload(args, tokenizer, vocab_ids: list[int], ttft_pairs: int):
+    """The bench's random workload and its prompts decoded to text, what goes down every
+    path, and `ttft_pairs` short prompts (16 random tokens each) for the TTFT pairs."""
+    workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
+    prompts = {r.request_id: (tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
+    rng = random.Random(args.seed + 1)
+    short = [tokenizer.decode([rng.choice(vocab_ids) for _ in range(16)]) for _ in range(ttft_pairs)]
+    return workload, prompts, short
 
 
 @dataclass

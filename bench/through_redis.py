@@ -1,31 +1,20 @@
-"""`inflight bench --scenario redis`: the engine benchmark's workload through Redis end to
-end, against the same workload in-process, in one run.
+"""`inflight bench --scenario redis`: the bench's workload through Redis end to end, against
+the same workload in-process, as paired runs (`bench/paired.py`).
 
-Through Redis: an `inflight worker` process (the consumer) on private streams; this
-process is the producer. It queues every job at t0 (one pipelined round trip) and follows
-all reply streams with one blocking XREAD, stamping each token when it arrives here.
-In-process: this process runs the same engine settings behind the same `AsyncEngine`
-front the worker uses (built on its torch thread, as the worker builds it), submits the
-same prompts at t0 and stamps each token event as it
-comes out. The prompts are the workload's token ids decoded to text (both paths encode
-that text the same way), with `ignore_eos`, so both do exactly the same work.
-
-The machine's speed drifts between runs, so the rounds alternate, in-process, Redis,
-Redis, in-process, ..., and the figures pool them.
-
-Time to first token is compared separately, on an idle system: short prompts, one at a
-time, alternating between the paths; the overhead is the median of the paired
-differences (Redis minus in-process), which the drift between pairs does not reach.
-The paths are `bench/systems.py`'s, the rounds and pairs `bench/paired.py`'s.
+Through Redis: an `inflight worker` process on private streams; this process queues every
+job at t0 and follows all reply streams with one XREAD, stamping each token as it arrives.
+In-process: the same engine settings behind the `AsyncEngine` front the worker uses (built
+on its torch thread, as the worker builds it), each token stamped as its event comes out.
+The TTFT overhead is Redis minus in-process. The paths are `bench/systems.py`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from bench.paired import paired_runs, short_prompts, text_prompts
+from bench.paired import paired_runs, paired_workload
 from bench.systems import InProcess, ThroughRedis, private_worker
-from bench.workload import make_workload, prompt_vocabulary
+from bench.workload import prompt_vocabulary
 from service.config import RedisConfig
 from workers.config import EngineConfig, ModelConfig
 
@@ -71,10 +60,7 @@ async def _run(args: argparse.Namespace) -> dict:
     from workers.async_engine import AsyncEngine, on_torch_thread
 
     loaded, engine, vocab_ids = await on_torch_thread(_load, args)
-    workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
-    prompts = text_prompts(loaded.tokenizer, workload)
-    short = short_prompts(loaded.tokenizer, vocab_ids, args.ttft_pairs, args.seed)
-
+    workload, prompts, short = paired_workload(args, loaded.tokenizer, vocab_ids, args.ttft_pairs)
     async with private_worker(args.redis_url, args) as run, AsyncEngine(engine) as front:
         paths = {"inprocess": InProcess(front), "redis": ThroughRedis(run.client, run.prefix)}
         runs = await paired_runs(paths, prompts, short, args.redis_rounds, run.run_id)
