@@ -1,15 +1,12 @@
 """llama.cpp as a peer: llama-cpp-python's low-level API on the same GGUF and token ids.
 
 `run_llamacpp` drives one `llama_context` the way llama-server schedules its slots: every
-request is a sequence of its own (its own seq id in one unified KV cache), and each step
-is one `llama_batch` holding every running sequence's next token first, then prompt
-chunks up to the batch's token budget, in arrival order. Outputs are greedy (argmax of
-the step's logits) with EOS ignored, and each request produces exactly its `output_len`
-tokens, as the other peers do; a finished sequence's cache is freed at once.
-
-Token times: a step's tokens exist once `llama_decode` returned and its logits were
-read, which is when each is stamped. Like the other peers, all requests arrive at t0,
-after a short warmup request went through the same path.
+request is a sequence of its own in one unified KV cache, and each step is one
+`llama_batch` of every running sequence's next token, then prompt chunks up to the token
+budget, in arrival order. Greedy (argmax of the step's logits), EOS ignored, exactly
+`output_len` tokens each; a finished sequence's cache is freed at once. A token is stamped
+once `llama_decode` returned and its logits were read. All requests arrive at t0, after a
+short warmup request went through the same path.
 
 llama-cpp-python is an optional extra (`pip install 'inflight[llamacpp]'`, or `make
 llamacpp`, which builds it for this CPU); `available()` says whether it is installed.
@@ -95,9 +92,6 @@ class LlamaCpp:
         ll.llama_free(self.ctx)
         ll.llama_model_free(self.model)
 
-    def system_info(self) -> str:
-        return self.ll.llama_print_system_info().decode()
-
     def generate(self, sequences: list[_Sequence], t0: float) -> None:
         """Run `sequences` to completion, stamping each token at `time.perf_counter() - t0`."""
         ll, batch = self.ll, self.batch
@@ -149,14 +143,15 @@ class LlamaCpp:
 def run_llamacpp(gguf: Path, workload: Workload, threads: int, max_batch_tokens: int = MAX_BATCH_TOKENS) -> dict:
     """The workload on llama.cpp; the same result shape as the other peers (`bench.peers`)."""
     requests = workload.requests
-    context = context_tokens(workload)
+    # Cache room for every request's prompt and output at once (all arrive at t0), in 256s.
+    context = -(-sum(len(r.prompt_ids) + r.output_len for r in requests) // 256) * 256
     runner = LlamaCpp(gguf, context, max_sequences=len(requests), threads=threads, max_batch_tokens=max_batch_tokens)
     try:
         warmup = requests[0]
         runner.generate([_Sequence(0, "warmup", warmup.prompt_ids[:8], 2)], time.perf_counter())
         sequences = [_Sequence(i, r.request_id, r.prompt_ids, r.output_len) for i, r in enumerate(requests)]
         runner.generate(sequences, time.perf_counter())
-        info = runner.system_info()
+        info = runner.ll.llama_print_system_info().decode()
     finally:
         runner.close()
     return {
@@ -169,9 +164,3 @@ def run_llamacpp(gguf: Path, workload: Workload, threads: int, max_batch_tokens:
         "llama_cpp_python": runner.version,
         "system_info": info,
     }
-
-
-def context_tokens(workload: Workload) -> int:
-    """Cache room for every request's prompt and output at once (all arrive at t0), in 256s."""
-    tokens = sum(len(r.prompt_ids) + r.output_len for r in workload.requests)
-    return -(-tokens // 256) * 256

@@ -1,19 +1,15 @@
 """vLLM's CPU backend as a peer: its offline engine on the same model folder and token ids.
 
-Runs inside vLLM's own virtual environment (`make vllm-peer` builds `.venv-vllm`), as
-
-    .venv-vllm/bin/python -m bench.peer_vllm JOB.json OUT.json
-
-and imports nothing of inflight but the workload file's reader. Every request is added at
-t0 with greedy sampling, `ignore_eos` and `max_tokens` = its output length, so vLLM does
-exactly the work the other systems do; the engine's own loop (`LLMEngine.step`, what
-`LLM.generate` runs) is driven here so that each token is stamped when the step that made
+Runs in vLLM's own virtual environment (`make vllm-peer` builds `.venv-vllm`), as
+`.venv-vllm/bin/python -m bench.peer_vllm JOB.json OUT.json`, importing nothing of
+inflight but the workload's reader and the RSS figure. Every request is added at t0,
+greedy, `ignore_eos`, `max_tokens` = its output length, so vLLM does exactly the other
+systems' work; `LLMEngine.step` is driven here, each token stamped when the step that made
 it returns. A warm-up request goes through the same path first.
 
-vLLM's settings on a CPU come from its environment, which the parent sets per run
-(`SETTINGS`): `both-cores` gives its engine every core, as measured best on two cores;
-`default` is what a user gets without setting anything (vLLM keeps one core for its
-front end).
+vLLM's settings on a CPU come from its environment, which the parent sets per run:
+`both-cores` gives its engine every core, as measured best on two cores; `default` is
+what a user gets without setting anything (vLLM keeps one core for its front end).
 """
 
 from __future__ import annotations
@@ -24,13 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+from bench.metrics import peak_rss_mb
 from bench.workload import Workload
 
-# Environment per setting, for the child process (on top of the parent's, less OMP_NUM_THREADS).
 KV_CACHE_GB = "4"
 
 
 def settings(cores: int) -> dict[str, dict[str, str]]:
+    """Each setting's environment for the child (on top of the parent's, less OpenMP/vLLM variables)."""
     return {
         "both-cores": {
             "OMP_NUM_THREADS": str(cores),
@@ -42,15 +39,6 @@ def settings(cores: int) -> dict[str, dict[str, str]]:
     }
 
 
-# The variables a setting sets, reported with each run.
-SETTING_VARIABLES = (
-    "OMP_NUM_THREADS",
-    "VLLM_CPU_OMP_THREADS_BIND",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU",
-    "VLLM_CPU_KVCACHE_SPACE",
-)
-
-
 def environment(setting: str) -> dict[str, str]:
     """This process's environment less its OpenMP/vLLM variables, plus `setting`'s."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "VLLM_"))}
@@ -58,7 +46,8 @@ def environment(setting: str) -> dict[str, str]:
 
 
 def reported(environment: dict[str, str]) -> dict[str, str | None]:
-    return {k: environment.get(k) for k in SETTING_VARIABLES}
+    """The variables a setting sets, as `environment` has them: reported with each run."""
+    return {k: environment.get(k) for k in settings(1)["both-cores"]}
 
 
 def run(job: dict) -> dict:
@@ -99,12 +88,8 @@ def run(job: dict) -> dict:
 
 def main() -> None:
     job_path, out_path = sys.argv[1:3]
-    job = json.loads(Path(job_path).read_text())
-    result = run(job)
-    import resource
-
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(out_path).write_text(json.dumps(result))
+    result = run(json.loads(Path(job_path).read_text()))
+    Path(out_path).write_text(json.dumps(result | {"peak_rss_mb": peak_rss_mb()}))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process, which imports this module again

@@ -1,11 +1,8 @@
-"""The peers the engine is measured against, both plain transformers on the same model.
-
-- `run_hf_continuous`: transformers' own continuous batching (`init_continuous_batching`).
-- `run_hf_static`: `model.generate` on fixed batches, left-padded.
-
-Each returns `{"token_times": {request_id: [seconds after t0, one per output token]}, ...}`
-plus what the report needs to explain the figures. All requests arrive at t0, after a
-short warmup request has gone through the same path (first-call costs are not measured).
+"""Transformers' two peers of the engine, on the same loaded model: `run_hf_continuous`
+(its continuous batching) and `run_hf_static` (`model.generate` on fixed batches,
+left-padded). Each returns `{"token_times": {request_id: [seconds after t0, one per output
+token]}, ...}` and what explains its figures. All requests arrive at t0, after a short
+warmup request went through the same path (first-call costs are not measured).
 """
 
 from __future__ import annotations
@@ -36,25 +33,16 @@ def run_hf_continuous(
     threads: int | None = None,
     allow_block_sharing: bool | None = None,
 ) -> dict:
-    """Transformers' continuous batching, fed through the manager so each request has its own length.
+    """Transformers' continuous batching, each request added through the manager with its own
+    `max_new_tokens`, EOS disabled and `record_timestamps=True`: the generation thread stamps
+    each token with `time.perf_counter()` as it is appended. Not streamed: a consumer thread
+    would compete with the generation thread for the GIL, and the stamps are the token times.
 
-    `generate_batch` takes one `max_new_tokens` for all requests, so requests go through
-    `manager.add_request(..., max_new_tokens=n, eos_token_id=-1, record_timestamps=True)`:
-    every request gets its own output length with EOS disabled, and the generation thread
-    stamps each token with `time.perf_counter()` the moment it is appended to the request.
-    Results are not streamed (streaming=False): a consumer thread draining per-token
-    outputs would compete with the generation thread for the GIL, and the recorded
-    timestamps already are the per-token times.
-
-    `threads`: torch threads for the generation thread, when the caller loaded the model
-    with fewer so that only that thread runs OpenMP teams.
-
-    The KV cache gets the engine's byte budget (`num_blocks` derived from it); left unset,
-    transformers sizes it from 60% of host RAM and zero-fills it, which would dominate RSS.
-
-    `allow_block_sharing`: transformers' prefix caching (full blocks shared between
-    requests); None keeps transformers' default. The prompt tokens it found cached are
-    counted (`prefix_hit_tokens`), so a report shows whether it shared anything.
+    `threads`: torch threads for the generation thread, when the caller loaded the model with
+    fewer so that only that thread runs OpenMP teams. The KV cache gets the engine's byte
+    budget (left unset, transformers zero-fills 60% of host RAM, which would dominate RSS).
+    `allow_block_sharing`: its prefix caching (None keeps its default); `prefix_hit_tokens`
+    counts the prompt tokens it found cached.
     """
     cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
     if allow_block_sharing is not None:
@@ -98,11 +86,9 @@ def run_hf_continuous(
 
 
 class _PrefixHits:
-    """Counts the prompt tokens transformers' CB found cached, while the context is open.
-
-    Its cache has no such counter: this wraps `PagedAttentionCache.search_prefix_match`,
-    which returns the tokens matched for each request it admits (0 with sharing off).
-    """
+    """Counts the prompt tokens transformers' CB found cached while the context is open: its
+    cache has no such counter, so this wraps `PagedAttentionCache.search_prefix_match`, which
+    returns the tokens matched for each request it admits (0 with sharing off)."""
 
     def __enter__(self) -> _PrefixHits:
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -155,12 +141,10 @@ class StepClock(LogitsProcessor):
 
 @torch.inference_mode()
 def run_hf_static(model, workload: Workload, batch_size: int, pad_token_id: int) -> dict:
-    """`model.generate` over batches of `batch_size` requests in arrival order, one after another.
-
-    Each batch is left-padded and generates its longest output length for every row
-    (`min_new_tokens` = `max_new_tokens`, so EOS can never end it early). A request counts
-    only its own first `output_len` tokens, at the batch's step times; the rest is waste.
-    Later batches wait for earlier ones, and that wait is part of their TTFT.
+    """`model.generate` over batches of `batch_size` requests in arrival order, one after
+    another. Each batch is left-padded and generates its longest output length for every row
+    (EOS cannot end it early); a request counts only its own first `output_len` tokens, at the
+    batch's step times: the rest is waste. A later batch's wait is part of its TTFT.
     """
     warmup = workload.requests[0]
     _generate_batch(model, [warmup.prompt_ids[:8]], 2, pad_token_id)
