@@ -14,12 +14,11 @@ def build_report(workload: dict, environment: dict, systems: dict[str, dict]) ->
     """`systems` maps a name to its figures (SYSTEM_KEYS and extras); adds the engine's ratios."""
     report = {"workload": workload, "environment": environment, "systems": systems}
     engine = systems.get("engine")
-    for peer in PEERS:
-        # Throughput ratio; null when either side did not run.
-        ratio = None
-        if engine is not None and peer in systems:
-            ratio = engine["output_tokens_per_s"] / systems[peer]["output_tokens_per_s"]
-        report[f"engine_vs_{peer}"] = ratio
+    for peer in PEERS:  # the throughput ratio; null when either side did not run
+        ran = engine is not None and peer in systems
+        report[f"engine_vs_{peer}"] = (
+            engine["output_tokens_per_s"] / systems[peer]["output_tokens_per_s"] if ran else None
+        )
     return report
 
 
@@ -114,29 +113,17 @@ def _labelled_bars(ax, xs, values, width, color, fmt, label=None) -> None:
 
 def format_table(report: dict) -> str:
     """A fixed-width table of every system's figures, then the engine's extras and ratios."""
-    columns = [
-        ("system", None, "{}"),
-        ("tok/s", "output_tokens_per_s", "{:.1f}"),
-        ("req/s", "requests_per_s", "{:.3f}"),
-        ("TTFT p50", "ttft_p50_s", "{:.2f}s"),
-        ("TTFT p99", "ttft_p99_s", "{:.2f}s"),
-        ("ITL p50", "itl_p50_s", "{:.0f}ms"),
-        ("ITL p99", "itl_p99_s", "{:.0f}ms"),
-        ("peak RSS", "peak_rss_mb", "{:.0f}MB"),
-        ("wall", "wall_s", "{:.1f}s"),
-    ]
-    rows = [[title for title, _, _ in columns]]
-    for name, figures in report["systems"].items():
-        row = []
-        for _, key, fmt in columns:
-            if key is None:
-                row.append(name)
-            else:
-                value = figures.get(key)
-                value = value * 1000 if fmt.endswith("ms") else value
-                row.append("-" if value is None else fmt.format(value))
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    columns = {"tok/s": ("output_tokens_per_s", "{:.1f}"), "req/s": ("requests_per_s", "{:.3f}"),
+               "TTFT p50": ("ttft_p50_s", "{:.2f}s"), "TTFT p99": ("ttft_p99_s", "{:.2f}s"),
+               "ITL p50": ("itl_p50_s", "{:.0f}ms"), "ITL p99": ("itl_p99_s", "{:.0f}ms"),
+               "peak RSS": ("peak_rss_mb", "{:.0f}MB"), "wall": ("wall_s", "{:.1f}s")}  # fmt: skip
+
+    def cell(value, fmt: str) -> str:
+        return "-" if value is None else fmt.format(value * 1000 if fmt.endswith("ms") else value)
+
+    rows = [["system", *columns]]
+    rows += [[name, *(cell(f.get(key), fmt) for key, fmt in columns.values())] for name, f in report["systems"].items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     # System names left-aligned, figures right-aligned.
     lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))

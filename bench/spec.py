@@ -1,29 +1,23 @@
 """`inflight bench --scenario spec`: speculative decoding by prompt lookup, on against off.
 
-Two workloads, each run on two engines over the same loaded model, speculation off and
-on, stepped in turns: the one that has produced fewer tokens steps next, so both cross
-the workload over the same stretch of time. Each engine's time is the sum of its own
-steps, so both see the same machine, however busy it is:
+Each workload runs on two engines over the same loaded model, speculation off and on,
+stepped in turns (the one that has produced fewer tokens steps next, so both cross the
+workload over the same stretch of time); each engine's time is the sum of its own steps:
 
-- `copy`: 8 chat requests whose answers quote their prompts (quote, copy or repeat a
-  paragraph; extract fields), greedy, ending at EOS or `--spec-max-tokens`. Run one
-  request at a time (concurrency 1, each after the previous ended) and all 8 at t0.
-  The report says how much the model actually copied: the share of output tokens that
-  end a 4-gram found in the prompt.
-- `default`: the default random-token workload of `inflight bench` (`--requests`,
-  `--prompt-len`, `--output-len`, `--seed`; EOS ignored), where the model soon loops and
-  prompt lookup predicts the loops.
-- `sharegpt`: `--requests` ShareGPT first turns (`bench/sharegpt.py`), output lengths
-  from the replies (capped by `--sharegpt-max-output`), EOS ignored as in the throughput
-  bench: real text, where drafts are seldom right and the gate must keep speculation
-  from costing throughput. Run at each of `--spec-sharegpt-concurrency` (n at a time,
-  each next one starting as one ends), where a few requests leave a step's time to its
-  weights and many make it grow with every token.
+- `copy`: 8 chat requests whose answers quote their prompts, greedy, ending at EOS or
+  `--spec-max-tokens`, at each `--spec-concurrency` (1: one at a time; n: n at t0).
+  `copied_fraction` is how much the model actually copied: the share of output tokens
+  that end a 4-gram found in the prompt.
+- `default`: the bench's random-token workload (EOS ignored), where the model soon loops
+  and prompt lookup predicts the loops.
+- `sharegpt`: `--requests` ShareGPT first turns (EOS ignored): real text, where drafts are
+  seldom right and the gate must keep speculation from costing throughput; at each
+  `--spec-sharegpt-concurrency` (n at a time, the next starting as one ends).
 
-Greedy decoding makes both runs produce the same tokens (checked: `identical`), so
-output tok/s compares the same work. Per engine: acceptance (accepted / drafted draft
-tokens), steps, tokens verified per speculating request-step (1 + its drafts) and how
-often each length occurred; per comparison the load average before and after.
+Greedy decoding makes both produce the same tokens (checked: `identical`), so output
+tok/s compares the same work. Per engine: acceptance (accepted / drafted), steps, tokens
+verified per speculating request-step (1 + its drafts) and how often each length occurred;
+per comparison the load average before and after.
 """
 
 from __future__ import annotations
@@ -78,12 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="copy,default",
         help=f"comma-separated subset of {','.join(WORKLOADS)} (default: %(default)s)",
     )
-    group.add_argument(
-        "--spec-copy-requests",
-        type=int,
-        default=len(COPY_PROMPTS),
-        help=f"copy: requests (at most {len(COPY_PROMPTS)})",
-    )
+    count = len(COPY_PROMPTS)
+    group.add_argument("--spec-copy-requests", type=int, default=count, help=f"copy: requests (at most {count})")
     group.add_argument(
         "--spec-concurrency",
         default="1,8",
@@ -116,7 +106,7 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
             encode_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
             for text in COPY_PROMPTS[: args.spec_copy_requests]
         ]
-        for concurrency in (int(c) for c in args.spec_concurrency.split(",") if c.strip()):
+        for concurrency in _counts(args.spec_concurrency):
             requests = [
                 request(f"copy{i}", ids, args.spec_max_tokens, ignore_eos=False) for i, ids in enumerate(prompts)
             ]
@@ -131,9 +121,13 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
 
         workload = make_sharegpt_workload(loaded.tokenizer, args.requests, args.sharegpt_max_output, args.seed)
         requests = [request(r.request_id, r.prompt_ids, r.output_len) for r in workload.requests]
-        for concurrency in (int(c) for c in args.spec_sharegpt_concurrency.split(",") if c.strip()):
+        for concurrency in _counts(args.spec_sharegpt_concurrency):
             report[f"sharegpt_c{concurrency}"] = compare(loaded, args, on, requests, min(concurrency, len(requests)))
     return report
+
+
+def _counts(text: str) -> list[int]:
+    return [int(c) for c in text.split(",") if c.strip()]
 
 
 def request(request_id: str, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
