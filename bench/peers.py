@@ -25,14 +25,8 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
 
-def run_hf_continuous(
-    model,
-    workload: Workload,
-    max_batch_tokens: int,
-    kv_memory_bytes: int,
-    threads: int | None = None,
-    allow_block_sharing: bool | None = None,
-) -> dict:
+def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int,
+                      threads: int | None = None, allow_block_sharing: bool | None = None) -> dict:  # fmt: skip
     """Transformers' continuous batching, each request added through the manager with its own
     `max_new_tokens`, EOS disabled and `record_timestamps=True`: the generation thread stamps
     each token with `time.perf_counter()` as it is appended. Not streamed: a consumer thread
@@ -174,13 +168,12 @@ def _generate_batch(model, prompts: list[list[int]], new_tokens: int, pad_token_
     input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts])
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     clock = StepClock()
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_token_id
+    )
+    processors = LogitsProcessorList([clock])
     out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=GenerationConfig(
-            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_token_id
-        ),
-        logits_processor=LogitsProcessorList([clock]),
+        input_ids=input_ids, attention_mask=attention_mask, generation_config=config, logits_processor=processors
     )
     if out.shape[1] - width != new_tokens or len(clock.times) != new_tokens:
         raise RuntimeError(f"hf_static: generated {out.shape[1] - width} tokens, expected {new_tokens}")

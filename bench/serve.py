@@ -111,9 +111,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# -- figures (pure) ---------------------------------------------------------------------------
-
-
 def summarize_point(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     """A point's figures from its requests' records (failed requests count as not good and
     are left out of the latencies)."""
@@ -171,9 +168,6 @@ async def warm_up(client: CompletionsClient) -> None:
     errors = {r.error for r in records if r.error is not None}
     if errors:
         raise RuntimeError(f"warm-up requests failed: {sorted(errors)}")
-
-
-# -- the scenario -------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -126,7 +126,7 @@ def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s
             with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                 if response.status == 200:
                     return
-        except (OSError, urllib.error.HTTPError):
+        except OSError:  # an HTTPError too
             pass
         if process.poll() is not None or time.monotonic() > deadline:
             exited = process.poll() is not None
@@ -139,10 +139,8 @@ def _kill_group(process: subprocess.Popen) -> None:
     """SIGTERM to the group, SIGKILL to whatever is left of it, even once the leader is gone."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=VLLM_STOP_WAIT_S)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=VLLM_STOP_WAIT_S)

@@ -1,20 +1,15 @@
 """`inflight bench` (`--scenario throughput`, the default): the engine and its peers on
-one seeded workload, every request at t0, in one run.
+one seeded workload, every request at t0, in one run, each system in a child process of
+its own (`bench/children.py`), one after another:
 
-The parent process only orchestrates: each system runs in a child process of its own
-(`bench/children.py`) that loads the model itself. Order:
-
-1. `prepare`: loads the model (warming the converted-weights cache, so no measured
-   child pays a GGUF conversion) and draws the workload from its tokenizer.
-2. `engine`, then `ceiling` (bare forwards over the engine's recorded step schedule).
-3. `hf_continuous`, once per `--hf-batch-tokens` value; the best by output tok/s is reported.
-4. `hf_static`.
-5. `llamacpp`: llama.cpp (llama-cpp-python) on the same GGUF (`bench.peer_llamacpp`);
-   skipped, with a line saying so, where llama-cpp-python is not installed.
-6. `vllm`: vLLM's CPU backend on the same converted folder and token ids
-   (`bench.peer_vllm`), in its own virtual environment (`make vllm-peer`), once per
-   `--vllm-settings` entry (`vllm` is both cores for its engine, `vllm_default` its own
-   default); skipped, with a line saying so, where that environment is missing.
+1. `prepare` loads the model (warming the converted-weights cache, so no measured child
+   pays a GGUF conversion) and draws the workload from its tokenizer;
+2. `engine`, then `ceiling` (bare forwards over the engine's recorded step schedule);
+3. `hf_continuous` once per `--hf-batch-tokens` value, the best by output tok/s reported;
+4. `hf_static`; 5. `llamacpp` on the same GGUF (`bench/peer_llamacpp.py`);
+6. `vllm` on the same converted folder (`bench/peer_vllm.py`, its own environment), once
+   per `--vllm-settings` entry (`vllm`: both cores for its engine; `vllm_default`).
+A peer that is not installed is skipped, with a line saying so.
 
 `single` is the same comparison on one request (a 100-token prompt, 256 tokens out unless
 `--prompt-len`/`--output-len` say otherwise): what one user with one chat open gets, read

@@ -30,10 +30,6 @@ class Workload:
     source: str = "random"  # "random" token ids, or "sharegpt" first turns (bench/sharegpt.py)
 
     @property
-    def total_prompt_tokens(self) -> int:
-        return sum(len(r.prompt_ids) for r in self.requests)
-
-    @property
     def total_output_tokens(self) -> int:
         return sum(r.output_len for r in self.requests)
 
@@ -46,7 +42,7 @@ class Workload:
             "output_len": list(self.output_len),
             "seed": self.seed,
             "arrival": "all at t0",
-            "total_prompt_tokens": self.total_prompt_tokens,
+            "total_prompt_tokens": sum(len(r.prompt_ids) for r in self.requests),
             "total_output_tokens": self.total_output_tokens,
         }
 
@@ -63,13 +59,9 @@ class Workload:
     @classmethod
     def load(cls, path: Path) -> Workload:
         raw = json.loads(Path(path).read_text())
-        return cls(
-            seed=raw["seed"],
-            prompt_len=tuple(raw["prompt_len"]),
-            output_len=tuple(raw["output_len"]),
-            requests=[BenchRequest(**r) for r in raw["requests"]],
-            source=raw.get("source", "random"),
-        )
+        raw["requests"] = [BenchRequest(**r) for r in raw["requests"]]
+        raw["prompt_len"], raw["output_len"] = tuple(raw["prompt_len"]), tuple(raw["output_len"])
+        return cls(**raw)
 
 
 # The flags (and `prepare` child params) that say which workload to draw: `draw_workload`'s keywords.
@@ -120,7 +112,6 @@ def make_workload(
     rng = random.Random(seed)
     requests = []
     for i in range(num_requests):
-        n_prompt = rng.randint(*prompt_len)
-        prompt = [rng.choice(allowed_ids) for _ in range(n_prompt)]
+        prompt = [rng.choice(allowed_ids) for _ in range(rng.randint(*prompt_len))]
         requests.append(BenchRequest(f"req-{i}", prompt, rng.randint(*output_len)))
     return Workload(seed, tuple(prompt_len), tuple(output_len), requests)
