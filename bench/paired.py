@@ -45,36 +45,25 @@ class PairedRuns:
     def output_tokens(self, name: str) -> int:
         return sum(r["output_tokens"] for r in self.rounds[name])
 
-    def ttft_overhead_p50_s(self, base: str, other: str) -> float:
-        return percentile([o - b for o, b in zip(self.ttft[other], self.ttft[base])], 50)
-
     def figures(self, base: str, other: str) -> dict:
         """`other` against `base`: its throughput and TTFT, `base`'s beside them (under its
-        name), their ratio, the TTFT overhead and every round in brief."""
-        throughput = self.output_tokens_per_s(other)
+        name), their ratio, the TTFT overhead (the median of the paired differences) and
+        every round in brief."""
+        throughput, base_throughput = self.output_tokens_per_s(other), self.output_tokens_per_s(base)
         return {
             "output_tokens_per_s": throughput,
-            f"{base}_output_tokens_per_s": self.output_tokens_per_s(base),
-            "throughput_ratio": throughput / self.output_tokens_per_s(base),
-            "ttft_overhead_p50_s": self.ttft_overhead_p50_s(base, other),
+            f"{base}_output_tokens_per_s": base_throughput,
+            "throughput_ratio": throughput / base_throughput,
+            "ttft_overhead_p50_s": percentile([o - b for o, b in zip(self.ttft[other], self.ttft[base])], 50),
             "ttft_p50_s": percentile(self.ttft[other], 50),
             f"{base}_ttft_p50_s": percentile(self.ttft[base], 50),
             "ttft_pairs": len(self.ttft[other]),
-            "rounds": self.brief_rounds(),
+            "rounds": {name: [{k: r[k] for k in BRIEF} for r in rounds] for name, rounds in self.rounds.items()},
         }
 
-    def brief_rounds(self) -> dict[str, list[dict]]:
-        return {name: [{k: r[k] for k in BRIEF} for r in rounds] for name, rounds in self.rounds.items()}
 
-
-async def paired_runs(
-    paths: dict,
-    prompts: dict[str, tuple[str, int]],
-    short: list[str],
-    rounds: int,
-    run_id: str,
-    meters: dict[str, Callable[[], float]] | None = None,
-) -> PairedRuns:
+async def paired_runs(paths: dict, prompts: dict[str, tuple[str, int]], short: list[str], rounds: int, run_id: str,
+                      meters: dict[str, Callable[[], float]] | None = None) -> PairedRuns:  # fmt: skip
     """Warm both paths, run `rounds` A/B rounds of `prompts`, then the TTFT pairs of `short`.
     `meters[name]` (a process's CPU seconds, say) is read around each of that path's rounds."""
     names = tuple(paths)

@@ -82,8 +82,6 @@ class LlamaCpp:
         self.memory = ll.llama_get_memory(self.ctx)
         self.n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
         self.max_batch_tokens = max_batch_tokens
-        self.max_sequences = max_sequences
-        self.threads = threads
         self.batch = ll.llama_batch_init(max_batch_tokens, 0, 1)
 
     def close(self) -> None:

@@ -161,15 +161,6 @@ def chart_panels(report: dict) -> list[tuple]:
     return panels
 
 
-async def warm_up(client: CompletionsClient) -> None:
-    """A few short requests: first-request costs are not serving costs."""
-    prompt = Prompt("Hello! How are you today?", 0, WARMUP_TOKENS)
-    records = await asyncio.gather(*(client.request(prompt, time.perf_counter()) for _ in range(WARMUP_REQUESTS)))
-    errors = {r.error for r in records if r.error is not None}
-    if errors:
-        raise RuntimeError(f"warm-up requests failed: {sorted(errors)}")
-
-
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -232,11 +223,13 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-async def _measure(
-    url: str, prompts: list[Prompt], points: dict[str, list[float]], args: argparse.Namespace, label: str
-) -> dict[str, dict]:
+async def _measure(url: str, prompts: list[Prompt], points: dict, args: argparse.Namespace, label: str) -> dict:
+    """Warm the server up, then send every point's requests at its arrival times: its figures by point."""
     async with CompletionsClient(url, args.serve_request_timeout_s) as client:
-        await warm_up(client)
+        warm = Prompt("Hello! How are you today?", 0, WARMUP_TOKENS)
+        records = await asyncio.gather(*(client.request(warm, time.perf_counter()) for _ in range(WARMUP_REQUESTS)))
+        if errors := sorted({r.error for r in records if r.error is not None}):
+            raise RuntimeError(f"warm-up requests failed: {errors}")
         figures = {}
         for name, arrivals in points.items():
             print(f"bench: serve {label}: {name} ({len(prompts)} requests)", file=sys.stderr, flush=True)

