@@ -4,7 +4,8 @@ A scenario is a workload (random token ids, ShareGPT first turns, shared prefixe
 multi-turn: `workload.py`, `sharegpt.py`), an arrival process (all at t0, Poisson, bursts,
 closed loop: `arrivals.py`) and the systems it goes through (the engine in process, a
 worker through Redis, the gateway: `systems.py`, `servers.py`; the peers vLLM, llama.cpp
-and transformers: `children.py`). Every request is timed the same way (`metrics.py`); the
+and transformers, each in a child process: `children.py`, `peer_vllm.py`,
+`peer_llamacpp.py`, `peers.py`). Every request is timed the same way (`metrics.py`); the
 report is JSON, its charts in one style (`report.py`).
 
 `--scenario` picks one: `throughput` (the default) and `single` (`throughput.py`), or a

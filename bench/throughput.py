@@ -167,9 +167,12 @@ def _engine_figures(children: Children, speculation: bool) -> dict:
 
 def _continuous_figures(children: Children, sweep: list[int]) -> dict:
     """One child per max_batch_tokens value; the best by output tok/s, with the whole sweep."""
-    runs = {n: figures("hf_continuous", children.run("hf_continuous", max_batch_tokens=n)) for n in sweep}
+    from bench.metrics import summarize
+
+    outs = {n: children.run("hf_continuous", max_batch_tokens=n) for n in sweep}
+    runs = {n: summarize(out["token_times"], out["peak_rss_mb"]) for n, out in outs.items()}
     best = max(runs, key=lambda n: runs[n]["output_tokens_per_s"])
-    return runs[best] | {
+    return figures("hf_continuous", outs[best]) | {
         "max_batch_tokens": best,
         "timing": "per-token timestamps taken by transformers' generation thread (record_timestamps=True)",
         "sweep": {str(n): run for n, run in runs.items()},
