@@ -136,8 +136,8 @@ def _run_on_loaded_model(job: dict) -> tuple[dict, float]:
             model, workload, params["max_batch_tokens"], kv_bytes, threads, params.get("allow_block_sharing")
         )
     elif system == "hf_static":
-        pad = next(p for p in (model.generation_config.pad_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
-                   if p is not None)  # fmt: skip
+        pads = (model.generation_config.pad_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        pad = next((p for p in pads if p is not None), None)
         result = peers.run_hf_static(model, workload, params["batch_size"], pad)
     else:
         raise ValueError(f"unknown system {system!r}")
