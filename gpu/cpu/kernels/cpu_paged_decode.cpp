@@ -9,7 +9,7 @@
 // - on AVX2 (head sizes 64 and 128), one work item per group of requests that share
 //   leading blocks (often a group of one): blocks are read whole and in order, a shared
 //   block once for the whole group, the next block is prefetched (blocks are scattered,
-//   so the hardware cannot guess it), and the exponentials are vectorised; bfloat16
+//   so the hardware cannot guess it; into L2), and the exponentials are vectorised; bfloat16
 //   scores use AVX-512 BF16 dot products where the CPU has them, bfloat16 rows are
 //   widened by a shift otherwise;
 // - elsewhere, plain loops the compiler vectorises, one work item per (request, KV head).
@@ -204,10 +204,12 @@ inline float exp_scores(float* s, int n) {
 }
 
 // Ask for the block's rows ahead of their use: a request's blocks are scattered over
-// the pool, so the hardware prefetcher cannot guess the next one.
+// the pool, so the hardware prefetcher cannot guess the next one. Into L2, not L1: a
+// block is about a hundred lines, more than L1 can have in flight, so prefetching into
+// L1 stalls on its miss buffers where L2's take them all (docs/benchmarks.md).
 template <typename T>
 inline void prefetch_block(const T* block, int64_t elements) {
-    for (int64_t i = 0; i < elements; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(block + i), _MM_HINT_T0);
+    for (int64_t i = 0; i < elements; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(block + i), _MM_HINT_T1);
 }
 
 // The block holding token `start` of a context of `n` tokens; the next block is prefetched.
