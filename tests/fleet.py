@@ -1,17 +1,21 @@
 """Worker processes on private streams of a real Redis, one server or a cluster: the
 fleet that `tests/test_failover.py` and `tests/test_cluster.py` drive, the job they
-send, and what its reply stream must hold."""
+send, and what its reply stream must hold; and the gateways that `tests/test_gateway.py`
+and `tests/test_contract_silences.py` put in front of it."""
 
 from __future__ import annotations
 
 import signal
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
 
-from bench.processes import WorkerProcess
+from bench.processes import GatewayProcess, WorkerProcess, free_port
 from service.connect import connect_sync
+from service.sdk import SyncClient
 
 PROMPT = "List the numbers from 1 to 300, comma separated:"
 MAX_TOKENS = 80
@@ -132,3 +136,39 @@ def assert_well_formed(events: list[dict], greedy: list[int]) -> None:
     assert [t for e in tokens for t in e["token_ids"]] == greedy
     assert [e["type"] for e in events[len(tokens) :]] == ["done"]
     assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+@contextmanager
+def gateways_in_front(fleet: Fleet, logs: Path, gateways: dict[str, GatewayProcess], *idle_flags: str) -> Iterator[str]:
+    """`gateways` (on the fleet's streams), plus `idle`, on a stream no worker serves, with
+    a backlog limit of 2, a 1.5 s reply timeout and `idle_flags`, and `no_redis`, pointed
+    at a port where no Redis listens; all started and ready, worker `a` serving. Yields
+    the idle stream; stops the gateways and closes the fleet after."""
+    idle_stream = f"{fleet.prefix}:idle"
+    idle = ["--redis-url", fleet.url, "--requests-stream", idle_stream, "--control-stream", fleet.control]
+    idle += ["--max-queue-depth", "2", "--queue-poll-s", "0.05", "--reply-timeout-s", "1.5"]
+    gateways["idle"] = GatewayProcess("idle", [*idle, *idle_flags], logs)
+    gateways["no_redis"] = GatewayProcess("no_redis", ["--redis-url", f"redis://127.0.0.1:{free_port()}"], logs)
+    for gateway in gateways.values():
+        gateway.start()
+    try:
+        for gateway in gateways.values():
+            gateway.wait_ready()
+        fleet.wait_until_serving("a")
+        yield idle_stream
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        fleet.client.delete(idle_stream)
+        fleet.close()
+
+
+def queue_events(fleet: Fleet, **job) -> list[dict]:
+    """A job sent straight to the fleet's queue, without a gateway: its reply events, up
+    to the final one (which must be `done`)."""
+    with SyncClient(fleet.url, requests_stream=fleet.stream, control_stream=fleet.control) as sdk:
+        request_id = sdk.submit(request_id=f"{fleet.prefix}-direct-{uuid.uuid4().hex[:8]}", **job)
+        fleet.request_ids.append(request_id)
+        events = list(sdk.events(request_id))
+    assert events[-1]["type"] == "done", events[-1]
+    return events

@@ -22,10 +22,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.processes import GatewayProcess, free_port
+from bench.processes import GatewayProcess
 from service.config import DEFAULT_MODEL_NAME
-from service.sdk import SyncClient
-from tests.fleet import PROMPT, Fleet
+from tests.fleet import PROMPT, Fleet, gateways_in_front, queue_events
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -50,7 +49,6 @@ def stack(tmp_path_factory):
     logs = tmp_path_factory.mktemp("contract")
     fleet = Fleet(logs)
     fleet.start("a")
-    idle_stream = f"{fleet.prefix}:idle"
     gateways = {
         "locked": GatewayProcess(
             "locked",
@@ -58,40 +56,9 @@ def stack(tmp_path_factory):
             logs,
             env={"INFLIGHT_API_KEYS": KEY},
         ),
-        "idle": GatewayProcess(
-            "idle",
-            [
-                "--redis-url",
-                fleet.url,
-                "--requests-stream",
-                idle_stream,
-                "--control-stream",
-                fleet.control,
-                "--max-queue-depth",
-                "2",
-                "--max-queue-age-s",
-                "0",
-                "--queue-poll-s",
-                "0.05",
-                "--reply-timeout-s",
-                "1.5",
-            ],
-            logs,
-        ),
-        "no_redis": GatewayProcess("no_redis", ["--redis-url", f"redis://127.0.0.1:{free_port()}"], logs),
     }
-    for gateway in gateways.values():
-        gateway.start()
-    try:
-        for gateway in gateways.values():
-            gateway.wait_ready()
-        fleet.wait_until_serving("a")
+    with gateways_in_front(fleet, logs, gateways, "--max-queue-age-s", "0") as idle_stream:
         yield fleet, gateways, idle_stream
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        fleet.client.delete(idle_stream)
-        fleet.close()
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +74,6 @@ def gateways(stack):
 def client(gateway: GatewayProcess) -> openai.OpenAI:
     # No retries: the status is what the tests look at.
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def queue_events(fleet: Fleet, **job) -> list[dict]:
-    """A job sent straight to the queue: its reply events, up to the final one."""
-    with SyncClient(fleet.url, requests_stream=fleet.stream, control_stream=fleet.control) as sdk:
-        request_id = sdk.submit(request_id=f"{fleet.prefix}-{uuid.uuid4().hex[:8]}", **job)
-        fleet.request_ids.append(request_id)
-        events = list(sdk.events(request_id))
-    assert events[-1]["type"] == "done", events[-1]
-    return events
 
 
 def http(

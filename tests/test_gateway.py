@@ -16,17 +16,15 @@ import json
 import time
 import urllib.error
 import urllib.request
-import uuid
 
 import jsonschema
 import msgpack
 import openai
 import pytest
 
-from bench.processes import GatewayProcess, free_port
+from bench.processes import GatewayProcess
 from service.config import DEFAULT_MODEL_NAME
-from service.sdk import SyncClient
-from tests.fleet import PROMPT, Fleet
+from tests.fleet import PROMPT, Fleet, gateways_in_front, queue_events
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -43,49 +41,16 @@ def stack(tmp_path_factory):
     fleet.start("a")
     streams = ["--redis-url", fleet.url, "--requests-stream", fleet.stream, "--control-stream", fleet.control]
     (logs / "keys").write_text(f"# one key a line\n{KEYS[0]}\n\n")
-    idle_stream = f"{fleet.prefix}:idle"
     gateways = {
         "open": GatewayProcess("open", streams, logs),
         "locked": GatewayProcess(
             "locked", [*streams, "--api-keys-file", str(logs / "keys")], logs, env={"INFLIGHT_API_KEYS": KEYS[1]}
         ),
-        "idle": GatewayProcess(
-            "idle",
-            [
-                "--redis-url",
-                fleet.url,
-                "--requests-stream",
-                idle_stream,
-                "--control-stream",
-                fleet.control,
-                "--max-queue-depth",
-                "2",
-                "--max-queue-age-s",
-                "1",
-                "--queue-poll-s",
-                "0.05",
-                "--reply-timeout-s",
-                "1.5",
-                "--retry-after-s",
-                "3",
-            ],
-            logs,
-        ),
-        "no_redis": GatewayProcess("no_redis", ["--redis-url", f"redis://127.0.0.1:{free_port()}"], logs),
     }
-    for gateway in gateways.values():
-        gateway.start()
-    try:
-        for gateway in gateways.values():
-            gateway.wait_ready()
-        fleet.wait_until_serving("a")
+    idle_flags = ("--max-queue-age-s", "1", "--retry-after-s", "3")
+    with gateways_in_front(fleet, logs, gateways, *idle_flags) as idle_stream:
         fleet.start("b")  # for the failover test; it loads while the first tests run
         yield fleet, gateways, idle_stream
-    finally:
-        for gateway in gateways.values():
-            gateway.stop()
-        fleet.client.delete(idle_stream)
-        fleet.close()
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +72,6 @@ def straight_to_the_queue(fleet: Fleet, **job) -> tuple[str, dict]:
     """The same job sent to the queue without the gateway: its text and done event."""
     events = queue_events(fleet, **job)
     return "".join(e["text"] for e in events if e["type"] == "token") + events[-1]["text"], events[-1]
-
-
-def queue_events(fleet: Fleet, **job) -> list[dict]:
-    with SyncClient(fleet.url, requests_stream=fleet.stream, control_stream=fleet.control) as sdk:
-        request_id = sdk.submit(request_id=f"{fleet.prefix}-direct-{uuid.uuid4().hex[:6]}", **job)
-        fleet.request_ids.append(request_id)
-        events = list(sdk.events(request_id))
-    assert events[-1]["type"] == "done", events[-1]
-    return events
 
 
 def metric(gateway: GatewayProcess, name: str) -> float:
