@@ -1,22 +1,16 @@
 """`inflight bench --scenario intake`: how many jobs per second one Redis shard can take in.
 
-The request stream, the control stream and the dead-letter stream are one key each, so on
-a Redis Cluster all job intake goes through the shard that holds them (reply streams
-spread over the others). This scenario issues, against a private `redis-server`, the
-request-stream commands of each job and nothing else (no model, no reply streams):
+The request, control and dead-letter streams are one key each, so on a Redis Cluster all
+job intake goes through the shard that holds them. Against a private `redis-server` this
+issues each job's request-stream commands and nothing else (no model, no reply streams):
+the producer's XADD (a chat job of about 200 bytes); the worker's reads through the real
+`JobReader` (XAUTOCLAIM, XREADGROUP of up to `--intake-batch` entries, then the XRANGE of
+the control stream); `--intake-renewals` lease renewals (a running job is renewed every
+`claim_idle_ms / 4`, 0.5 s by default); the ack (XACK and XDEL in one transaction).
 
-- the producer's XADD (a chat job of about 200 bytes);
-- the worker's reads through the real `JobReader`: XREADGROUP of up to `--intake-batch`
-  entries, with the XAUTOCLAIM look for expired leases before each, and the XRANGE of the
-  control stream that follows every non-empty read;
-- `--intake-renewals` lease renewals (the RENEW script over the entries held; a job is
-  renewed every `claim_idle_ms / 4`, 0.5 s by default, while it runs);
-- the ack: XACK and XDEL in one transaction.
-
-Producers and workers run as asyncio tasks with connections of their own. The Python
-client is usually the bottleneck, not Redis, so the figure that sizes a shard is Redis's
-own CPU time per job (utime + stime of the server process, from /proc): one core's worth
-of it, `1 / cpu_per_job`, is what the shard can take.
+The Python client is usually the bottleneck, not Redis, so the figure that sizes a shard
+is Redis's own CPU time per job (utime + stime from /proc): one core's worth of it,
+`1 / cpu_per_job`, is what the shard can take.
 """
 
 from __future__ import annotations
@@ -32,25 +26,24 @@ from pathlib import Path
 import msgpack
 
 from bench.processes import RedisServer, cpu_seconds
-from service.config import RedisConfig
+from bench.systems import run_streams
 from service.connect import connect
 from service.ingest import JobReader
+
+# --intake-NAME: default, help (every one an int).
+FLAGS = {
+    "jobs": (20000, "jobs to take in"),
+    "producers": (4, "producer tasks"),
+    "workers": (4, "worker readers"),
+    "batch": (8, "entries one worker read asks for"),
+    "renewals": (4, "lease renewals per job: its run time / 0.5 s"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("intake scenario")
-    group.add_argument("--intake-jobs", type=int, default=20000, help="jobs to take in (default: %(default)s)")
-    group.add_argument("--intake-producers", type=int, default=4, help="producer tasks (default: %(default)s)")
-    group.add_argument("--intake-workers", type=int, default=4, help="worker readers (default: %(default)s)")
-    group.add_argument(
-        "--intake-batch", type=int, default=8, help="entries one worker read asks for (default: %(default)s)"
-    )
-    group.add_argument(
-        "--intake-renewals",
-        type=int,
-        default=4,
-        help="lease renewals per job: its run time / 0.5 s (default: %(default)s)",
-    )
+    for name, (default, text) in FLAGS.items():
+        group.add_argument(f"--intake-{name}", type=int, default=default, help=f"{text} (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -62,18 +55,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
-    prefix = f"inflight:bench:intake:{uuid.uuid4().hex[:8]}"
-    config = RedisConfig(
-        url=server.url,
-        requests_stream=f"{prefix}:requests",
-        control_stream=f"{prefix}:control",
-        dead_letter_stream=f"{prefix}:dead",
-    )
+    config = run_streams(server.url, f"inflight:bench:intake:{uuid.uuid4().hex[:8]}")
     producers = [connect(server.url, socket_timeout=30) for _ in range(args.intake_producers)]
-    readers = []
-    for i in range(args.intake_workers):
-        client = connect(server.url, block_ms=config.block_ms)
-        readers.append(JobReader(client, dataclasses.replace(config, consumer=f"w{i}")))
+    readers = [
+        JobReader(connect(server.url, block_ms=config.block_ms), dataclasses.replace(config, consumer=f"w{i}"))
+        for i in range(args.intake_workers)
+    ]
     await readers[0].ensure_group()
     await producers[0].xadd(config.control_stream, {"type": "cancel", "id": "none"})  # a control stream to read
     job = {"payload": msgpack.packb({"id": "", "messages": [{"role": "user", "content": "x" * 160}], "max_tokens": 64})}

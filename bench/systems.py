@@ -28,6 +28,7 @@ import msgpack
 from bench.arrivals import at_t0
 from bench.http_client import CompletionsClient, Prompt, token_times
 from bench.processes import WorkerProcess
+from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
@@ -186,3 +187,15 @@ def redis_server(url: str):
     with tempfile.TemporaryDirectory(prefix="inflight-bench-valkey-") as data_dir:
         with embedded_valkey(port, Path(data_dir)) as embedded:
             yield embedded
+
+
+def run_streams(url: str, prefix: str, **settings) -> RedisConfig:
+    """A RedisConfig on `prefix`'s own request, control and dead-letter streams, named as
+    `bench_worker` names them."""
+    return RedisConfig(
+        url=url,
+        requests_stream=f"{prefix}:requests",
+        control_stream=f"{prefix}:control",
+        dead_letter_stream=f"{prefix}:dead",
+        **settings,
+    )
