@@ -1,32 +1,27 @@
 """`inflight bench --scenario edge`: the Redis edge alone, at GPU token rates.
 
-A stub engine (no model math) runs every request it holds each step, emitting one token
-per request per step, at a fixed step time (`--edge-step-ms`; 0 steps as fast as it
-can). The steps keep a fixed schedule, as an open-loop load generator does: step n ends
-n step times after the first began, so a sleep that wakes late (by about 0.1 ms on the
-machines measured) does not lower the rate offered, and a step that starts late is
-followed by shorter ones until the schedule is met again. `offered_events_per_s` is what
-the stub made, measured; `events_per_s` what landed. It runs behind the real worker
-(`service.worker.Worker`: claiming, leases,
-the outbox, fenced writes, acks) against a private redis-server started here. Each
-row: `streams` jobs of `--edge-tokens` tokens, all queued at once, the worker holding
-them all.
+A stub engine (no model math) runs behind the real worker (`service.worker.Worker`:
+claims, leases, the outbox, fenced writes, acks) against a private redis-server. Each step
+every request it holds takes one token, at a fixed step time (`--edge-step-ms`; 0 steps
+as fast as it can). The steps keep a fixed schedule, as an open-loop load generator does
+(step n ends n step times after the first began), so a sleep that wakes late does not
+lower the rate offered. Each row: `streams` jobs of `--edge-tokens` tokens, all queued
+at once, the worker holding them all.
 
-Reported per row:
+Per row:
 - `events_per_s`: token events landed per second, first step to last ack;
-- `sustained_events_per_s`: the same in the steady state, between the round trips that
-  land the first 10% and the first 90% of the events;
-- `offered_events_per_s`: token events the stub made per second, first step to last;
-- `publish_lag_p50_ms` / `p99`: from the end of a step to its events landing (the
-  outbox's own measure, one sample per stream and round trip);
-- `worker_cpu_ms_per_1k_events` and `redis_cpu_ms_per_1k_events`: CPU time of this
-  process (worker, stub engine and event loop) and of redis-server;
+  `sustained_events_per_s` the same between the round trips that land the first 10% and
+  the first 90% of them; `offered_events_per_s` what the stub made per second;
+- `publish_lag_p50_ms` / `p99`: from a step's end to its events landing (the outbox's
+  own measure, one sample per stream and round trip);
+- `worker_cpu_ms_per_1k_events` (this process: worker, stub engine, event loop) and
+  `redis_cpu_ms_per_1k_events` (redis-server);
 - `redis_bytes_per_token`: Redis memory the finished reply streams hold, per token event;
 - `streams_per_round_trip`: how many streams' events one round trip carried, on average.
 
-`--edge-cluster` runs the rows on a private 3-master Redis Cluster instead.
-`--edge-baseline` adds the same rows for the publishing this replaced: every event its
-own awaited round trip, from one task per stream.
+`--edge-cluster` runs the rows on a private 3-master Redis Cluster; `--edge-baseline`
+adds them for the publishing this replaced: every event its own awaited round trip, one
+task per stream.
 """
 
 from __future__ import annotations
@@ -35,19 +30,19 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import re
 import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
 
-import redis
 import structlog
 import uvloop
 
 from bench.metrics import percentile
 from bench.processes import RedisClusterServers, RedisServer, cpu_seconds
-from service.config import RedisConfig
+from bench.systems import run_streams
 from service.connect import connect
 from service.metrics import Metrics
 from service.outbox import Published, ReplyOutbox
@@ -117,18 +112,9 @@ def _run(args: argparse.Namespace) -> dict:
 async def _row(servers, count: int, tokens: int, step_s: float, publishing: str) -> dict:
     nodes = getattr(servers, "nodes", [servers])
     run_id = uuid.uuid4().hex[:8]
-    config = RedisConfig(
-        url=servers.url,
-        requests_stream=f"edge:{run_id}:requests",
-        control_stream=f"edge:{run_id}:control",
-        dead_letter_stream=f"edge:{run_id}:dead",
-        consumer="edge",
-        block_ms=100,
-    )
+    config = run_streams(servers.url, f"edge:{run_id}", consumer="edge", block_ms=100)
     client = connect(servers.url, block_ms=config.block_ms)
-    for node in nodes:
-        with redis.Redis(port=node.port) as plain:
-            plain.flushall()
+    await client.flushall()  # on a cluster, every master's
     memory_before = _used_memory(nodes)
     engine = StubEngine(count, step_s)
     lags: list[float] = []
@@ -205,11 +191,8 @@ def _redis_cpu_s(nodes) -> float:
 
 
 def _used_memory(nodes) -> int:
-    total = 0
-    for node in nodes:
-        with redis.Redis(port=node.port) as plain:
-            total += plain.info("memory")["used_memory"]
-    return total
+    """INFO's used_memory, summed over the redis-servers."""
+    return sum(int(re.search(rb"^used_memory:(\d+)", node.info("INFO", "memory"), re.M)[1]) for node in nodes)
 
 
 class StubEngine:
