@@ -1,30 +1,28 @@
 """`inflight bench --scenario soak`: mixed traffic on two worker processes for minutes,
 through a Redis that restarts and past a worker that is SIGKILLed, checked for loss.
 
-Setup: a private `redis-server` (append-only file on, in a temp dir) and two `inflight
-worker` processes, w1 and w2, on the default stream names. This process is the producer
-and reads every reply stream and the dead-letter stream as it goes. For `--soak-minutes`
-it keeps `--soak-concurrency` good jobs outstanding (more than both workers take, so a
-backlog waits in Redis): prompts of varied lengths, greedy and seeded sampling,
-priorities, flat and msgpack entries; a few are cancelled a moment after they are sent
-(while queued or running), and one entry in a hundred is malformed. Chaos, at fixed
-points: Redis is SIGTERMed (it writes its file out) and started again on the same port
-and directory; later w1 is SIGKILLed while it streams and restarted under its name.
-The producer and the readers ride the outage out with backoff; requests are added with
-explicit entry ids, so a retried XADD that had landed is refused, not doubled.
+A private `redis-server` (append-only file on) and two `inflight worker` processes, w1 and
+w2, on the default streams. For `--soak-minutes` this process keeps `--soak-concurrency`
+good jobs outstanding, more than both workers take: prompts of varied lengths, greedy and
+seeded sampling, priorities, flat and msgpack entries; a few are cancelled while queued
+or running, and one entry in a hundred is malformed. At fixed points Redis is SIGTERMed
+and started again on the same port and data, then w1 is SIGKILLed while it streams and
+restarted under its name. Requests are added with entry ids of our own, so a retried
+XADD that had landed is refused, not doubled.
 
-Then it waits for every good job's final event, reads each worker's /metrics, waits the
-reply TTL out and reports: jobs lost, duplicate or missing seqs, time from the SIGKILL
-to the next token of each stream the killed worker was serving, KV blocks in use when
-idle, w2's RSS growth since the warm-up, Redis `used_memory` before and after, and the
-counts.
+Reported: jobs lost; duplicate or missing seqs; time from the SIGKILL to the next token
+of each stream the killed worker was serving; KV blocks in use when idle; w2's RSS growth
+since the warm-up; Redis `used_memory` before and after the reply TTL ran out; the counts;
+and `checks`, each figure against its target.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
+import json
 import os
 import random
 import re
@@ -36,13 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
-from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+from redis.exceptions import ResponseError
 
 from bench.metrics import percentile
 from bench.processes import RedisServer, WorkerProcess
 from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
+from service.retry import retrying
 from service.sdk import job_payload
 
 CONFIG = RedisConfig()
@@ -64,39 +63,25 @@ WORDS = tuple(
         "count from one to ten while birds sing in green fields under summer rain python code runs fast"
     ).split()
 )
+# --soak-NAME: type, default, help. A worker's RSS grows fastest in its first minutes of
+# this traffic, hence the long warm-up.
+FLAGS = {
+    "minutes": (float, 10.0, "minutes of traffic"),
+    "warmup-s": (float, 180.0, "RSS baseline taken this long into the traffic"),
+    "concurrency": (int, 40, "good jobs outstanding at once"),
+    "max-tokens": (int, 48, "max_tokens drawn in 1..this"),
+    "reply-ttl-s": (int, 60, "the workers' reply (and cancel) TTL; waited out before Redis memory is read"),
+    "drain-s": (float, 180.0, "after the traffic, how long jobs may take to end before they count as lost"),
+    "kv-memory-mb": (int, 64, "each worker's KV cache"),
+}
+# Redis away (restarting, loading its file): the worker's own retry policy, waits capped at 1 s.
+_retrying = functools.partial(retrying, max_delay_s=1.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("soak scenario")
-    group.add_argument("--soak-minutes", type=float, default=10.0, help="minutes of traffic (default: %(default)s)")
-    # A worker's RSS grows fastest in its first minutes of this traffic.
-    group.add_argument(
-        "--soak-warmup-s",
-        type=float,
-        default=180.0,
-        help="RSS baseline taken this long into the traffic (default: %(default)s)",
-    )
-    group.add_argument(
-        "--soak-concurrency", type=int, default=40, help="good jobs outstanding at once (default: %(default)s)"
-    )
-    group.add_argument(
-        "--soak-max-tokens", type=int, default=48, help="max_tokens drawn in 1..this (default: %(default)s)"
-    )
-    group.add_argument(
-        "--soak-reply-ttl-s",
-        type=int,
-        default=60,
-        help="the workers' reply (and cancel) TTL; waited out before Redis memory is read (default: %(default)s)",
-    )
-    group.add_argument(
-        "--soak-drain-s",
-        type=float,
-        default=180.0,
-        help="after the traffic, how long jobs may take to end before they count as lost (default: %(default)s)",
-    )
-    group.add_argument(
-        "--soak-kv-memory-mb", type=int, default=64, help="each worker's KV cache (default: %(default)s)"
-    )
+    for name, (kind, default, text) in FLAGS.items():
+        group.add_argument(f"--soak-{name}", type=kind, default=default, help=f"{text} (default: %(default)s)")
     group.add_argument("--soak-logs", type=Path, default=None, help="keep the workers' and Redis's logs in this folder")
 
 
@@ -110,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             report = uvloop.run(_run(args, Path(tmp), duration))
         finally:
-            if args.soak_logs is not None:
+            if args.soak_logs is not None:  # before the temporary folder goes
                 args.soak_logs.mkdir(parents=True, exist_ok=True)
                 for log in Path(tmp).rglob("*.log"):
                     shutil.copy(log, args.soak_logs / log.name)
@@ -119,46 +104,30 @@ def run(args: argparse.Namespace) -> dict:
 
 
 async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
-    server = RedisServer(tmp / "redis")
-    await asyncio.to_thread(server.start)
-    argv = _worker_argv(server.url, args)
-    workers = [WorkerProcess(name, argv, tmp) for name in ("w1", "w2")]
-    client = connect(server.url, socket_timeout=10)
-    try:
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            await asyncio.to_thread(worker.wait_ready)
-        return await _Soak(client, server, workers, args).run(duration)
-    finally:
-        for worker in workers:
-            worker.stop()
-        await client.aclose()
-        server.stop()
+    with RedisServer(tmp / "redis") as server:
+        workers = [WorkerProcess(name, _worker_argv(server.url, args), tmp) for name in ("w1", "w2")]
+        client = connect(server.url, socket_timeout=10)
+        try:
+            for worker in workers:
+                worker.start()
+            for worker in workers:  # loading side by side
+                await asyncio.to_thread(worker.wait_ready)
+            return await _Soak(client, server, workers, args).run(duration)
+        finally:
+            for worker in workers:
+                worker.stop()
+            await client.aclose()
 
 
 def _worker_argv(url: str, args: argparse.Namespace) -> list[str]:
     threads = max(1, (os.cpu_count() or 2) // 2)  # two workers share the machine
-    argv = [
-        "--redis-url",
-        url,
-        "--kv-memory-mb",
-        str(args.soak_kv_memory_mb),
-        "--swap-memory-mb",
-        "64",
-        "--max-running-requests",
-        "8",
-        "--threads",
-        str(threads),
-        "--dtype",
-        args.dtype,
-        "--ingest-poll-s",
-        "1",
-        *(["--model", args.model] if args.model else []),
-    ]
     # Reply streams and remembered cancels expire within the run, so Redis's memory can be read after.
     ttl = str(args.soak_reply_ttl_s)
-    return argv + ["--reply-ttl-s", ttl, "--cancel-ttl-s", ttl]
+    return [
+        "--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else []),
+        "--kv-memory-mb", str(args.soak_kv_memory_mb), "--swap-memory-mb", "64", "--max-running-requests", "8",
+        "--threads", str(threads), "--ingest-poll-s", "1", "--reply-ttl-s", ttl, "--cancel-ttl-s", ttl,
+    ]  # fmt: skip
 
 
 @dataclass
@@ -196,17 +165,18 @@ class _Soak:
         self.last_entry = (0, 0)
         self.chaos: dict = {}
         self.kill: dict = {}
+        self.rss_samples: list[list[int]] = []  # [s after the warm-up, kB]
 
     async def run(self, duration: float) -> dict:
         memory_before = await self._used_memory()
-        readers = [asyncio.create_task(self._read_replies()), asyncio.create_task(self._read_dead_letters())]
+        reader = asyncio.create_task(self._read())
         started = time.monotonic()
         chaos = asyncio.create_task(self._chaos(started, duration))
         await self._produce(started + duration)
         await chaos
         traffic_s = time.monotonic() - started
         drain_deadline = time.monotonic() + self.args.soak_drain_s
-        while any(self.jobs[key].final is None for key in self.open) and time.monotonic() < drain_deadline:
+        while self._outstanding() and time.monotonic() < drain_deadline:
             await asyncio.sleep(0.2)
         await asyncio.sleep(2)  # the workers' last steps and acks
         idle = {worker.name: _engine_state(worker.metrics()) for worker in self.workers}
@@ -216,16 +186,18 @@ class _Soak:
         memory_after = await self._used_memory()
         keys_left = await self._keys_left()
         self.reading = False
-        await asyncio.gather(*readers)
+        await reader
         return self._report(traffic_s, idle, rss_end, alive, memory_before, memory_after, keys_left)
+
+    def _outstanding(self) -> int:
+        return sum(1 for key in self.open if self.jobs[key].final is None)
 
     # -- traffic -------------------------------------------------------------------------
 
     async def _produce(self, until: float) -> None:
         cancels = []
         while time.monotonic() < until:
-            outstanding = sum(1 for key in self.open if self.jobs[key].final is None)
-            if outstanding >= self.args.soak_concurrency:
+            if self._outstanding() >= self.args.soak_concurrency:
                 await asyncio.sleep(0.02)
                 continue
             if self.rng.random() < MALFORMED_FRACTION:
@@ -254,9 +226,7 @@ class _Soak:
         prompt, messages = (None, [{"role": "user", "content": text}]) if chat else (text, None)
         if rng.random() < 0.5:
             fields = job_payload(prompt, messages, request_id, **options)
-        else:
-            import json
-
+        else:  # a flat entry: every field a string
             fields = {
                 "id": request_id,
                 **({"messages": json.dumps(messages)} if chat else {"prompt": prompt}),
@@ -309,17 +279,20 @@ class _Soak:
 
     # -- readers -------------------------------------------------------------------------
 
-    async def _read_replies(self) -> None:
+    async def _read(self) -> None:
+        """One XREAD follows every open reply stream and the dead-letter stream."""
+        dead_last = "0"
         while self.reading:
             now = time.monotonic()
             self.open = {key for key in self.open if (at := self.jobs[key].final_at) is None or now - at < LINGER_S}
-            if not self.open:
-                await asyncio.sleep(0.05)
-                continue
-            streams = {key: self.jobs[key].last_id for key in self.open}
+            streams = {key: self.jobs[key].last_id for key in self.open} | {CONFIG.dead_letter_stream: dead_last}
             reply = await _retrying(lambda: self.client.xread(streams, block=200))
             arrived = time.monotonic()
             for key, entries in reply or []:
+                if key.decode() == CONFIG.dead_letter_stream:
+                    dead_last = entries[-1][0]
+                    self.dead.update((fields[b"entry_id"].decode(), fields[b"code"].decode()) for _, fields in entries)
+                    continue
                 job = self.jobs[key.decode()]
                 for entry_id, fields in entries:
                     job.last_id = entry_id.decode()
@@ -327,15 +300,6 @@ class _Soak:
                     job.events.append((_entry(job.last_id), event, arrived))
                     if event["type"] != "token" and job.final is None:
                         job.final, job.final_at = event, arrived
-
-    async def _read_dead_letters(self) -> None:
-        last = "0"
-        while self.reading:
-            reply = await _retrying(lambda: self.client.xread({CONFIG.dead_letter_stream: last}, block=200))
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    self.dead[fields[b"entry_id"].decode()] = fields[b"code"].decode()
 
     # -- chaos ---------------------------------------------------------------------------
 
@@ -356,7 +320,6 @@ class _Soak:
 
     async def _sample_rss(self, until: float) -> None:
         """The survivor's RSS through the run: does it level off or keep growing?"""
-        self.rss_samples: list[list[int]] = []
         start = time.monotonic()
         while time.monotonic() < until:
             self.rss_samples.append([round(time.monotonic() - start), self.survivor.rss_kb()])
@@ -415,48 +378,34 @@ class _Soak:
             kind["longest_ttl_s"] = max(kind["longest_ttl_s"], await self.client.ttl(key))
         return keys
 
-    def _report(
-        self,
-        traffic_s: float,
-        idle: dict,
-        rss_end: int,
-        alive: dict,
-        memory_before: int,
-        memory_after: int,
-        keys_left: dict,
-    ) -> dict:
-        jobs = list(self.jobs.values())
-        finals = Counter(job.final["type"] if job.final else "none" for job in jobs)
-        reasons = Counter(job.final["finish_reason"] for job in jobs if job.final and job.final["type"] == "done")
-        errors = Counter(job.final["code"] for job in jobs if job.final and job.final["type"] == "error")
-        duplicate = missing = after_final = usage_mismatch = 0
-        for job in jobs:
-            seqs = job.tokens
-            duplicate += len(seqs) - len(set(seqs))
-            missing += (max(seqs) + 1 - len(set(seqs))) if seqs else 0
-            ends = [i for i, (_, event, _) in enumerate(job.events) if event["type"] != "token"]
-            after_final += len(job.events) - 1 - ends[0] if ends else 0
-            if job.final and job.final["type"] == "done":
-                usage_mismatch += job.final["usage"]["completion_tokens"] != len(set(seqs))
-        cancels = Counter(job.cancelled_when for job in jobs if job.cancelled_when)
-        cancels_ended = Counter(
-            job.cancelled_when
-            for job in jobs
-            if job.cancelled_when and job.final and job.final.get("finish_reason") == "cancelled"
-        )
-
-        resumed, per_stream = [], {}
+    def _kill_figures(self) -> dict:
+        """From the SIGKILL to the next token of each stream the killed worker was serving."""
+        waits, per_stream = [], {}
         for key, mark in self.kill.get("streams", {}).items():
             job = self.jobs[key]
             later = [at for entry, _, at in job.events if entry > mark]
-            resumed.append(later[0] - self.kill["at"] if later else None)
-            per_stream[job.request_id] = {"next_token_s": resumed[-1], "finished_by": (job.final or {}).get("worker")}
-        waits = [s for s in resumed if s is not None]
+            waits.append(later[0] - self.kill["at"] if later else None)
+            per_stream[job.request_id] = {"next_token_s": waits[-1], "finished_by": (job.final or {}).get("worker")}
+        resumed = [s for s in waits if s is not None]
+        return {
+            "streams": len(waits),
+            "not_resumed": len(waits) - len(resumed),
+            "next_token_p50_s": percentile(resumed, 50) if resumed else None,
+            "next_token_max_s": max(resumed) if resumed else None,
+            "per_stream": per_stream,
+            "worker_restart_s": self.chaos.get("worker_restart_s"),
+            "at_s": self.chaos.get("worker_kill_at_s"),
+        }
 
-        malformed_codes = {entry: self.dead.get(entry) for entry in self.malformed}
-        good_entries = {job.entry_id for job in jobs}
-        rss_warm = self.chaos["rss_warm_kb"]
+    def _report(self, traffic_s, idle, rss_end, alive, memory_before, memory_after, keys_left) -> dict:
+        jobs = list(self.jobs.values())
+        finals = [job.final for job in jobs if job.final]
+        reasons = Counter(final["finish_reason"] for final in finals if final["type"] == "done")
+        cancelled = [job for job in jobs if job.cancelled_when]
+        ended_by_cancel = [job for job in cancelled if (job.final or {}).get("finish_reason") == "cancelled"]
+        dead_codes = {entry: self.dead.get(entry) for entry in self.malformed}  # None: not dead-lettered
         kv_in_use = {name: state["kv_blocks_used"] for name, state in idle.items()}
+        rss_warm = self.chaos["rss_warm_kb"]
         figures = {
             "traffic_s": traffic_s,
             "jobs": {
@@ -464,35 +413,21 @@ class _Soak:
                 "completed": reasons["stop"] + reasons["length"],
                 "cancelled": reasons["cancelled"],
                 "finish_reasons": dict(reasons),
-                "errors": dict(errors),
-                "lost": finals["none"],
+                "errors": dict(Counter(final["code"] for final in finals if final["type"] == "error")),
+                "lost": sum(job.final is None for job in jobs),
             },
-            "cancels_sent": dict(cancels),  # by where the job was when the cancel went out
-            "cancels_that_ended_the_job": dict(cancels_ended),
+            # By where the job was when the cancel went out.
+            "cancels_sent": dict(Counter(job.cancelled_when for job in cancelled)),
+            "cancels_that_ended_the_job": dict(Counter(job.cancelled_when for job in ended_by_cancel)),
             "malformed": {
                 "sent": len(self.malformed),
-                "without_dead_letter": sum(code is None for code in malformed_codes.values()),
-                "wrong_code": sum(
-                    code is not None and code != self.malformed[e] for e, code in malformed_codes.items()
-                ),
+                "without_dead_letter": sum(code is None for code in dead_codes.values()),
+                "wrong_code": sum(code not in (None, self.malformed[entry]) for entry, code in dead_codes.items()),
             },
             "dead_letters_by_code": dict(Counter(self.dead.values())),
-            "good_jobs_dead_lettered": len(good_entries & self.dead.keys()),
-            "seqs": {
-                "duplicate": duplicate,
-                "missing": missing,
-                "events_after_final": after_final,
-                "usage_mismatch": usage_mismatch,
-            },
-            "kill": {
-                "streams": len(resumed),
-                "not_resumed": len(resumed) - len(waits),
-                "next_token_p50_s": percentile(waits, 50) if waits else None,
-                "next_token_max_s": max(waits) if waits else None,
-                "per_stream": per_stream,
-                "worker_restart_s": self.chaos.get("worker_restart_s"),
-                "at_s": self.chaos.get("worker_kill_at_s"),
-            },
+            "good_jobs_dead_lettered": len({job.entry_id for job in jobs} & self.dead.keys()),
+            "seqs": _seq_faults(jobs),
+            "kill": self._kill_figures(),
             "redis_restart": {"at_s": self.chaos.get("redis_restart_at_s"), "down_s": self.chaos.get("redis_down_s")},
             "idle_at_end": idle,
             "kv_blocks_in_use_at_end": kv_in_use,
@@ -515,10 +450,14 @@ class _Soak:
                 "keys_left": keys_left,
             },
         }
+        seqs, kill = figures["seqs"], figures["kill"]
+        resumed_in_time = (
+            kill["streams"] > 0 and kill["not_resumed"] == 0 and kill["next_token_max_s"] <= TARGET_RESUME_S
+        )
         figures["checks"] = {
             "no_job_lost": figures["jobs"]["lost"] == 0,
-            "seqs_exact": duplicate == missing == after_final == 0,
-            "resumed_within_3s": bool(resumed) and len(waits) == len(resumed) and max(waits) <= TARGET_RESUME_S,
+            "seqs_exact": seqs["duplicate"] == seqs["missing"] == seqs["events_after_final"] == 0,
+            "resumed_within_3s": resumed_in_time,
             "no_kv_block_leaked": all(v == 0 for v in kv_in_use.values()),
             "rss_growth_under_5pct": figures["rss_kb"]["growth"] < TARGET_RSS_GROWTH,
             # used_memory itself also moves with the server's own buffers and scripts.
@@ -530,75 +469,81 @@ class _Soak:
         return figures
 
 
+def _seq_faults(jobs: list[_Job]) -> dict:
+    """What exactly-once delivery rules out, counted over every job's reply stream."""
+    faults = dict.fromkeys(("duplicate", "missing", "events_after_final", "usage_mismatch"), 0)
+    for job in jobs:
+        seqs = job.tokens
+        faults["duplicate"] += len(seqs) - len(set(seqs))
+        faults["missing"] += (max(seqs) + 1 - len(set(seqs))) if seqs else 0
+        ends = [i for i, (_, event, _) in enumerate(job.events) if event["type"] != "token"]
+        faults["events_after_final"] += len(job.events) - 1 - ends[0] if ends else 0
+        if job.final and job.final["type"] == "done":
+            faults["usage_mismatch"] += job.final["usage"]["completion_tokens"] != len(set(seqs))
+    return faults
+
+
 def format_table(figures: dict) -> str:
     """The checks, one line each: measured against the target."""
     jobs, seqs, kill = figures["jobs"], figures["seqs"], figures["kill"]
-    memory, rss = figures["redis_used_memory"], figures["rss_kb"]
+    memory, rss, malformed = figures["redis_used_memory"], figures["rss_kb"], figures["malformed"]
 
     def seconds(value) -> str:
         return "-" if value is None else f"{value:.2f} s"
 
-    rows = [
-        ("jobs lost", f"{jobs['lost']} of {jobs['sent']}", "0", "no_job_lost"),
-        (
+    rows = {  # check: (what, measured, target)
+        "no_job_lost": ("jobs lost", f"{jobs['lost']} of {jobs['sent']}", "0"),
+        "seqs_exact": (
             "duplicate / missing seqs",
             f"{seqs['duplicate']} / {seqs['missing']} ({seqs['events_after_final']} after final)",
             "0 / 0",
-            "seqs_exact",
         ),
-        (
+        "resumed_within_3s": (
             "kill to next token p50 / max",
             f"{seconds(kill['next_token_p50_s'])} / {seconds(kill['next_token_max_s'])} "
             f"({kill['streams']} streams, {kill['not_resumed']} not resumed)",
             "<= 3 s",
-            "resumed_within_3s",
         ),
-        ("KV blocks in use when idle", str(figures["kv_blocks_in_use_at_end"]), "0", "no_kv_block_leaked"),
-        (
+        "no_kv_block_leaked": ("KV blocks in use when idle", str(figures["kv_blocks_in_use_at_end"]), "0"),
+        "rss_growth_under_5pct": (
             "RSS growth after warm-up",
             f"{rss['growth']:+.1%} ({rss['after_warmup']} -> {rss['end']} kB)",
             "< 5%",
-            "rss_growth_under_5pct",
         ),
-        (
+        "redis_memory_flat": (
             "Redis used_memory",
             f"{memory['before']} -> {memory['after']} B ({memory['growth_bytes']:+d}); keys left "
             f"{ {k: v['bytes'] for k, v in memory['keys_left'].items()} }",
             "flat: no request's key left",
-            "redis_memory_flat",
         ),
-        (
+        "malformed_all_dead_lettered": (
             "malformed without dead letter",
-            f"{figures['malformed']['without_dead_letter']} of {figures['malformed']['sent']}",
+            f"{malformed['without_dead_letter']} of {malformed['sent']}",
             "0",
-            "malformed_all_dead_lettered",
         ),
-    ]
-    width = max(len(r[0]) for r in rows)
+    }
+    width = max(len(what) for what, _, _ in rows.values())
     lines = [
         f"soak: {figures['traffic_s']:.0f} s of traffic; {jobs['completed']} completed, {jobs['cancelled']} cancelled, "
         f"errors {jobs['errors']}, dead letters {figures['dead_letters_by_code']}"
     ]
-    for name, measured, target, check in rows:
-        lines.append(
-            f"  {'ok ' if figures['checks'][check] else 'FAIL'} {name:<{width}}  {measured}  (target {target})"
-        )
+    for check, (what, measured, target) in rows.items():
+        mark = "ok " if figures["checks"][check] else "FAIL"
+        lines.append(f"  {mark} {what:<{width}}  {measured}  (target {target})")
     return "\n".join(lines)
 
 
 def _engine_state(metrics: dict) -> dict:
     """KV blocks in use (both pools) and requests in the engine, from a worker's /metrics."""
 
-    def total(name: str, **match) -> float:
-        return sum(
-            value
-            for (metric, labels), value in metrics.items()
-            if metric == name and all(dict(labels).get(k) == v for k, v in match.items())
+    def total(name: str, **labels) -> int:
+        return int(
+            sum(v for (metric, has), v in metrics.items() if metric == name and labels.items() <= dict(has).items())
         )
 
     return {
-        "kv_blocks_used": int(total("inflight_kv_cache_blocks", state="used")),
-        "requests_in_engine": int(total("inflight_scheduler_requests")),
+        "kv_blocks_used": total("inflight_kv_cache_blocks", state="used"),
+        "requests_in_engine": total("inflight_scheduler_requests"),
     }
 
 
@@ -609,14 +554,3 @@ def _entry(entry_id: str) -> tuple[int, int]:
 
 async def _sleep_until(moment: float) -> None:
     await asyncio.sleep(max(0.0, moment - time.monotonic()))
-
-
-async def _retrying(call):
-    """Redis is away (restarting, loading its file): wait with backoff and try again."""
-    delay = 0.05
-    while True:
-        try:
-            return await call()
-        except (ConnectionError, TimeoutError):
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
