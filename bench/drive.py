@@ -157,3 +157,36 @@ class Driver:
 
 def random_prompts(rng: random.Random, count: int, length: tuple[int, int], vocab_ids: list[int]) -> list[list[int]]:
     return [[rng.choice(vocab_ids) for _ in range(rng.randint(*length))] for _ in range(count)]
+
+
+def bench_engine(loaded, args, **config):
+    """An engine over the model `inflight bench` loaded (`--model`, `--dtype`), with these
+    `EngineConfig` fields (`cache=`, `scheduler=`, `speculative=`), the others at their defaults."""
+    from workers.config import EngineConfig, ModelConfig
+    from workers.engine import Engine
+
+    return Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), **config))
+
+
+def kv_bytes(model, tokens: int) -> int:
+    """The K and V of `tokens` tokens across the model's layers, in its dtype: a KV pool's size."""
+    from gpu.kv_cache import KVShape
+
+    return KVShape.of(model.config).bytes_per_token(model.dtype) * tokens
+
+
+def range_flag(group, flag: str, default: list[int], help: str | None = None) -> None:
+    """A scenario's `MIN MAX` length flag (inclusive)."""
+    group.add_argument(flag, type=int, nargs=2, default=default, metavar=("MIN", "MAX"), help=help)
+
+
+def on_fresh_engines(loaded, args, configs: dict[str, dict], measure: Callable) -> dict[str, dict]:
+    """`measure(name, engine)` for each named set of `bench_engine` fields, on a fresh engine
+    each, the last one's memory dropped before the next is built."""
+    import gc
+
+    figures = {}
+    for name, config in configs.items():
+        figures[name] = measure(name, bench_engine(loaded, args, **config))
+        gc.collect()  # the engine's pools, before the next one allocates its own
+    return figures

@@ -1,18 +1,14 @@
 """`inflight bench --scenario prefix`: KV reuse across requests (the prefix cache).
 
-Three workloads, each on seeded random token ids, greedy unless said otherwise, EOS
-ignored so every output has its asked length:
-
-- `shared`: many requests behind one long shared prefix (an instruction block), all at
-  t0, each with its own suffix. Run on the engine with caching off, caching on with
-  the device pool only, caching on with the host tier, and transformers' continuous
-  batching with `allow_block_sharing` (in a child process, as `inflight bench` runs it).
-- `multi_turn`: conversations whose every turn resubmits the whole history (previous
-  prompt and output) plus a new user message, sent when the previous turn finishes. The
-  device pool holds only a fraction of the final histories, so cached turns get
-  evicted: the device-only cache recomputes them, the host tier copies them back.
-- `n`: parallel sampling (`SamplingParams.n`) against the same samples sent as
-  independent requests with caching off.
+Seeded random token ids, greedy unless said otherwise, EOS ignored:
+- `shared`: requests behind one long shared prefix, each with its own suffix, all at t0;
+  the engine with caching off, caching on with the device pool only and with the host
+  tier, and transformers' continuous batching with `allow_block_sharing` (in a child).
+- `multi_turn`: conversations whose every turn resubmits the whole history plus a new
+  message, sent when the previous turn finishes, with a device pool too small for all
+  histories: device-only recomputes evicted turns, the host tier copies them back.
+- `n`: parallel sampling (`SamplingParams.n`) against the same samples as independent
+  requests with caching off.
 
 TTFT is the engine's own (`FinalEvent.timings.first_token_s`, from each request's
 arrival); throughput is output tokens over the time from t0 to the last token.
@@ -21,19 +17,17 @@ arrival); throughput is output tokens over the time from t0 to the last token.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import tempfile
 from pathlib import Path
 
-from bench.drive import Driver, random_prompts
+from bench.drive import Driver, kv_bytes, on_fresh_engines, random_prompts, range_flag
 from bench.metrics import percentile
 from bench.report import system_panel
-from gpu.kv_cache import KVShape
 from workers.api import SamplingParams
 from workers.block_pool import blocks_needed
-from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.config import CacheConfig
 
 WORKLOADS = ("shared", "multi_turn", "n")
 
@@ -45,17 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--prefix-requests", type=int, default=64, help="shared: requests, all at t0")
     group.add_argument("--prefix-shared-len", type=int, default=1024, help="shared: tokens of the shared prefix")
-    group.add_argument(
-        "--prefix-suffix-len",
-        type=int,
-        nargs=2,
-        default=[32, 128],
-        metavar=("MIN", "MAX"),
-        help="shared: each request's own suffix",
-    )
-    group.add_argument(
-        "--prefix-output-len", type=int, nargs=2, default=[32, 64], metavar=("MIN", "MAX"), help="shared: output tokens"
-    )
+    range_flag(group, "--prefix-suffix-len", [32, 128], "shared: each request's own suffix")
+    range_flag(group, "--prefix-output-len", [32, 64], "shared: output tokens")
     group.add_argument(
         "--prefix-hf-batch-tokens",
         type=int,
@@ -85,17 +70,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     workloads = [w.strip() for w in args.prefix_workloads.split(",") if w.strip()]
     if not workloads or set(workloads) - set(WORKLOADS):
         raise SystemExit(f"--prefix-workloads must be a subset of {','.join(WORKLOADS)}, got {args.prefix_workloads!r}")
-    report = {}
-    if "shared" in workloads:
-        report["shared"] = run_shared(loaded, args, vocab_ids)
-    if "multi_turn" in workloads:
-        report["multi_turn"] = run_multi_turn(loaded, args, vocab_ids)
-    if "n" in workloads:
-        report["n"] = run_parallel_sampling(loaded, args, vocab_ids)
-    return report
-
-
-# -- the engine, in this process ----------------------------------------------------
+    runs = {"shared": run_shared, "multi_turn": run_multi_turn, "n": run_parallel_sampling}
+    return {name: runs[name](loaded, args, vocab_ids) for name in WORKLOADS if name in workloads}
 
 
 class CacheTally:
@@ -142,63 +118,59 @@ class CacheTally:
         }
 
 
-def new_engine(loaded, args: argparse.Namespace, cache: CacheConfig, vocab_ids: list[int]):
-    """An engine that has run one short request (first-call costs are not measured), with
-    a tally of its cache attached. The warm-up prompt is shorter than a block: it caches nothing."""
-    from workers.engine import Engine
+def run_engines(loaded, args: argparse.Namespace, vocab_ids: list[int], caches: dict, work) -> dict[str, dict]:
+    """For each named `CacheConfig`, a fresh engine that has run one short request (first-call
+    costs are not measured; its prompt is shorter than a block, so it caches nothing), then
+    `work(name, drive)` on it, run to the end: the engine's figures and any `work` returns.
+    Throughput is from the driver's token times, TTFT from the engine's final events."""
 
-    engine = Engine(loaded, EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), cache=cache))
-    warmup = Driver(engine)
-    warmup.add("warmup", vocab_ids[: cache.block_size - 1], 2)
-    warmup.drain()
-    return engine, CacheTally(engine)
+    def measure(name: str, engine) -> dict:
+        warmup = Driver(engine)
+        warmup.add("warmup", vocab_ids[: engine.block_size - 1], 2)
+        warmup.drain()
+        tally = CacheTally(engine)
+        drive = Driver(engine)
+        extra = work(name, drive) or {}
+        drive.drain()
+        ttfts = [final.timings.first_token_s for final in drive.finals.values()]
+        wall = max(times[-1] for times in drive.token_times.values())
+        produced = sum(len(times) for times in drive.token_times.values())
+        return {
+            "output_tokens": produced,
+            "output_tokens_per_s": produced / wall,
+            "wall_s": wall,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
+            "steps": drive.num_steps,
+            "cache": tally.figures(),
+            # Other processes on the host skew every figure: the 1-min load when this run ended.
+            "load_average_1m": round(os.getloadavg()[0], 2),
+        } | extra
 
-
-def engine_figures(drive: Driver, tally: CacheTally) -> dict:
-    """Throughput from the driver's token times, TTFT from the engine's final events."""
-    ttfts = [final.timings.first_token_s for final in drive.finals.values()]
-    wall = max(times[-1] for times in drive.token_times.values())
-    produced = sum(len(times) for times in drive.token_times.values())
-    return {
-        "output_tokens": produced,
-        "output_tokens_per_s": produced / wall,
-        "wall_s": wall,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "steps": drive.num_steps,
-        "cache": tally.figures(),
-        # Other processes on the host skew every figure: the 1-min load when this run ended.
-        "load_average_1m": round(os.getloadavg()[0], 2),
-    }
+    return on_fresh_engines(loaded, args, {name: {"cache": cache} for name, cache in caches.items()}, measure)
 
 
 # -- shared instructions --------------------------------------------------------------
 
 
-def shared_requests(args: argparse.Namespace, vocab_ids: list[int]) -> list[tuple[str, list[int], int]]:
+def run_shared(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     rng = random.Random(args.seed)
     prefix = random_prompts(rng, 1, (args.prefix_shared_len, args.prefix_shared_len), vocab_ids)[0]
     suffixes = random_prompts(rng, args.prefix_requests, tuple(args.prefix_suffix_len), vocab_ids)
-    return [(f"req-{i}", prefix + suffix, rng.randint(*args.prefix_output_len)) for i, suffix in enumerate(suffixes)]
-
-
-def run_shared(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    requests = shared_requests(args, vocab_ids)
-    settings = {
+    requests = [
+        (f"req-{i}", prefix + suffix, rng.randint(*args.prefix_output_len)) for i, suffix in enumerate(suffixes)
+    ]
+    caches = {
         "caching_off": CacheConfig(prefix_caching=False),
         "device_only": CacheConfig(swap_memory_bytes=0),
         "host_tier": CacheConfig(),
     }
-    systems = {}
-    for name, cache in settings.items():
-        engine, tally = new_engine(loaded, args, cache, vocab_ids)
-        drive = Driver(engine)
-        for request_id, prompt, output_len in requests:
-            drive.add(request_id, prompt, output_len)
-        drive.drain()
-        systems[name] = engine_figures(drive, tally)
-        del engine, drive, tally
-        gc.collect()  # drop this engine's pools before the next one allocates its own
+
+    def all_at_t0(_, drive: Driver) -> None:
+        for request in requests:
+            drive.add(*request)
+
+    systems = run_engines(loaded, args, vocab_ids, caches, all_at_t0)
     systems["hf_continuous"] = run_peer(args, requests)
 
     on, off, peer = systems["host_tier"], systems["caching_off"], systems["hf_continuous"]
@@ -259,26 +231,25 @@ def run_multi_turn(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> di
         blocks_needed(round(args.prefix_pool_fraction * conversations * final_history), block_size),
         blocks_needed(final_history, block_size) + 1,
     )
-    block_bytes = KVShape.of(loaded.model.config).bytes_per_token(loaded.model.dtype) * block_size
-    settings = {
-        "device_only": CacheConfig(kv_memory_bytes=pool_blocks * block_bytes, swap_memory_bytes=0),
-        "host_tier": CacheConfig(kv_memory_bytes=pool_blocks * block_bytes),
+    pool_bytes = kv_bytes(loaded.model, pool_blocks * block_size)
+    caches = {
+        "device_only": CacheConfig(kv_memory_bytes=pool_bytes, swap_memory_bytes=0),
+        "host_tier": CacheConfig(kv_memory_bytes=pool_bytes),
     }
-    systems, histories = {}, {}
-    for name, cache in settings.items():
-        engine, tally = new_engine(loaded, args, cache, vocab_ids)
-        drive = Driver(engine)
+    histories = {}
+
+    def converse(name: str, drive: Driver) -> dict:
         histories[name] = _converse(drive, first, messages, output_len)
-        figures = engine_figures(drive, tally)
         # Later turns are where a history can be reused.
         later = [f.timings.first_token_s for rid, f in drive.finals.items() if not rid.endswith("-t0")]
-        figures["ttft_p50_later_turns_s"] = percentile(later, 50)
-        figures["kv_blocks"] = engine.allocator.num_blocks
-        figures["host_blocks"] = engine.host_allocator.num_blocks if engine.host_allocator else 0
-        systems[name] = figures
-        del engine, drive, tally
-        gc.collect()  # drop this engine's pools before the next one allocates its own
+        host = drive.engine.host_allocator
+        return {
+            "ttft_p50_later_turns_s": percentile(later, 50),
+            "kv_blocks": drive.engine.allocator.num_blocks,
+            "host_blocks": host.num_blocks if host else 0,
+        }
 
+    systems = run_engines(loaded, args, vocab_ids, caches, converse)
     device, host = systems["device_only"], systems["host_tier"]
     return {
         "conversations": conversations,
@@ -329,30 +300,23 @@ def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]
     prompts = random_prompts(rng, args.prefix_n_prompts, length, vocab_ids)
     n, output_len = args.prefix_n, args.prefix_n_output_len
     sampled = dict(max_tokens=output_len, temperature=0.8, ignore_eos=True)
-    runs = {
-        "parallel": (
-            CacheConfig(),
-            [(f"p{i}", prompt, SamplingParams(n=n, **sampled)) for i, prompt in enumerate(prompts)],
-        ),
-        "independent_caching_off": (
-            CacheConfig(prefix_caching=False),
-            [(f"p{i}-s{s}", prompt, SamplingParams(**sampled)) for i, prompt in enumerate(prompts) for s in range(n)],
-        ),
+    requests = {
+        "parallel": [(f"p{i}", prompt, SamplingParams(n=n, **sampled)) for i, prompt in enumerate(prompts)],
+        "independent_caching_off": [
+            (f"p{i}-s{s}", prompt, SamplingParams(**sampled)) for i, prompt in enumerate(prompts) for s in range(n)
+        ],
     }
-    systems = {}
-    for name, (cache, requests) in runs.items():
-        engine, tally = new_engine(loaded, args, cache, vocab_ids)
-        drive = Driver(engine)
-        for request_id, prompt, params in requests:
-            drive.submit(request_id, prompt, params)
-        drive.drain()
-        figures = engine_figures(drive, tally)
-        expected = len(prompts) * n * output_len
+
+    def all_at_t0(name: str, drive: Driver) -> None:
+        for request in requests[name]:
+            drive.submit(*request)
+
+    caches = {"parallel": CacheConfig(), "independent_caching_off": CacheConfig(prefix_caching=False)}
+    systems = run_engines(loaded, args, vocab_ids, caches, all_at_t0)
+    expected = len(prompts) * n * output_len
+    for name, figures in systems.items():
         if figures["output_tokens"] != expected:
             raise RuntimeError(f"n: {name} produced {figures['output_tokens']} tokens, expected {expected}")
-        systems[name] = figures
-        del engine, drive, tally
-        gc.collect()  # drop this engine's pools before the next one allocates its own
     parallel, independent = systems["parallel"], systems["independent_caching_off"]
     return {
         "prompts": len(prompts),
@@ -368,9 +332,6 @@ def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]
         "blocks_per_sequence_parallel": parallel["cache"]["device_blocks_per_running_at_peak"],
         "blocks_per_sequence_independent": independent["cache"]["device_blocks_per_running_at_peak"],
     }
-
-
-# -- the chart --------------------------------------------------------------------------
 
 
 def chart_panels(report: dict) -> list[tuple]:

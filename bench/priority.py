@@ -13,10 +13,10 @@ import argparse
 import random
 
 from bench.arrivals import ArrivalQueue, bursts
-from bench.drive import Driver, random_prompts
+from bench.drive import Driver, bench_engine, random_prompts
 from bench.metrics import percentile
 from workers.api import PRIORITY_MAX, PRIORITY_MIN
-from workers.config import EngineConfig, ModelConfig, SchedulerConfig
+from workers.config import SchedulerConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,12 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    from workers.engine import Engine
-
-    scheduler = SchedulerConfig(priority_bound_s=args.priority_bound)
-    engine = Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), scheduler=scheduler))
+    drive = Driver(bench_engine(loaded, args, scheduler=SchedulerConfig(priority_bound_s=args.priority_bound)))
     rng = random.Random(args.seed)
-    drive = Driver(engine)
     low_ids = [f"low-{i}" for i in range(args.priority_low)]
     for request_id, prompt in zip(low_ids, random_prompts(rng, len(low_ids), (8, 32), vocab_ids)):
         drive.add(request_id, prompt, output_len=rng.randint(2, 8), priority=PRIORITY_MIN)

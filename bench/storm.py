@@ -1,19 +1,12 @@
 """`inflight bench --scenario storm`: a prefill storm against running generations.
 
-Long generations run at a steady pace; then a backlog of long prompts lands at once
-(what a restart leaves behind). The figure that matters is the running generations'
-inter-token latency while the backlog is being prefilled, against their steady pace,
-with the prefill sub-budget on and with it off (set to the whole step budget).
-
-Three runs of the same seeded requests:
-- `budgets_on` and `budgets_off`: the long generations are admitted and decode for
-  `steady_steps` steps, then the burst arrives. The burst window lasts until every
-  burst request has its first token (its prompt fully prefilled); the long
-  generations' gaps whose later token falls in the window are the burst latencies;
-- `steady`: the long generations alone, no burst, through the same output positions
-  as `budgets_on`'s window. A decode step costs more as contexts grow, so the steady
-  pace is taken at the same positions, not before the burst (that figure is reported
-  too, as `itl_p50_before_burst_s`).
+Long generations decode at a steady pace for 40 steps; then a backlog of long prompts
+lands at once (what a restart leaves behind). The burst window lasts until every burst
+request has its first token; the long generations' gaps whose later token falls in it
+are the burst latencies. Run with the prefill sub-budget on (`budgets_on`) and off
+(`budgets_off`: the whole step budget), on the same seeded requests. `steady` is the long
+generations alone through the same output positions as `budgets_on`'s window (a decode
+step costs more as contexts grow); the pace before the burst is `itl_p50_before_burst_s`.
 """
 
 from __future__ import annotations
@@ -22,18 +15,16 @@ import argparse
 import gc
 import random
 
-from bench.drive import Driver, random_prompts
+from bench.drive import Driver, bench_engine, random_prompts, range_flag
 from bench.metrics import inter_token_latencies, percentile
-from workers.config import EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from workers.config import SchedulerConfig, SpeculativeConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("storm scenario")
     group.add_argument("--storm-running", type=int, default=16, help="long generations running before the burst")
     group.add_argument("--storm-burst", type=int, default=32, help="requests in the burst")
-    group.add_argument(
-        "--storm-prompt-len", type=int, nargs=2, default=[200, 800], metavar=("MIN", "MAX"), help="burst prompt lengths"
-    )
+    range_flag(group, "--storm-prompt-len", [200, 800], "burst prompt lengths")
     group.add_argument("--storm-output-len", type=int, default=16, help="burst output length")
     group.add_argument(
         "--storm-prefill-tokens",
@@ -83,19 +74,10 @@ def _start(
     loaded, args: argparse.Namespace, vocab_ids: list[int], max_prefill_tokens: int, steady_steps: int = 40
 ) -> tuple[Driver, float]:
     """An engine with the long generations decoding for `steady_steps` steps, and when those began."""
-    from workers.engine import Engine
-
-    scheduler = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
     # Without speculation: the scenario measures what prompt budgets do to the decodes'
     # pace, and tokens accepted together would share one time.
-    drive = Driver(
-        Engine(
-            loaded,
-            EngineConfig(
-                model=ModelConfig(dtype=args.dtype), scheduler=scheduler, speculative=SpeculativeConfig(enabled=False)
-            ),
-        )
-    )
+    scheduler = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
+    drive = Driver(bench_engine(loaded, args, scheduler=scheduler, speculative=SpeculativeConfig(enabled=False)))
     rng = random.Random(args.seed)
     for i, prompt in enumerate(random_prompts(rng, args.storm_running, (32, 96), vocab_ids)):
         drive.add(f"long-{i}", prompt, output_len=4000)

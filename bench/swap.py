@@ -9,19 +9,17 @@ blocks swapped per second, and the small pools' throughput against the large one
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 
-from bench.drive import Driver, StepRecorder, random_prompts
-from gpu.kv_cache import KVShape
-from workers.config import CacheConfig, EngineConfig, ModelConfig
+from bench.drive import Driver, StepRecorder, kv_bytes, on_fresh_engines, random_prompts, range_flag
+from workers.config import CacheConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("swap scenario")
     group.add_argument("--swap-requests", type=int, default=24, help="requests, all arriving at t0")
-    group.add_argument("--swap-prompt-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
-    group.add_argument("--swap-output-len", type=int, nargs=2, default=[64, 192], metavar=("MIN", "MAX"))
+    range_flag(group, "--swap-prompt-len", [64, 256])
+    range_flag(group, "--swap-output-len", [64, 192])
     group.add_argument(
         "--swap-pool-blocks",
         type=int,
@@ -31,44 +29,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    from workers.engine import Engine
-
     rng = random.Random(args.seed)
     prompts = random_prompts(rng, args.swap_requests, tuple(args.swap_prompt_len), vocab_ids)
     outputs = [rng.randint(*args.swap_output_len) for _ in prompts]
-    block_size = CacheConfig().block_size
-    block_bytes = KVShape.of(loaded.model.config).bytes_per_token(loaded.model.dtype) * block_size
+    block_bytes = kv_bytes(loaded.model, CacheConfig().block_size)
     small = args.swap_pool_blocks * block_bytes
-    settings = {
-        "large_pool": CacheConfig(),
-        "small_pool_swap": CacheConfig(kv_memory_bytes=small),
-        "small_pool_recompute": CacheConfig(kv_memory_bytes=small, swap_memory_bytes=0),
+    configs = {
+        "large_pool": {"cache": CacheConfig()},
+        "small_pool_swap": {"cache": CacheConfig(kv_memory_bytes=small)},
+        "small_pool_recompute": {"cache": CacheConfig(kv_memory_bytes=small, swap_memory_bytes=0)},
     }
-    report = {}
-    for name, cache in settings.items():
-        engine = Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), cache=cache))
-        steps_done = StepRecorder(engine)
+
+    def measure(_, engine) -> dict:
+        records = StepRecorder(engine)
         drive = Driver(engine)
         for i, (prompt, output_len) in enumerate(zip(prompts, outputs)):
             drive.add(f"req-{i}", prompt, output_len)
         drive.drain()
-        records = list(steps_done)
         figures = drive.throughput()
-        wall = figures["wall_s"]
-        swapped = sum(r.num_blocks_swapped_out + r.num_blocks_swapped_in for r in records)
-        report[name] = figures | {
+        swapped_out = sum(r.num_blocks_swapped_out for r in records)
+        swapped_in = sum(r.num_blocks_swapped_in for r in records)
+        swap_s = sum(r.swap_s for r in records)
+        return figures | {
             "kv_blocks": engine.allocator.num_blocks,
             "preemptions": sum(r.num_preempted for r in records),
-            "blocks_swapped_out": sum(r.num_blocks_swapped_out for r in records),
-            "blocks_swapped_in": sum(r.num_blocks_swapped_in for r in records),
-            "swapped_blocks_per_s": swapped / wall,
-            "swap_s": sum(r.swap_s for r in records),
+            "blocks_swapped_out": swapped_out,
+            "blocks_swapped_in": swapped_in,
+            "swapped_blocks_per_s": (swapped_out + swapped_in) / figures["wall_s"],
+            "swap_s": swap_s,
             # Copy rate while swapping: K/V bytes moved over the time spent in swap copies.
-            "swap_gb_per_s": swapped * block_bytes / max(sum(r.swap_s for r in records), 1e-9) / 1e9,
+            "swap_gb_per_s": (swapped_out + swapped_in) * block_bytes / max(swap_s, 1e-9) / 1e9,
             "steps": len(records),
         }
-        del engine, drive
-        gc.collect()
+
+    report = on_fresh_engines(loaded, args, configs, measure)
     large = report["large_pool"]["output_tokens_per_s"]
     report["swap_vs_large_pool"] = report["small_pool_swap"]["output_tokens_per_s"] / large
     report["recompute_vs_large_pool"] = report["small_pool_recompute"]["output_tokens_per_s"] / large
