@@ -1,27 +1,24 @@
 """`inflight bench --scenario overhead`: the host's time per step, with no model math.
 
-On a GPU a small model's forward takes a few milliseconds, so what the host does around
-it every step caps tokens/s. This scenario measures that work on the CPU: the real
-engine, scheduler, sampler and detokenizer (the bundled model's tokenizer), and the CUDA
-backend's `prepare` (its metadata, built here on the CPU), with a stub forward that
-does no model math. The stub's logits span 256 columns, so the sampler's argmax, device
-work on a GPU, costs next to nothing here; each column stands for one of the 256 most
-frequent tokens of the README, so the detokenizers see text as a model writes it. The model behind the engine
-is the bundled one's config cut to one layer: only the KV pool's size depends on it.
+On a GPU a small model's forward takes a few milliseconds, so the host's work around it
+caps tokens/s. Here it runs on the CPU: the real engine, scheduler, sampler, detokenizer
+(the bundled model's tokenizer) and the CUDA backend's `prepare`, behind a stub forward
+with no math over a one-layer copy of the bundled model (only the KV pool's size depends
+on it). The stub's logits span 256 columns (the sampler's argmax, device work on a GPU,
+costs next to nothing), each standing for one of the 256 most frequent tokens of a fixed
+English text (`bench/overhead_text.py`), so the detokenizers see text as a model writes it.
 
-At each size (64, 256 and 1,024 decoding requests) requests keep arriving as others
-finish, so steps also carry chunked prefills. After a warm-up that fills the batch, each
-phase's time per step is reported:
+At each size (64, 256, 1,024 decoding requests) requests keep arriving as others finish,
+so steps carry chunked prefills too. After a warm-up that fills the batch, per step:
+`total` (wall) and `total_cpu` (the stepping thread's CPU time, which other processes do
+not stretch), from steps run as they are; then, from as many steps with each phase timed
+by a wrapper (its own small cost lands in the phases, not the totals), `timed_total` and
 - scheduling: `Scheduler.schedule`, `update_from_output` and the deadline sweep;
 - metadata: the runner's batch (token ids, positions, slices) and the backend's `prepare`;
 - sampling: `Sampler.sample`;
 - detokenization: the detokenizers' `push`;
-- events: the token events and final events, and the per-token latency bookkeeping;
+- events: the token and final events, and the per-token latency bookkeeping;
 - other: the rest of `Engine.step` (the inbox, the step record, the stats for metrics).
-Each is wall time; the step's total is also given as the stepping thread's CPU time,
-which other processes on the host do not stretch. The totals come from steps run as
-they are; the phases from as many steps after them, each phase timed by a wrapper
-(whose own small cost per call lands in the phases, not in the totals).
 """
 
 from __future__ import annotations
@@ -32,14 +29,15 @@ import gc
 import random
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from bench.drive import bench_engine, kv_bytes, range_flag
 from bench.metrics import percentile
+from bench.overhead_text import TEXT
 from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
-from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from workers.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from workers.detokenizer import IncrementalDetokenizer
 
 STUB_VOCAB = 256
@@ -50,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("overhead scenario")
     group.add_argument("--overhead-sizes", default="64,256,1024", help="decoding requests, comma-separated")
     group.add_argument("--overhead-steps", type=int, default=200, help="steps measured at each size")
-    group.add_argument("--overhead-prompt-len", type=int, nargs=2, default=[256, 768], metavar=("MIN", "MAX"))
-    group.add_argument("--overhead-output-len", type=int, nargs=2, default=[128, 512], metavar=("MIN", "MAX"))
+    range_flag(group, "--overhead-prompt-len", [256, 768])
+    range_flag(group, "--overhead-output-len", [128, 512])
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -69,18 +67,18 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
 
 
 def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -> dict:
-    from workers.engine import Engine
-
     prompt_range, output_range = args.overhead_prompt_len, args.overhead_output_len
     longest = prompt_range[1] + output_range[1]
-    config = EngineConfig(
-        model=ModelConfig(source=args.model),
-        cache=CacheConfig(kv_memory_bytes=_kv_bytes(loaded.model, (size + 8) * longest), swap_memory_bytes=0),
-        scheduler=SchedulerConfig(max_running_requests=size, max_decode_tokens=size,
-                                  max_batch_tokens=size + 128, max_prefill_tokens=128),
+    scheduler = SchedulerConfig(
+        max_running_requests=size, max_decode_tokens=size, max_batch_tokens=size + 128, max_prefill_tokens=128
+    )
+    engine = bench_engine(
+        loaded,
+        args,
+        cache=CacheConfig(kv_memory_bytes=kv_bytes(loaded.model, (size + 8) * longest), swap_memory_bytes=0),
+        scheduler=scheduler,
         speculative=SpeculativeConfig(enabled=False),  # the stub forward gives one row of logits per request
-    )  # fmt: skip
-    engine = Engine(loaded, config)
+    )
     runner = engine.runner
     runner.backend = _cuda_backend_metadata_only(runner.kv_cache)
     stub = StubForward(size + 8, args.seed)
@@ -102,12 +100,12 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
         submit()
     # Warm-up: fill the batch, with a prefill budget that does it in a few steps.
     engine.scheduler.config = dataclasses.replace(
-        config.scheduler, max_prefill_tokens=64 * 1024, max_batch_tokens=64 * 1024, max_prefill_chunk=1024
+        scheduler, max_prefill_tokens=64 * 1024, max_batch_tokens=64 * 1024, max_prefill_chunk=1024
     )
     while len(engine.scheduler.running) < size:
         for _ in _finals(engine.step()):
             submit()
-    engine.scheduler.config = config.scheduler
+    engine.scheduler.config = scheduler
 
     # One torch thread: the stub leaves no math to spread, and a second thread only adds
     # its wake-ups to every small tensor op.
@@ -137,18 +135,8 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
         phases["metadata"] = phases.pop("execute", 0.0) - phases["forward"]
         phases["events"] = phases.pop("token_events", 0.0) - phases.get("detokenization", 0.0)
         phases["other"] = phases["timed_total"] - sum(phases.get(p, 0.0) for p in PHASES if p != "other")
-    per_step = {
-        phase: {
-            "mean": 1e3 * sum(s.get(phase, 0.0) for s in source) / len(source),
-            "p50": 1e3 * percentile([s.get(phase, 0.0) for s in source], 50),
-            "p99": 1e3 * percentile([s.get(phase, 0.0) for s in source], 99),
-        }
-        for phase, source in [
-            *((phase, steps) for phase in (*PHASES, "timed_total")),
-            ("total", totals),
-            ("total_cpu", totals),
-        ]
-    }
+    per_step = {phase: _ms([s.get(phase, 0.0) for s in steps]) for phase in (*PHASES, "timed_total")}
+    per_step |= {phase: _ms([s[phase] for s in totals]) for phase in ("total", "total_cpu")}
     # Tokens each step made: the decodes, and the prompts that finished their prefill.
     return {
         "decoding_requests": size,
@@ -182,12 +170,19 @@ def _run_steps(engine, stub, count: int, submit, clock: PhaseClock | None = None
     return steps, tokens
 
 
+def _ms(seconds: list[float]) -> dict[str, float]:
+    """Mean, p50 and p99 of per-step seconds, in milliseconds."""
+    mean = sum(seconds) / len(seconds)
+    return {"mean": 1e3 * mean, "p50": 1e3 * percentile(seconds, 50), "p99": 1e3 * percentile(seconds, 99)}
+
+
 def _finals(events: list) -> list[FinalEvent]:
     return [event for event in events if isinstance(event, FinalEvent)]
 
 
 class PhaseClock:
-    """Time spent in wrapped methods, by phase, per step."""
+    """Seconds spent in wrapped methods, by phase: since `begin_step` (or since it was made)
+    until `end_step`."""
 
     def __init__(self) -> None:
         self._originals: list[tuple[object, str, object]] = []
@@ -242,13 +237,15 @@ class StubForward:
 
 
 def common_token_ids(tokenizer) -> list[int]:
-    """The `STUB_VOCAB` most frequent tokens of the README's text: what the stub's columns
-    stand for, so that the detokenizers see text as a model writes it (the first ids of a
-    byte-level vocabulary are single bytes, half of them pieces of a character)."""
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    counts = Counter(tokenizer.encode(text, add_special_tokens=False))
+    """The `STUB_VOCAB` most frequent tokens of `bench/overhead_text.py`'s fixed text: what the
+    stub's columns stand for, so that the detokenizers see text as a model writes it (the first
+    ids of a byte-level vocabulary are single bytes, half of them pieces of a character)."""
+    counts = Counter(tokenizer.encode(TEXT, add_special_tokens=False))
     special = set(tokenizer.all_special_ids)
-    return [token_id for token_id, _ in counts.most_common() if token_id not in special][:STUB_VOCAB]
+    common = [token_id for token_id, _ in counts.most_common() if token_id not in special][:STUB_VOCAB]
+    if len(common) < STUB_VOCAB:
+        raise ValueError(f"the stub's text has {len(common)} distinct tokens, fewer than {STUB_VOCAB}")
+    return common
 
 
 def _as_text_tokens(argmax, token_ids: list[int]):
@@ -268,14 +265,6 @@ def _one_layer_copy(model):
     with torch.device("meta"):
         small = AutoModelForCausalLM.from_config(config)
     return small.to_empty(device="cpu").to(model.dtype).eval()
-
-
-def _kv_bytes(model, tokens: int) -> int:
-    from gpu.kv_cache import KVShape
-
-    shape = KVShape.of(model.config)
-    element = torch.finfo(model.dtype).bits // 8
-    return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * element * tokens
 
 
 def _cuda_backend_metadata_only(kv_cache):

@@ -1,17 +1,15 @@
 """`inflight bench --scenario structured`: what structured outputs cost, and (with
 `--structured-validity`) the proof that they hold.
 
-- `throughput`: the default workload (`--requests` 48, `--prompt-len`, `--output-len`,
-  seeded random prompts, greedy, all at t0, EOS ignored) unconstrained, then with every
-  request under one JSON schema (`BENCH_SCHEMA`, whose minItems keeps every output
-  inside the grammar for all its tokens, so both runs make the same number of tokens),
-  alternately `--structured-rounds` times each; the best of each is compared. Reported
-  too: the time the constrained runs spent masking logits and advancing grammars.
-- `compile`: each of the 300 generated schemas (`bench/schemas.py`) compiled on an empty
-  cache, first mask included: p50, p99, max.
-- `validity` (with `--structured-validity`): the 300 schemas decoded greedy and at
-  temperature 1.0 (seeded), plus regexes and choices; every output that ends with `stop`
-  must parse and validate (`jsonschema`) or match in full.
+- `throughput`: the default workload (`--requests`, `--prompt-len`, `--output-len`; greedy,
+  all at t0, EOS ignored) unconstrained, then every request under `BENCH_SCHEMA` (whose
+  minItems keeps every output inside the grammar, so both make the same tokens), alternately
+  `--structured-rounds` times each; the best of each is compared. `mask_s` and `advance_s`:
+  the time spent masking logits and advancing grammars.
+- `compile`: each generated schema (`bench/schemas.py`) compiled on an empty cache, first
+  mask included: p50, p99, max.
+- `validity`: every schema decoded greedy and at temperature 1.0 (seeded), plus regexes and
+  choices; every output that ends with `stop` must validate (`jsonschema`) or match in full.
 """
 
 from __future__ import annotations
@@ -23,11 +21,12 @@ import random
 import re
 import time
 
-from bench.drive import Driver, StepRecorder, random_prompts
+from bench.drive import Driver, StepRecorder, bench_engine, on_fresh_engines, random_prompts
 from bench.metrics import percentile
+from bench.overhead import PhaseClock
 from bench.schemas import generate_schemas
 from workers.api import FinishReason, SamplingParams
-from workers.config import CacheConfig, EngineConfig, ModelConfig
+from workers.config import CacheConfig
 
 # A list of records the output never finishes within the workload's lengths.
 BENCH_SCHEMA = {
@@ -88,38 +87,29 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     return report
 
 
-def _engine(loaded, args, cache: CacheConfig | None = None):
-    from workers.engine import Engine
-
-    return Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype), cache=cache or CacheConfig()))
-
-
 def run_throughput(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     rng = random.Random(args.seed)
     prompts = random_prompts(rng, args.requests, tuple(args.prompt_len), vocab_ids)
     outputs = [rng.randint(*args.output_len) for _ in prompts]
     runs: dict[str, list[dict]] = {"unconstrained": [], "json_schema": []}
+
+    def measure(name: str, engine) -> dict:
+        grammar_time = PhaseClock()
+        grammar_time.wrap(engine.grammars, "apply", "mask_s")
+        grammar_time.wrap(engine.grammars, "advance", "advance_s")
+        steps = StepRecorder(engine)
+        drive = Driver(engine)
+        for i, (prompt, output_len) in enumerate(zip(prompts, outputs)):
+            shape = {"json_schema": BENCH_SCHEMA} if name == "json_schema" else {}
+            drive.submit(f"req-{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, **shape))
+        drive.drain()
+        spent = {"mask_s": 0.0, "advance_s": 0.0} | grammar_time.end_step()
+        reasons = sorted({f.finish_reason.value for f in drive.finals.values()})
+        return drive.throughput() | {"steps": len(steps), **spent, "finish_reasons": reasons}
+
     for _ in range(args.structured_rounds):
-        for name in runs:
-            engine = _engine(loaded, args)
-            spent = _time_grammar_calls(engine.grammars)
-            steps = StepRecorder(engine)
-            drive = Driver(engine)
-            for i, (prompt, output_len) in enumerate(zip(prompts, outputs)):
-                shape = {"json_schema": BENCH_SCHEMA} if name == "json_schema" else {}
-                drive.submit(f"req-{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, **shape))
-            drive.drain()
-            runs[name].append(
-                drive.throughput()
-                | {
-                    "steps": len(steps),
-                    "mask_s": spent["apply"],
-                    "advance_s": spent["advance"],
-                    "finish_reasons": sorted({f.finish_reason.value for f in drive.finals.values()}),
-                }
-            )
-            del engine, drive
-            gc.collect()
+        for name, figures in on_fresh_engines(loaded, args, dict.fromkeys(runs, {}), measure).items():
+            runs[name].append(figures)
     best = {name: max(r["output_tokens_per_s"] for r in results) for name, results in runs.items()}
     return {
         "requests": args.requests,
@@ -132,28 +122,11 @@ def run_throughput(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> di
     }
 
 
-def _time_grammar_calls(grammars) -> dict[str, float]:
-    """Seconds spent in this engine's `Grammars.apply` (masking) and `advance`."""
-    spent = {"apply": 0.0, "advance": 0.0}
-    for name in spent:
-        method = getattr(grammars, name)
-
-        def timed(*arguments, _method=method, _name=name):
-            started = time.perf_counter()
-            try:
-                return _method(*arguments)
-            finally:
-                spent[_name] += time.perf_counter() - started
-
-        setattr(grammars, name, timed)
-    return spent
-
-
 def run_compile(loaded, args: argparse.Namespace) -> dict:
     """Each schema on an empty cache: compile plus the first mask (`Grammars.start`)."""
     from workers.structured import Grammars
 
-    engine = _engine(loaded, args, CacheConfig(kv_memory_bytes=16 << 20, swap_memory_bytes=0))
+    engine = bench_engine(loaded, args, cache=CacheConfig(kv_memory_bytes=16 << 20, swap_memory_bytes=0))
     grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, cache_size=1024)
     grammars.start(SamplingParams(json_object=True))  # the vocabulary's one-off set-up, not a compile
     times = []
@@ -178,15 +151,10 @@ def run_validity(loaded, args: argparse.Namespace) -> dict:
     schemas = generate_schemas(args.structured_schemas, args.seed)
     report = {}
     for mode, sampling in (("greedy", {}), ("temperature_1", {"temperature": 1.0})):
-        engine = _engine(loaded, args)
-        drive = Driver(engine, raise_errors=False)
-        jobs = []
-        for i, schema in enumerate(schemas):
-            jobs.append((f"s{i}", {"json_schema": schema}, "Reply with a JSON object."))
-        for i, regex in enumerate(REGEXES):
-            jobs.append((f"r{i}", {"regex": regex}, "Answer in a few words."))
-        for i, choice in enumerate(CHOICES):
-            jobs.append((f"c{i}", {"choice": choice}, f"Pick one of: {', '.join(choice)}."))
+        drive = Driver(bench_engine(loaded, args), raise_errors=False)
+        jobs = [(f"s{i}", {"json_schema": schema}, "Reply with a JSON object.") for i, schema in enumerate(schemas)]
+        jobs += [(f"r{i}", {"regex": regex}, "Answer in a few words.") for i, regex in enumerate(REGEXES)]
+        jobs += [(f"c{i}", {"choice": c}, f"Pick one of: {', '.join(c)}.") for i, c in enumerate(CHOICES)]
         for n, (request_id, shape, text) in enumerate(jobs):
             seed = {"seed": n} if sampling else {}
             drive.submit(
@@ -216,7 +184,7 @@ def run_validity(loaded, args: argparse.Namespace) -> dict:
             "valid_share_of_stopped": valid / max(stopped, 1),
             "failures": failures[:10],
         }
-        del engine, drive
+        del drive
         gc.collect()
     return report
 
