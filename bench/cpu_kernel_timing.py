@@ -119,15 +119,8 @@ def main() -> None:
                 for name, fn in (fused_cases(dtype, rows) | linear_cases(dtype, rows)).items():
                     cases[f"{tag} {name} rows={rows}"] = fn
         timings = time_cases(cases, args.repeats, args.calls)
-    print(
-        json.dumps(
-            {
-                "threads": torch.get_num_threads(),
-                "microseconds_per_call": {name: round(us, 1) for name, us in timings.items()},
-            },
-            indent=1,
-        )
-    )
+    microseconds = {name: round(us, 1) for name, us in timings.items()}
+    print(json.dumps({"threads": torch.get_num_threads(), "microseconds_per_call": microseconds}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,14 @@
 """`python -m bench.roofline`: how close a decode step comes to the weight-streaming floor on a CPU.
 
-A decode step reads every weight of the model once, whatever its batch, so no step can
-take less than the weight bytes divided by the memory bandwidth: the floor. This
-measures, in one process and with the same threads:
-
-- the weight bytes one step reads: every tensor of the model's modules (int8 and int4
-  weights with their scales, oneDNN's packed weights as packed), the LM head included,
-  the embedding table not (a step reads one row of it per token);
-- the read bandwidth, as the best of repeated `torch.sum`s over a buffer of exactly the
-  weight bytes (what a step streams: on a CPU with a large L3 it may stay there) and over
-  one of 2 GiB (DRAM);
-- the engine's decode step at each batch (`ModelRunner.execute` of a decode-only plan at
-  `--context` tokens a sequence, the lean forward where it applies), timed as
-  `bench.step_profile` times it.
-
-`fraction` = floor ÷ step time, against the weight-sized buffer's bandwidth: 1.0 is a
-step that does nothing but stream its weights. The KV cache a step reads is reported
-apart (`kv_bytes`, and `fraction_with_kv` against the floor of weights and KV together):
-at batch 48 × 300 tokens it outweighs the weights.
+A decode step reads every weight once, whatever its batch: no step takes less than the
+weight bytes over the memory bandwidth, the floor. Measured in one process, same threads:
+`weight_bytes`, every tensor of the model's modules as stored (int8 and int4 with their
+scales, oneDNN's packed weights as packed), the LM head included, the embedding table not;
+`read_gbs`, the best of repeated `torch.sum`s over a buffer of exactly the weight bytes
+(a large L3 may hold it), and `dram_read_gbs` over 2 GiB; `step_ms`, the engine's decode
+step at each batch at `--context` tokens (`ModelRunner.execute`, as `bench.step_profile`
+times it). `fraction` = floor / step time (1.0: a step that only streams its weights);
+`kv_bytes`, the KV cache a step reads, and `fraction_with_kv` against weights and KV.
 
     python -m bench.roofline [--dtype bfloat16] [--weights dense] [--batch 1 48] [--threads 2]
 
@@ -34,9 +25,9 @@ import statistics
 import torch
 from torch import nn
 
-from bench.step_profile import decode_plan, timed
-from gpu.kv_cache import KVShape
-from workers.config import WEIGHTS, CacheConfig, ModelConfig
+from bench.drive import kv_bytes
+from bench.step_profile import decode_plan, decode_runner, timed
+from workers.config import WEIGHTS, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 
@@ -75,10 +66,10 @@ def measure(runner: ModelRunner, batch: int, context: int, steps: int, weight_by
         walls = [timed(lambda: runner.execute(plan), 1)[0] for _ in range(steps)]
     step_ms = statistics.median(walls)
     floor_ms = 1e3 * weight_bytes / bandwidth
-    kv_bytes = batch * context * KVShape.of(runner.model.config).bytes_per_token(runner.model.dtype)
-    with_kv_ms = 1e3 * (weight_bytes + kv_bytes) / bandwidth
+    kv_read = kv_bytes(runner.model, batch * context)
+    with_kv_ms = 1e3 * (weight_bytes + kv_read) / bandwidth
     return {"batch": batch, "context": context, "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
-            "fraction": round(floor_ms / step_ms, 3), "kv_bytes": kv_bytes,
+            "fraction": round(floor_ms / step_ms, 3), "kv_bytes": kv_read,
             "floor_with_kv_ms": round(with_kv_ms, 3), "fraction_with_kv": round(with_kv_ms / step_ms, 3)}  # fmt: skip
 
 
@@ -95,10 +86,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = ModelConfig(source=args.source, dtype=args.dtype, weights=args.weights)
     loaded = load_model(config)
-    blocks = max(args.batch) * (args.context // CacheConfig.block_size + 2) + 8
-    block_bytes = CacheConfig.block_size * KVShape.of(loaded.model.config).bytes_per_token(loaded.model.dtype)
-    runner = ModelRunner(loaded.model, CacheConfig(kv_memory_bytes=blocks * block_bytes, swap_memory_bytes=0),
-                         model_config=config)  # fmt: skip
+    runner = decode_runner(loaded.model, max(args.batch), args.context, config)
     weight_bytes = streamed_weight_bytes(runner.model)
     bandwidth = read_bandwidth(weight_bytes)
     dram = read_bandwidth(DRAM_BUFFER_BYTES, repeats=5)

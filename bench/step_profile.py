@@ -1,17 +1,13 @@
 """`python -m bench.step_profile`: where one decode step's time goes on a CPU, on the
 Hugging Face forward and on the lean forward (`gpu/cpu/lean_forward.py`).
 
-For each dtype and batch size: one runner over the model, one decode-only step of
-`--batch` requests at `--context` tokens each, run as the engine runs it
-(`ModelRunner.execute`), timed in turns on both forwards (median of `--steps`, wall and
-CPU). Against them, the step's math alone: every linear module of the model called back
-to back on inputs of the step's row count (30 layers of q/k/v/o, gate-and-up and down,
-then the LM head), and the attention backend's `attend` for every layer with the step's
-metadata. What a forward takes beyond that math is the host's: Python, module calls,
-operator dispatch and the small element-wise operations. The host's share is also
-measured directly: both forwards again with every linear and MLP swapped for a module
-that returns a fixed tensor (what is left is attention, norms, rotary and the host's
-work). Each forward's operator count comes from `torch.profiler` (one step).
+For each dtype and batch: one decode-only step of `--batch` requests at `--context` tokens
+(`ModelRunner.execute`), timed in turns with the step's math alone: every linear of the
+model on the step's rows (`linears`) and the backend's `attend` for every layer
+(`attention`); median of `--steps`, wall and CPU ms. `beyond_math_cpu_ms`: a forward's CPU
+time less that math, the host's (Python, module calls, operator dispatch, small element-wise
+ops). `stubbed_cpu_ms`: both forwards with every linear and MLP returning a fixed tensor.
+`operators_per_step`: `torch.profiler`'s count for one step.
 
     python -m bench.step_profile [--dtype float32 bfloat16] [--batch 1 48] [--threads 1]
 
@@ -30,13 +26,20 @@ import time
 import torch
 from torch import nn
 
+from bench.drive import kv_bytes
 from gpu.attention import SequenceSlice
 from gpu.cpu.lean_forward import LeanForward
-from gpu.kv_cache import KVShape
 from workers.config import CacheConfig, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
 from workers.plan import ScheduledChunk, StepPlan
+
+
+def decode_runner(model, max_batch: int, context: int, config: ModelConfig | None = None) -> ModelRunner:
+    """A runner over `model` whose KV pool holds `max_batch` sequences of `context` tokens."""
+    blocks = max_batch * (context // CacheConfig.block_size + 2) + 8
+    cache = CacheConfig(kv_memory_bytes=kv_bytes(model, blocks * CacheConfig.block_size), swap_memory_bytes=0)
+    return ModelRunner(model, cache, model_config=config)
 
 
 def decode_plan(runner: ModelRunner, batch: int, context: int) -> StepPlan:
@@ -60,6 +63,16 @@ def timed(call, repeats: int) -> tuple[float, float]:
     return 1e3 * statistics.median(walls), 1e3 * statistics.median(cpus)
 
 
+def in_turns(cases: dict, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """Each case's wall and CPU ms in every round, the cases called in turns, so that load on
+    a shared machine disturbs them alike."""
+    samples = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, call in cases.items():
+            samples[name].append(timed(call, 1))
+    return samples
+
+
 def linears_call(model: nn.Module, rows: int, dtype: torch.dtype):
     """Every linear of the step (the LM head on `rows` too), each on inputs of `rows` rows."""
     calls = []
@@ -80,12 +93,10 @@ def linears_call(model: nn.Module, rows: int, dtype: torch.dtype):
 def attention_call(runner: ModelRunner, plan: StepPlan, dtype: torch.dtype):
     """The backend's `attend` for every layer, with one step's metadata."""
     shape = runner.kv_cache.shape
-    config = runner.model.config
     rows = len(plan.chunks)
-    sequences = runner_sequences(plan)
+    sequences = [SequenceSlice(i, 1, c.start + 1, c.block_ids) for i, c in enumerate(plan.chunks)]
     metadata = runner.backend.prepare(sequences, rows)
-    heads = config.num_attention_heads
-    query = torch.randn(rows, heads, shape.head_dim).to(dtype)
+    query = torch.randn(rows, runner.model.config.num_attention_heads, shape.head_dim).to(dtype)
     key, value = torch.randn(2, rows, shape.num_kv_heads, shape.head_dim).to(dtype)
     scale = shape.head_dim**-0.5
 
@@ -94,10 +105,6 @@ def attention_call(runner: ModelRunner, plan: StepPlan, dtype: torch.dtype):
             runner.backend.attend(layer, query, key, value, scale, metadata)
 
     return run
-
-
-def runner_sequences(plan: StepPlan) -> list[SequenceSlice]:
-    return [SequenceSlice(i, 1, c.start + 1, c.block_ids) for i, c in enumerate(plan.chunks)]
 
 
 class _Fixed(nn.Module):
@@ -130,11 +137,8 @@ def stubbed(runner: ModelRunner, rows: int, dtype: torch.dtype, calls: dict) -> 
     try:
         for call in calls.values():
             call()
-        cpu = {name: [] for name in calls}
-        for _ in range(10):
-            for name, call in calls.items():
-                cpu[name].append(timed(call, 1)[1])
-        return {name: round(statistics.median(values), 3) for name, values in cpu.items()}
+        samples = in_turns(calls, 10)
+        return {name: round(statistics.median(cpu for _, cpu in runs), 3) for name, runs in samples.items()}
     finally:
         runner.lean = lean
         for owner, name, module in saved:
@@ -166,10 +170,7 @@ def profile_step(runner: ModelRunner, batch: int, context: int, steps: int, dtyp
         for call in cases.values():  # warm-up
             call()
             call()
-        samples = {name: [] for name in cases}
-        for _ in range(steps):  # in turns, so load on a shared machine disturbs them alike
-            for name, call in cases.items():
-                samples[name].append(timed(call, 1))
+        samples = in_turns(cases, steps)
         operators = {name: operator_count(forwards[name]) for name in forwards}
         without_math = stubbed(runner, batch, dtype, forwards)
     median = {name: [round(statistics.median(s[i] for s in runs), 3) for i in (0, 1)] for name, runs in samples.items()}
@@ -200,13 +201,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for dtype_name in args.dtype:
         loaded = load_model(ModelConfig(source=args.source, dtype=dtype_name))
-        dtype = loaded.model.dtype
-        blocks = max(args.batch) * (args.context // CacheConfig.block_size + 2) + 8
-        block_bytes = CacheConfig.block_size * KVShape.of(loaded.model.config).bytes_per_token(dtype)
-        runner = ModelRunner(loaded.model, CacheConfig(kv_memory_bytes=blocks * block_bytes, swap_memory_bytes=0))
+        runner = decode_runner(loaded.model, max(args.batch), args.context)
         for batch in args.batch:
             load = os.getloadavg()[0]
-            figures = profile_step(runner, batch, args.context, args.steps, dtype)
+            figures = profile_step(runner, batch, args.context, args.steps, loaded.model.dtype)
             print(json.dumps({"dtype": dtype_name, "threads": args.threads, "backend": type(runner.backend).__name__,
                               "lean": runner.lean is not None, "load": [round(load, 1), round(os.getloadavg()[0], 1)],
                               **figures}), flush=True)  # fmt: skip
