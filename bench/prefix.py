@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench.drive import Driver, kv_bytes, on_fresh_engines, random_prompts, range_flag
-from bench.metrics import percentile
+from bench.metrics import percentile, summarize
 from bench.report import system_panel
 from workers.api import SamplingParams
 from workers.block_pool import blocks_needed
@@ -192,7 +192,6 @@ def run_peer(args: argparse.Namespace, requests: list[tuple[str, list[int], int]
     """Transformers' continuous batching with block sharing, in its own process (its
     generation thread must be the process's only OpenMP team; see bench/children.py)."""
     from bench.children import Children
-    from bench.metrics import summarize
     from bench.workload import BenchRequest, Workload
 
     prompt_lens = [len(prompt) for _, prompt, _ in requests]
