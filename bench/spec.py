@@ -30,9 +30,8 @@ import time
 from collections import Counter
 
 from bench.arrivals import ArrivalQueue
-from bench.drive import Driver, StepRecorder, random_prompts
-from workers.config import EngineConfig, ModelConfig, SpeculativeConfig
-from workers.engine import Engine
+from bench.drive import Driver, StepRecorder, bench_engine, random_prompts
+from workers.config import SpeculativeConfig
 from workers.model_loader import encode_prompt
 
 WORKLOADS = ("copy", "default", "sharegpt")
@@ -167,8 +166,7 @@ class Run:
     its time is the sum of its own steps."""
 
     def __init__(self, loaded, args, speculative: SpeculativeConfig, requests: list[dict], concurrency: int):
-        config = EngineConfig(model=ModelConfig(source=args.model, dtype=args.dtype), speculative=speculative)
-        self.engine = Engine(loaded, config)
+        self.engine = bench_engine(loaded, args, speculative=speculative)
         self.steps = StepRecorder(self.engine)
         self.driver = Driver(self.engine)
         self.arrivals = ArrivalQueue(requests, concurrency=concurrency)  # closed loop
