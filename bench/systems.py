@@ -163,13 +163,10 @@ async def private_worker(redis_url: str, args: argparse.Namespace, *worker_flags
 
 def bench_worker(url: str, prefix: str, args: argparse.Namespace, log_dir: Path, *extra: str) -> WorkerProcess:
     """An `inflight worker` process on `prefix`'s private streams, with the bench's model and dtype."""
+    streams = run_streams(url, prefix)
     argv = ["--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
-    for flag, stream in (
-        ("--requests-stream", "requests"),
-        ("--dead-letter-stream", "dead"),
-        ("--control-stream", "control"),
-    ):
-        argv += [flag, f"{prefix}:{stream}"]
+    argv += ["--requests-stream", streams.requests_stream, "--dead-letter-stream", streams.dead_letter_stream]
+    argv += ["--control-stream", streams.control_stream]
     return WorkerProcess("bench", [*argv, *extra], log_dir)
 
 
@@ -190,8 +187,8 @@ def redis_server(url: str):
 
 
 def run_streams(url: str, prefix: str, **settings) -> RedisConfig:
-    """A RedisConfig on `prefix`'s own request, control and dead-letter streams, named as
-    `bench_worker` names them."""
+    """A RedisConfig on `prefix`'s own request, control and dead-letter streams (the ones
+    `bench_worker`'s worker serves)."""
     return RedisConfig(
         url=url,
         requests_stream=f"{prefix}:requests",

@@ -16,7 +16,7 @@ from bench.paired import paired_runs, paired_workload
 from bench.systems import InProcess, ThroughRedis, private_worker
 from bench.workload import prompt_vocabulary
 from service.config import RedisConfig
-from workers.config import EngineConfig, ModelConfig
+from workers.config import ModelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,12 +48,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def _load(args: argparse.Namespace):
     """The model, the engine and the prompt vocabulary, built on the torch thread as in the worker."""
-    from workers.engine import Engine
+    from bench.drive import bench_engine
     from workers.model_loader import load_model
 
     loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
     vocab_ids = prompt_vocabulary(loaded.tokenizer, loaded.model.config.vocab_size)
-    return loaded, Engine(loaded, EngineConfig(model=ModelConfig(dtype=args.dtype))), vocab_ids
+    return loaded, bench_engine(loaded, args), vocab_ids
 
 
 async def _run(args: argparse.Namespace) -> dict:
