@@ -28,30 +28,8 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-# The files that take longest (their tests' durations in a CI run: docs/benchmarks.md, "The
-# test suite"), run first. `make test` hands whole files to its test processes in
-# collection order, so a long file handed out last keeps one process busy while the other idles.
-SLOWEST_FILES = (
-    "test_bench_scenarios.py",
-    "test_gpu_check.py",
-    "test_cluster.py",
-    "test_cli.py",
-    "test_engine.py",
-    "test_model_loader.py",
-    "test_int8_weights.py",
-    "test_bench.py",
-    "test_fuzz.py",
-    "test_int4_decode.py",
-    "test_failover.py",
-    "test_gateway.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
     from gpu.cuda.cupy_kernels import cupy_available
-
-    position = {name: index for index, name in enumerate(SLOWEST_FILES)}
-    items.sort(key=lambda item: position.get(item.path.name, len(SLOWEST_FILES)))  # stable: in-file order kept
 
     if torch.cuda.is_available() and cupy_available():
         return
