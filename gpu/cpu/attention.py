@@ -1,15 +1,22 @@
-"""The CPU attention backend: decode tokens on a C++ kernel that reads the paged cache in
-place (`gpu/cpu/kernels/cpu_paged_decode.cpp`), prompt chunks on the torch reference.
+"""The CPU attention backend: C++ kernels for decode tokens (`gpu/cpu/kernels/cpu_paged_decode.cpp`,
+reading the paged cache in place) and for prompt chunks (`cpu_prompt_attention.cpp`).
 
 The torch reference gathers each decode's blocks into a padded batch and reads them
 again: decode attention is bound by memory, and the gather moves the context three times
-instead of once. The kernel reads every K and V row of a context once, for all the
+instead of once. The decode kernel reads every K and V row of a context once, for all the
 query heads that share it (figures in docs/benchmarks.md, "The CPU kernels").
 
-The library is built with g++ for this CPU on first use and cached
-(`gpu.cpu.native_build`); where it cannot be built `cpu_kernel()` is None, and there,
-or for a cache in float16, the engine stays on the torch reference. It has an entry
-point for float32 and one for bfloat16 (scores and sums in fp32 either way).
+Prompt attention is bound by arithmetic, and torch's SDPA runs it far below this CPU's
+peak: it is most of a long prompt's time to first token. The prompt kernel runs it
+flash-style on the AVX-512 (BF16) multiply-adds, each K/V block for all the query heads
+that share it. A prompt chunk it cannot take (a head size it has no path for) falls back
+to SDPA, as does every chunk where the prompt kernel cannot be built; decodes do not
+depend on it.
+
+The libraries are built with g++ for this CPU on first use and cached
+(`gpu.cpu.native_build`); where the decode kernel cannot be built `cpu_kernel()` is None,
+and there, or for a cache in float16, the engine stays on the torch reference. Each has
+an entry point for float32 and one for bfloat16 (scores and sums in fp32 either way).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch
 from gpu.attention import CONTEXT_LEN, QUERY_START, BlockTables, SequenceSlice
 from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.kv_cache import PagedKVCache
-from gpu.torch_attention import TorchAttentionBackend
+from gpu.torch_attention import PrefillSlice, TorchAttentionBackend
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # out, query, its token and head strides, K and V pools, query rows, context lengths,
@@ -34,6 +41,11 @@ _ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, cty
 
 # The kernel's entry point for each cache dtype it covers.
 ENTRY_POINTS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
+
+# The prompt kernel: out, query and its token and head strides, keys and their strides,
+# values and theirs, then query_len, past_len, heads, kv_heads, head_dim, scale, threads.
+_PROMPT_ARGTYPES = (_P, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I, _I, _I, _I, _I, ctypes.c_float, _I)
+PROMPT_ENTRY_POINTS = {torch.float32: "prompt_attention", torch.bfloat16: "prompt_attention_bf16"}
 
 
 @functools.cache
@@ -51,13 +63,25 @@ def load_kernel(flags: tuple[str, ...]):
 class Kernel:
     """The library's entry points, by the dtype of the cache they read."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, names=ENTRY_POINTS, argtypes=_ARGTYPES) -> None:
         self.entries = {}
-        for dtype, name in ENTRY_POINTS.items():
+        for dtype, name in names.items():
             entry = getattr(library, name)
-            entry.argtypes = _ARGTYPES
+            entry.argtypes = argtypes
             entry.restype = ctypes.c_int
             self.entries[dtype] = entry
+
+
+@functools.cache
+def cpu_prompt_kernel():
+    """The prompt kernel, or None where g++ cannot build it (logged once)."""
+    library = try_load_cpu_library("cpu_prompt_attention", CPU_CXX_FLAGS, instead="torch prompt attention")
+    return None if library is None else Kernel(library, PROMPT_ENTRY_POINTS, _PROMPT_ARGTYPES)
+
+
+def load_prompt_kernel(flags: tuple[str, ...]):
+    """The prompt kernel built with `flags` (raises if it cannot be built)."""
+    return Kernel(load_cpu_library("cpu_prompt_attention", flags), PROMPT_ENTRY_POINTS, _PROMPT_ARGTYPES)
 
 
 def kernel_applies(kv_cache: PagedKVCache) -> bool:
@@ -76,12 +100,15 @@ class CpuDecodes:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    def __init__(self, kv_cache: PagedKVCache, kernel=None) -> None:
-        """`kernel` None is `cpu_kernel()`, built for this CPU."""
+    def __init__(self, kv_cache: PagedKVCache, kernel=None, prompt_kernel=None) -> None:
+        """`kernel` None is `cpu_kernel()`, `prompt_kernel` None is `cpu_prompt_kernel()`
+        (prompt chunks on torch where that is None too), both built for this CPU."""
         super().__init__(kv_cache)
         if kernel is None and not kernel_applies(kv_cache):
             raise ValueError("the CPU decode kernel needs a float32 or bfloat16 cache in host memory and g++")
         self.entry = (kernel or cpu_kernel()).entries[kv_cache.blocks.dtype]
+        prompt_kernel = prompt_kernel or cpu_prompt_kernel()
+        self.prompt_entry = None if prompt_kernel is None else prompt_kernel.entries[kv_cache.blocks.dtype]
         self._tables = BlockTables()
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
@@ -104,3 +131,30 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"CPU decode kernel rejected {query.shape[1]} heads over {key_pool.shape[1]} KV heads")
+
+    def _attend_prefills(self, out, query, key, value, key_pool, value_pool, scale, prefills: list[PrefillSlice]):
+        rejected = [
+            p for p in prefills if not self._attend_prompt(out, query, key, value, key_pool, value_pool, scale, p)
+        ]
+        super()._attend_prefills(out, query, key, value, key_pool, value_pool, scale, rejected)
+
+    def _attend_prompt(self, out, query, key, value, key_pool, value_pool, scale, p: PrefillSlice) -> bool:
+        """One prompt chunk on the prompt kernel; False where it does not take it. The
+        kernel masks causally from the chunk's offset, so `p.mask` is not read."""
+        if self.prompt_entry is None:
+            return False
+        q = query[p.rows]
+        if p.blocks is None:
+            k, v = key[p.rows], value[p.rows]
+        else:
+            k = self._gather(key_pool, p.blocks, "key")[: p.context_len]
+            v = self._gather(value_pool, p.blocks, "value")[: p.context_len]
+        if not (q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.dtype == k.dtype == v.dtype == out.dtype):
+            return False
+        query_len = q.shape[0]
+        status = self.prompt_entry(
+            out[p.rows].data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
+            k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
+            query_len, p.context_len - query_len, q.shape[1], k.shape[1], q.shape[2], scale, torch.get_num_threads(),
+        )  # fmt: skip
+        return status == 0

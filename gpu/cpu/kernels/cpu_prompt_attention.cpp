@@ -1,0 +1,506 @@
+// Prompt (prefill) attention on the CPU: a chunk of query tokens, causal, against
+// contiguous keys and values (a fresh prompt's own, or a later chunk's gathered context).
+//
+// Query token i sits at position `past_len + i` and sees keys 0..past_len+i. Queries,
+// keys, values and output are float32 or bfloat16 (one entry point each); scores, softmax
+// and sums are fp32 either way, and a bfloat16 output is rounded once, at the end.
+//
+// Work items are (KV head, tile of query tokens); the query heads that share the KV head
+// (grouped-query attention) are all rows of the tile, so each K and V block is read once
+// for all of them while it is in L1. On AVX2 / AVX-512, flash-style:
+// - a first pass lays K out transposed in blocks of BLOCK keys, so one vector of
+//   multiply-adds yields a score for each of its keys without horizontal sums (bfloat16
+//   keys in pairs for the AVX-512 BF16 dot products), and widens bfloat16 V to fp32;
+// - then, per tile and key block: scores for several rows at once (independent chains
+//   that hide the multiply-add latency), online softmax (running max and sum per row),
+//   and the weighted V added into each row's fp32 output, several rows per V load.
+// Elsewhere, plain loops the compiler vectorises, one row at a time.
+//
+// Threads: OpenMP, the runtime torch itself uses, with the thread count torch uses. Tiles
+// are handed out dynamically, those that see the most keys first, so causal cost balances.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_vector_math.h"
+
+namespace {
+
+template <typename T>
+struct Args {
+    T* out;  // [q_len, num_heads, head_dim], contiguous
+    const T* query;
+    int64_t q_token_stride;
+    int64_t q_head_stride;
+    const T* key;
+    int64_t k_token_stride;
+    int64_t k_head_stride;
+    const T* value;
+    int64_t v_token_stride;
+    int64_t v_head_stride;
+    int q_len;
+    int past_len;
+    int num_heads;
+    int num_kv_heads;
+    int head_dim;
+    float scale;
+
+    int group() const { return num_heads / num_kv_heads; }
+    int num_keys() const { return past_len + q_len; }
+    const T* q_row(int token, int head) const { return query + token * q_token_stride + head * q_head_stride; }
+    const T* k_row(int token, int kv) const { return key + token * k_token_stride + kv * k_head_stride; }
+    const T* v_row(int token, int kv) const { return value + token * v_token_stride + kv * v_head_stride; }
+};
+
+constexpr int TILE = 16;  // query tokens per work item
+
+inline int num_tiles(int q_len) { return (q_len + TILE - 1) / TILE; }
+
+// No more threads than work items: a short prompt runs on few threads instead of waking
+// a team that would wait at the barrier.
+inline int team_size(int items, int num_threads) { return std::max(1, std::min(items, num_threads)); }
+
+// Work item i: the tiles that see the most keys come first, each for every KV head.
+inline void item_of(int i, int tiles, int kv_heads, int& kv, int& tile) {
+    kv = i % kv_heads;
+    tile = tiles - 1 - i / kv_heads;
+}
+
+// One row of query (token, head) at a time: scores, softmax and weighted V in plain loops.
+template <typename T>
+void attend_tile_portable(const Args<T>& a, int kv, int tile, std::vector<float>& scores, std::vector<float>& acc) {
+    const int dim = a.head_dim, group = a.group();
+    const int first = tile * TILE, last = std::min(a.q_len, first + TILE);
+    scores.resize((size_t)a.past_len + last);
+    acc.resize(dim);
+    for (int t = first; t < last; ++t) {
+        const int n = a.past_len + t + 1;
+        for (int h = kv * group; h < (kv + 1) * group; ++h) {
+            const T* q = a.q_row(t, h);
+            float m = -std::numeric_limits<float>::infinity();
+            for (int j = 0; j < n; ++j) {
+                const T* k = a.k_row(j, kv);
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < dim; ++d) s += to_float(q[d]) * to_float(k[d]);
+                scores[j] = s * a.scale;
+                m = std::max(m, scores[j]);
+            }
+            float sum = 0.0f;
+            for (int j = 0; j < n; ++j) {
+                scores[j] = std::exp(scores[j] - m);
+                sum += scores[j];
+            }
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            for (int j = 0; j < n; ++j) {
+                const T* v = a.v_row(j, kv);
+                const float p = scores[j];
+                float* o = acc.data();
+#pragma omp simd
+                for (int d = 0; d < dim; ++d) o[d] += p * to_float(v[d]);
+            }
+            T* out = a.out + ((int64_t)t * a.num_heads + h) * dim;
+            const float inv = 1.0f / sum;
+            for (int d = 0; d < dim; ++d) store_float(out + d, acc[d] * inv);
+        }
+    }
+}
+
+template <typename T>
+void attend_portable(const Args<T>& a, int num_threads) {
+    const int tiles = num_tiles(a.q_len), items = tiles * a.num_kv_heads;
+#pragma omp parallel num_threads(team_size(items, num_threads))
+    {
+        std::vector<float> scores, acc;  // per thread, reused across its items
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < items; ++i) {
+            int kv, tile;
+            item_of(i, tiles, a.num_kv_heads, kv, tile);
+            attend_tile_portable(a, kv, tile, scores, acc);
+        }
+    }
+}
+
+#ifdef INFLIGHT_AVX2
+// The vector width the blocked path is written for: 16 lanes on AVX-512, 8 on AVX2.
+#ifdef INFLIGHT_AVX512
+using vec = __m512;
+constexpr int W = 16;
+// Rows at once: scores keep ROWS x 2 accumulators, the weighted V ROWS x 4, of 32 registers.
+constexpr int SCORE_ROWS = 8;
+constexpr int WEIGH_ROWS = 4;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline vec vadd(vec x, vec y) { return _mm512_add_ps(x, y); }
+inline vec vsub(vec x, vec y) { return _mm512_sub_ps(x, y); }
+inline vec vmul(vec x, vec y) { return _mm512_mul_ps(x, y); }
+inline vec vmax(vec x, vec y) { return _mm512_max_ps(x, y); }
+inline vec vfmadd(vec x, vec y, vec z) { return _mm512_fmadd_ps(x, y, z); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline float vtop(vec v) { return _mm512_reduce_max_ps(v); }
+
+// e^x as exp8 computes it, 16 at a time, and 0 below -87 (where masked scores, -inf, land).
+inline vec vexp(vec x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+template <typename T>
+inline void vstore_as(T* p, vec v) {
+    store8(p, _mm512_castps512_ps256(v));
+    store8(p + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+using vec = __m256;
+constexpr int W = 8;
+constexpr int SCORE_ROWS = 4;  // of 16 registers
+constexpr int WEIGH_ROWS = 2;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+inline vec vadd(vec x, vec y) { return _mm256_add_ps(x, y); }
+inline vec vsub(vec x, vec y) { return _mm256_sub_ps(x, y); }
+inline vec vmul(vec x, vec y) { return _mm256_mul_ps(x, y); }
+inline vec vmax(vec x, vec y) { return _mm256_max_ps(x, y); }
+inline vec vfmadd(vec x, vec y, vec z) { return _mm256_fmadd_ps(x, y, z); }
+inline float vsum(vec v) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+inline float vtop(vec v) {
+    const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
+// exp8, and 0 below -87 (where masked scores, -inf, land).
+inline vec vexp(vec x) { return _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ)); }
+
+template <typename T>
+inline void vstore_as(T* p, vec v) {
+    store8(p, v);
+}
+#endif
+
+constexpr int BLOCK = 2 * W;  // keys per block: two vectors of scores per row
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// What the scores read keys (and queries) as: bfloat16 pairs where the CPU has the
+// AVX-512 BF16 dot products, fp32 otherwise.
+#ifdef INFLIGHT_AVX512BF16
+template <typename T>
+using KeyT = T;
+#else
+template <typename T>
+using KeyT = float;
+#endif
+
+// Where K element (key j of a block, d) goes in the block's transposed layout: fp32 as
+// [head_dim][BLOCK]; bfloat16 as [head_dim / 2][BLOCK] pairs (the dot products' operand).
+template <typename K>
+inline int64_t transposed_index(int j, int d) {
+    if constexpr (std::is_same_v<K, bf16>) return (int64_t)(d / 2) * 2 * BLOCK + 2 * j + d % 2;
+    return (int64_t)d * BLOCK + j;
+}
+
+// Scores of ROWS query rows (`dim` apart in `q`) against one block of transposed keys.
+template <int ROWS, typename K>
+inline void score_rows(const K* q, int dim, const K* kt, float* s, vec scale) {
+    vec acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
+#ifdef INFLIGHT_AVX512BF16
+    if constexpr (std::is_same_v<K, bf16>) {
+        for (int d = 0; d < dim; d += 2) {
+            __m512bh k0, k1;
+            std::memcpy(&k0, kt + (int64_t)d * BLOCK, sizeof k0);
+            std::memcpy(&k1, kt + (int64_t)d * BLOCK + 2 * W, sizeof k1);
+            for (int r = 0; r < ROWS; ++r) {
+                int32_t pair;
+                std::memcpy(&pair, q + r * dim + d, sizeof pair);
+                const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
+            }
+        }
+    } else
+#endif
+    {
+        for (int d = 0; d < dim; ++d) {
+            const vec k0 = vload(kt + (int64_t)d * BLOCK), k1 = vload(kt + (int64_t)d * BLOCK + W);
+            for (int r = 0; r < ROWS; ++r) {
+                const vec qv = vset1(q[r * dim + d]);
+                acc[r][0] = vfmadd(qv, k0, acc[r][0]);
+                acc[r][1] = vfmadd(qv, k1, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+        vstore(s + r * BLOCK, vmul(acc[r][0], scale));
+        vstore(s + r * BLOCK + W, vmul(acc[r][1], scale));
+    }
+}
+
+template <typename K>
+inline void score_some(int rows, const K* q, int dim, const K* kt, float* s, vec scale) {
+    switch (rows) {
+        case 8: score_rows<8>(q, dim, kt, s, scale); break;
+        case 7: score_rows<7>(q, dim, kt, s, scale); break;
+        case 6: score_rows<6>(q, dim, kt, s, scale); break;
+        case 5: score_rows<5>(q, dim, kt, s, scale); break;
+        case 4: score_rows<4>(q, dim, kt, s, scale); break;
+        case 3: score_rows<3>(q, dim, kt, s, scale); break;
+        case 2: score_rows<2>(q, dim, kt, s, scale); break;
+        default: score_rows<1>(q, dim, kt, s, scale); break;
+    }
+}
+
+// Each row's output columns [0, COLS vectors) scaled by its `alpha`, plus its weights
+// times `count` V rows: each V vector is loaded once for all ROWS rows.
+template <int ROWS, int COLS>
+inline void weigh_rows(const float* p, const float* alpha, const float* v, int64_t v_stride, int count, float* o,
+                       int dim) {
+    vec acc[ROWS][COLS];
+    for (int r = 0; r < ROWS; ++r) {
+        const vec scale = vset1(alpha[r]);
+        for (int c = 0; c < COLS; ++c) acc[r][c] = vmul(vload(o + r * dim + c * W), scale);
+    }
+    for (int j = 0; j < count; ++j) {
+        vec row[COLS];
+        for (int c = 0; c < COLS; ++c) row[c] = vload(v + j * v_stride + c * W);
+        for (int r = 0; r < ROWS; ++r) {
+            const vec weight = vset1(p[r * BLOCK + j]);
+            for (int c = 0; c < COLS; ++c) acc[r][c] = vfmadd(weight, row[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < COLS; ++c) vstore(o + r * dim + c * W, acc[r][c]);
+}
+
+template <int ROWS>
+inline void weigh_cols(int cols, const float* p, const float* alpha, const float* v, int64_t v_stride, int count,
+                       float* o, int dim) {
+    switch (cols) {
+        case 4: weigh_rows<ROWS, 4>(p, alpha, v, v_stride, count, o, dim); break;
+        case 3: weigh_rows<ROWS, 3>(p, alpha, v, v_stride, count, o, dim); break;
+        case 2: weigh_rows<ROWS, 2>(p, alpha, v, v_stride, count, o, dim); break;
+        default: weigh_rows<ROWS, 1>(p, alpha, v, v_stride, count, o, dim); break;
+    }
+}
+
+// Keys transposed block by block (and bfloat16 V widened), per KV head: built once per
+// call, read by every tile. Kept across calls in the calling thread, so a call does not
+// pay fresh pages.
+template <typename T>
+struct Prepared {
+    const KeyT<T>* keys;  // [kv_heads][blocks][head_dim * BLOCK]
+    const float* values;  // [kv_heads][keys][head_dim] for bfloat16; float32 V is read in place
+    int blocks;
+};
+
+template <typename T>
+void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, int blocks, int kv, int b) {
+    using K = KeyT<T>;
+    const int dim = a.head_dim, start = b * BLOCK, count = std::min(BLOCK, a.num_keys() - start);
+    K* kt = keys + ((int64_t)kv * blocks + b) * dim * BLOCK;
+    for (int j = 0; j < BLOCK; ++j)
+        for (int d = 0; d < dim; ++d) {
+            K x{};  // zero past the last key: scored, masked, never NaN
+            if (j < count) {
+                if constexpr (std::is_same_v<K, T>) x = a.k_row(start + j, kv)[d];
+                else x = to_float(a.k_row(start + j, kv)[d]);
+            }
+            kt[transposed_index<K>(j, d)] = x;
+        }
+    if (values != nullptr)
+        for (int j = 0; j < count; ++j) {
+            const T* v = a.v_row(start + j, kv);
+            float* wide = values + ((int64_t)kv * a.num_keys() + start + j) * dim;
+            for (int d = 0; d < dim; ++d) wide[d] = to_float(v[d]);
+        }
+}
+
+// Per-thread buffers for one tile.
+struct Scratch {
+    std::vector<float> q32, scores, out, top, sums, shift, alpha;
+    std::vector<bf16> q16;
+};
+
+template <typename T>
+void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Scratch& w) {
+    using K = KeyT<T>;
+    const int dim = a.head_dim, group = a.group();
+    const int first = tile * TILE, tokens = std::min(TILE, a.q_len - first), rows = tokens * group;
+    const int padded = (rows + W - 1) / W * W;
+    // Rows in token order, the group's heads within a token: row r is token first + r / group.
+    K* q;
+    if constexpr (std::is_same_v<K, bf16>) {
+        w.q16.resize((size_t)rows * dim);
+        q = w.q16.data();
+    } else {
+        w.q32.resize((size_t)rows * dim);
+        q = w.q32.data();
+    }
+    for (int r = 0; r < rows; ++r) {
+        const T* src = a.q_row(first + r / group, kv * group + r % group);
+        for (int d = 0; d < dim; ++d) {
+            if constexpr (std::is_same_v<K, T>) q[r * dim + d] = src[d];
+            else q[r * dim + d] = to_float(src[d]);
+        }
+    }
+    w.scores.resize((size_t)rows * BLOCK);
+    w.out.assign((size_t)rows * dim, 0.0f);
+    w.top.assign(rows, NEG_INF);                // running max of each row's scores
+    w.sums.assign((size_t)rows * W, 0.0f);      // running sum of its weights, per lane
+    w.shift.assign(padded, 0.0f);
+    w.alpha.resize(padded);
+    float* s = w.scores.data();
+    const vec scale = vset1(a.scale);
+    const int first_pos = a.past_len + first;  // position of the tile's first token
+    const int keys = first_pos + tokens;       // keys its last token sees
+
+    for (int start = 0; start < keys; start += BLOCK) {
+        // Rows that see none of this block are left as they are: in token order, a prefix.
+        const int begin = std::max(0, start - first_pos) * group;
+        const K* kt = prep.keys + ((int64_t)kv * prep.blocks + start / BLOCK) * dim * BLOCK;
+        for (int r = begin; r < rows; r += SCORE_ROWS)
+            score_some(std::min(SCORE_ROWS, rows - r), q + r * dim, dim, kt, s + r * BLOCK, scale);
+        // Causal mask: keys past a row's own position (and past the last key) do not count.
+        if (start + BLOCK > first_pos + 1)
+            for (int r = begin; r < rows; ++r)
+                for (int j = std::max(0, first_pos + r / group + 1 - start); j < BLOCK; ++j)
+                    s[r * BLOCK + j] = NEG_INF;
+        // Online softmax: each row's new max, the factor its earlier sums shrink by
+        // (0 on its first block, where the old max is -inf), and the block's weights.
+        for (int r = begin; r < rows; ++r) {
+            const float top = std::max(w.top[r], vtop(vmax(vload(s + r * BLOCK), vload(s + r * BLOCK + W))));
+            w.shift[r] = w.top[r] - top;
+            w.top[r] = top;
+        }
+        for (int r = begin / W * W; r < rows; r += W) vstore(w.alpha.data() + r, vexp(vload(w.shift.data() + r)));
+        for (int r = begin; r < rows; ++r) {
+            const vec top = vset1(w.top[r]);
+            const vec p0 = vexp(vsub(vload(s + r * BLOCK), top)), p1 = vexp(vsub(vload(s + r * BLOCK + W), top));
+            vstore(s + r * BLOCK, p0);
+            vstore(s + r * BLOCK + W, p1);
+            float* sum = w.sums.data() + (size_t)r * W;
+            vstore(sum, vfmadd(vload(sum), vset1(w.alpha[r]), vadd(p0, p1)));
+        }
+        // Weighted V, in column slices of up to four vectors.
+        const int count = std::min(BLOCK, keys - start);
+        const float* v;
+        int64_t v_stride;
+        if constexpr (std::is_same_v<T, float>) {
+            v = a.v_row(start, kv);
+            v_stride = a.v_token_stride;
+        } else {
+            v = prep.values + ((int64_t)kv * a.num_keys() + start) * dim;
+            v_stride = dim;
+        }
+        for (int col = 0; col < dim; col += 4 * W) {
+            const int cols = std::min(4, (dim - col) / W);
+            for (int r = begin; r < rows; r += WEIGH_ROWS) {
+                const float* p = s + r * BLOCK;
+                const float* alpha = w.alpha.data() + r;
+                float* o = w.out.data() + (size_t)r * dim + col;
+                switch (std::min(WEIGH_ROWS, rows - r)) {
+                    case 4: weigh_cols<4>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
+                    case 3: weigh_cols<3>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
+                    case 2: weigh_cols<2>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
+                    default: weigh_cols<1>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        T* out = a.out + ((int64_t)(first + r / group) * a.num_heads + kv * group + r % group) * dim;
+        const vec inv = vset1(1.0f / vsum(vload(w.sums.data() + (size_t)r * W)));
+        for (int d = 0; d < dim; d += W) vstore_as(out + d, vmul(vload(w.out.data() + (size_t)r * dim + d), inv));
+    }
+}
+
+template <typename T>
+void attend_blocked(const Args<T>& a, int num_threads) {
+    using K = KeyT<T>;
+    const int blocks = (a.num_keys() + BLOCK - 1) / BLOCK;
+    const int tiles = num_tiles(a.q_len), items = tiles * a.num_kv_heads;
+    thread_local std::vector<K> key_store;
+    thread_local std::vector<float> value_store;
+    const size_t key_size = (size_t)a.num_kv_heads * blocks * a.head_dim * BLOCK;
+    if (key_store.size() < key_size) key_store.resize(key_size);
+    float* values = nullptr;
+    if constexpr (!std::is_same_v<T, float>) {
+        const size_t value_size = (size_t)a.num_kv_heads * a.num_keys() * a.head_dim;
+        if (value_store.size() < value_size) value_store.resize(value_size);
+        values = value_store.data();
+    }
+    const Prepared<T> prep{key_store.data(), values, blocks};
+    K* keys = key_store.data();
+#pragma omp parallel num_threads(team_size(items, num_threads))
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < a.num_kv_heads * blocks; ++i) prepare_block(a, keys, values, blocks, i / blocks, i % blocks);
+        Scratch scratch;  // per thread, reused across its items
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < items; ++i) {
+            int kv, tile;
+            item_of(i, tiles, a.num_kv_heads, kv, tile);
+            attend_tile(a, prep, kv, tile, scratch);
+        }
+    }
+}
+#endif
+
+template <typename T>
+int attend(const Args<T>& a, int num_threads) {
+    if (a.num_kv_heads <= 0 || a.num_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return -1;
+    if (a.head_dim <= 0 || a.head_dim % 16 != 0 || a.head_dim > 512 || a.q_len < 0 || a.past_len < 0) return -1;
+    if (a.q_len == 0) return 0;
+#ifdef INFLIGHT_AVX2
+    attend_blocked(a, num_threads);
+#else
+    attend_portable(a, num_threads);
+#endif
+    return 0;
+}
+
+}  // namespace
+
+// Returns 0, or -1 if the arguments are out of what this kernel handles (head_dim must be
+// a multiple of 16, at most 512; num_heads a multiple of num_kv_heads).
+extern "C" int prompt_attention(float* out, const float* query, int64_t q_token_stride, int64_t q_head_stride,
+                                const float* key, int64_t k_token_stride, int64_t k_head_stride, const float* value,
+                                int64_t v_token_stride, int64_t v_head_stride, int q_len, int past_len, int num_heads,
+                                int num_kv_heads, int head_dim, float scale, int num_threads) {
+    const Args<float> a{out, query, q_token_stride, q_head_stride, key, k_token_stride, k_head_stride, value,
+                        v_token_stride, v_head_stride, q_len, past_len, num_heads, num_kv_heads, head_dim, scale};
+    return attend(a, num_threads);
+}
+
+// The same over bfloat16 queries, keys, values and output (`bf16` is layout-compatible with uint16).
+extern "C" int prompt_attention_bf16(bf16* out, const bf16* query, int64_t q_token_stride, int64_t q_head_stride,
+                                     const bf16* key, int64_t k_token_stride, int64_t k_head_stride, const bf16* value,
+                                     int64_t v_token_stride, int64_t v_head_stride, int q_len, int past_len,
+                                     int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
+    const Args<bf16> a{out, query, q_token_stride, q_head_stride, key, k_token_stride, k_head_stride, value,
+                       v_token_stride, v_head_stride, q_len, past_len, num_heads, num_kv_heads, head_dim, scale};
+    return attend(a, num_threads);
+}
