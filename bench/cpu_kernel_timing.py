@@ -3,8 +3,10 @@ in float32 and bfloat16, at SmolLM2-135M's shapes, in one process.
 
 Each case is timed in turns with the others (the median of `--repeats` rounds), so a
 machine shared with other work disturbs them alike and the ratios hold. Decode attention
-is one layer's step over 48 (or 1) decodes with the cache write; the fused operations and
-linears run on the rows of a 48-decode (or 1-decode) step.
+is one layer's step over 48 (or 1) decodes with the cache write; prompt attention one
+layer's step over one fresh prompt of 128, 512 or 861 tokens (also given per 30 layers,
+the whole model's); the fused operations and linears run on the rows of a 48-decode (or
+1-decode) step. `--only` times just the cases whose names contain it (e.g. "prompt").
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import torch
 from torch import nn
 
 from gpu.attention import SequenceSlice
-from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel
+from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel, cpu_prompt_kernel
 from gpu.cpu.fusions import FusedRMSNorm, fused_ops
 from gpu.cpu.packed_linear import PackedLinear
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 
-# SmolLM2-135M: hidden 576, MLP 1536, 9 query heads over 3 KV heads of 64.
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 576, 1536, 9, 3, 64, 16
+# SmolLM2-135M: hidden 576, MLP 1536, 9 query heads over 3 KV heads of 64, 30 layers.
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 576, 1536, 9, 3, 64, 16, 30
 
 
 def attention_cases(dtype: torch.dtype, decodes: int, context: int) -> dict:
@@ -44,6 +46,22 @@ def attention_cases(dtype: torch.dtype, decodes: int, context: int) -> dict:
         cache.blocks.copy_(torch.randn(cache.blocks.shape))
         backend = backend_class(cache)
         metadata = backend.prepare(sequences, decodes)
+        cases[name] = lambda b=backend, m=metadata: b.attend(0, query, key, value, HEAD_DIM**-0.5, m)
+    return cases
+
+
+def prompt_cases(dtype: torch.dtype, tokens: int) -> dict:
+    """One layer's step over one fresh prompt: the C++ prompt kernel and torch's SDPA."""
+    blocks = -(-tokens // BLOCK)
+    shape = KVShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    sequences = [SequenceSlice(0, tokens, tokens, list(range(blocks)))]
+    # A transposed view, as transformers hands the queries over.
+    query = torch.randn(1, HEADS, tokens, HEAD_DIM).to(dtype)[0].transpose(0, 1)
+    key, value = torch.randn(2, tokens, KV_HEADS, HEAD_DIM).to(dtype)
+    cases = {}
+    for name, backend_class in (("kernel", CpuAttentionBackend), ("torch", TorchAttentionBackend)):
+        backend = backend_class(PagedKVCache(shape, blocks, BLOCK, dtype))
+        metadata = backend.prepare(sequences, tokens)
         cases[name] = lambda b=backend, m=metadata: b.attend(0, query, key, value, HEAD_DIM**-0.5, m)
     return cases
 
@@ -103,10 +121,11 @@ def main() -> None:
         help="torch threads (0: torch's default); on a loaded machine 1 keeps OpenMP "
         "barriers from waiting on descheduled threads",
     )
+    parser.add_argument("--only", default="", help="time only the cases whose names contain this")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    if cpu_kernel() is None or fused_ops() is None:
+    if cpu_kernel() is None or cpu_prompt_kernel() is None or fused_ops() is None:
         raise SystemExit("the CPU kernels cannot be built here (g++)")
     cases = {}
     with torch.inference_mode():
@@ -115,12 +134,21 @@ def main() -> None:
             for decodes, context in ((48, 300), (1, 356)):
                 for name, fn in attention_cases(dtype, decodes, context).items():
                     cases[f"{tag} attention {decodes}x{context} {name}"] = fn
+            for tokens in (128, 512, 861):
+                for name, fn in prompt_cases(dtype, tokens).items():
+                    cases[f"{tag} prompt attention {tokens} {name}"] = fn
             for rows in (48, 1):
                 for name, fn in (fused_cases(dtype, rows) | linear_cases(dtype, rows)).items():
                     cases[f"{tag} {name} rows={rows}"] = fn
+        cases = {name: fn for name, fn in cases.items() if args.only in name}
         timings = time_cases(cases, args.repeats, args.calls)
     microseconds = {name: round(us, 1) for name, us in timings.items()}
-    print(json.dumps({"threads": torch.get_num_threads(), "microseconds_per_call": microseconds}, indent=1))
+    # A prompt's attention in every layer of the model, its share of time to first token.
+    per_model = {name: round(us * LAYERS / 1000, 1) for name, us in timings.items() if "prompt" in name}
+    report = {"threads": torch.get_num_threads(), "microseconds_per_call": microseconds}
+    if per_model:
+        report[f"prompt_attention_ms_per_{LAYERS}_layers"] = per_model
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
