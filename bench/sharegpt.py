@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from bench.workload import BenchRequest, Workload
 
@@ -76,8 +76,11 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def make_sharegpt_workload(tokenizer, num_requests: int, max_output_len: int, seed: int = 0) -> Workload:
-    """`num_requests` first turns as described above, drawn in the seed's order."""
+def make_sharegpt_workload(
+    tokenizer, num_requests: int, max_output_len: int, seed: int = 0, keep: Callable[[int], bool] | None = None
+) -> Workload:
+    """`num_requests` first turns as described above, drawn in the seed's order; with
+    `keep`, only conversations whose index it accepts (a train/test split)."""
     if num_requests < 1 or max_output_len < MIN_TOKENS:
         raise ValueError(f"need requests >= 1 and an output cap >= {MIN_TOKENS}, got {num_requests}, {max_output_len}")
     pairs = first_turns()
@@ -85,6 +88,8 @@ def make_sharegpt_workload(tokenizer, num_requests: int, max_output_len: int, se
     random.Random(seed).shuffle(order)
     requests: list[BenchRequest] = []
     for index in order:
+        if keep is not None and not keep(index):
+            continue
         prompt, reply = pairs[index]
         ids = prompt_ids(tokenizer, prompt)
         reply_len = len(tokenizer(reply, add_special_tokens=False)["input_ids"])

@@ -6,6 +6,7 @@ inflight submit  send one prompt through Redis and stream the answer
 inflight bench   the throughput/latency benchmark against peers, in one run
 inflight health  whether the worker beside it serves (a container's healthcheck)
 inflight gateway an OpenAI-compatible HTTP API onto the queue (service/gateway/)
+inflight train-length-predictor  fit the output-length predictor to the model's own replies
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     gateway = commands.add_parser("gateway", help="serve the OpenAI API (chat and text completions) onto the queue")
     add_gateway_arguments(gateway)
 
+    trainer = commands.add_parser(
+        "train-length-predictor", help="fit the output-length predictor to the model's own replies to ShareGPT"
+    )
+    if argv[:1] == ["train-length-predictor"]:
+        from bench.length_training import add_arguments as add_training_arguments
+
+        add_training_arguments(trainer)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         return asyncio.run(_demo(args))
@@ -127,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         from service.gateway.server import serve
 
         return uvloop.run(serve(gateway_config_from_args(args)))
+    if args.command == "train-length-predictor":
+        from bench.length_training import run as train_length_predictor
+
+        train_length_predictor(args)
+        return 0
     from bench.main import run as run_bench
 
     run_bench(args)

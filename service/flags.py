@@ -33,6 +33,7 @@ from service.config import (
 from service.embedded import embedded_url
 from workers.config import (
     DTYPES,
+    LENGTH_POLICIES,
     WEIGHTS,
     CacheConfig,
     EngineConfig,
@@ -99,6 +100,8 @@ class Flag:
             help = f"{self.help} (repeatable; default: {' '.join(field_default)})"
             arguments.add_argument(option, dest=dest, action="append", help=help)
         else:
+            if type(None) in typing.get_args(field_type):  # optional: the flag takes the other type
+                field_type = next(t for t in typing.get_args(field_type) if t is not type(None))
             default = self.default() if self.default else field_default
             if self.unit > 1:
                 default //= self.unit
@@ -236,6 +239,13 @@ SCHEDULER = FlagGroup(
         Flag("max_prefill_chunk", "prompt tokens of one request per step"),
         Flag("max_running_requests", "requests holding KV blocks at once"),
         Flag("priority_bound_s", "no request is overtaken by one arriving this much later"),
+        Flag(
+            "length_policy",
+            "within a priority: first come first served, shortest predicted output first, or true lengths (bench)",
+            choices=LENGTH_POLICIES,
+        ),
+        Flag("length_bound_s", "the largest queue head start a short predicted output buys"),
+        Flag("length_oracle", "with --length-policy oracle: a JSON file of true output lengths (benchmarks)"),
     ),
 )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
 WEIGHTS = ("dense", "int8", "int4")
+LENGTH_POLICIES = ("fcfs", "predicted", "oracle")
 
 
 def default_cache_dir() -> Path:
@@ -123,6 +124,19 @@ class SchedulerConfig:
     # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
     # of waiting. 0 ignores priorities: first come, first served.
     priority_bound_s: float = 30.0
+    # Within a priority, who goes first: "fcfs" (first come, first served), "predicted"
+    # (the shortest predicted output first, `workers/length_predictor.py`; fcfs for a
+    # model without a predictor) or "oracle" (the true lengths from `length_oracle`:
+    # benchmarks only). A predicted-short request gets a head start of up to
+    # length_bound_s seconds in the queue's order, and a preempted request is the one
+    # with the longest predicted remainder.
+    length_policy: str = "fcfs"
+    # The largest head start a short prediction buys: with it, no request is overtaken
+    # by one that arrived more than priority_bound_s + length_bound_s after it.
+    length_bound_s: float = 20.0
+    # With length_policy "oracle": a JSON file of true output lengths by prompt
+    # (`workers.length_predictor.OracleLengths`).
+    length_oracle: Path | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -136,6 +150,14 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not self.priority_bound_s >= 0:
             raise ValueError("priority_bound_s must be >= 0")
+        if self.length_policy not in LENGTH_POLICIES:
+            raise ValueError(f"length_policy must be one of {LENGTH_POLICIES}, got {self.length_policy!r}")
+        if not self.length_bound_s >= 0:
+            raise ValueError("length_bound_s must be >= 0")
+        if (self.length_policy == "oracle") != (self.length_oracle is not None):
+            raise ValueError("length_policy oracle needs length_oracle, and length_oracle needs it")
+        if self.length_oracle is not None:
+            object.__setattr__(self, "length_oracle", Path(self.length_oracle))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import torch
 from workers.api import ErrorCode, Event, FinalEvent, FinishReason, GenerationRequest, InvalidRequest, TopLogprob
 from workers.block_pool import BlockPool
 from workers.config import EngineConfig
+from workers.length_predictor import policy_predictor
 from workers.logprobs import log_probs, token_logprobs
 from workers.model_loader import LoadedModel, load_model
 from workers.model_runner import ModelRunner, StepOutput
@@ -149,6 +150,7 @@ class Engine:
             self.host_allocator,
             salt if config.cache.prefix_caching else None,
             config.speculative,
+            length_predictor=policy_predictor(config.scheduler, config.model, lambda: _embeddings(loaded)),
         )
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
@@ -411,6 +413,10 @@ class Engine:
     def _release_id(self, request_id: str) -> None:
         with self._lock:
             self._known_ids.discard(request_id)
+
+
+def _embeddings(loaded: LoadedModel):
+    return loaded.model.get_input_embeddings().weight.detach().float().cpu().numpy()
 
 
 def _eos_token_ids(loaded: LoadedModel) -> frozenset[int]:

@@ -53,6 +53,9 @@ class Request:
     # The scheduler's bookkeeping: queue order, and the step it last started running.
     queue_key: tuple[float, int] = (0.0, 0)
     running_since_step: int = 0
+    # Output tokens it is predicted to produce in all (`workers/length_predictor.py`),
+    # at most max_tokens; None without a length policy.
+    predicted_output_len: float | None = None
     finish_reason: FinishReason | None = None
     # Speculative decoding (`workers/speculative.py`): how many tokens it may draft, and
     # its tokens as the proposer indexes them. None for a request that never speculates.
@@ -76,6 +79,13 @@ class Request:
         """Past its prompt with exactly the last sampled token left to run."""
         output = self.output_token_ids  # read for every running request every step: no nested property
         return bool(output) and len(self.prompt_token_ids) + len(output) - self.num_computed == 1
+
+    @property
+    def predicted_remaining(self) -> float:
+        """Output tokens it is predicted still to produce (0 without a prediction)."""
+        if self.predicted_output_len is None:
+            return 0.0
+        return max(1.0, self.predicted_output_len - len(self.output_token_ids))
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + output."""

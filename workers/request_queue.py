@@ -9,6 +9,12 @@ recomputed. Consequence (the starvation bound): no request is ever overtaken by 
 that arrived more than `priority_bound_s` after it. Equal priority is first come,
 first served. A preempted request returns under its original key, keeping its place.
 
+**Shortest predicted first.** Under a length policy (`SchedulerConfig.length_policy`) the
+key also subtracts a head start of up to `length_bound_s` seconds, more the shorter the
+request's predicted output (`workers.length_predictor.head_start_s`), so within a
+priority short jobs go first and a long one still ages: it is never overtaken by one that
+arrived more than `priority_bound_s + length_bound_s` after it.
+
 Requests that finish while queued are dropped lazily, when they surface.
 """
 
@@ -33,12 +39,13 @@ class RequestQueue:
         self.num_queued = 0  # swapped-out requests included
         self.num_swapped = 0
 
-    def place(self, request: Request, beside: Request | None = None) -> None:
-        """Fix `request`'s queue key from its arrival and priority (or, for a parallel
-        choice, `beside` its lead's, with a tie-breaker of its own: keys are unique), and
-        watch its deadline."""
+    def place(self, request: Request, beside: Request | None = None, head_start_s: float = 0.0) -> None:
+        """Fix `request`'s queue key from its arrival, priority and `head_start_s` (or, for
+        a parallel choice, `beside` its lead's, with a tie-breaker of its own: keys are
+        unique), and watch its deadline."""
         if beside is None:
-            virtual_arrival = request.arrival_time - (request.priority - PRIORITY_MIN) * self._priority_weight
+            priority_credit = (request.priority - PRIORITY_MIN) * self._priority_weight
+            virtual_arrival = request.arrival_time - priority_credit - head_start_s
         else:
             virtual_arrival = beside.queue_key[0]
         request.queue_key = (virtual_arrival, next(self._order))

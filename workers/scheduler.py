@@ -28,6 +28,7 @@ from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.draft_planner import DraftPlanner
 from workers.kv_cache import KVCacheManager
+from workers.length_predictor import LengthPredictor, OracleLengths, head_start_s
 from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
 from workers.request import Request, RequestStatus
 from workers.request_queue import QUEUED, RequestQueue
@@ -44,12 +45,16 @@ class Scheduler:
         cache_salt: bytes | None = None,
         speculative: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
+        length_predictor: LengthPredictor | OracleLengths | None = None,
     ) -> None:
         """The device pool `allocator`, and `host_allocator` (None: preemption recomputes),
         are the KV-cache manager's; `cache_salt` (None: no prefix caching) names what else
         changes K/V. `speculative` (enabled) turns speculation on, drafting with `proposer`
-        (default: prompt lookup)."""
+        (default: prompt lookup). `length_predictor` (None: first come, first served
+        within a priority) orders the queue by predicted output length and picks the
+        swap victim with the longest predicted remainder."""
         self.config = config
+        self.length_predictor = length_predictor
         self.kv_cache = KVCacheManager(allocator, block_size, host_allocator, cache_salt)
         self.drafts = None  # speculation off
         if speculative is not None and speculative.enabled:
@@ -79,7 +84,13 @@ class Scheduler:
         if self.drafts is not None:
             for choice in (request, *request.forks):
                 self.drafts.enroll(choice)
-        self.queue.place(request)
+        head_start = 0.0
+        if self.length_predictor is not None:
+            predicted = min(self.length_predictor.predict(request.prompt_token_ids), request.params.max_tokens)
+            for choice in (request, *request.forks):
+                choice.predicted_output_len = predicted
+            head_start = head_start_s(max(1.0, predicted - len(request.output_token_ids)), self.config.length_bound_s)
+        self.queue.place(request, head_start_s=head_start)
         self.queue.push(request, RequestStatus.WAITING)
 
     def finish(self, request: Request, reason: FinishReason, num_output_tokens: int | None = None) -> None:
@@ -338,13 +349,17 @@ class Scheduler:
         - Swapped out, when the host tier has room: the victim is the request with the
           lowest priority, and among those the one that has run the most steps since it
           last started (so long generations take turns with memory and short requests keep
-          flowing), then the latest in queue order. Its progress is kept.
+          flowing), then the latest in queue order; under a length policy, the one with
+          the longest predicted remainder instead of the most steps. Its progress is kept.
         - Else recomputed (prompt plus the tokens it produced, when it runs again): the
           victim is the lowest priority, then the latest in queue order. Taking the last
           in queue order means the first always progresses, so recomputation cannot
           livelock.
         """
-        victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
+        if self.length_predictor is None:
+            victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
+        else:
+            victim = max(self.running, key=lambda r: (-r.priority, r.predicted_remaining, r.queue_key))
         if self.kv_cache.swap_out(victim, plan):
             self._remove_running(victim, plan)
             self.queue.push(victim, RequestStatus.SWAPPED)
