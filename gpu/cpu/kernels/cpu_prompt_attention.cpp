@@ -8,7 +8,7 @@
 // Work items are (KV head, tile of query tokens); the query heads that share the KV head
 // (grouped-query attention) are all rows of the tile, so each K and V block is read once
 // for all of them while it is in L1. On AVX2 / AVX-512, flash-style:
-// - a first pass lays K out transposed in blocks of BLOCK keys, so one vector of
+// - a first pass lays K out transposed in blocks of SUB keys, so one vector of
 //   multiply-adds yields a score for each of its keys without horizontal sums (bfloat16
 //   keys in pairs for the AVX-512 BF16 dot products), and widens bfloat16 V to fp32;
 // - then, per tile and key block: scores for several rows at once (independent chains
@@ -132,7 +132,7 @@ using vec = __m512;
 constexpr int W = 16;
 // Rows at once: scores keep ROWS x 2 accumulators, the weighted V ROWS x 4, of 32 registers.
 constexpr int SCORE_ROWS = 8;
-constexpr int WEIGH_ROWS = 4;
+constexpr int WEIGH_ROWS = 6;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -201,7 +201,10 @@ inline void vstore_as(T* p, vec v) {
 }
 #endif
 
-constexpr int BLOCK = 2 * W;  // keys per block: two vectors of scores per row
+// Keys are scored SUB at a time (two vectors per row), and softmax and weighted V go
+// BLOCK at a time, which halves the per-block row reductions and output reloads.
+constexpr int SUB = 2 * W;
+constexpr int BLOCK = 2 * SUB;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // What the scores read keys (and queries) as: bfloat16 pairs where the CPU has the
@@ -214,15 +217,16 @@ template <typename T>
 using KeyT = float;
 #endif
 
-// Where K element (key j of a block, d) goes in the block's transposed layout: fp32 as
-// [head_dim][BLOCK]; bfloat16 as [head_dim / 2][BLOCK] pairs (the dot products' operand).
+// Where K element (key j of a SUB-key block, d) goes in the block's transposed layout:
+// fp32 as [head_dim][SUB]; bfloat16 as [head_dim / 2][SUB] pairs (the dot products' operand).
 template <typename K>
 inline int64_t transposed_index(int j, int d) {
-    if constexpr (std::is_same_v<K, bf16>) return (int64_t)(d / 2) * 2 * BLOCK + 2 * j + d % 2;
-    return (int64_t)d * BLOCK + j;
+    if constexpr (std::is_same_v<K, bf16>) return (int64_t)(d / 2) * 2 * SUB + 2 * j + d % 2;
+    return (int64_t)d * SUB + j;
 }
 
-// Scores of ROWS query rows (`dim` apart in `q`) against one block of transposed keys.
+// Scores of ROWS query rows (`dim` apart in `q`) against one SUB-key block of transposed
+// keys, into rows BLOCK apart in `s`.
 template <int ROWS, typename K>
 inline void score_rows(const K* q, int dim, const K* kt, float* s, vec scale) {
     vec acc[ROWS][2];
@@ -231,8 +235,8 @@ inline void score_rows(const K* q, int dim, const K* kt, float* s, vec scale) {
     if constexpr (std::is_same_v<K, bf16>) {
         for (int d = 0; d < dim; d += 2) {
             __m512bh k0, k1;
-            std::memcpy(&k0, kt + (int64_t)d * BLOCK, sizeof k0);
-            std::memcpy(&k1, kt + (int64_t)d * BLOCK + 2 * W, sizeof k1);
+            std::memcpy(&k0, kt + (int64_t)d * SUB, sizeof k0);
+            std::memcpy(&k1, kt + (int64_t)d * SUB + 2 * W, sizeof k1);
             for (int r = 0; r < ROWS; ++r) {
                 int32_t pair;
                 std::memcpy(&pair, q + r * dim + d, sizeof pair);
@@ -245,7 +249,7 @@ inline void score_rows(const K* q, int dim, const K* kt, float* s, vec scale) {
 #endif
     {
         for (int d = 0; d < dim; ++d) {
-            const vec k0 = vload(kt + (int64_t)d * BLOCK), k1 = vload(kt + (int64_t)d * BLOCK + W);
+            const vec k0 = vload(kt + (int64_t)d * SUB), k1 = vload(kt + (int64_t)d * SUB + W);
             for (int r = 0; r < ROWS; ++r) {
                 const vec qv = vset1(q[r * dim + d]);
                 acc[r][0] = vfmadd(qv, k0, acc[r][0]);
@@ -307,11 +311,10 @@ inline void weigh_cols(int cols, const float* p, const float* alpha, const float
 }
 
 // Keys transposed block by block (and bfloat16 V widened), per KV head: built once per
-// call, read by every tile. Kept across calls in the calling thread, so a call does not
-// pay fresh pages.
+// call, read by every tile; the buffers live in the calling thread, kept across calls.
 template <typename T>
 struct Prepared {
-    const KeyT<T>* keys;  // [kv_heads][blocks][head_dim * BLOCK]
+    const KeyT<T>* keys;  // [kv_heads][blocks][head_dim * SUB]
     const float* values;  // [kv_heads][keys][head_dim] for bfloat16; float32 V is read in place
     int blocks;
 };
@@ -319,9 +322,9 @@ struct Prepared {
 template <typename T>
 void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, int blocks, int kv, int b) {
     using K = KeyT<T>;
-    const int dim = a.head_dim, start = b * BLOCK, count = std::min(BLOCK, a.num_keys() - start);
-    K* kt = keys + ((int64_t)kv * blocks + b) * dim * BLOCK;
-    for (int j = 0; j < BLOCK; ++j)
+    const int dim = a.head_dim, start = b * SUB, count = std::min(SUB, a.num_keys() - start);
+    K* kt = keys + ((int64_t)kv * blocks + b) * dim * SUB;
+    for (int j = 0; j < SUB; ++j)
         for (int d = 0; d < dim; ++d) {
             K x{};  // zero past the last key: scored, masked, never NaN
             if (j < count) {
@@ -380,29 +383,38 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
     for (int start = 0; start < keys; start += BLOCK) {
         // Rows that see none of this block are left as they are: in token order, a prefix.
         const int begin = std::max(0, start - first_pos) * group;
-        const K* kt = prep.keys + ((int64_t)kv * prep.blocks + start / BLOCK) * dim * BLOCK;
-        for (int r = begin; r < rows; r += SCORE_ROWS)
-            score_some(std::min(SCORE_ROWS, rows - r), q + r * dim, dim, kt, s + r * BLOCK, scale);
-        // Causal mask: keys past a row's own position (and past the last key) do not count.
+        for (int sub = start; sub < std::min(keys, start + BLOCK); sub += SUB) {
+            const K* kt = prep.keys + ((int64_t)kv * prep.blocks + sub / SUB) * dim * SUB;
+            for (int r = std::max(0, sub - first_pos) * group; r < rows; r += SCORE_ROWS)
+                score_some(std::min(SCORE_ROWS, rows - r), q + r * dim, dim, kt, s + r * BLOCK + sub - start, scale);
+        }
+        // Causal mask: keys past a row's own position (and past the last key: scores
+        // skipped above) do not count.
         if (start + BLOCK > first_pos + 1)
             for (int r = begin; r < rows; ++r)
                 for (int j = std::max(0, first_pos + r / group + 1 - start); j < BLOCK; ++j)
                     s[r * BLOCK + j] = NEG_INF;
         // Online softmax: each row's new max, the factor its earlier sums shrink by
         // (0 on its first block, where the old max is -inf), and the block's weights.
+        constexpr int VECTORS = BLOCK / W;
         for (int r = begin; r < rows; ++r) {
-            const float top = std::max(w.top[r], vtop(vmax(vload(s + r * BLOCK), vload(s + r * BLOCK + W))));
-            w.shift[r] = w.top[r] - top;
-            w.top[r] = top;
+            vec top = vload(s + r * BLOCK);
+            for (int i = 1; i < VECTORS; ++i) top = vmax(top, vload(s + r * BLOCK + i * W));
+            const float row_top = std::max(w.top[r], vtop(top));
+            w.shift[r] = w.top[r] - row_top;
+            w.top[r] = row_top;
         }
         for (int r = begin / W * W; r < rows; r += W) vstore(w.alpha.data() + r, vexp(vload(w.shift.data() + r)));
         for (int r = begin; r < rows; ++r) {
             const vec top = vset1(w.top[r]);
-            const vec p0 = vexp(vsub(vload(s + r * BLOCK), top)), p1 = vexp(vsub(vload(s + r * BLOCK + W), top));
-            vstore(s + r * BLOCK, p0);
-            vstore(s + r * BLOCK + W, p1);
+            vec total = vzero();
+            for (int i = 0; i < VECTORS; ++i) {
+                const vec p = vexp(vsub(vload(s + r * BLOCK + i * W), top));
+                vstore(s + r * BLOCK + i * W, p);
+                total = vadd(total, p);
+            }
             float* sum = w.sums.data() + (size_t)r * W;
-            vstore(sum, vfmadd(vload(sum), vset1(w.alpha[r]), vadd(p0, p1)));
+            vstore(sum, vfmadd(vload(sum), vset1(w.alpha[r]), total));
         }
         // Weighted V, in column slices of up to four vectors.
         const int count = std::min(BLOCK, keys - start);
@@ -422,6 +434,8 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
                 const float* alpha = w.alpha.data() + r;
                 float* o = w.out.data() + (size_t)r * dim + col;
                 switch (std::min(WEIGH_ROWS, rows - r)) {
+                    case 6: weigh_cols<6>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
+                    case 5: weigh_cols<5>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
                     case 4: weigh_cols<4>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
                     case 3: weigh_cols<3>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
                     case 2: weigh_cols<2>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
@@ -437,14 +451,16 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
     }
 }
 
+constexpr size_t MAX_KEPT_BYTES = size_t(64) << 20;
+
 template <typename T>
 void attend_blocked(const Args<T>& a, int num_threads) {
     using K = KeyT<T>;
-    const int blocks = (a.num_keys() + BLOCK - 1) / BLOCK;
+    const int blocks = (a.num_keys() + SUB - 1) / SUB;
     const int tiles = num_tiles(a.q_len), items = tiles * a.num_kv_heads;
     thread_local std::vector<K> key_store;
     thread_local std::vector<float> value_store;
-    const size_t key_size = (size_t)a.num_kv_heads * blocks * a.head_dim * BLOCK;
+    const size_t key_size = (size_t)a.num_kv_heads * blocks * a.head_dim * SUB;
     if (key_store.size() < key_size) key_store.resize(key_size);
     float* values = nullptr;
     if constexpr (!std::is_same_v<T, float>) {
@@ -465,6 +481,12 @@ void attend_blocked(const Args<T>& a, int num_threads) {
             item_of(i, tiles, a.num_kv_heads, kv, tile);
             attend_tile(a, prep, kv, tile, scratch);
         }
+    }
+    // Kept for the next call (fresh pages cost more than filling them), unless a very long
+    // context made them large.
+    if (key_store.capacity() * sizeof(K) + value_store.capacity() * sizeof(float) > MAX_KEPT_BYTES) {
+        std::vector<K>().swap(key_store);
+        std::vector<float>().swap(value_store);
     }
 }
 #endif
