@@ -149,7 +149,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             k = self._gather(key_pool, p.blocks, "key")[: p.context_len]
             v = self._gather(value_pool, p.blocks, "value")[: p.context_len]
-        if not (q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.dtype == k.dtype == v.dtype == out.dtype):
+        dtype = self.kv_cache.blocks.dtype  # the entry point's
+        if not (q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.dtype == k.dtype == v.dtype == out.dtype == dtype):
             return False
         query_len = q.shape[0]
         status = self.prompt_entry(

@@ -217,16 +217,9 @@ template <typename T>
 using KeyT = float;
 #endif
 
-// Where K element (key j of a SUB-key block, d) goes in the block's transposed layout:
-// fp32 as [head_dim][SUB]; bfloat16 as [head_dim / 2][SUB] pairs (the dot products' operand).
-template <typename K>
-inline int64_t transposed_index(int j, int d) {
-    if constexpr (std::is_same_v<K, bf16>) return (int64_t)(d / 2) * 2 * SUB + 2 * j + d % 2;
-    return (int64_t)d * SUB + j;
-}
-
 // Scores of ROWS query rows (`dim` apart in `q`) against one SUB-key block of transposed
-// keys, into rows BLOCK apart in `s`.
+// keys, into rows BLOCK apart in `s`. The block's layout: fp32 as [head_dim][SUB];
+// bfloat16 as [head_dim / 2][SUB] pairs (the dot products' operand).
 template <int ROWS, typename K>
 inline void score_rows(const K* q, int dim, const K* kt, float* s, vec scale) {
     vec acc[ROWS][2];
@@ -324,15 +317,17 @@ void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, int blocks, i
     using K = KeyT<T>;
     const int dim = a.head_dim, start = b * SUB, count = std::min(SUB, a.num_keys() - start);
     K* kt = keys + ((int64_t)kv * blocks + b) * dim * SUB;
-    for (int j = 0; j < SUB; ++j)
-        for (int d = 0; d < dim; ++d) {
-            K x{};  // zero past the last key: scored, masked, never NaN
-            if (j < count) {
-                if constexpr (std::is_same_v<K, T>) x = a.k_row(start + j, kv)[d];
-                else x = to_float(a.k_row(start + j, kv)[d]);
-            }
-            kt[transposed_index<K>(j, d)] = x;
+    std::fill(kt, kt + (int64_t)dim * SUB, K{});  // zero past the last key: scored, masked, never NaN
+    for (int j = 0; j < count; ++j) {
+        const T* k = a.k_row(start + j, kv);
+        if constexpr (std::is_same_v<K, bf16>) {
+            // A pair of bfloat16 at a time, as one 32-bit element.
+            uint32_t* pairs = reinterpret_cast<uint32_t*>(kt);
+            for (int d = 0; d < dim; d += 2) std::memcpy(pairs + (int64_t)(d / 2) * SUB + j, k + d, 4);
+        } else {
+            for (int d = 0; d < dim; ++d) kt[(int64_t)d * SUB + j] = to_float(k[d]);
         }
+    }
     if (values != nullptr)
         for (int j = 0; j < count; ++j) {
             const T* v = a.v_row(start + j, kv);
@@ -364,10 +359,9 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
     }
     for (int r = 0; r < rows; ++r) {
         const T* src = a.q_row(first + r / group, kv * group + r % group);
-        for (int d = 0; d < dim; ++d) {
-            if constexpr (std::is_same_v<K, T>) q[r * dim + d] = src[d];
-            else q[r * dim + d] = to_float(src[d]);
-        }
+        if constexpr (std::is_same_v<K, T>) std::memcpy(q + r * dim, src, dim * sizeof(T));
+        else
+            for (int d = 0; d < dim; ++d) q[r * dim + d] = to_float(src[d]);
     }
     w.scores.resize((size_t)rows * BLOCK);
     w.out.assign((size_t)rows * dim, 0.0f);
