@@ -365,8 +365,8 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
     }
     w.scores.resize((size_t)rows * BLOCK);
     w.out.assign((size_t)rows * dim, 0.0f);
-    w.top.assign(rows, NEG_INF);                // running max of each row's scores
-    w.sums.assign((size_t)rows * W, 0.0f);      // running sum of its weights, per lane
+    w.top.assign(rows, NEG_INF);            // running max of each row's scores
+    w.sums.assign((size_t)rows * W, 0.0f);  // running sum of its weights, per lane
     w.shift.assign(padded, 0.0f);
     w.alpha.resize(padded);
     float* s = w.scores.data();
@@ -467,7 +467,8 @@ void attend_blocked(const Args<T>& a, int num_threads) {
 #pragma omp parallel num_threads(team_size(items, num_threads))
     {
 #pragma omp for schedule(static)
-        for (int i = 0; i < a.num_kv_heads * blocks; ++i) prepare_block(a, keys, values, blocks, i / blocks, i % blocks);
+        for (int i = 0; i < a.num_kv_heads * blocks; ++i)
+            prepare_block(a, keys, values, blocks, i / blocks, i % blocks);
         Scratch scratch;  // per thread, reused across its items
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < items; ++i) {
