@@ -33,7 +33,7 @@ SCENARIO_MODULES = {
     "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
     "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis", "edge": "bench.edge", "soak": "bench.soak",
     "intake": "bench.intake", "overhead": "bench.overhead", "gateway": "bench.gateway",
-    "structured": "bench.structured", "spec": "bench.spec", "serve": "bench.serve",
+    "structured": "bench.structured", "spec": "bench.spec", "serve": "bench.serve", "length": "bench.length",
 }  # fmt: skip
 SCENARIOS = ("throughput", "single", *SCENARIO_MODULES)
 # Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.

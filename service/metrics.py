@@ -18,6 +18,8 @@ Naming: one prefix (`inflight_`), the unit last (`_seconds`, `_tokens`, `_blocks
 
 from __future__ import annotations
 
+import collections
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from workers.api import FinalEvent, FinishReason
 from workers.config import SchedulerConfig
+from workers.length_predictor import kendall_tau
 
 if TYPE_CHECKING:  # the engine module pulls in torch; the metrics need only its dataclass
     from workers.engine import EngineStats
@@ -57,6 +60,9 @@ LATENCY_BUCKETS = (
     600.0,
 )
 # Reply writes land within a millisecond on a quiet local Redis; a slow one shows in steps.
+LENGTH_ERROR_BUCKETS = (-4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)
+LENGTH_TAU_WINDOW = 256
+LENGTH_TAU_EVERY = 16
 PUBLISH_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -218,6 +224,23 @@ class Metrics:
             registry=registry,
         )
 
+        # -- output-length prediction (as requests end) ------------------------------------
+        self.length_prediction_error = Histogram(
+            "inflight_length_prediction_log2_ratio",
+            "log2(actual / predicted) output length of each request that ended by a stop or max_tokens "
+            "under a length policy: 0 is exact, 1 twice as long as predicted.",
+            buckets=LENGTH_ERROR_BUCKETS,
+            registry=registry,
+        )
+        self.length_prediction_tau = Gauge(
+            "inflight_length_prediction_tau_ratio",
+            f"Kendall's tau between predicted and actual output lengths over the last {LENGTH_TAU_WINDOW} "
+            "requests that ended (the order the length policy relies on).",
+            registry=registry,
+        )
+        self._length_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=LENGTH_TAU_WINDOW)
+        self._length_outcomes_since_tau = 0
+
         # -- Redis ingest -----------------------------------------------------------------
         self.ingest_lag = Gauge(
             "inflight_ingest_lag_entries",
@@ -244,6 +267,7 @@ class Metrics:
             self.requests.labels(outcome)
         for mode in ("swap", "recompute"):
             self.preemptions.labels(mode)
+        self.dead_letters.labels("deadline_unmeetable")  # the length-prediction row's refusals
         for direction in ("out", "in"):
             self.swapped_requests.labels(direction)
             self.swapped_blocks.labels(direction)
@@ -269,6 +293,17 @@ class Metrics:
 
     # -- feeds ---------------------------------------------------------------------------
 
+    def _observe_lengths(self, outcomes) -> None:
+        for predicted, actual in outcomes:
+            self.length_prediction_error.observe(math.log2(max(actual, 1) / max(predicted, 1.0)))
+        self._length_window.extend(outcomes)
+        self._length_outcomes_since_tau += len(outcomes)
+        # tau is quadratic in the window: refreshed every few endings, not every step
+        if self._length_outcomes_since_tau >= LENGTH_TAU_EVERY and len(self._length_window) >= 2:
+            predicted, actual = zip(*self._length_window)
+            self.length_prediction_tau.set(kendall_tau(predicted, actual))
+            self._length_outcomes_since_tau = 0
+
     def observe_step(self, stats: EngineStats) -> None:
         """The engine's observer: runs in the stepping thread after each step."""
         for seconds in stats.queue_s:
@@ -277,6 +312,8 @@ class Metrics:
             self.time_to_first_token.observe(seconds)
         for seconds in stats.inter_token_s:
             self.inter_token_latency.observe(seconds)
+        if stats.length_outcomes:
+            self._observe_lengths(stats.length_outcomes)
         step = stats.step
         if step is not None:
             self.step_tokens.labels("prefill").observe(step.num_prefill_tokens)

@@ -220,3 +220,43 @@ def test_greedy_tokens_are_the_same_under_every_policy(tmp_path):
     assert outputs["fcfs"][0] == outputs["predicted"][0] == outputs["oracle"][0]
     # The oracle really reordered: with two running at a time, the shortest finish first.
     assert outputs["oracle"][1][:2] == ["r4", "r0"] != outputs["fcfs"][1][:2]
+
+
+@pytest.mark.slow
+def test_a_deadline_its_predicted_finish_misses_is_refused_at_once_and_others_run(tmp_path):
+    import time
+
+    from workers.api import ErrorCode, FinishReason
+    from workers.engine import Engine
+    from workers.model_loader import load_model
+
+    model = ModelConfig(source="random:tiny-llama", dtype="float32", device="cpu")
+    prompt = [5, 7, 9, 11]
+    oracle = tmp_path / "oracle.json"
+    oracle.write_text(json.dumps({"lengths": {prompt_key(prompt): 200}}))
+    scheduler = SchedulerConfig(length_policy="oracle", length_oracle=oracle)
+    engine = Engine(load_model(model), EngineConfig(model=model, scheduler=scheduler))
+    seen = []
+    engine.observer = seen.append
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+
+    def run_all():
+        finals = {}
+        while engine.has_unfinished():
+            for event in engine.step():
+                if isinstance(event, FinalEvent):
+                    finals[event.request_id] = event
+        return finals
+
+    # Nothing is refused before a step time has been measured.
+    engine.add_request(GenerationRequest("first", prompt, params, deadline=time.time() + 1e-3))
+    assert run_all()["first"].finish_reason is not FinishReason.ERROR
+    # 200 predicted tokens cannot be made in a millisecond; in an hour they can.
+    engine.add_request(GenerationRequest("hopeless", prompt, params, deadline=time.time() + 1e-3))
+    engine.add_request(GenerationRequest("roomy", prompt, params, deadline=time.time() + 3600))
+    finals = run_all()
+    assert finals["hopeless"].error_code is ErrorCode.DEADLINE_UNMEETABLE
+    assert finals["hopeless"].usage.completion_tokens == 0
+    assert finals["roomy"].finish_reason is FinishReason.LENGTH
+    # The observer hears (predicted, actual) of the requests that ran to their end.
+    assert (200.0, 200) in [outcome for stats in seen for outcome in stats.length_outcomes]

@@ -197,6 +197,8 @@ class ErrorCode(str, enum.Enum):
     INVALID_REQUEST = "invalid_request"  # bad input: this request only
     INTERNAL_ERROR = "internal_error"  # the model step that ran it failed
     INVALID_GRAMMAR = "invalid_grammar"  # its json_schema or regex cannot be compiled
+    # Its predicted finish misses its deadline (under a length policy): refused when read.
+    DEADLINE_UNMEETABLE = "deadline_unmeetable"
 
 
 class TopLogprob(NamedTuple):

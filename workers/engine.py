@@ -102,6 +102,8 @@ class EngineStats:
     queue_s: tuple[float, ...] = ()
     first_token_s: tuple[float, ...] = ()
     inter_token_s: tuple[float, ...] = ()
+    # (predicted, actual) output lengths of the requests that ended this step, under a length policy.
+    length_outcomes: tuple[tuple[float, int], ...] = ()
 
 
 # The commands `add_request` and `cancel` post for the stepping thread.
@@ -253,6 +255,7 @@ class Engine:
             tuple(outputs.queue_s),
             tuple(outputs.first_token_s),
             tuple(outputs.inter_token_s),
+            tuple(outputs.length_outcomes),
         )
 
     # -- the phases of a step --------------------------------------------------------
@@ -266,12 +269,28 @@ class Engine:
                 case AddRequest(state):
                     self.outputs.live[state.lead.request_id] = state
                     self.scheduler.add(state.lead)
+                    events.extend(self._refuse_unmeetable(state.lead))
                 case FailRequest(event):
                     self.outputs.forget(event.request_id)
                     events.append(event)
                 case CancelRequest(request_id) if request_id in self.outputs.live:
                     events.extend(self.outputs.retire(self.outputs.live[request_id].lead, FinishReason.CANCELLED))
         return events
+
+    def _refuse_unmeetable(self, request: Request) -> list[Event]:
+        """End a request just queued whose deadline its predicted finish misses: at once,
+        with `deadline_unmeetable`, rather than after running until it expires."""
+        if request.deadline is None:
+            return []
+        now = time.perf_counter()
+        wait_s = self.scheduler.predicted_finish_s(request)
+        if wait_s is None or now + wait_s <= request.deadline:
+            return []
+        message = (
+            f"its deadline is {request.deadline - now:.1f} s away and its predicted finish "
+            f"{wait_s:.1f} s (queue ahead and predicted length at the measured step time)"
+        )
+        return self.outputs.retire(request, FinishReason.ERROR, message, ErrorCode.DEADLINE_UNMEETABLE)
 
     def _expire(self, now: float) -> list[Event]:
         """End the requests whose deadline has passed."""

@@ -53,6 +53,10 @@ class RequestState:
     lead: Request | None = None  # the choice that computes the prompt; the others fork from it
 
 
+# The ends that say how long an output really is (not cut short by a cancel or a deadline).
+_NATURAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, scheduler: Scheduler, grammars: Grammars, release_id: Callable[[str], None]) -> None:
         """`release_id` is called with a request's id once its final event is made."""
@@ -66,6 +70,9 @@ class OutputProcessor:
         self.queue_s: list[float] = []
         self.first_token_s: list[float] = []
         self.inter_token_s: list[float] = []
+        # (predicted, actual) output lengths of the choices that ended this step by a stop
+        # or max_tokens, where a length policy predicted them.
+        self.length_outcomes: list[tuple[float, int]] = []
 
     def new_request(self, requests: list[Request]) -> RequestState:
         """The state of a request whose choices are `requests`. A choice resumed with
@@ -88,6 +95,7 @@ class OutputProcessor:
 
     def new_step(self) -> None:
         self.queue_s, self.first_token_s, self.inter_token_s = [], [], []
+        self.length_outcomes = []
 
     def scheduled(self, requests: list[Request], started: float) -> None:
         """`requests` ran in the step that started at `started`: note when each first did."""
@@ -172,6 +180,8 @@ class OutputProcessor:
         """A choice the scheduler has retired; its request's final event if it was the last."""
         state = self.live[request.request_id]
         _end_choice(state.choices[request.index], request.finish_reason)
+        if request.predicted_output_len is not None and request.finish_reason in _NATURAL_ENDS:
+            self.length_outcomes.append((request.predicted_output_len, len(request.output_token_ids)))
         if any(choice.end is None for choice in state.choices):
             return []
         return [self.request_final(state, request.finish_reason)]

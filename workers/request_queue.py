@@ -85,6 +85,10 @@ class RequestQueue:
                 due.append(request)
         return due
 
+    def num_ahead(self, request: Request) -> int:
+        """Queued requests ahead of `request` in the queue's order (O(queued))."""
+        return sum(1 for key, r in self._heap if r.status in QUEUED and key < request.queue_key)
+
     def census(self) -> tuple[Counter[int], Counter[int], float | None]:
         """Waiting and swapped-out requests by priority, and the oldest arrival among them."""
         waiting: Counter[int] = Counter()

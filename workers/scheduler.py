@@ -34,6 +34,9 @@ from workers.request import Request, RequestStatus
 from workers.request_queue import QUEUED, RequestQueue
 from workers.speculative import Proposer
 
+# The weight of each new step in the recent mean step time (an exponential average).
+STEP_TIME_WEIGHT = 0.1
+
 
 class Scheduler:
     def __init__(
@@ -62,6 +65,7 @@ class Scheduler:
         self.running: list[Request] = []  # in the order they (re)started
         self.queue = RequestQueue(config.priority_bound_s)
         self._step = 0
+        self._step_s: float | None = None  # recent mean step time
 
     @property
     def allocator(self) -> BlockPool:
@@ -161,9 +165,31 @@ class Scheduler:
         return took
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step of `num_tokens` tokens took `seconds`: what decides whether drafts pay."""
+        """A step of `num_tokens` tokens took `seconds`: what decides whether drafts pay,
+        and the step time deadlines are estimated with."""
         if self.drafts is not None:
             self.drafts.observe_step(num_tokens, seconds)
+        self._step_s = seconds if self._step_s is None else self._step_s + STEP_TIME_WEIGHT * (seconds - self._step_s)
+
+    def predicted_finish_s(self, request: Request) -> float | None:
+        """Seconds until queued `request` is predicted to finish, or None without a length
+        predictor or a measured step. Steps to wait for a running slot (the queue ahead of
+        it, freed at the rate the running requests' predicted remainders free them), to
+        compute its prompt (at the prefill budget) and to produce its predicted output (one
+        token a step), at the recent mean step time. It errs short when outputs run past
+        their predictions or steps slow down as the batch grows, and long when accepted
+        drafts give a request more than one token a step."""
+        if self.length_predictor is None or self._step_s is None or request.predicted_output_len is None:
+            return None
+        config = self.config
+        ahead = self.queue.num_ahead(request)
+        short_of_room = ahead + 1 - (config.max_running_requests - self._occupied())
+        wait_steps = 0.0
+        if short_of_room > 0 and self.running:
+            mean_remaining = sum(r.predicted_remaining for r in self.running) / len(self.running)
+            wait_steps = short_of_room * mean_remaining / len(self.running)
+        prompt_steps = -(-request.num_prompt_tokens // config.max_prefill_tokens)
+        return (wait_steps + prompt_steps + request.predicted_remaining) * self._step_s
 
     def has_unfinished(self) -> bool:
         return bool(self.queue.num_queued or self.running)

@@ -276,6 +276,33 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
         ],
     ),
     (
+        "Output-length prediction",
+        [
+            (
+                "Predicted against actual length",
+                "short",
+                [
+                    (f"sum by (le) (rate(inflight_length_prediction_log2_ratio_bucket[{RATE}]))", "≤ {{le}}"),
+                ],
+                "Requests per second whose log2(actual / predicted) output length is at most each bound "
+                "(cumulative): 0 is exact, 1 twice as long as predicted. Empty without --length-policy.",
+            ),
+            (
+                "Ranking quality and early refusals",
+                "short",
+                [
+                    ("inflight_length_prediction_tau_ratio", "Kendall tau, last 256 ended ({{instance}})"),
+                    (
+                        f'sum(rate(inflight_dead_letters_total{{code="deadline_unmeetable"}}[{RATE}]))',
+                        "refused as deadline_unmeetable /s",
+                    ),
+                ],
+                "How well predicted lengths order requests (1 perfect, 0 no better than chance), and jobs "
+                "refused when read because their predicted finish missed their deadline.",
+            ),
+        ],
+    ),
+    (
         "Gateway",
         [
             (

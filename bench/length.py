@@ -1,0 +1,204 @@
+"""`inflight bench --scenario length`: the queue's order by predicted output length, through
+the real worker on a real Redis, under Poisson arrivals of ShareGPT prompts with their
+real lengths (EOS honoured, greedy, capped at `--length-max-tokens`).
+
+1. Capacity: every request at t0 through a worker with `--length-policy fcfs`; requests/s
+   over the run. Its outputs are the true lengths, written as the oracle's file.
+2. For each `--length-policies` policy, a fresh worker, and for each `--length-loads`
+   load, the same prompts at `load x capacity` requests/s (the same seeded arrivals for
+   every policy). Per point: mean and p99 end-to-end latency, mean TTFT, the longest
+   queue wait (first token minus send, against the aging bound), the worker's
+   preemptions, and whether every request's tokens equal the capacity run's (order
+   changes, greedy tokens don't).
+3. The predictor's Kendall τ and mean absolute error against the true lengths of these
+   prompts (held out: the conversations of odd index, which training never sees), and
+   its cost per prediction.
+
+The prompts are sent as text, as producers send them; the worker tokenizes them
+(`encode_prompt`), and the oracle's file is keyed by those ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgpack
+
+from bench.arrivals import at_t0, poisson
+from bench.systems import bench_worker, redis_server
+from service.connect import connect
+from service.protocol import reply_stream
+from service.sdk import job_payload
+
+QUIET_LIMIT_S = 120.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("length scenario (also --requests, --seed, --dtype)")
+    group.add_argument("--length-policies", default="fcfs,predicted,oracle")
+    group.add_argument("--length-loads", default="0.5,0.8,0.95", help="shares of the measured capacity")
+    group.add_argument("--length-max-tokens", type=int, default=384, help="the reply cap (EOS honoured)")
+    group.add_argument("--length-worker-args", default="", help="more flags for every worker, e.g. a running cap")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import shlex
+
+    from bench.sharegpt import make_sharegpt_workload
+    from workers.config import ModelConfig, SchedulerConfig
+    from workers.length_predictor import kendall_tau, policy_predictor, prompt_key
+    from workers.model_loader import encode_prompt, load_model
+
+    model = ModelConfig(source=args.model, dtype=args.dtype)
+    loaded = load_model(model)
+    tokenizer = loaded.tokenizer
+    workload = make_sharegpt_workload(tokenizer, args.requests, args.length_max_tokens, args.seed, keep=_odd)
+    texts = [tokenizer.decode(r.prompt_ids) for r in workload.requests]
+    worker_ids = [encode_prompt(tokenizer, text) for text in texts]
+    embeddings = loaded.model.get_input_embeddings().weight.detach().float().numpy
+    predictor = policy_predictor(SchedulerConfig(length_policy="predicted"), model, embeddings)
+    del loaded, embeddings  # the workers load their own
+    policies = [p for p in args.length_policies.split(",") if p]
+    loads = [float(v) for v in args.length_loads.split(",") if v]
+    extra = shlex.split(args.length_worker_args)
+
+    report: dict = {"workload": workload.describe() | {"max_tokens": args.length_max_tokens}, "points": {}}
+    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-length-") as tmp:
+        oracle_file = Path(tmp) / "oracle.json"
+        print("bench: length: capacity (every request at t0, fcfs)", file=sys.stderr, flush=True)
+        capacity_run = _serve(
+            url, args, Path(tmp), "capacity", ["--length-policy", "fcfs", *extra], texts, [at_t0(len(texts))]
+        )
+        records, duration = capacity_run["points"][0]
+        truth = [len(r["tokens"]) for r in records]
+        capacity = len(texts) / duration
+        oracle_file.write_text(json.dumps({"lengths": {prompt_key(ids): n for ids, n in zip(worker_ids, truth)}}))
+        report["capacity"] = {
+            "requests_per_s": round(capacity, 3),
+            "output_tokens_per_s": round(sum(truth) / duration, 1),
+        }
+        report["true_lengths"] = {
+            "mean": round(statistics.fmean(truth), 1),
+            "capped": sum(n >= args.length_max_tokens for n in truth),
+        }
+
+        if predictor is not None:
+            started = time.perf_counter()
+            predicted = [predictor.predict(ids) for ids in worker_ids]
+            cost_us = (time.perf_counter() - started) / len(worker_ids) * 1e6
+            report["predictor"] = {
+                "kendall_tau": round(kendall_tau(predicted, truth), 3),
+                "mae_tokens": round(statistics.fmean(abs(p - t) for p, t in zip(predicted, truth)), 1),
+                "cost_us_per_prediction": round(cost_us, 1),
+            }
+        arrivals = [poisson(len(texts), load * capacity, args.seed + i) for i, load in enumerate(loads)]
+        for policy in policies:
+            flags = ["--length-policy", policy, *extra]
+            flags += ["--length-oracle", str(oracle_file)] if policy == "oracle" else []
+            print(f"bench: length: {policy} at loads {loads}", file=sys.stderr, flush=True)
+            served = _serve(url, args, Path(tmp), policy, flags, texts, arrivals)
+            for load, (records, duration), preemptions in zip(loads, served["points"], served["preemptions"]):
+                figures = _figures(records, duration)
+                figures["preemptions"] = preemptions
+                figures["tokens_as_fcfs_capacity_run"] = all(
+                    r["tokens"] == c["tokens"] for r, c in zip(records, capacity_run["points"][0][0])
+                )
+                report["points"].setdefault(f"load {load}", {})[policy] = figures
+    for name, point in report["points"].items():
+        if "fcfs" in point:
+            for policy in point:
+                point[policy]["e2e_mean_vs_fcfs"] = round(point["fcfs"]["e2e_mean_s"] / point[policy]["e2e_mean_s"], 2)
+    return report
+
+
+def _odd(index: int) -> bool:
+    return index % 2 == 1
+
+
+def _serve(url: str, args, tmp: Path, name: str, flags: list[str], texts: list[str], points: list[list[float]]) -> dict:
+    """A fresh worker with `flags`; the prompts sent at each point's arrival times in turn."""
+    prefix = f"inflight:bench:length:{name}:{int(time.time())}"
+    log_dir = tmp / name
+    log_dir.mkdir()
+    worker = bench_worker(url, prefix, args, log_dir, *flags)
+    worker.start()
+    try:
+        worker.wait_ready()
+        served: dict = {"points": [], "preemptions": []}
+        for i, arrivals in enumerate(points):
+            before = _preemptions(worker)
+            served["points"].append(asyncio.run(_send(url, prefix, f"{name}{i}", texts, arrivals, args)))
+            served["preemptions"].append(_preemptions(worker) - before)
+        return served
+    finally:
+        worker.stop()
+
+
+def _preemptions(worker) -> float:
+    return sum(value for (metric, _), value in worker.metrics().items() if metric == "inflight_preemptions_total")
+
+
+async def _send(url: str, prefix: str, tag: str, texts: list[str], arrivals: list[float], args) -> tuple[list, float]:
+    """Each prompt queued at its arrival time; every reply followed to its end. Per request:
+    its tokens and its send, first-token and end times after t0."""
+    client = connect(url, socket_timeout=30)
+    ids = [f"len-{tag}-{i}" for i in range(len(texts))]
+    records = [{"sent": None, "first": None, "end": None, "tokens": []} for _ in texts]
+    by_stream = {reply_stream(rid): i for i, rid in enumerate(ids)}
+    t0 = time.perf_counter()
+
+    async def producer():
+        for i in sorted(range(len(texts)), key=lambda i: arrivals[i]):
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            records[i]["sent"] = time.perf_counter() - t0
+            payload = job_payload(texts[i], None, ids[i], max_tokens=args.length_max_tokens)
+            await client.xadd(f"{prefix}:requests", payload)
+
+    async def consumer():
+        last = {stream: "0" for stream in by_stream}
+        quiet_since = time.perf_counter()
+        while last:
+            reply = await client.xread(last, block=2000)
+            now = time.perf_counter()
+            if not reply and now - quiet_since > QUIET_LIMIT_S:
+                raise RuntimeError(f"length: no reply for {QUIET_LIMIT_S:.0f} s")
+            quiet_since = now
+            for key, entries in reply or []:
+                key = key.decode()
+                record = records[by_stream[key]]
+                for entry_id, fields in entries:
+                    last[key] = entry_id
+                    event = msgpack.unpackb(fields[b"data"])
+                    if event["type"] == "token":
+                        record["first"] = record["first"] or now - t0
+                        record["tokens"].extend(event["token_ids"])
+                    elif event["type"] == "error":
+                        raise RuntimeError(f"length: {ids[by_stream[key]]} failed: {event.get('message')}")
+                    else:
+                        record["end"] = now - t0
+                        del last[key]
+
+    await asyncio.gather(producer(), consumer())
+    duration = time.perf_counter() - t0
+    await client.delete(*by_stream)
+    await client.aclose()
+    return records, duration
+
+
+def _figures(records: list[dict], duration: float) -> dict:
+    e2e = sorted(r["end"] - r["sent"] for r in records)
+    ttft = [r["first"] - r["sent"] for r in records]
+    return {
+        "e2e_mean_s": round(statistics.fmean(e2e), 2),
+        "e2e_p99_s": round(e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))], 2),
+        "ttft_mean_s": round(statistics.fmean(ttft), 2),
+        "longest_wait_s": round(max(ttft), 2),
+        "duration_s": round(duration, 1),
+    }
