@@ -8,7 +8,10 @@ the conversations of even index, the held-out ones those of odd index, so
 ridge strength is picked on a fifth of the training prompts, then the fit is redone on
 all of them and scored on the held-out prompts' greedy replies: Kendall's τ between
 predicted and actual lengths (the order the scheduler uses) and the mean absolute error
-in tokens. The file goes into the model cache, where the engine looks first.
+in tokens. The file goes into the model cache, where the engine looks first. `greedy_vs_sampled_tau`
+ranks the greedy and the sampled reply of each training prompt against each other: how
+much of a reply's length the prompt decides at all, a ceiling for any predictor's τ.
+`--reuse-lengths` refits from the lengths a previous run wrote (`--lengths-json`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-RIDGES = (1e-3, 1e-2, 1e-1, 1.0)
+RIDGES = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None, help="the predictor file (default: the model cache's)")
     parser.add_argument("--lengths-json", default=None, help="also write every prompt's measured lengths here")
+    parser.add_argument(
+        "--reuse-lengths",
+        action="store_true",
+        help="read the lengths from --lengths-json (a run with the same prompts) instead of generating them",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -57,7 +65,13 @@ def run(args: argparse.Namespace) -> dict:
     jobs += [(f"s{i}", r.prompt_ids, sampled) for i, r in enumerate(train)]
     jobs += [(f"h{i}", r.prompt_ids, greedy) for i, r in enumerate(held_out)]
     started = time.perf_counter()
-    lengths = _generate(engine, GenerationRequest, jobs)
+    if args.reuse_lengths:
+        with open(args.lengths_json) as file:
+            lengths = json.load(file)["lengths"]
+        if missing := [job[0] for job in jobs if job[0] not in lengths]:
+            raise SystemExit(f"{args.lengths_json} lacks {len(missing)} of these prompts' lengths, e.g. {missing[0]}")
+    else:
+        lengths = _generate(engine, GenerationRequest, jobs)
     generate_s = time.perf_counter() - started
 
     embeddings = loaded.model.get_input_embeddings().weight.detach().float().numpy()
@@ -81,10 +95,15 @@ def run(args: argparse.Namespace) -> dict:
         "mae_tokens": round(float(np.mean(np.abs(np.array(predicted) - np.array(actual)))), 1),
         "baseline_mae_tokens": round(float(np.mean(np.abs(np.median(train_y) - np.array(actual)))), 1),
         "held_out_mean_len": round(float(np.mean(actual)), 1),
+        # How far the model's own length is from a function of its prompt: one greedy and
+        # one sampled reply to the same prompts ranked against each other.
+        "greedy_vs_sampled_tau": round(
+            kendall_tau([lengths[f"g{i}"] for i in range(len(train))], [lengths[f"s{i}"] for i in range(len(train))]), 3
+        ),
         "capped_share": round(float(np.mean(np.array(list(lengths.values())) >= args.max_tokens)), 3),
         "generate_s": round(generate_s, 1),
     }
-    if args.lengths_json:
+    if args.lengths_json and not args.reuse_lengths:
         with open(args.lengths_json, "w") as file:
             json.dump({"figures": figures, "lengths": lengths}, file)
     print(json.dumps(figures, indent=2))
