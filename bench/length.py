@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import msgpack
@@ -124,7 +125,8 @@ def _odd(index: int) -> bool:
 
 def _serve(url: str, args, tmp: Path, name: str, flags: list[str], texts: list[str], points: list[list[float]]) -> dict:
     """A fresh worker with `flags`; the prompts sent at each point's arrival times in turn."""
-    prefix = f"inflight:bench:length:{name}:{int(time.time())}"
+    run_id = uuid.uuid4().hex[:8]  # request ids stay unique while their owner keys live
+    prefix = f"inflight:bench:length:{run_id}:{name}"
     log_dir = tmp / name
     log_dir.mkdir()
     worker = bench_worker(url, prefix, args, log_dir, *flags)
@@ -134,11 +136,20 @@ def _serve(url: str, args, tmp: Path, name: str, flags: list[str], texts: list[s
         served: dict = {"points": [], "preemptions": []}
         for i, arrivals in enumerate(points):
             before = _preemptions(worker)
-            served["points"].append(asyncio.run(_send(url, prefix, f"{name}{i}", texts, arrivals, args)))
+            served["points"].append(asyncio.run(_send(url, prefix, f"{run_id}-{name}{i}", texts, arrivals, args)))
             served["preemptions"].append(_preemptions(worker) - before)
         return served
     finally:
         worker.stop()
+        asyncio.run(_delete_streams(url, prefix))
+
+
+async def _delete_streams(url: str, prefix: str) -> None:
+    client = connect(url, socket_timeout=30)
+    keys = [key async for key in client.scan_iter(f"{prefix}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
 
 
 def _preemptions(worker) -> float:
