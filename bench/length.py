@@ -2,8 +2,9 @@
 the real worker on a real Redis, under Poisson arrivals of ShareGPT prompts with their
 real lengths (EOS honoured, greedy, capped at `--length-max-tokens`).
 
-1. Capacity: every request at t0 through a worker with `--length-policy fcfs`; requests/s
-   over the run. Its outputs are the true lengths, written as the oracle's file.
+1. Capacity: every request at t0 through a worker with `--length-policy fcfs`; requests
+   finished per second while its running set was full (until the last request started).
+   Its outputs are the true lengths, written as the oracle's file.
 2. For each `--length-policies` policy, a fresh worker, and for each `--length-loads`
    load, the same prompts at `load x capacity` requests/s (the same seeded arrivals for
    every policy). Per point: mean and p99 end-to-end latency, mean TTFT, the longest
@@ -80,7 +81,11 @@ def run(args: argparse.Namespace) -> dict:
         )
         records, duration = capacity_run["points"][0]
         truth = [len(r["tokens"]) for r in records]
-        capacity = len(texts) / duration
+        # Requests finished per second while the running set was full (until the last one
+        # started): the whole run's average would count its tail, where few still run.
+        full_until = max(r["first"] for r in records)
+        finished = sum(r["end"] <= full_until for r in records)
+        capacity = finished / full_until if finished else len(texts) / duration
         oracle_file.write_text(json.dumps({"lengths": {prompt_key(ids): n for ids, n in zip(worker_ids, truth)}}))
         report["capacity"] = {
             "requests_per_s": round(capacity, 3),
