@@ -90,6 +90,8 @@ def example(flag: Flag, table: FlagGroup, tmp_path: Path) -> tuple[list[str], ob
         return [option, "app:", option, "other:"], ("app:", "other:")
     if isinstance(default, Path):
         return [option, str(tmp_path)], tmp_path
+    if default is None:  # an optional path
+        return [option, str(tmp_path / "file")], tmp_path / "file"
     if flag.choices:
         other = next(choice for choice in flag.choices if choice != default)
         return [option, other], other

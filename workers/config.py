@@ -134,7 +134,7 @@ class SchedulerConfig:
     # The largest head start a short prediction buys: with it, no request is overtaken
     # by one that arrived more than priority_bound_s + length_bound_s after it.
     length_bound_s: float = 20.0
-    # With length_policy "oracle": a JSON file of true output lengths by prompt
+    # With length_policy "oracle" (read by no other policy): a JSON file of true output lengths by prompt
     # (`workers.length_predictor.OracleLengths`).
     length_oracle: Path | None = None
 
@@ -154,8 +154,8 @@ class SchedulerConfig:
             raise ValueError(f"length_policy must be one of {LENGTH_POLICIES}, got {self.length_policy!r}")
         if not self.length_bound_s >= 0:
             raise ValueError("length_bound_s must be >= 0")
-        if (self.length_policy == "oracle") != (self.length_oracle is not None):
-            raise ValueError("length_policy oracle needs length_oracle, and length_oracle needs it")
+        if self.length_policy == "oracle" and self.length_oracle is None:
+            raise ValueError("length_policy oracle needs length_oracle")
         if self.length_oracle is not None:
             object.__setattr__(self, "length_oracle", Path(self.length_oracle))
 
