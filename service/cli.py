@@ -350,7 +350,8 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     log.info(
         "worker_started",
         consumer=config.consumer,
-        stream=config.requests_stream,
+        role=worker_config.disagg.role,
+        stream=config.requests_stream if worker_config.disagg.role != "decode" else worker_config.disagg.handoff_stream,
         redis=_redacted(config.url),
         embedded=embedded,
         metrics_port=metrics_config.port or None,
@@ -360,9 +361,16 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
         print(_how_to_submit(config), file=sys.stderr, flush=True)
     left: list[str] = []
     try:
-        left = await Worker(engine, client, config, metrics, metrics_config.ingest_poll_s, log_config.log_prompts).run(
-            stop
+        worker = Worker(
+            engine,
+            client,
+            config,
+            metrics,
+            metrics_config.ingest_poll_s,
+            log_config.log_prompts,
+            worker_config.disagg,
         )
+        left = await worker.run(stop)
     except AuthenticationError as error:
         log.error("redis_credentials_refused", redis=_redacted(config.url), error=str(error))
         return EXIT_CREDENTIALS

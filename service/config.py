@@ -83,6 +83,43 @@ class RedisConfig:
         return self.claim_idle_ms / 4000
 
 
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Disaggregated prefill and decode (docs/features.md): which phase this worker runs,
+    and how jobs and their prompts' K/V pass from prefill workers to decode workers."""
+
+    # both: the whole job (the default). prefill: compute prompts from the request stream
+    # and hand each job's decode to the decode pool. decode: continue the handed-off jobs.
+    role: str = "both"
+    # Where prefill workers hand jobs to decode workers: a stream read through the same
+    # consumer group, with the same leases and takeovers, as the request stream.
+    handoff_stream: str = "inflight:handoffs"
+    # A prompt with fewer tokens than this is not handed off: its prefill worker serves
+    # the whole job (the handoff would cost more than it spares the decode pool).
+    handoff_min_prompt_tokens: int = 256
+    # Host memory a prefill worker keeps handed-off prompts' K/V in until a decode worker
+    # has read them; a decode worker reads into as much. Full: the prompt is computed again.
+    handoff_memory_bytes: int = 1 << 30
+    # A staged prompt no decode worker has read this long after its handoff is freed; the
+    # decode side then computes it.
+    handoff_hold_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.handoff_stream:
+            raise ValueError("handoff_stream must not be empty")
+        if self.handoff_min_prompt_tokens < 1:
+            raise ValueError("handoff_min_prompt_tokens must be >= 1")
+        if self.handoff_memory_bytes < 1:
+            raise ValueError("handoff_memory_bytes must be >= 1")
+        if not self.handoff_hold_s > 0:
+            raise ValueError("handoff_hold_s must be > 0")
+
+
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -132,6 +169,13 @@ class WorkerConfig:
     redis: RedisConfig = field(default_factory=RedisConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    def __post_init__(self) -> None:
+        if self.disagg.role != "both" and not self.engine.cache.prefix_caching:
+            raise ValueError("a prefill or decode worker needs prefix caching: handed-off K/V are cached blocks")
+        if self.disagg.role == "decode" and not self.engine.cache.swap_memory_bytes:
+            raise ValueError("a decode worker needs a host tier (swap memory): handed-off K/V enter it")
 
 
 # -- the gateway (`inflight gateway`, service/gateway/) -----------------------------------

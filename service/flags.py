@@ -24,6 +24,8 @@ from typing import Any, Protocol
 from service.config import (
     LOG_FORMATS,
     LOG_LEVELS,
+    ROLES,
+    DisaggConfig,
     GatewayConfig,
     LoggingConfig,
     MetricsConfig,
@@ -291,6 +293,23 @@ LOGGING = FlagGroup(
     ),
 )
 
+DISAGG = FlagGroup(
+    "disaggregated prefill and decode",
+    DisaggConfig,
+    (
+        Flag("role", "both = the whole job; prefill and decode split it over two pools", choices=ROLES),
+        Flag("handoff_stream", "where prefill workers hand jobs to decode workers"),
+        Flag("handoff_min_prompt_tokens", "shorter prompts are served whole by their prefill worker"),
+        Flag(
+            "handoff_memory_bytes",
+            "host memory for handed-off prompts' K/V, held until read (each side)",
+            name="--handoff-memory-mb",
+            unit=MIB,
+        ),
+        Flag("handoff_hold_s", "a staged prompt not read this long after its handoff is freed"),
+    ),
+)
+
 # EngineConfig's fields, each a config with its table.
 ENGINE: Mapping[str, FlagGroup] = {
     "model": MODEL,
@@ -318,6 +337,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     METRICS.add_to(parser)
     LOGGING.add_to(parser)
+    DISAGG.add_to(parser)
 
 
 def worker_config_from_args(args: argparse.Namespace, url: str) -> WorkerConfig:
@@ -327,6 +347,7 @@ def worker_config_from_args(args: argparse.Namespace, url: str) -> WorkerConfig:
         redis=REDIS.build(args, url=url),
         metrics=METRICS.build(args),
         logging=LOGGING.build(args),
+        disagg=DISAGG.build(args),
     )
 
 

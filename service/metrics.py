@@ -74,6 +74,7 @@ ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.8, 0.99, 1.0)
 OUTCOMES = tuple(reason.value for reason in FinishReason) + ("rejected",)
 STATES = ("running", "waiting", "swapped")
 POOLS = ("device", "host")
+HANDOFF_OUTCOMES = ("handed_off", "kv_read", "kv_computed", "kv_failed")
 
 
 class Metrics:
@@ -262,7 +263,35 @@ class Metrics:
             registry=registry,
         )
 
+        # -- disaggregated prefill and decode (service/handoff.py) ------------------------
+        self.handoffs = Counter(
+            "inflight_handoff_requests",
+            "Jobs through the handoff: handed_off (prefill side), then kv_read, or kv_computed "
+            "when the prompt's K/V could not be had, or kv_failed when their read failed (decode side).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            "inflight_kv_transfer_bytes",
+            "Bytes of prompt K/V this worker read from prefill workers.",
+            registry=registry,
+        )
+        self.kv_transfer_time = Histogram(
+            "inflight_kv_transfer_seconds",
+            "One prompt's K/V read from a prefill worker, from asking to having them.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=registry,
+        )
+        self.handoff_kv_held = Gauge(
+            "inflight_handoff_kv_held_bytes",
+            "Handoff memory in use: prompts staged for decode workers (prefill side), or read from "
+            "prefill workers (decode side).",
+            registry=registry,
+        )
+
         # Every fixed label value exists from the start, so a query sees zeros, not nothing.
+        for outcome in HANDOFF_OUTCOMES:
+            self.handoffs.labels(outcome)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         for mode in ("swap", "recompute"):
@@ -388,6 +417,13 @@ class Metrics:
         """A request that ended without the engine's timings: "rejected" (it never reached
         the engine), or a taken-over request whose tokens were all published already."""
         self.requests.labels(outcome).inc()
+
+    def observe_handoff(self, outcome: str, num_bytes: int = 0, seconds: float | None = None) -> None:
+        """One job through the handoff (`HANDOFF_OUTCOMES`); a read's bytes and time."""
+        self.handoffs.labels(outcome).inc()
+        if seconds is not None:
+            self.kv_transfer_bytes.inc(num_bytes)
+            self.kv_transfer_time.observe(seconds)
 
     def observe_dead_letter(self, code: str) -> None:
         self.dead_letters.labels(code).inc()

@@ -12,8 +12,9 @@ tokens exactly as docs/protocol.md says.
 A job opens its stream here before it is submitted and gets a future that resolves,
 once everything before it has landed, to its `FinalEvent` and the number of tokens
 published. A done event is written with the tokens; an error final is not (the job
-writes it with its dead letter). The future fails with `LeaseLost` when another worker
-owns the stream now, and with the `RedisError` Redis answered for that stream alone.
+writes it with its dead letter), nor is a `handoff` (the job goes on elsewhere). The
+future fails with `LeaseLost` when another worker owns the stream now, and with the
+`RedisError` Redis answered for that stream alone.
 
 TTLs: a write refreshes its stream's TTL at the first write, the final event, and
 otherwise at most once every `ttl_s / TTL_REFRESHES` seconds.
@@ -31,7 +32,7 @@ import structlog
 from service.protocol import done_fields, token_data
 from service.publish import Append, LeaseLost, ReplyPublisher
 from service.retry import retrying
-from workers.api import Event, FinalEvent
+from workers.api import Event, FinalEvent, FinishReason
 
 log = structlog.get_logger("inflight.outbox")
 
@@ -104,7 +105,7 @@ class ReplyOutbox:
                 stream.oldest = now
             if isinstance(event, FinalEvent):
                 stream.final = event
-                if event.error_code is None:
+                if event.error_code is None and event.finish_reason is not FinishReason.HANDOFF:
                     stream.final_waiting = (f"{stream.seq}-1", done_fields(event, self.publisher.worker))
             else:
                 stream.waiting.append(

@@ -32,14 +32,15 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import structlog
 from redis.exceptions import RedisError
 
 from service.cancels import CancelRegistry, stream_id
-from service.config import RedisConfig
+from service.config import DisaggConfig, RedisConfig
+from service.handoff import Handoff, Handoffs
 from service.ingest import Entry, JobReader
 from service.metrics import Metrics
 from service.outbox import ReplyOutbox
@@ -81,8 +82,13 @@ class Worker:
         metrics: Metrics | None = None,
         ingest_poll_s: float = 5.0,
         log_prompts: bool = False,
+        disagg: DisaggConfig = DisaggConfig(),
     ) -> None:
+        self.role = disagg.role
+        if self.role == "decode":  # it serves what prefill workers hand off
+            config = replace(config, requests_stream=disagg.handoff_stream)
         self.config = config
+        self.disagg = disagg
         self.metrics = metrics or Metrics(engine.config.scheduler)
         engine.observer = self.metrics.observe_step
         self.ingest_poll_s = ingest_poll_s
@@ -96,6 +102,7 @@ class Worker:
         # Enough queued work to keep the batcher full, no more.
         self.capacity = 2 * engine.config.scheduler.max_running_requests
         self.held: dict[str, Held] = {}  # by entry id
+        self.handoffs = Handoffs(redis, disagg, config.consumer, self.metrics) if self.role != "both" else None
         self._wind_down_until = 0.0  # set when the grace period ends
 
     async def run(self, stop: asyncio.Event) -> list[str]:
@@ -115,6 +122,9 @@ class Worker:
                 asyncio.create_task(self._renew_leases(), name="leases"),
                 asyncio.create_task(self._housekeeping(), name="housekeeping"),
             ]
+            if self.handoffs is not None:
+                self.front.engine.handoff_arena = self.handoffs.arena
+                background.append(asyncio.create_task(self._keep_handoffs(), name="handoffs"))
             try:
                 await self._claim_until(stop)
                 return await self._drain()
@@ -179,11 +189,20 @@ class Worker:
             log.error("job_task_failed", entry_id=entry_id, exc_info=task.exception())
 
     async def _handle(self, entry: Entry) -> None:
+        handoff = None
         try:
-            job = decode_job(entry.entry_id, entry.fields, self.config.reply_prefixes)
+            if self.role == "decode":
+                handoff = Handoff.of_entry(entry.fields)
+                job = decode_job(handoff.origin, handoff.job_fields, self.config.reply_prefixes)
+            else:
+                job = decode_job(entry.entry_id, entry.fields, self.config.reply_prefixes)
         except ProtocolError as error:
             self.metrics.observe_outcome("rejected")
             await self._reject(entry, error.code, error.message, error.reply_to, request_id=error.request_id)
+            return
+        except ValueError as error:  # not a handoff entry: nothing on it names a reply stream
+            self.metrics.observe_outcome("rejected")
+            await self._reject(entry, "invalid_field", str(error), None)
             return
         except Exception as error:  # a decoder bug must not leave an entry redelivered forever
             log.exception("job_undecodable", entry_id=entry.entry_id)
@@ -193,7 +212,7 @@ class Worker:
         self.held[entry.entry_id].request_id = job.request_id
         bind_request(job.request_id, job.priority)  # this task's context only
         try:
-            await self._serve(entry, job)
+            await self._serve(entry, job, handoff)
         except LeaseLost:
             log.warning("lease_lost", entry_id=entry.entry_id)  # another worker serves it now
         except RedisError as error:
@@ -202,14 +221,19 @@ class Worker:
             message = f"{type(error).__name__}: {error}"  # redis-py keeps the error's code in its class
             log.error("job_redis_error", entry_id=entry.entry_id, error=message)
             self.metrics.observe_outcome("rejected")
-            await self._reject(entry, "redis_error", message, None, request_id=job.request_id)
+            await self._reject(
+                entry, "redis_error", message, None, request_id=job.request_id, owner=_owner(entry, handoff)
+            )
         finally:
             self.outbox.close(entry.entry_id)
             if self.held[entry.entry_id].submitted:
                 self.front.cancel(entry.entry_id)  # a no-op once it has finished
+            if handoff is not None:
+                self._release_prompt_kv(entry)
 
-    async def _serve(self, entry: Entry, job: Job) -> None:
-        claim = await retrying(lambda: self.publisher.claim(job.reply_to, entry.entry_id))
+    async def _serve(self, entry: Entry, job: Job, handoff: Handoff | None = None) -> None:
+        owner = _owner(entry, handoff)
+        claim = await retrying(lambda: self.publisher.claim(job.reply_to, owner))
         if not claim.owned:
             self.metrics.observe_outcome("rejected")
             await self._reject(
@@ -219,6 +243,7 @@ class Worker:
                 "(request ids are unique while their reply stream lives)",
                 None,
                 request_id=job.request_id,
+                owner=owner,
             )
             return
         if claim.finished:  # a worker wrote the final event, then died before acking
@@ -228,30 +253,47 @@ class Worker:
         if entry.deliveries > self.config.max_deliveries:
             self.metrics.observe_outcome("rejected")
             await self._reject(
-                entry, "too_many_deliveries", f"delivered {entry.deliveries} times", job.reply_to, seq, claimed=True
+                entry,
+                "too_many_deliveries",
+                f"delivered {entry.deliveries} times",
+                job.reply_to,
+                seq,
+                claimed=True,
+                owner=owner,
             )
             return
-        if self.cancels.cancels(job.request_id, entry.entry_id):
-            await self._finish_unrun(entry, job, FinishReason.CANCELLED, seq)
+        if self.cancels.cancels(job.request_id, owner):
+            await self._finish_unrun(entry, job, FinishReason.CANCELLED, seq, owner)
             return
         if job.params.n == 1 and seq >= job.params.max_tokens:  # every token was published before the takeover
-            await self._finish_unrun(entry, job, FinishReason.LENGTH, seq)
+            await self._finish_unrun(entry, job, FinishReason.LENGTH, seq, owner)
             return
         deadline = None if job.deadline_ms is None else job.deadline_ms / 1000
         # A taken-over stream keeps its submission time, so it goes ahead of newer jobs.
-        arrived_at = stream_id(entry.entry_id)[0] / 1000 if seq else None
+        arrived_at = stream_id(owner)[0] / 1000 if seq else None
         # A job this worker lost and has claimed back: its old request ends at the engine's
         # next step (it was cancelled), and none of its events may reach the new stream.
         while self.front.holds(entry.entry_id):
             await asyncio.sleep(0.02)
         published = self.outbox.open(
-            entry.entry_id, job.reply_to, entry.entry_id, seq, keep_text=self.log_prompts, choices=job.params.n
+            entry.entry_id, job.reply_to, owner, seq, keep_text=self.log_prompts, choices=job.params.n
         )
         resumed = claim.token_ids if job.params.n == 1 else [claim.choices.get(i, []) for i in range(job.params.n)]
         if job.params.constrained:  # compiled (or found cached) off the event loop; its error comes as an event
             await asyncio.to_thread(_compile_quietly, self.front.engine, job.params)
+        prompt_kv = await self.handoffs.read(handoff, _kv_slot(entry)) if handoff is not None else None
         self.front.submit_batched(
-            GenerationRequest(entry.entry_id, job.prompt, job.params, job.priority, deadline, arrived_at, resumed)
+            GenerationRequest(
+                entry.entry_id,
+                job.prompt,
+                job.params,
+                job.priority,
+                deadline,
+                arrived_at,
+                resumed,
+                handoff_min_prompt_tokens=self.disagg.handoff_min_prompt_tokens if self.role == "prefill" else None,
+                prompt_kv=prompt_kv,
+            )
         )
         self.held[entry.entry_id].submitted = True
         outcome = await published
@@ -263,18 +305,40 @@ class Worker:
             log_request_finished(log, event)
         if event.error_code is not None:
             await self._reject(
-                entry, event.error_code.value, event.error, job.reply_to, outcome.num_tokens, claimed=True
+                entry, event.error_code.value, event.error, job.reply_to, outcome.num_tokens, claimed=True, owner=owner
+            )
+        elif event.finish_reason is FinishReason.HANDOFF:
+            self._settling(entry)
+            await retrying(
+                lambda: self.handoffs.hand_off(self.reader, entry, self.front.engine.take_staged(entry.entry_id))
             )
             return
-        await self._ack(entry)
+        else:
+            await self._ack(entry)
+        if handoff is not None:  # it ended here: the prefill worker may free the prompt's K/V
+            self.handoffs.confirm(handoff)
 
-    async def _finish_unrun(self, entry: Entry, job: Job, reason: FinishReason, num_tokens: int) -> None:
+    def _release_prompt_kv(self, entry: Entry) -> None:
+        """Free the K/V read for `entry` once the engine is done with the request (it
+        places them in its host tier when it takes the request in: never before)."""
+
+        async def release_when_gone() -> None:
+            while self.front.holds(entry.entry_id):
+                await asyncio.sleep(0.02)
+            self.handoffs.release(_kv_slot(entry))
+
+        if self.front.holds(entry.entry_id):
+            asyncio.create_task(release_when_gone(), name=f"kv-release-{entry.entry_id}")
+        else:
+            self.handoffs.release(_kv_slot(entry))
+
+    async def _finish_unrun(self, entry: Entry, job: Job, reason: FinishReason, num_tokens: int, owner: str) -> None:
         """The final event of a job that needs no model step: cancelled before it ran, or
         taken over with every token already published."""
         event = FinalEvent(job.request_id, reason, Usage(0, num_tokens), Timings(0.0, None, 0.0, ()))
         self.metrics.observe_outcome(reason.value)
         log.info("request_finished", finish_reason=reason.value, completion_tokens=num_tokens, ran=False)
-        await retrying(lambda: self.publisher.done(job.reply_to, entry.entry_id, event, num_tokens))
+        await retrying(lambda: self.publisher.done(job.reply_to, owner, event, num_tokens))
         await self._ack(entry)
 
     async def _reject(
@@ -286,9 +350,12 @@ class Worker:
         num_tokens: int = 0,
         request_id: str | None = None,
         claimed: bool = False,
+        owner: str | None = None,
     ) -> None:
         """Dead-letter the entry; first tell its producer on `reply_to`, if this job may
-        write there (`claimed`, or it can claim the stream now)."""
+        write there (`claimed`, or it can claim the stream now, as `owner`: the job's
+        request entry, which a handoff entry names)."""
+        owner = owner or entry.entry_id
         log.warning(
             "job_dead_lettered",
             code=code,
@@ -300,8 +367,8 @@ class Worker:
         self.metrics.observe_dead_letter(code)
         if reply_to:
             try:
-                if claimed or (await retrying(lambda: self.publisher.claim(reply_to, entry.entry_id))).owned:
-                    await retrying(lambda: self.publisher.error(reply_to, entry.entry_id, code, message, num_tokens))
+                if claimed or (await retrying(lambda: self.publisher.claim(reply_to, owner))).owned:
+                    await retrying(lambda: self.publisher.error(reply_to, owner, code, message, num_tokens))
             except (LeaseLost, RedisError) as error:  # the dead letter still records it
                 if isinstance(error, RedisError) and is_transient(error):
                     raise
@@ -348,6 +415,12 @@ class Worker:
                     log.warning("lease_lost", entry_id=entry_id, request_id=held.request_id)
                     held.task.cancel()
 
+    async def _keep_handoffs(self) -> None:
+        try:
+            await retrying(self.handoffs.run)
+        finally:
+            await asyncio.shield(self.handoffs.close())
+
     async def _load_cancels(self) -> None:
         """The cancels of the last `cancel_ttl_s`, from the control stream."""
         start = self.cancels.window_start()
@@ -393,6 +466,17 @@ class Worker:
                 log.debug("housekeeping_failed", error=str(error))
             self.cancels.forget_expired()
             await asyncio.sleep(self.ingest_poll_s)
+
+
+def _owner(entry: Entry, handoff: Handoff | None) -> str:
+    """The request entry a job's reply stream belongs to: a handoff entry names it."""
+    return handoff.origin if handoff is not None else entry.entry_id
+
+
+def _kv_slot(entry: Entry) -> str:
+    """The arena slot a decode worker reads a handed-off prompt into: one per delivery, so a
+    job taken back reads afresh while the old slot waits for the engine to let it go."""
+    return f"{entry.entry_id}#{entry.deliveries}"
 
 
 def _compile_quietly(engine: Engine, params) -> None:

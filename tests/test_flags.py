@@ -16,6 +16,7 @@ from service.cli import main
 from service.config import GatewayConfig, RedisConfig, WorkerConfig
 from service.flags import (
     API_KEYS_ENV,
+    DISAGG,
     ENGINE,
     GATEWAY,
     GATEWAY_LOGGING,
@@ -38,7 +39,7 @@ from workers.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each table, under the setting it builds in its command's config.
-WORKER_TABLES = {"redis": REDIS, **ENGINE, "metrics": METRICS, "logging": LOGGING}
+WORKER_TABLES = {"redis": REDIS, **ENGINE, "metrics": METRICS, "logging": LOGGING, "disagg": DISAGG}
 GATEWAY_TABLES = {"": GATEWAY, "logging": GATEWAY_LOGGING}
 TABLES = [*WORKER_TABLES.values(), *GATEWAY_TABLES.values()]
 FLAGS = [(table, flag) for table in TABLES for flag in table.flags]

@@ -9,7 +9,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 class InvalidRequest(ValueError):
@@ -165,6 +168,15 @@ class GenerationRequest:
     `params.n` > 1 it holds one such list per choice (or is empty). A choice whose
     tokens already end in a stop token or reach max_tokens has ended; a request
     whose every choice has ended has only its final event.
+    `handoff_min_prompt_tokens` (disaggregated serving, on a prefill worker): a request
+    whose prompt has at least that many tokens stops after its first token with
+    finish_reason `handoff`, and its prompt's full KV blocks are staged in the engine's
+    handoff arena under its request id, for a decode worker to read (`hands_off` says
+    which requests may: one choice, no stop strings, no constraint).
+    `prompt_kv` (on a decode worker): the K/V of the prompt's first full blocks, read
+    from the prefill worker, shaped like the KV pool's blocks (`[layers, 2, blocks,
+    block_size, kv_heads, head_dim]`): they enter the prefix cache's host tier, so the
+    request computes only the rest.
     With `params.n` > 1 the prompt is computed once and the choices share its KV
     blocks; every token event names its choice (`index`), and the one final event
     comes when the last choice ends, with each choice's end in `choices`.
@@ -179,6 +191,18 @@ class GenerationRequest:
     deadline: float | None = None
     arrived_at: float | None = None
     resumed_output_ids: Sequence[int] | Sequence[Sequence[int]] = ()
+    handoff_min_prompt_tokens: int | None = None
+    prompt_kv: torch.Tensor | None = None
+
+    @property
+    def hands_off(self) -> bool:
+        """It may be handed to a decode worker after its first token: the decode side
+        resumes it from the published token, which a stop string held back, a grammar
+        or a second choice would not survive."""
+        params = self.params
+        return (
+            self.handoff_min_prompt_tokens is not None and params.n == 1 and not params.stop and not params.constrained
+        )
 
 
 class FinishReason(str, enum.Enum):
@@ -189,6 +213,9 @@ class FinishReason(str, enum.Enum):
     # Its constraint's grammar allows no token that continues the output (nor its end).
     GRAMMAR_DEAD_END = "grammar_dead_end"
     ERROR = "error"
+    # Its first token is out and its decode goes to another worker (disaggregated
+    # serving): an end for this engine only, never published.
+    HANDOFF = "handoff"
 
 
 class ErrorCode(str, enum.Enum):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers import kv_handoff
 from workers.api import ErrorCode, Event, FinalEvent, FinishReason, GenerationRequest, InvalidRequest, TopLogprob
 from workers.block_pool import BlockPool
 from workers.config import EngineConfig
@@ -110,6 +111,7 @@ class EngineStats:
 @dataclass(frozen=True)
 class AddRequest:
     state: RequestState
+    prompt_kv: torch.Tensor | None = None  # read from a prefill worker (disaggregated serving)
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,11 @@ class Engine:
         self._known_ids: set[str] = set()
         # Called at the end of every step, in the stepping thread; must be quick.
         self.observer: Callable[[EngineStats], None] | None = None
+        # Disaggregated serving, prefill side: where the prompts of requests that end with
+        # `handoff` are staged (`gpu/kv_transfer.py:HandoffArena`); None stages nothing.
+        self.handoff_arena = None
+        # Prompt tokens staged per handed-off request id, until the caller `take_staged`s it.
+        self._staged: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -207,7 +214,13 @@ class Engine:
         state.lead.forks = forks
         for fork in forks:
             fork.status = RequestStatus.FORKING
-        self._post(AddRequest(state))
+        self._post(AddRequest(state, request.prompt_kv))
+
+    def take_staged(self, request_id: str) -> int:
+        """How many prompt tokens of a request that ended with `handoff` were staged in
+        the handoff arena under its id (0: none; the decode side computes the prompt)."""
+        with self._lock:
+            return self._staged.pop(request_id, 0)
 
     def cancel(self, request_id: str) -> None:
         self._post(CancelRequest(request_id))
@@ -266,8 +279,10 @@ class Engine:
         events: list[Event] = []
         for command in inbox:
             match command:
-                case AddRequest(state):
+                case AddRequest(state, prompt_kv):
                     self.outputs.live[state.lead.request_id] = state
+                    if prompt_kv is not None:
+                        self._place_prompt_kv(state.lead, prompt_kv)
                     self.scheduler.add(state.lead)
                     events.extend(self._refuse_unmeetable(state.lead))
                 case FailRequest(event):
@@ -276,6 +291,24 @@ class Engine:
                 case CancelRequest(request_id) if request_id in self.outputs.live:
                     events.extend(self.outputs.retire(self.outputs.live[request_id].lead, FinishReason.CANCELLED))
         return events
+
+    def _place_prompt_kv(self, request: Request, prompt_kv: torch.Tensor) -> None:
+        try:
+            host = self.runner.host_pool
+            kv_handoff.place(self.scheduler.kv_cache, host.blocks if host else None, request, prompt_kv)
+        except ValueError:  # another model's or dtype's K/V: compute the prompt instead
+            _log.warning("prompt K/V of %s does not fit this pool; computing it", request.request_id)
+
+    def _stage_handoffs(self, finished: list[Request]) -> None:
+        """Stage the prompts of the requests that just ended with `handoff`, before the
+        next step reuses their blocks."""
+        for request in finished:
+            if request.finish_reason is FinishReason.HANDOFF and self.handoff_arena is not None:
+                staged = kv_handoff.stage(
+                    self.scheduler.kv_cache, self.runner.kv_cache.blocks, request, self.handoff_arena
+                )
+                with self._lock:
+                    self._staged[request.request_id] = staged
 
     def _refuse_unmeetable(self, request: Request) -> list[Event]:
         """End a request just queued whose deadline its predicted finish misses: at once,
@@ -385,6 +418,7 @@ class Engine:
         self.outputs.scheduled([c.request for c in plan.chunks], started)
         num_outputs = [len(c.request.output_token_ids) for c in sampling]
         took = self.scheduler.update_from_output(plan, token_ids, num_accepted)
+        self._stage_handoffs(took)
         events: list[Event] = []
         for request, before in zip(took, num_outputs):
             events.extend(self.outputs.token_events(request, now, len(request.output_token_ids) - before))

@@ -265,6 +265,42 @@ class KVCacheManager:
             addresses.append(block_hash(parent, request.token_slice(start, start + size), self.cache_salt))
         return addresses
 
+    # -- handoffs (disaggregated serving, `workers/kv_handoff.py`) ---------------------
+
+    def cached_prompt_blocks(self, request: Request) -> list[int]:
+        """The device blocks holding `request`'s full prompt blocks, found by their
+        addresses (it has finished: they are cached, not held), up to the first missing."""
+        if self.cache_salt is None:
+            return []
+        num_blocks = request.num_prompt_tokens // self.block_size
+        blocks = []
+        for address in self._addresses(request, num_blocks)[:num_blocks]:
+            block = self.device_pool.lookup(address)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def adopt_host_blocks(self, request: Request, num_blocks: int) -> list[tuple[int, int]]:
+        """Host blocks, registered under `request`'s addresses, for its first `num_blocks`
+        full blocks that neither tier caches yet: (block index, host block) pairs for the
+        caller to fill and then `host_pool.free` (leaving them cached). Stops when the host
+        tier has no room; nothing without a host tier or prefix caching."""
+        host = self.host_pool
+        if host is None or self.cache_salt is None:
+            return []
+        adopted = []
+        for index, address in enumerate(self._addresses(request, num_blocks)[:num_blocks]):
+            if self.device_pool.lookup(address) is not None or host.lookup(address) is not None:
+                continue
+            if not host.num_free:
+                break
+            block = host.allocate()
+            host.register(block, address)
+            adopted.append((index, block))
+        host.take_evicted()  # the host tier is the last: what it evicts is gone
+        return adopted
+
     def plan_offloads(self, plan: StepPlan) -> None:
         """Copy the cached device blocks this plan evicted to the host tier, while it has
         blocks that are free or only cached (never a swapped-out request's)."""

@@ -57,6 +57,8 @@ class Request:
     # at most max_tokens; None without a length policy.
     predicted_output_len: float | None = None
     finish_reason: FinishReason | None = None
+    # It stops after its first token, its decode handed to another worker (disaggregated serving).
+    hands_off: bool = False
     # Speculative decoding (`workers/speculative.py`): how many tokens it may draft, and
     # its tokens as the proposer indexes them. None for a request that never speculates.
     draft_gate: DraftGate | None = None

@@ -162,6 +162,8 @@ class Scheduler:
                 self.finish(request, FinishReason.STOP)
             elif len(request.output_token_ids) >= request.params.max_tokens:
                 self.finish(request, FinishReason.LENGTH)
+            elif request.hands_off:
+                self.finish(request, FinishReason.HANDOFF)
         return took
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:

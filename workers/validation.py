@@ -73,6 +73,7 @@ class RequestValidator:
                 output_token_ids=output_ids,
                 stop_token_ids=stop_ids,
                 index=index,
+                hands_off=request.hands_off and len(prompt_ids) >= request.handoff_min_prompt_tokens,
             )
             for index, output_ids in enumerate(resumed)
         ]

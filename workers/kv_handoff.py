@@ -1,0 +1,60 @@
+"""A prompt's K/V handed from a prefill worker to a decode worker (disaggregated serving).
+
+**Staging** (prefill side). A request that finishes with `handoff` still has its
+prompt's full blocks in the device pool, cached under their content addresses: the step
+that computed them registered them, and finishing only freed them. `stage` gathers them,
+in order, into one contiguous slot of the handoff arena (`gpu/kv_transfer.py`), one copy
+across every layer, before the next step can reuse them. From then on the slot holds
+them, not the pool, until the decode worker confirms its read or the hold times out.
+
+**Placing** (decode side). `place` puts the K/V read from the prefill worker into the
+host tier as cached blocks, under content addresses computed from the request's own
+tokens with this engine's salt. The request is then admitted like any other: the prefix
+cache finds its prompt there and copies it to the device, and only the rest (the last
+partial block and the first token) is computed. A host tier without room, or a prompt
+already cached, simply places fewer blocks: those are computed or found instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from workers.kv_cache import KVCacheManager
+from workers.request import Request
+
+
+@torch.inference_mode()
+def stage(kv_cache: KVCacheManager, device_blocks: torch.Tensor, request: Request, arena) -> int:
+    """Copy `request`'s cached full prompt blocks into an arena slot named by its request
+    id; returns how many prompt tokens the slot holds (0: none staged)."""
+    blocks = kv_cache.cached_prompt_blocks(request)
+    if not blocks:
+        return 0
+    shape = (*device_blocks.shape[:2], len(blocks), *device_blocks.shape[3:])
+    slot = arena.reserve(request.request_id, shape, device_blocks.dtype, time.monotonic())
+    if slot is None:  # the arena is full: the decode side computes the prompt again
+        return 0
+    ids = torch.tensor(blocks, dtype=torch.long, device=device_blocks.device)
+    torch.index_select(device_blocks, 2, ids, out=slot)
+    return len(blocks) * kv_cache.block_size
+
+
+@torch.inference_mode()
+def place(kv_cache: KVCacheManager, host_blocks: torch.Tensor | None, request: Request, prompt_kv: torch.Tensor) -> int:
+    """Put `prompt_kv` (the K/V of `request`'s first full blocks) into the host tier as
+    cached blocks; returns how many blocks were written."""
+    if host_blocks is None:
+        return 0
+    expected = (*host_blocks.shape[:2], prompt_kv.shape[2], *host_blocks.shape[3:])
+    if tuple(prompt_kv.shape) != expected or prompt_kv.dtype != host_blocks.dtype:
+        raise ValueError(f"prompt K/V shaped {tuple(prompt_kv.shape)} {prompt_kv.dtype}, this pool's are {expected}")
+    num_blocks = min(prompt_kv.shape[2], (request.num_tokens - 1) // kv_cache.block_size)
+    adopted = kv_cache.adopt_host_blocks(request, num_blocks)
+    if adopted:
+        indices = torch.tensor([index for index, _ in adopted], dtype=torch.long)
+        host_ids = torch.tensor([block for _, block in adopted], dtype=torch.long)
+        host_blocks.index_copy_(2, host_ids, prompt_kv.index_select(2, indices))
+        kv_cache.host_pool.free([block for _, block in reversed(adopted)])  # cached; the tail evicted first
+    return len(adopted)
