@@ -213,6 +213,8 @@ class Worker:
         bind_request(job.request_id, job.priority)  # this task's context only
         try:
             await self._serve(entry, job, handoff)
+            if handoff is not None:  # it ended here, whichever way: the prefill worker may free its K/V
+                self.handoffs.confirm(handoff)
         except LeaseLost:
             log.warning("lease_lost", entry_id=entry.entry_id)  # another worker serves it now
         except RedisError as error:
@@ -309,14 +311,11 @@ class Worker:
             )
         elif event.finish_reason is FinishReason.HANDOFF:
             self._settling(entry)
-            await retrying(
-                lambda: self.handoffs.hand_off(self.reader, entry, self.front.engine.take_staged(entry.entry_id))
-            )
+            staged_tokens = self.front.engine.take_staged(entry.entry_id)
+            await retrying(lambda: self.handoffs.hand_off(self.reader, entry, staged_tokens))
             return
         else:
             await self._ack(entry)
-        if handoff is not None:  # it ended here: the prefill worker may free the prompt's K/V
-            self.handoffs.confirm(handoff)
 
     def _release_prompt_kv(self, entry: Entry) -> None:
         """Free the K/V read for `entry` once the engine is done with the request (it
