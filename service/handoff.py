@@ -191,8 +191,10 @@ class Handoffs:
             except TransferFailed as error:
                 log.warning("kv_peer_unreachable", agent=kv.agent, error=str(error))
                 return None
-        dtype = getattr(torch, kv.dtype, None)
-        into = self.arena.reserve(slot_id, kv.shape, dtype, time.monotonic()) if dtype is not None else None
+        dtype = getattr(torch, str(kv.dtype), None)
+        if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n > 0 for n in kv.shape):
+            return None
+        into = self.arena.reserve(slot_id, kv.shape, dtype, time.monotonic())
         if into is None:
             return None
         started = time.perf_counter()
