@@ -181,16 +181,9 @@ class Handoffs:
         kv = handoff.kv
         if time.time() > kv.expires_at - READ_MARGIN_S:
             return None
-        peer = self._peers.get(kv.agent)
+        peer = await self._peer(kv.agent)
         if peer is None:
-            metadata = await self.redis.get(self.agent_key(kv.agent))
-            if metadata is None:  # that prefill worker is gone
-                return None
-            try:
-                peer = self._peers[kv.agent] = self.agent.connect(metadata)
-            except TransferFailed as error:
-                log.warning("kv_peer_unreachable", agent=kv.agent, error=str(error))
-                return None
+            return None
         dtype = getattr(torch, str(kv.dtype), None)
         if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) and n > 0 for n in kv.shape):
             return None
@@ -207,12 +200,26 @@ class Handoffs:
         them in its host tier now, or the job ended or left)."""
         self.arena.release(slot_id)
 
-    def confirm(self, handoff: Handoff) -> None:
+    async def confirm(self, handoff: Handoff) -> None:
         """The job ended on this worker: the prefill worker may free the prompt's K/V. Never
         sent for a job this worker lost or left: its successor may still read them."""
-        peer = self._peers.get(handoff.kv.agent) if handoff.kv else None
+        peer = await self._peer(handoff.kv.agent) if handoff.kv is not None and self.agent is not None else None
         if peer is not None:
             try:
                 self.agent.notify(peer, handoff.origin.encode())
             except TransferFailed as error:  # the prefill worker frees it when the hold runs out
                 log.warning("handoff_confirm_failed", entry_id=handoff.origin, error=str(error))
+
+    async def _peer(self, agent: str) -> str | None:
+        """A prefill worker's agent, connected once; None when it is gone or unreachable."""
+        peer = self._peers.get(agent)
+        if peer is None:
+            metadata = await self.redis.get(self.agent_key(agent))
+            if metadata is None:  # that prefill worker is gone
+                return None
+            try:
+                peer = self._peers[agent] = self.agent.connect(metadata)
+            except TransferFailed as error:
+                log.warning("kv_peer_unreachable", agent=agent, error=str(error))
+                return None
+        return peer

@@ -214,7 +214,7 @@ class Worker:
         try:
             await self._serve(entry, job, handoff)
             if handoff is not None:  # it ended here, whichever way: the prefill worker may free its K/V
-                self.handoffs.confirm(handoff)
+                await retrying(lambda: self.handoffs.confirm(handoff))
         except LeaseLost:
             log.warning("lease_lost", entry_id=entry.entry_id)  # another worker serves it now
         except RedisError as error:
