@@ -3,8 +3,10 @@ Redis (priorities, preemption and swapping on a tiny KV pool, a job the engine r
 job that cannot be decoded), a real Prometheus scrapes it every second with the alert
 rules loaded, and every dashboard panel's query must return data through Prometheus'
 HTTP API (a gateway in front of the same stream serves one streamed completion, for the
-gateway's panels). The live scrape passes `promtool check metrics`; the worker's log is JSON lines,
-one summary per request, without prompts.
+gateway's panels; then a prefill and a decode worker on streams of their own hand one job
+over, its prompt's K/V read with NIXL, for the disaggregation panels). The live scrapes
+pass `promtool check metrics`; the worker's log is JSON lines, one summary per request,
+without prompts.
 
 CI installs Prometheus (Debian's `prometheus`); without the binaries this skips.
 """
@@ -81,6 +83,52 @@ class PrometheusAPI:
         return float(result[0]["value"][1]) if result else None
 
 
+def disagg_worker(role: str, prefix: str, metrics_port: int, log) -> subprocess.Popen:
+    """A `--role prefill` or `--role decode` worker on the pair's own streams, small memory."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "worker",
+            "--redis-url",
+            "redis://127.0.0.1:6379",
+            "--requests-stream",
+            f"{prefix}:pd:requests",
+            "--dead-letter-stream",
+            f"{prefix}:pd:dead",
+            "--control-stream",
+            f"{prefix}:pd:control",
+            "--consumer",
+            role,
+            "--metrics-port",
+            str(metrics_port),
+            "--metrics-host",
+            "127.0.0.1",
+            "--ingest-poll-s",
+            "0.5",
+            "--kv-memory-mb",
+            "64",
+            "--swap-memory-mb",
+            "64",
+            "--role",
+            role,
+            "--handoff-stream",
+            f"{prefix}:pd:handoffs",
+            "--handoff-min-prompt-tokens",
+            "8",
+            "--handoff-memory-mb",
+            "16",
+            "--log-format",
+            "json",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
 @pytest.fixture
 def prefix():
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
@@ -92,9 +140,12 @@ def prefix():
 
 def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, prefix):
     metrics_port, prometheus_port = free_port(), free_port()
+    pair_ports = {"prefill": free_port(), "decode": free_port()}
+    pair: list[subprocess.Popen] = []
     stream, dead = f"{prefix}:requests", f"{prefix}:dead"
     gateway_port = free_port()
     worker_log = (tmp_path / "worker.log").open("w")
+    pair_log = (tmp_path / "pair.log").open("w")
     worker = subprocess.Popen(
         [
             sys.executable,
@@ -160,6 +211,10 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         "scrape_configs": [
             {"job_name": "inflight", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]},
             {"job_name": "inflight-gateway", "static_configs": [{"targets": [f"127.0.0.1:{gateway_port}"]}]},
+            {
+                "job_name": "inflight-disagg",
+                "static_configs": [{"targets": [f"127.0.0.1:{port}" for port in pair_ports.values()]}],
+            },
         ],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -212,7 +267,11 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
 
         wait_until(lambda: all(finished(r) for r in replies), 300, "every request to finish", interval_s=0.5)
         # Prometheus has scraped the worker after the last request ended, and the lag poll has run.
-        wait_until(lambda: api.scalar("sum(inflight_requests_total)") == 7, 30, "a scrape after the last request")
+        wait_until(
+            lambda: api.scalar('sum(inflight_requests_total{job="inflight"})') == 7,
+            30,
+            "a scrape after the last request",
+        )
         wait_until(lambda: api.scalar("sum(inflight_gateway_requests_total)") == 1, 30, "a scrape of the gateway")
         wait_until(lambda: api.scalar("max(inflight_dead_letter_stream_entries)") == 2, 30, "the ingest poll")
         wait_until(
@@ -220,6 +279,25 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
             30,
             "every entry delivered and acked",
         )
+
+        # The disaggregation panels: a prefill and a decode worker (started only now: their
+        # transfer agents' progress threads keep a core busy) hand one job over.
+        pair.extend(disagg_worker(role, prefix, port, pair_log) for role, port in pair_ports.items())
+        for port in pair_ports.values():
+            wait_until(lambda: get(f"http://127.0.0.1:{port}/metrics"), 180, "the pair's /metrics")
+        wait_until(lambda: api.scalar('sum(up{job="inflight-disagg"})') == 2, 30, "a first scrape of the pair")
+        handed = f"inflight:out:{{{prefix}-handed}}"
+        # Three blocks of prompt: the full ones travel as K/V.
+        client.xadd(f"{prefix}:pd:requests", {"id": f"{prefix}-handed", "prompt": PROMPT * 3, "max_tokens": "8"})
+        wait_until(lambda: finished(handed), 300, "the handed-off job to finish", interval_s=0.5)
+        wait_until(
+            lambda: api.scalar('sum(inflight_handoff_requests_total{outcome="kv_read"})') == 1,
+            30,
+            "a scrape after the K/V read",
+        )
+        assert client.xrevrange(handed, count=1)[0][1][b"worker"] == b"decode"
+        assert api.scalar('sum(inflight_handoff_requests_total{outcome="handed_off"})') == 1
+        assert api.scalar("sum(inflight_kv_transfer_bytes_total)") > 0
 
         dashboard = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "inflight.json").read_text())
         empty = []
@@ -231,22 +309,22 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
                     empty.append((panel["title"], expr, values))
         assert not empty, f"panels without data: {empty}"
 
-        # What the panels show is what happened.
+        # What the panels show is what happened (on the observed worker: the pair served one job more).
         assert (
-            api.scalar('sum(inflight_requests_total{outcome="length"})')
-            + api.scalar('sum(inflight_requests_total{outcome="stop"})')
+            api.scalar('sum(inflight_requests_total{job="inflight", outcome="length"})')
+            + api.scalar('sum(inflight_requests_total{job="inflight", outcome="stop"})')
             == 5
         )
-        assert api.scalar('sum(inflight_requests_total{outcome="error"})') == 1
-        assert api.scalar('sum(inflight_requests_total{outcome="rejected"})') == 1
-        assert api.scalar("sum(inflight_preemptions_total)") > 0
-        assert api.scalar('sum(inflight_kv_cache_blocks{pool="device"})') == 5
+        assert api.scalar('sum(inflight_requests_total{job="inflight", outcome="error"})') == 1
+        assert api.scalar('sum(inflight_requests_total{job="inflight", outcome="rejected"})') == 1
+        assert api.scalar('sum(inflight_preemptions_total{job="inflight"})') > 0
+        assert api.scalar('sum(inflight_kv_cache_blocks{job="inflight", pool="device"})') == 5
         by_priority = api.query(
             f'max by (priority) (max_over_time(inflight_scheduler_requests{{state="running"}}[{WINDOW}]))'
         )
         assert {int(series["metric"]["priority"]) for series in by_priority["result"]} == {-5, 0, 5}
         assert api.scalar(f'max(max_over_time(inflight_kv_cache_usage_ratio{{pool="device"}}[{WINDOW}]))') > 0.5
-        assert api.scalar("sum(inflight_dead_letters_total)") == 2
+        assert api.scalar('sum(inflight_dead_letters_total{job="inflight"})') == 2
         # Prefix caching is on by default: every admission queried the cache.
         assert api.scalar("sum(inflight_prefix_cache_queried_tokens_total)") > 0
 
@@ -259,11 +337,14 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         for rule in yaml.safe_load((ROOT / "ops" / "prometheus" / "alerts.yml").read_text())["groups"][0]["rules"]:
             api.query(rule["expr"])
 
-        exposition = get(f"http://127.0.0.1:{metrics_port}/metrics")
-        lint = subprocess.run(["promtool", "check", "metrics"], input=exposition, capture_output=True, timeout=60)
-        assert lint.returncode == 0 and not lint.stdout and not lint.stderr, lint.stdout + lint.stderr
+        for port in (metrics_port, pair_ports["decode"]):
+            exposition = get(f"http://127.0.0.1:{port}/metrics")
+            lint = subprocess.run(["promtool", "check", "metrics"], input=exposition, capture_output=True, timeout=60)
+            assert lint.returncode == 0 and not lint.stdout and not lint.stderr, lint.stdout + lint.stderr
     finally:
         worker.send_signal(signal.SIGTERM)
+        for process in pair:
+            process.terminate()
         gateway.terminate()
         prometheus.terminate()
         try:
@@ -272,8 +353,14 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
             worker.kill()
             prometheus.wait(timeout=30)
             gateway.wait(timeout=30)
+            for process in pair:
+                try:
+                    process.wait(timeout=60)
+                finally:
+                    process.kill()
             client.close()
             worker_log.close()
+            pair_log.close()
 
     log = (tmp_path / "worker.log").read_text()
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]

@@ -303,6 +303,64 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
         ],
     ),
     (
+        "Disaggregated prefill and decode",
+        [
+            (
+                "Handoffs by outcome",
+                "reqps",
+                [
+                    (f"sum by (outcome) (rate(inflight_handoff_requests_total[{RATE}]))", "{{outcome}}"),
+                ],
+                "Jobs per second through the handoff (--role prefill / decode): handed_off by prefill workers; "
+                "then, on decode workers, kv_read (the prompt's K/V read with NIXL), kv_computed (none to read: "
+                "expired, the prefill worker gone, its handoff memory full, no transfer engine) or kv_failed (a "
+                "read failed). The last two compute the prompt again. Zero on colocated workers.",
+            ),
+            (
+                "KV transfer throughput",
+                "Bps",
+                [
+                    (f"sum(rate(inflight_kv_transfer_bytes_total[{RATE}]))", "moved"),
+                    (
+                        f"sum(rate(inflight_kv_transfer_bytes_total[{RATE}]))"
+                        f" / sum(rate(inflight_kv_transfer_seconds_sum[{RATE}]))",
+                        "while reading",
+                    ),
+                ],
+                "Prompt K/V decode workers read from prefill workers: bytes per second of wall time (moved), and "
+                "bytes over the time the reads took (while reading: the transfer's own speed).",
+            ),
+            (
+                "KV transfer time",
+                "s",
+                quantiles("inflight_kv_transfer_seconds", (0.5, 0.99)),
+                "One prompt's K/V read by a decode worker, from asking the prefill worker to having them.",
+            ),
+            (
+                "KV held for handoff",
+                "bytes",
+                [
+                    ("sum by (instance) (inflight_handoff_kv_held_bytes)", "{{instance}}"),
+                ],
+                "Handoff memory in use (--handoff-memory-mb): on a prefill worker, prompts staged until a decode "
+                "worker confirms (or --handoff-hold-s passes); on a decode worker, K/V read and not yet placed. "
+                "Full, a handoff carries no K/V.",
+            ),
+            (
+                "Handoffs waiting",
+                "short",
+                [
+                    ("max by (instance) (inflight_ingest_lag_entries)", "{{instance}} not yet taken"),
+                    ("max by (instance) (inflight_ingest_pending_entries)", "{{instance}} taken, not finished"),
+                ],
+                "Each worker's consumer-group lag and pending entries on the stream it reads. A decode worker "
+                "reads the handoff stream: its lines are handoffs no decode worker has taken yet (a growing lag: "
+                "the decode pool is short) and those being decoded. A prefill or colocated worker's lines are "
+                "the request stream's, as in Queues.",
+            ),
+        ],
+    ),
+    (
         "Gateway",
         [
             (
@@ -407,7 +465,8 @@ def dashboard() -> Dashboard:
         Dashboard("inflight")
         .uid("inflight-overview")
         .description(
-            "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, the gateway, errors."
+            "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, disaggregated "
+            "prefill and decode, the gateway, errors."
         )
         .tags(["inflight"])
         .timezone(TimeZoneBrowser)

@@ -1,0 +1,662 @@
+"""`inflight bench --scenario disagg`: disaggregated prefill and decode against colocated
+workers, on two cores, under a prefill storm (issue 37; docs/features.md).
+
+Each configuration is real `inflight worker` processes on streams of its own (on
+`--redis-url`, else an embedded Valkey), each pinned with `taskset -c`:
+
+- `disagg`: a `--role prefill` worker on the first core and a `--role decode` worker on the
+  second, `--threads 1` each, the prompts' K/V moved by NIXL (`gpu/kv_transfer.py`);
+- `colocated_one`: one worker on both cores, `--threads 2`;
+- `colocated_two`: two workers on one core each, `--threads 1`, on the same request stream.
+
+Every worker gets `--dtype`, `--model`, `--no-speculative` (tokens accepted together would
+share one arrival time), `--handoff-min-prompt-tokens` from `--disagg-min-prompt-tokens`
+(so the running decodes are handed off too) and a long `--claim-idle-ms` (a starved event
+loop must not hand a job to the other worker mid-run). This process queues every job
+(greedy, `ignore_eos`) and follows all reply streams, and the handoff stream, with one
+XREAD, stamping each token as it arrives. Per configuration, in order:
+
+1. warm-up: short and long prompts, a few tokens each (the first handoff connects the
+   transfer agents); then each worker's CPU use over 1 s with nothing to serve
+   (`idle_cpu_s_per_s`: what it takes from its core besides the model's steps, e.g. a
+   transfer agent's progress thread);
+2. `lone`: `--disagg-lone` prompts of `--disagg-prompt-len` tokens, one at a time on the
+   idle workers: TTFT, and the gap to the second token (on P/D: the handoff, the K/V
+   read and the first step on the decode worker), with `handoff_to_second_token_s` from
+   the handoff entry's arrival;
+3. `storm`: `--disagg-running` short prompts decode long outputs; once each has made
+   `--disagg-steady-tokens` more tokens (the steady window), `--disagg-storm` prompts of
+   `--disagg-prompt-len` tokens and `--disagg-output-len` tokens out arrive at once. The
+   storm window lasts until every storm request has its second token (on P/D: until the
+   last handoff is resumed on the decode worker). Reported: the storm's TTFT p50/p99,
+   the running decodes' ITL p50 in the steady window and p50/p99/max in the storm window
+   (gaps whose later token falls in the window), and p99-storm / p50-steady. The running
+   decodes are cancelled once every storm request has finished.
+
+Also per configuration: the handoff outcome counts over all its workers
+(`inflight_handoff_requests_total`), the K/V transfer from the decode worker's metrics
+(bytes over the summed read time of `inflight_kv_transfer_seconds`; the cost per 1,000
+prompt tokens uses the bytes per token of the handoff entries' K/V), and which worker
+finished each job. Across configurations: greedy token identity of every request, pairwise
+(the running decodes over the tokens both runs made before the cancel), and the
+handoff's overhead on a lone prompt: P/D minus each colocated configuration (against
+`colocated_two` the prefill runs on the same one core and thread).
+
+Prompts: `--workload sharegpt` takes the long ones from ShareGPT first turns of 0.8-1.2x
+`--disagg-prompt-len` tokens (chat-templated, `bench/sharegpt.py`); otherwise they are
+random token ids. Either way they go out as text (decoded ids), so the prompt token
+counts reported are the worker's. The running decodes' short prompts are random token
+ids. The client and Redis share the two cores with the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+
+from bench.metrics import inter_token_latencies, percentile
+from bench.processes import WorkerProcess, cpu_seconds
+from bench.servers import signals_as_exit, start_reaper, stop_reaper
+from bench.systems import delete_replies, redis_server, run_streams
+from service.protocol import reply_stream
+from service.sdk import job_payload
+
+CONFIGURATIONS = ("disagg", "colocated_one", "colocated_two")
+# A configuration's workers: (consumer name, role, index of the core in --disagg-cores, or
+# None for all of them, torch threads).
+LAYOUTS = {
+    "disagg": [("prefill", "prefill", 0, 1), ("decode", "decode", 1, 1)],
+    "colocated_one": [("both", "both", None, 2)],
+    "colocated_two": [("core0", "both", 0, 1), ("core1", "both", 1, 1)],
+}
+# Tokens each running decode makes before the steady window opens: on P/D it has been
+# handed off and resumed by then.
+READY_TOKENS = 4
+WARMUP_TOKENS = 4
+# No event for this long fails the run instead of hanging it.
+QUIET_LIMIT_S = 180.0
+CLAIM_IDLE_MS = 60_000
+SHUTDOWN_GRACE_S = 5
+# Room left in the model's context past a running decode's prompt (its text may tokenize longer).
+CONTEXT_MARGIN = 64
+RUNNING_MAX_TOKENS = 4096
+IDLE_SAMPLE_S = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("disagg scenario (also --redis-url, --workload)")
+    group.add_argument(
+        "--disagg-configs",
+        default=",".join(CONFIGURATIONS),
+        help="configurations to run, comma-separated (default: %(default)s)",
+    )
+    group.add_argument(
+        "--disagg-running", type=int, default=16, help="decodes running when the storm arrives (default: %(default)s)"
+    )
+    group.add_argument(
+        "--disagg-running-prompt-len",
+        type=int,
+        default=64,
+        help="the running decodes' prompt length in tokens (default: %(default)s)",
+    )
+    group.add_argument(
+        "--disagg-storm", type=int, default=8, help="long prompts arriving at once (default: %(default)s)"
+    )
+    group.add_argument(
+        "--disagg-prompt-len",
+        type=int,
+        default=1000,
+        help="the storm's (and lone) prompt length in tokens (default: %(default)s)",
+    )
+    group.add_argument(
+        "--disagg-output-len", type=int, default=128, help="the storm's output length in tokens (default: %(default)s)"
+    )
+    group.add_argument(
+        "--disagg-steady-tokens",
+        type=int,
+        default=32,
+        help="tokens each running decode makes in the steady window before the storm (default: %(default)s)",
+    )
+    group.add_argument(
+        "--disagg-lone",
+        type=int,
+        default=3,
+        help="long prompts sent one at a time on idle workers, for the handoff's TTFT overhead (default: %(default)s)",
+    )
+    group.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=32,
+        help="the workers' --handoff-min-prompt-tokens (default: %(default)s, below the running prompts)",
+    )
+    group.add_argument(
+        "--disagg-cores", default="0,1", help="the two cores to pin the workers to (default: %(default)s)"
+    )
+
+
+@dataclass
+class Job:
+    label: str  # the same in every configuration
+    request_id: str
+    prompt: str
+    max_tokens: int
+    sent: float | None = None  # perf_counter
+    times: list[float] = field(default_factory=list)  # each token's arrival, perf_counter
+    tokens: list[int] = field(default_factory=list)
+    final: dict | None = None
+    last_id: str = "0"
+    handoff_at: float | None = None  # its handoff entry's arrival
+    staged_tokens: int | None = None  # prompt tokens its handoff carried K/V for
+
+    @property
+    def ttft_s(self) -> float:
+        return self.times[0] - self.sent
+
+
+@dataclass(frozen=True)
+class Prompts:
+    running: list[str]
+    storm: list[str]
+    lone: list[str]
+    warmup: list[str]
+    running_max_tokens: int
+    source: str
+
+
+class Follower:
+    """Queues jobs and follows their reply streams (and the handoff stream) with one XREAD."""
+
+    def __init__(self, client, requests_stream: str, control_stream: str, handoff_stream: str | None) -> None:
+        self.client = client
+        self.requests_stream = requests_stream
+        self.control_stream = control_stream
+        self.handoff_stream = handoff_stream
+        self.handoff_last = "0"
+        self.jobs: dict[str, Job] = {}  # by request id
+        self.open: dict[str, Job] = {}  # by reply stream
+        self.kv_layouts: list[tuple[int, int]] = []  # (K/V bytes, tokens) of each handoff that carried them
+        self.changed = asyncio.Condition()
+        self.last_event = time.perf_counter()
+        self.reading = True
+
+    async def send(self, jobs: list[Job]) -> float:
+        """Queue the jobs in one round trip; returns when they were sent."""
+        pipe = self.client.pipeline(transaction=False)
+        for job in jobs:
+            self.jobs[job.request_id] = job
+            self.open[reply_stream(job.request_id)] = job
+            payload = job_payload(job.prompt, None, job.request_id, max_tokens=job.max_tokens, ignore_eos=True)
+            pipe.xadd(self.requests_stream, payload)
+        sent = time.perf_counter()
+        await pipe.execute()
+        for job in jobs:
+            job.sent = sent
+        return sent
+
+    async def cancel(self, jobs: list[Job]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for job in jobs:
+            pipe.xadd(self.control_stream, {"type": "cancel", "id": job.request_id})
+        await pipe.execute()
+
+    async def read(self) -> None:
+        """Until `reading` is cleared (cancelling a blocked XREAD can leave redis-py's
+        connection hanging: each read blocks 50 ms at most instead)."""
+        while self.reading:
+            streams = {key: job.last_id for key, job in self.open.items()}
+            if self.handoff_stream:
+                streams[self.handoff_stream] = self.handoff_last
+            if not streams:  # nothing in flight (a job sent now is followed from the next round)
+                await asyncio.sleep(0.01)
+                continue
+            reply = await self.client.xread(streams, block=50)
+            now = time.perf_counter()
+            for key, entries in reply or []:
+                key = key.decode()
+                if key == self.handoff_stream:
+                    self._handoffs(entries, now)
+                    continue
+                job = self.open[key]
+                for entry_id, fields in entries:
+                    job.last_id = entry_id.decode()
+                    event = msgpack.unpackb(fields[b"data"])
+                    if event["type"] == "token":
+                        job.times.extend([now] * len(event["token_ids"]))
+                        job.tokens.extend(event["token_ids"])
+                    else:
+                        job.final = event
+                        del self.open[key]
+                        break
+            if reply:
+                self.last_event = now
+                async with self.changed:
+                    self.changed.notify_all()
+
+    def _handoffs(self, entries, now: float) -> None:
+        from service.handoff import Handoff
+
+        for entry_id, fields in entries:
+            self.handoff_last = entry_id.decode()
+            handoff = Handoff.of_entry(fields)
+            payload = handoff.job_fields.get(b"payload")
+            job = self.jobs.get(msgpack.unpackb(payload)["id"]) if payload else None
+            if job is not None and job.handoff_at is None:
+                job.handoff_at = now
+                job.staged_tokens = handoff.kv.num_tokens if handoff.kv else 0
+            if handoff.kv is not None and handoff.kv.num_tokens:
+                import torch
+
+                itemsize = getattr(torch, handoff.kv.dtype).itemsize
+                self.kv_layouts.append((math.prod(handoff.kv.shape) * itemsize, handoff.kv.num_tokens))
+
+    async def until(self, condition, what: str, workers: list[WorkerProcess]) -> None:
+        """Wait for `condition()`; fail when a worker died, a job failed or nothing came for a while."""
+        async with self.changed:
+            while not condition():
+                failed = [job for job in self.jobs.values() if job.final and job.final["type"] == "error"]
+                if failed:
+                    raise RuntimeError(f"{failed[0].request_id} failed: {failed[0].final.get('message')}")
+                dead = [w.name for w in workers if not w.alive()]
+                if dead or time.perf_counter() - self.last_event > QUIET_LIMIT_S:
+                    why = f"worker {dead[0]} died" if dead else f"no event for {QUIET_LIMIT_S:.0f} s"
+                    tails = "\n".join(f"--- {w.name}\n{w.log_tail(1500)}" for w in workers)
+                    raise RuntimeError(f"waiting for {what}: {why}\n{tails}")
+                try:
+                    await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+
+
+def run(args: argparse.Namespace) -> dict:
+    import uvloop
+
+    configs = [c.strip() for c in args.disagg_configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGURATIONS))
+    if unknown or not configs:
+        raise SystemExit(f"--disagg-configs takes some of {','.join(CONFIGURATIONS)}, got {args.disagg_configs!r}")
+    cores = [c.strip() for c in args.disagg_cores.split(",") if c.strip()]
+    if len(cores) != 2:
+        raise SystemExit(f"--disagg-cores takes two cores, got {args.disagg_cores!r}")
+    if args.disagg_running_prompt_len < args.disagg_min_prompt_tokens:
+        print(
+            "bench: disagg: the running decodes' prompts are shorter than --disagg-min-prompt-tokens: "
+            "on P/D they stay whole on the prefill worker",
+            file=sys.stderr,
+            flush=True,
+        )
+    prompts = _prompts(args)
+    with signals_as_exit():  # SIGTERM stops the workers on the way out too
+        return uvloop.run(_run(args, configs, cores, prompts))
+
+
+def _prompts(args: argparse.Namespace) -> Prompts:
+    from bench.workload import prompt_vocabulary
+    from workers.config import ModelConfig
+    from workers.model_loader import encode_prompt, load_model
+
+    loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))  # for its tokenizer and context
+    tokenizer, context = loaded.tokenizer, loaded.max_context
+    vocab_ids = prompt_vocabulary(tokenizer, loaded.model.config.vocab_size)
+    del loaded
+    rng = random.Random(args.seed)
+
+    def random_text(length: int) -> str:
+        """Random token ids as text of about `length` tokens once the worker encodes it
+        (decoded ids may encode to more or fewer: resized until they come close)."""
+        ids = [rng.choice(vocab_ids) for _ in range(length)]
+        for _ in range(8):
+            text = tokenizer.decode(ids)
+            encoded = len(encode_prompt(tokenizer, text))
+            if abs(encoded - length) <= max(1, length // 100):
+                break
+            if encoded > length:
+                ids = ids[: max(1, round(len(ids) * length / encoded))]
+            else:
+                ids += [rng.choice(vocab_ids) for _ in range(max(1, round(len(ids) * (length - encoded) / encoded)))]
+        return text
+
+    def random_texts(count: int, length: int) -> list[str]:
+        return [random_text(length) for _ in range(count)]
+
+    running = random_texts(args.disagg_running, args.disagg_running_prompt_len)
+    warmup = random_texts(2, args.disagg_running_prompt_len) + random_texts(2, args.disagg_prompt_len)
+    count = args.disagg_storm + args.disagg_lone
+    if args.workload == "sharegpt":
+        long = _sharegpt_texts(tokenizer, count, args.disagg_prompt_len, context - args.disagg_output_len, args.seed)
+        source = f"sharegpt first turns of {round(0.8 * args.disagg_prompt_len)}-{_longest(args)} tokens"
+    else:
+        long = random_texts(count, args.disagg_prompt_len)
+        source = "random token ids"
+    longest_running = max(len(encode_prompt(tokenizer, text)) for text in running)
+    running_max_tokens = min(RUNNING_MAX_TOKENS, context - longest_running - CONTEXT_MARGIN)
+    if running_max_tokens < READY_TOKENS + args.disagg_steady_tokens + args.disagg_output_len:
+        raise SystemExit(f"the model's context ({context}) leaves the running decodes too few tokens")
+    return Prompts(running, long[: args.disagg_storm], long[args.disagg_storm :], warmup, running_max_tokens, source)
+
+
+def _longest(args: argparse.Namespace) -> int:
+    from bench.sharegpt import MAX_PROMPT_TOKENS
+
+    return min(round(1.2 * args.disagg_prompt_len), MAX_PROMPT_TOKENS)
+
+
+def _sharegpt_texts(tokenizer, count: int, length: int, room: int, seed: int) -> list[str]:
+    """`count` ShareGPT first turns, chat-templated, of 0.8-1.2x `length` tokens (at most
+    the workload's cap and `room`), in the seed's order, as text."""
+    from bench.sharegpt import MAX_PROMPT_TOKENS, first_turns, prompt_ids
+
+    low, high = round(0.8 * length), min(round(1.2 * length), MAX_PROMPT_TOKENS, room)
+    pairs = first_turns()
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    texts = []
+    for index in order:
+        ids = prompt_ids(tokenizer, pairs[index][0])
+        if low <= len(ids) <= high:
+            texts.append(tokenizer.decode(ids))
+            if len(texts) == count:
+                return texts
+    raise SystemExit(f"only {len(texts)} ShareGPT first turns have {low}-{high} tokens, {count} asked")
+
+
+async def _run(args: argparse.Namespace, configs: list[str], cores: list[str], prompts: Prompts) -> dict:
+    from service.connect import connect
+
+    results: dict[str, dict] = {}
+    jobs: dict[str, dict[str, Job]] = {}
+    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-disagg-") as logs:
+        client = connect(url, socket_timeout=60)
+        run_id = uuid.uuid4().hex[:8]
+        try:
+            for name in configs:
+                print(f"bench: disagg: {name}", file=sys.stderr, flush=True)
+                log_dir = Path(logs) / name
+                log_dir.mkdir()
+                results[name], jobs[name] = await _configuration(
+                    name, url, client, run_id, log_dir, args, cores, prompts
+                )
+        finally:
+            await client.aclose()
+    report = {
+        "configurations": results,
+        "identity": {
+            f"{a}_vs_{b}": _identity(jobs[a], jobs[b]) for i, a in enumerate(configs) for b in configs[i + 1 :]
+        },
+        "handoff_overhead": _overhead(results),
+        "workload": {
+            "running": args.disagg_running,
+            "running_prompt_len": args.disagg_running_prompt_len,
+            "running_max_tokens": prompts.running_max_tokens,
+            "storm": args.disagg_storm,
+            "prompt_len": args.disagg_prompt_len,
+            "output_len": args.disagg_output_len,
+            "steady_tokens": args.disagg_steady_tokens,
+            "lone": args.disagg_lone,
+            "long_prompts": prompts.source,
+            "running_prompts": "random token ids",
+            "seed": args.seed,
+        },
+        "settings": {
+            "model": args.model or "bundled SmolLM2-135M-Instruct",
+            "dtype": args.dtype,
+            "cores": cores,
+            "handoff_min_prompt_tokens": args.disagg_min_prompt_tokens,
+            "speculative": "off",
+            "claim_idle_ms": CLAIM_IDLE_MS,
+            "cpu_count": os.cpu_count(),
+        },
+    }
+    return report
+
+
+async def _configuration(
+    name: str, url: str, client, run_id: str, log_dir: Path, args, cores: list[str], prompts: Prompts
+) -> tuple[dict, dict[str, Job]]:
+    prefix = f"inflight:bench:{run_id}:{name}"
+    streams = run_streams(url, prefix)
+    handoff_stream = f"{prefix}:handoffs" if name == "disagg" else None
+    workers = [_worker(url, streams, prefix, log_dir, args, cores, *layout) for layout in LAYOUTS[name]]
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    reaper = start_reaper([str(worker.pid) for worker in workers])  # should this process be SIGKILLed
+    follower = Follower(client, streams.requests_stream, streams.control_stream, handoff_stream)
+    reader = None
+    try:
+        for worker in workers:
+            await asyncio.to_thread(worker.wait_ready)
+        reader = asyncio.create_task(follower.read(), name="disagg-reader")
+
+        def job(label: str, prompt: str, max_tokens: int) -> Job:
+            return Job(label, f"{run_id}-{name}-{label}", prompt, max_tokens)
+
+        def have(jobs: list[Job], count: Callable[[Job], int]) -> Callable[[], bool]:
+            return lambda: all(len(j.times) >= count(j) or j.final for j in jobs)
+
+        warm = [job(f"warmup-{i}", text, WARMUP_TOKENS) for i, text in enumerate(prompts.warmup)]
+        await follower.send(warm)
+        await follower.until(lambda: all(j.final for j in warm), "the warm-up", workers)
+
+        idle = await _idle_cpu(workers)
+        lone = []
+        for i, text in enumerate(prompts.lone):
+            lone.append(job(f"lone-{i}", text, WARMUP_TOKENS))
+            await follower.send(lone[-1:])
+            await follower.until(lambda: lone[-1].final is not None, "a lone prompt", workers)
+
+        running = [job(f"running-{i}", text, prompts.running_max_tokens) for i, text in enumerate(prompts.running)]
+        await follower.send(running)
+        await follower.until(have(running, lambda j: READY_TOKENS), "the running decodes", workers)
+        steady_start = time.perf_counter()
+        marks = {j.request_id: len(j.times) for j in running}
+        await follower.until(
+            have(running, lambda j: marks[j.request_id] + args.disagg_steady_tokens), "the steady window", workers
+        )
+        storm = [job(f"storm-{i}", text, args.disagg_output_len) for i, text in enumerate(prompts.storm)]
+        storm_start = await follower.send(storm)
+        await follower.until(have(storm, lambda j: min(2, j.max_tokens)), "the storm's second tokens", workers)
+        storm_end = time.perf_counter()
+        await follower.until(lambda: all(j.final for j in storm), "the storm to finish", workers)
+        await follower.cancel(running)
+        await follower.until(lambda: all(j.final for j in running), "the running decodes' cancels", workers)
+
+        metrics = {worker.name: worker.metrics() for worker in workers}
+        dead = await client.xlen(streams.dead_letter_stream)
+        figures = {
+            "workers": [
+                {
+                    "name": n,
+                    "role": role,
+                    "cores": cores[c] if c is not None else ",".join(cores),
+                    "threads": t,
+                    "idle_cpu_s_per_s": idle[n],
+                }
+                for n, role, c, t in LAYOUTS[name]
+            ],
+            "lone": _lone(lone),
+            "storm": _storm(running, storm, steady_start, storm_start, storm_end),
+            "handoffs": _handoff_counts(metrics.values()),
+            "kv_transfer": _kv_transfer(metrics.get("decode"), follower.kv_layouts) if name == "disagg" else None,
+            "finished_by": dict(Counter(j.final.get("worker", "") for j in follower.jobs.values())),
+            "finish_reasons": dict(Counter(j.final.get("finish_reason", "error") for j in follower.jobs.values())),
+            "dead_letters": dead,
+            "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "elapsed_s": time.perf_counter() - started,
+        }
+        return figures, {j.label: j for j in follower.jobs.values()}
+    finally:
+        if reader is not None:
+            follower.reading = False
+            await asyncio.gather(reader, return_exceptions=True)
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+        stop_reaper(reaper)
+        await delete_replies(client, list(follower.jobs))
+        await client.delete(*[key async for key in client.scan_iter(f"{prefix}:*")])
+
+
+def _worker(url: str, streams, prefix: str, log_dir: Path, args, cores: list[str], consumer: str, role: str,
+            core: int | None, threads: int) -> WorkerProcess:  # fmt: skip
+    argv = ["--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
+    argv += ["--requests-stream", streams.requests_stream, "--dead-letter-stream", streams.dead_letter_stream]
+    argv += ["--control-stream", streams.control_stream, "--threads", str(threads), "--no-speculative"]
+    argv += ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
+    argv += ["--role", role, "--handoff-stream", f"{prefix}:handoffs"]
+    argv += ["--handoff-min-prompt-tokens", str(args.disagg_min_prompt_tokens), "--log-format", "json"]
+    worker = WorkerProcess(consumer, argv, log_dir)
+    pinned = cores[core] if core is not None else ",".join(cores)
+    worker.argv = ["taskset", "-c", pinned, *worker.argv]
+    return worker
+
+
+async def _idle_cpu(workers: list[WorkerProcess]) -> dict[str, float]:
+    """Each worker's CPU seconds per second while it serves nothing (after the warm-up):
+    what it takes from its core besides the model's steps."""
+    before = {w.name: cpu_seconds(w.pid) for w in workers}
+    started = time.perf_counter()
+    await asyncio.sleep(IDLE_SAMPLE_S)
+    elapsed = time.perf_counter() - started
+    return {w.name: round((cpu_seconds(w.pid) - before[w.name]) / elapsed, 3) for w in workers}
+
+
+def _p(values: list[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
+def _lone(lone: list[Job]) -> dict:
+    ttfts = [j.ttft_s for j in lone]
+    gaps = [j.times[1] - j.times[0] for j in lone if len(j.times) > 1]
+    handoffs = [j.times[1] - j.handoff_at for j in lone if len(j.times) > 1 and j.handoff_at is not None]
+    return {
+        "requests": len(lone),
+        "prompt_tokens": [j.final.get("usage", {}).get("prompt_tokens") for j in lone],
+        "staged_tokens": [j.staged_tokens for j in lone],  # prompt tokens whose K/V its handoff carried (P/D)
+        "ttft_s": ttfts,
+        "ttft_p50_s": _p(ttfts, 50),
+        "second_token_gap_p50_s": _p(gaps, 50),
+        "handoff_to_second_token_p50_s": _p(handoffs, 50),
+    }
+
+
+def _storm(running: list[Job], storm: list[Job], steady_start: float, storm_start: float, storm_end: float) -> dict:
+    steady, during = [], []
+    for j in running:
+        for gap, t in zip(inter_token_latencies(j.times), j.times[1:]):
+            if steady_start < t <= storm_start:
+                steady.append(gap)
+            elif storm_start < t <= storm_end:
+                during.append(gap)
+    ttfts = [j.ttft_s for j in storm]
+    steady_p50, during_p99 = _p(steady, 50), _p(during, 99)
+    return {
+        "ttft_p50_s": _p(ttfts, 50),
+        "ttft_p99_s": _p(ttfts, 99),
+        "prompt_tokens_p50": _p([j.final["usage"]["prompt_tokens"] for j in storm if "usage" in j.final], 50),
+        "window_s": storm_end - storm_start,
+        "itl_p50_steady_s": steady_p50,
+        "itl_p50_storm_s": _p(during, 50),
+        "itl_p99_storm_s": during_p99,
+        "itl_max_storm_s": max(during) if during else None,
+        "storm_p99_over_steady_p50": during_p99 / steady_p50 if during_p99 and steady_p50 else None,
+        "steady_gaps": len(steady),
+        "storm_gaps": len(during),
+        "running_tokens": sum(len(j.times) for j in running),
+    }
+
+
+def _handoff_counts(metrics) -> dict[str, int]:
+    counts: Counter = Counter()
+    for worker in metrics:
+        for (name, labels), value in worker.items():
+            if name == "inflight_handoff_requests_total":
+                counts[dict(labels)["outcome"]] += int(value)
+    return dict(counts)
+
+
+def _kv_transfer(metrics: dict | None, layouts: list[tuple[int, int]]) -> dict | None:
+    """The decode worker's reads: bytes over their summed time, and the time per 1,000
+    prompt tokens at the handoffs' bytes per token."""
+    if metrics is None:
+        return None
+
+    def total(name: str) -> float:
+        return sum(value for (metric, _), value in metrics.items() if metric == name)
+
+    num_bytes, seconds = total("inflight_kv_transfer_bytes_total"), total("inflight_kv_transfer_seconds_sum")
+    reads = int(total("inflight_kv_transfer_seconds_count"))
+    per_token = sum(b for b, _ in layouts) / sum(t for _, t in layouts) if layouts else None
+    per_s = num_bytes / seconds if seconds > 0 else None
+    return {
+        "reads": reads,
+        "bytes": int(num_bytes),
+        "seconds": seconds,
+        "bytes_per_s": per_s,
+        "bytes_per_token": per_token,
+        "ms_per_1000_prompt_tokens": 1000 * per_token / per_s * 1e3 if per_s and per_token else None,
+        "mean_read_ms": seconds / reads * 1e3 if reads else None,
+    }
+
+
+def _identity(a: dict[str, Job], b: dict[str, Job]) -> dict:
+    """Greedy tokens of the same requests in two configurations; the running decodes (cut
+    short by the cancel) over the tokens both made."""
+    labels = sorted(set(a) & set(b) - {label for label in a if label.startswith("warmup")})
+    differ, compared = {}, 0
+    for label in labels:
+        n = min(len(a[label].tokens), len(b[label].tokens))
+        compared += n
+        x, y = a[label].tokens[:n], b[label].tokens[:n]
+        if x != y:
+            differ[label] = next(i for i, (u, v) in enumerate(zip(x, y)) if u != v)
+        elif not label.startswith("running") and len(a[label].tokens) != len(b[label].tokens):
+            differ[label] = n
+    return {
+        "requests": len(labels),
+        "identical": len(labels) - len(differ),
+        "tokens_compared": compared,
+        "first_difference": differ,  # label: index of the first token that differs
+    }
+
+
+def _overhead(results: dict) -> dict:
+    """P/D's lone-prompt TTFT and second-token gap minus each colocated configuration's."""
+    if "disagg" not in results:
+        return {}
+    pd = results["disagg"]["lone"]
+    overhead = {}
+    for other in ("colocated_two", "colocated_one"):
+        if other in results:
+            base = results[other]["lone"]
+            for key in ("ttft_p50_s", "second_token_gap_p50_s"):
+                if pd[key] is not None and base[key] is not None:
+                    overhead[f"{key.removesuffix('_p50_s')}_vs_{other}_s"] = pd[key] - base[key]
+    return overhead
+
+
+def chart_panels(report: dict) -> list[tuple]:
+    """The storm's TTFT p99, the running decodes' ITL p99 during it over their steady p50,
+    and a lone long prompt's TTFT, one bar per configuration."""
+    configs = report["configurations"]
+    panels = []
+    for title, section, key, fmt in (
+        ("storm TTFT p99 s (lower is better)", "storm", "ttft_p99_s", "{:.2f}"),
+        ("ITL p99 in storm / steady p50 (lower is better)", "storm", "storm_p99_over_steady_p50", "{:.2f}"),
+        ("lone prompt TTFT p50 s (lower is better)", "lone", "ttft_p50_s", "{:.3f}"),
+    ):
+        bars = {name: c[section][key] for name, c in configs.items() if c[section][key] is not None}
+        panels.append((title, bars, fmt))
+    return panels
