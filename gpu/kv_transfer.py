@@ -31,6 +31,11 @@ MEMORY_TYPE = "DRAM"
 # call that posts it): short against a read's time, long enough to leave the core to NIXL.
 _POLL_S = 50e-6
 _SLOT_ALIGNMENT = 64
+# The UCX progress thread's poll() timeout, in microseconds. It sleeps on UCX's event fd and
+# wakes for any message, so this bounds only its idle rounds. NIXL's Python wrapper passes 0,
+# which turns poll() into a spin that keeps a core busy in an idle worker.
+_PROGRESS_TIMEOUT_US = 100_000
+_agent_construction = threading.Lock()
 
 
 class TransferFailed(RuntimeError):
@@ -52,14 +57,14 @@ class KVTransferAgent:
     """
 
     def __init__(self, name: str) -> None:
-        from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        from nixl_cu12 import nixl_agent_config, nixl_thread_sync_t
 
         # NIXL logs every agent and backend it creates at INFO, to stdout.
         logging.getLogger("nixl").setLevel(logging.WARNING)
         # Strict: the event loop thread may poll notifications while the torch thread reads.
         config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.name = name
-        self._agent = nixl_agent(name, config)
+        self._agent = _quiet_nixl_agent(name, config)
         self._registrations: list[tuple[torch.Tensor, object]] = []
         # Keyed by the metadata itself: a peer that registers more memory publishes new
         # metadata under the same name, which must be loaded again.
@@ -155,6 +160,34 @@ class KVTransferAgent:
             self._agent.deregister_memory(descriptors)
         self._registrations.clear()
         self._agent = None
+
+
+def _quiet_nixl_agent(name: str, config: object) -> object:
+    """A `nixl_agent` whose progress thread blocks while idle.
+
+    The wrapper builds its binding config itself and sets `pthrDelay = 0`; it exposes no
+    parameter for it, so the binding's config class is swapped, for this construction only,
+    for one that keeps `_PROGRESS_TIMEOUT_US`.
+    """
+    from nixl_cu12 import _api, nixl_agent
+
+    binding_config = _api.nixlBind.nixlAgentConfig
+
+    class PatientConfig(binding_config):
+        @property
+        def pthrDelay(self) -> int:
+            return binding_config.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _: int) -> None:
+            binding_config.pthrDelay.__set__(self, _PROGRESS_TIMEOUT_US)
+
+    with _agent_construction:
+        _api.nixlBind.nixlAgentConfig = PatientConfig
+        try:
+            return nixl_agent(name, config)
+        finally:
+            _api.nixlBind.nixlAgentConfig = binding_config
 
 
 @dataclass

@@ -101,6 +101,20 @@ def test_a_notification_outside_a_transfer_reaches_the_peer(agents):
 # -- what cannot be read fails, at once -------------------------------------------------------
 
 
+def test_agents_with_nothing_to_move_leave_the_cpu_idle(agents):
+    reader, holder = agents
+    source, into = kv(torch.float32, seed=5), torch.zeros(KV_SHAPE)
+    holder.register(source)
+    reader.register(into)
+    reader.read(reader.connect(holder.metadata), source.data_ptr(), into, notify=b"warm")
+    notifications_within(holder)
+
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    time.sleep(1.0)
+    busy = (time.process_time() - cpu_before) / (time.monotonic() - wall_before)
+    assert busy < 0.2, f"two idle agents kept {busy:.2f} of a core busy"  # a spinning progress thread: ~1 each
+
+
 def test_a_read_from_an_unknown_peer_fails(agents):
     reader, _ = agents
     into = torch.zeros(1024, dtype=torch.uint8)
