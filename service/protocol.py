@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 import msgpack
@@ -22,6 +23,9 @@ REPLY_PREFIX = "inflight:out:"
 # Largest accepted entry: prompt, messages and everything else together.
 MAX_ENTRY_BYTES = 1 << 20
 MAX_ID_CHARS = 200
+DEFAULT_TENANT = "default"
+# A tenant names Redis keys and metric labels: a short, plain name.
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 FIELDS = frozenset(
     {
@@ -45,6 +49,8 @@ FIELDS = frozenset(
         "choice",
         "logprobs",
         "top_logprobs",
+        "tenant",
+        "batch",
     }
 )
 FLAT_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
@@ -79,6 +85,8 @@ class Job:
     priority: int
     deadline_ms: int | None
     reply_to: str
+    tenant: str = DEFAULT_TENANT
+    batch: bool = False
 
 
 def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (REPLY_PREFIX,)) -> Job:
@@ -213,7 +221,10 @@ def decode_job(entry_id: str, fields: dict, reply_prefixes: tuple[str, ...] = (R
     deadline_ms = number("deadline_ms", int, None)
     if deadline_ms is not None and deadline_ms < 0:
         raise fail("invalid_field", "deadline_ms must be a unix time in milliseconds")
-    return Job(request_id, prompt, params, priority, deadline_ms, reply_to)
+    tenant = values.get("tenant", DEFAULT_TENANT)
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
+        raise fail("invalid_field", "tenant must be 1-64 characters of letters, digits and _ . @ -")
+    return Job(request_id, prompt, params, priority, deadline_ms, reply_to, tenant, boolean("batch"))
 
 
 # -- replies ---------------------------------------------------------------------------
@@ -296,13 +307,15 @@ def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
     return fields
 
 
-def error_fields(code: str, message: str) -> dict[str, str | bytes]:
-    return {
-        "type": "error",
-        "code": code,
-        "message": message,
-        "data": msgpack.packb({"type": "error", "code": code, "message": message}),
-    }
+def error_fields(code: str, message: str, retry_after_s: float | None = None) -> dict[str, str | bytes]:
+    """An error event; a refusal for load says when to try again (`retry_after_s`)."""
+    data: dict = {"type": "error", "code": code, "message": message}
+    fields: dict[str, str | bytes] = {"type": "error", "code": code, "message": message}
+    if retry_after_s is not None:
+        data["retry_after_s"] = retry_after_s
+        fields["retry_after_s"] = f"{retry_after_s:g}"
+    fields["data"] = msgpack.packb(data)
+    return fields
 
 
 def hash_tag(key: str) -> str:

@@ -249,8 +249,16 @@ class ReplyPublisher:
         """The final event, after `num_tokens` token events."""
         await self._write(reply_to, entry_id, f"{num_tokens}-1", done_fields(event, self.worker))
 
-    async def error(self, reply_to: str, entry_id: str, code: str, message: str, num_tokens: int = 0) -> None:
-        await self._write(reply_to, entry_id, f"{num_tokens}-1", error_fields(code, message))
+    async def error(
+        self,
+        reply_to: str,
+        entry_id: str,
+        code: str,
+        message: str,
+        num_tokens: int = 0,
+        retry_after_s: float | None = None,
+    ) -> None:
+        await self._write(reply_to, entry_id, f"{num_tokens}-1", error_fields(code, message, retry_after_s))
 
     async def _write(self, reply_to: str, entry_id: str, event_id: str, fields: dict) -> None:
         """One fenced event; raises `LeaseLost` when this worker no longer owns the stream."""

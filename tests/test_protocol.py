@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.protocol import (
+    DEFAULT_TENANT,
     FIELDS,
     MAX_ENTRY_BYTES,
     Job,
@@ -85,6 +86,15 @@ def test_msgpack_payload_carries_typed_fields():
     assert job.reply_to == reply_stream("b") == "inflight:out:{b}"
 
 
+def test_a_job_names_its_tenant_and_may_be_a_batch_job():
+    job = decode_job("4-0", flat(prompt="a", tenant="team-a@example.org", batch="true"))
+    assert (job.tenant, job.batch) == ("team-a@example.org", True)
+    typed = decode_job("5-0", {b"payload": msgpack.packb({"prompt": "a", "tenant": "b.2", "batch": False})})
+    assert (typed.tenant, typed.batch) == ("b.2", False)
+    assert decode_job("6-0", flat(prompt="a")).tenant == DEFAULT_TENANT == "default"
+    assert not decode_job("6-0", flat(prompt="a")).batch
+
+
 @pytest.mark.parametrize(
     "fields, code",
     [
@@ -112,6 +122,11 @@ def test_msgpack_payload_carries_typed_fields():
         ({b"payload": msgpack.packb({"prompt": "a"}), b"prompt": b"b"}, "invalid_field"),
         ({b"prompt": b"\xff\xfe"}, "invalid_type"),
         (flat(prompt="x" * (MAX_ENTRY_BYTES + 1)), "too_large"),
+        (flat(prompt="a", tenant=""), "invalid_field"),
+        (flat(prompt="a", tenant="two words"), "invalid_field"),
+        (flat(prompt="a", tenant="x" * 65), "invalid_field"),
+        ({b"payload": msgpack.packb({"prompt": "a", "tenant": 7})}, "invalid_field"),
+        (flat(prompt="a", batch="later"), "invalid_type"),
     ],
 )
 def test_bad_entries_get_a_stable_code(fields, code):
