@@ -64,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("--temperature", type=float, default=0.0)
     submit.add_argument("--priority", type=int, default=0, help="-10..10, higher first")
     submit.add_argument(
+        "--tenant",
+        type=_tenant_name,
+        help="who the job is for: fair share, caps and quotas count per tenant (default: default)",
+    )
+    submit.add_argument(
+        "--batch", action="store_true", help="a batch job: it runs only on capacity interactive jobs leave free"
+    )
+    submit.add_argument(
         "--logprobs",
         type=int,
         metavar="K",
@@ -206,6 +214,15 @@ def _output_shape(args: argparse.Namespace) -> dict:
     return {}
 
 
+def _tenant_name(text: str) -> str:
+    """--tenant's value, checked as a worker checks it (a usage error, not a dead letter)."""
+    from service.protocol import TENANT_PATTERN
+
+    if not TENANT_PATTERN.fullmatch(text):
+        raise argparse.ArgumentTypeError("must be 1-64 characters of letters, digits and _ . @ -")
+    return text
+
+
 def _submit(args: argparse.Namespace) -> int:
     from service.sdk import InflightError, SyncClient
 
@@ -224,7 +241,13 @@ def _submit(args: argparse.Namespace) -> int:
             args.redis_url, requests_stream=args.requests_stream, reply_timeout_s=args.timeout_s or None
         ) as client:
             for event in client.generate(
-                **text, max_tokens=args.max_tokens, temperature=args.temperature, priority=args.priority, **shape
+                **text,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                priority=args.priority,
+                tenant=args.tenant,
+                batch=args.batch or None,  # left out unless asked: the job reads as before
+                **shape,
             ):
                 if event["type"] == "token":
                     print(event["text"], end="", flush=True)
@@ -242,7 +265,8 @@ def _submit(args: argparse.Namespace) -> int:
                         file=sys.stderr,
                     )
                 else:
-                    print(f"error {event['code']}: {event['message']}", file=sys.stderr)
+                    retry = f" (retry after {event['retry_after_s']:g} s)" if "retry_after_s" in event else ""
+                    print(f"error {event['code']}: {event['message']}{retry}", file=sys.stderr)
                     return 1
     except InflightError as error:  # one line, not a traceback: the server went away or no worker answers
         if streaming:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
+from service.protocol import TENANT_PATTERN
 from workers.config import EngineConfig, default_cache_dir
 
 
@@ -211,8 +214,10 @@ class GatewayConfig:
     # A request whose reply stream stays silent this long is cancelled and answered 504:
     # no worker serves the stream (a failover's pause is about claim_idle_ms, 2 s).
     reply_timeout_s: float = 60.0
-    # Bearer keys; none = no auth. Never printed: repr=False keeps them out of logs.
-    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    # Bearer keys, each to the tenant it is bound to (None: the request may name its
+    # own); none = no auth. A set of keys binds none. Never printed: repr=False keeps
+    # them out of logs.
+    api_keys: Mapping[str, str | None] = field(default_factory=dict, repr=False, hash=False)
     # Largest accepted request body, the protocol's entry limit.
     max_body_bytes: int = 1 << 20
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -231,4 +236,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0")
         if not self.model_name:
             raise ValueError("model_name must not be empty")
-        object.__setattr__(self, "api_keys", frozenset(self.api_keys))
+        keys = self.api_keys if isinstance(self.api_keys, Mapping) else dict.fromkeys(self.api_keys)
+        for tenant in keys.values():
+            if tenant is not None and not TENANT_PATTERN.fullmatch(tenant):
+                raise ValueError(f"an API key's tenant {tenant!r} is not 1-64 letters, digits and _ . @ -")
+        object.__setattr__(self, "api_keys", MappingProxyType(dict(keys)))  # read-only, as the config is frozen

@@ -381,13 +381,29 @@ GATEWAY = FlagGroup(
 GATEWAY_LOGGING = LOGGING.without("log_prompts")  # the gateway logs no prompts
 
 
-def read_api_keys(path: Path | None, env: str | None) -> frozenset[str]:
-    """Keys from a file (one a line; blank lines and # comments skipped) and from the
-    environment variable's text (comma-separated)."""
-    keys = [key.strip() for key in (env or "").split(",")]
-    if path is not None:
-        keys += [line.strip() for line in Path(path).read_text().splitlines() if not line.strip().startswith("#")]
-    return frozenset(key for key in keys if key)
+def read_api_keys(path: Path | None, env: str | None) -> dict[str, str | None]:
+    """Keys, each to the tenant it is bound to (None: unbound), from a file and from the
+    environment variable's text (comma-separated keys, unbound). A line of the file is
+    `KEY` or `KEY TENANT` (whitespace between); blank lines and # comments are skipped.
+    A key also given unbound keeps its tenant; one bound to two tenants is an error."""
+    keys: dict[str, str | None] = dict.fromkeys(key.strip() for key in (env or "").split(","))
+    keys.pop("", None)
+    if path is None:
+        return keys
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) > 2:
+            raise ValueError(f"{path}, line {number}: expected `KEY` or `KEY TENANT`, got {len(words)} words")
+        key, tenant = words[0], words[1] if len(words) == 2 else None
+        if tenant is None:
+            keys.setdefault(key, None)
+        elif keys.get(key) not in (None, tenant):
+            raise ValueError(f"{path}, line {number}: the key is bound to two tenants, {keys[key]} and {tenant}")
+        else:
+            keys[key] = tenant
+    return keys
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -396,7 +412,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument(
         "--api-keys-file",
         type=Path,
-        help=f"bearer keys, one a line; also ${API_KEYS_ENV} (comma-separated); none = no auth",
+        help=f"bearer keys, one a line, each optionally followed by the tenant it binds: `KEY [TENANT]`; "
+        f"also ${API_KEYS_ENV} (comma-separated, unbound); none = no auth",
     )
     GATEWAY_LOGGING.add_to(parser)
 

@@ -16,6 +16,10 @@ Structured output: `client.generate("...", json_schema={"type": "object", ...})`
 `json_object=True`, `regex="..."`, `choice=["yes", "no"]`): the answer's text parses
 and validates, unless it ends for `length` (max_tokens) or `grammar_dead_end`.
 
+Tenants and batch jobs: `client.submit("...", tenant="acme", batch=True)`. With fair
+queueing a job may be refused for load: an `error` event whose code is `queue_full` or
+`quota_exceeded` carries `retry_after_s`, when to send it again.
+
 Errors: every method (and, for a Redis Cluster, SyncClient's constructor, which finds
 the cluster's nodes at once) raises only the SDK's own exceptions, each with a one-line
 message fit to show a user (the redis-py error stays as its `__cause__`):
@@ -41,7 +45,7 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from service.connect import as_redis_error, connect, connect_sync
-from service.protocol import CONTROL_STREAM, REQUESTS_STREAM, reply_stream
+from service.protocol import CONTROL_STREAM, REQUESTS_STREAM, TENANT_PATTERN, reply_stream
 
 FINAL_TYPES = ("done", "error")
 REPLY_TIMEOUT_S = 60.0
@@ -76,9 +80,14 @@ def _translated(address: str) -> Iterator[None]:
 
 
 def job_payload(prompt: str | None, messages: list[dict] | None, request_id: str, **options) -> dict:
-    """The request entry's fields: one msgpack `payload` (options left at None are omitted)."""
+    """The request entry's fields: one msgpack `payload` (options left at None are omitted).
+    A malformed `tenant` is refused here, with the one-line reason a worker would give,
+    rather than as a dead letter later."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
+    tenant = options.get("tenant")
+    if tenant is not None and not (isinstance(tenant, str) and TENANT_PATTERN.fullmatch(tenant)):
+        raise ValueError("tenant must be 1-64 characters of letters, digits and _ . @ -")
     job = {"id": request_id, **({"prompt": prompt} if prompt is not None else {"messages": messages})}
     job.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in options.items() if v is not None})
     return {"payload": msgpack.packb(job)}
@@ -153,7 +162,8 @@ class Client(_Settings):
         """Queue a job; returns its request id. Options: max_tokens, temperature, top_p,
         top_k, seed, stop, ignore_eos, n, priority, deadline_ms, reply_to; structured
         output: json_schema (a dict), json_object, regex or choice (a list of strings);
-        logprobs and top_logprobs (docs/protocol.md)."""
+        logprobs and top_logprobs; tenant (a name, default "default") and batch (True: run
+        only on capacity interactive jobs leave free) (docs/protocol.md)."""
         request_id = request_id or uuid.uuid4().hex
         with _translated(self.address):
             await self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))

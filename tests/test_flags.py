@@ -126,13 +126,37 @@ def test_memory_flags_count_mib_and_a_repeated_flag_gives_each_value():
 
 def test_the_gateway_reads_api_keys_from_its_file_and_the_environment(tmp_path, monkeypatch):
     keys = tmp_path / "keys"
-    keys.write_text("# one a line\nsk-file-1\n\n  sk-file-2  \n")
-    monkeypatch.setenv(API_KEYS_ENV, "sk-env-1, sk-env-2,")
+    keys.write_text("# one a line, a tenant after a key binds it\nsk-file-1\n\n  sk-file-2  \nsk-acme\tacme\n")
+    monkeypatch.setenv(API_KEYS_ENV, "sk-env-1, sk-env-2, sk-acme,")
     args = parse(add_gateway_arguments, ["--api-keys-file", str(keys), "--log-level", "warning"])
     config = gateway_config_from_args(args)
-    assert config.api_keys == {"sk-file-1", "sk-file-2", "sk-env-1", "sk-env-2"}
+    assert config.api_keys == {
+        "sk-file-1": None,
+        "sk-file-2": None,
+        "sk-env-1": None,
+        "sk-env-2": None,
+        "sk-acme": "acme",
+    }
     assert config.logging.level == "warning" and not config.logging.log_prompts
-    assert read_api_keys(None, None) == frozenset()
+    assert read_api_keys(None, None) == {}
+    assert GatewayConfig(api_keys={"sk-1"}).api_keys == {"sk-1": None}  # a set of keys binds none
+    assert "sk-" not in repr(config)
+
+
+@pytest.mark.parametrize(
+    "lines, why",
+    [
+        ("sk-1 acme extra\n", "expected `KEY` or `KEY TENANT`"),
+        ("sk-1 acme\nsk-1 globex\n", "bound to two tenants"),
+        ("sk-1 not/a/name\n", "not 1-64 letters"),
+    ],
+)
+def test_a_malformed_keys_file_line_is_refused_without_showing_the_key(tmp_path, lines, why):
+    keys = tmp_path / "keys"
+    keys.write_text(lines)
+    with pytest.raises(ValueError, match=why) as refused:
+        GatewayConfig(api_keys=read_api_keys(keys, None))
+    assert "sk-1" not in str(refused.value)  # a key is never shown
 
 
 def help_of(command: str, capsys) -> str:

@@ -9,7 +9,7 @@ gateway keeps no state between requests, so any number of them can front one que
     openai_api   OpenAI request bodies -> job fields, and replies -> OpenAI responses
     errors       OpenAI-shaped errors, and the queue's error codes as HTTP statuses
     queue        the Redis side: submit, read replies resumably, cancel, queue depth
-    auth         optional bearer keys
+    auth         optional bearer keys, and the tenant a request is for
     metrics      the gateway's Prometheus metrics
     app          the Starlette app: routes and the streaming response
     server       uvicorn on uvloop, and the start-up line

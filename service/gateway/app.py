@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from service.config import GatewayConfig
 from service.connect import connect
-from service.gateway.auth import APIKeys
+from service.gateway.auth import TENANT_HEADER, APIKeys
 from service.gateway.errors import APIError, from_queue
 from service.gateway.metrics import CLIENT_LEFT, GatewayMetrics
 from service.gateway.openai_api import CHAT, TEXT, Parsed, Renderer, error_event, parse
@@ -95,7 +95,7 @@ class Gateway:
 
     async def _complete(self, request: Request, kind: str) -> JobResponse:
         started = time.perf_counter()
-        self.keys.check(request.headers.get("authorization"))
+        tenant = self.keys.tenant(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
         parsed = parse(kind, await self._json(request), self.config.default_max_tokens)
         if parsed.model != self.config.model_name:
             raise APIError(
@@ -105,7 +105,7 @@ class Gateway:
                 code="model_not_found",
             )
         request_id = uuid.uuid4().hex
-        payload = parsed.payload(request_id)
+        payload = parsed.payload(request_id, tenant)
         why = self.queue.overloaded()
         if why:
             raise APIError(
@@ -122,7 +122,7 @@ class Gateway:
             raise APIError(
                 503, "the queue (Redis) is unavailable; retry later", "server_error", code="queue_unavailable"
             ) from None
-        return JobResponse(self, request_id, parsed, started)
+        return JobResponse(self, request_id, parsed, started, tenant)
 
     async def models(self, request: Request) -> Response:
         self.keys.check(request.headers.get("authorization"))
@@ -154,9 +154,9 @@ class Gateway:
 class JobResponse:
     """The answer to one queued job, streamed (SSE) or whole, as its reply stream lands."""
 
-    def __init__(self, gateway: Gateway, request_id: str, parsed: Parsed, started: float) -> None:
+    def __init__(self, gateway: Gateway, request_id: str, parsed: Parsed, started: float, tenant: str) -> None:
         self.gateway, self.queue, self.metrics = gateway, gateway.queue, gateway.metrics
-        self.request_id, self.parsed, self.started = request_id, parsed, started
+        self.request_id, self.parsed, self.started, self.tenant = request_id, parsed, started, tenant
         prefix = "chatcmpl-" if parsed.kind == CHAT else "cmpl-"
         self.renderer = Renderer(parsed, prefix + request_id)
         self.finished = False  # the job ended (its final event read, or cancelled here)
@@ -191,6 +191,7 @@ class JobResponse:
             request_id=self.request_id,
             kind=self.parsed.kind,
             stream=self.parsed.stream,
+            tenant=self.tenant,
             total_s=round(time.perf_counter() - self.started, 4),
             **self.summary,
         )
@@ -200,7 +201,9 @@ class JobResponse:
         try:
             batch = await anext(batches)
             if batch[0]["type"] == "error":
-                await self._error(send, from_queue(batch[0]["code"], batch[0]["message"]))
+                # Before any status line, so a refusal (a 429 for load, too) gets its own status.
+                self._ended(batch[0])
+                await self._error(send, _queue_error(batch[0]))
             elif self.parsed.stream:
                 await self._stream(send, batch, batches)
             else:
@@ -229,9 +232,7 @@ class JobResponse:
                 if event["type"] != "token":
                     self._ended(event)
                     body.append(
-                        self.renderer.ending(event)
-                        if event["type"] == "done"
-                        else error_event(from_queue(event["code"], event["message"]))
+                        self.renderer.ending(event) if event["type"] == "done" else error_event(_queue_error(event))
                     )
                     await send({"type": "http.response.body", "body": b"".join(body), "more_body": False})
                     return
@@ -251,7 +252,7 @@ class JobResponse:
         event = batch[-1]
         self._ended(event)
         if event["type"] == "error":
-            await self._error(send, from_queue(event["code"], event["message"]))
+            await self._error(send, _queue_error(event))
             return
         await self._json(send, 200, json.dumps(self.renderer.whole(tokens, event)).encode())
 
@@ -282,9 +283,9 @@ class JobResponse:
 
     async def _error(self, send, error: APIError) -> None:
         self.finished = True
-        await self._json(send, error.status, error.json())
+        await self._json(send, error.status, error.json(), error.headers)
 
-    async def _json(self, send, status: int, body: bytes) -> None:
+    async def _json(self, send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         self.summary["status"] = status
         await send(
             {
@@ -294,10 +295,16 @@ class JobResponse:
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
                     (b"x-request-id", self.request_id.encode()),
+                    *((name.lower().encode(), value.encode()) for name, value in (headers or {}).items()),
                 ],
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def _queue_error(event: dict) -> APIError:
+    """A job's error event as its HTTP error (with Retry-After for a refusal for load)."""
+    return from_queue(event["code"], event["message"], event.get("retry_after_s"))
 
 
 async def _client_leaves(receive) -> None:

@@ -4,6 +4,7 @@ the HTTP status each of the queue's error codes (docs/protocol.md) is answered w
 from __future__ import annotations
 
 import json
+import math
 
 # A queue error code -> (HTTP status, OpenAI error type). docs/gateway.md, "Errors", is this table.
 QUEUE_ERRORS: dict[str, tuple[int, str]] = {
@@ -16,6 +17,9 @@ QUEUE_ERRORS: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),  # the engine refused it, e.g. beyond the context
     "invalid_grammar": (400, "invalid_request_error"),  # its schema or regex does not compile
     "too_large": (413, "invalid_request_error"),
+    # Refused for load, before anything ran: the client's to send again after Retry-After.
+    "queue_full": (429, "rate_limit_error"),
+    "quota_exceeded": (429, "rate_limit_error"),
     # The gateway names every job afresh, so this means two gateways drew one id.
     "duplicate_id": (409, "server_error"),
     # The serving side failed.
@@ -53,7 +57,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def from_queue(code: str, message: str) -> APIError:
-    """A job's `error` event as the HTTP error it maps to (an unknown code is a 500)."""
+def from_queue(code: str, message: str, retry_after_s: float | None = None) -> APIError:
+    """A job's `error` event as the HTTP error it maps to (an unknown code is a 500). A
+    refusal for load says when to come back: `Retry-After` in whole seconds, rounded up
+    (so a client never returns early), at least 1."""
     status, type_ = QUEUE_ERRORS.get(code, (500, "server_error"))
-    return APIError(status, message, type_, code=code)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    return APIError(status, message, type_, code=code, headers=headers)

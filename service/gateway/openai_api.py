@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import msgpack
 
 from service.gateway.errors import APIError, bad_request, from_queue
-from service.protocol import ProtocolError, decode_job
+from service.protocol import DEFAULT_TENANT, ProtocolError, decode_job
 
 CHAT, TEXT = "chat", "text"
 
@@ -93,11 +93,15 @@ class Parsed:
     include_usage: bool
     n: int
 
-    def payload(self, request_id: str) -> bytes:
+    def payload(self, request_id: str, tenant: str = DEFAULT_TENANT) -> bytes:
         """The job as the request entry's msgpack `payload`, checked as a worker checks
         it (a ProtocolError becomes the status its code has from a worker: 413 for
-        `too_large`, else 400)."""
-        payload = msgpack.packb({"id": request_id, **self.job})
+        `too_large`, else 400). The default tenant is left implicit, so the job reads
+        the same to workers older than tenants."""
+        job = {"id": request_id, **self.job}
+        if tenant != DEFAULT_TENANT:
+            job["tenant"] = tenant
+        payload = msgpack.packb(job)
         try:
             decode_job("0-0", {"payload": payload})
         except ProtocolError as error:
