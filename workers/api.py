@@ -177,6 +177,11 @@ class GenerationRequest:
     from the prefill worker, shaped like the KV pool's blocks (`[layers, 2, blocks,
     block_size, kv_heads, head_dim]`): they enter the prefix cache's host tier, so the
     request computes only the rest.
+    `batch` (a batch job) makes it run only on capacity interactive requests leave
+    free: it queues behind every interactive request, whatever their priorities and
+    however long it waited, and while running it is preempted (swapped out, else
+    recomputed later) the step an interactive request needs its running slot or its KV
+    blocks. Among batch requests, priority and aging order them as usual.
     With `params.n` > 1 the prompt is computed once and the choices share its KV
     blocks; every token event names its choice (`index`), and the one final event
     comes when the last choice ends, with each choice's end in `choices`.
@@ -193,6 +198,7 @@ class GenerationRequest:
     resumed_output_ids: Sequence[int] | Sequence[Sequence[int]] = ()
     handoff_min_prompt_tokens: int | None = None
     prompt_kv: torch.Tensor | None = None
+    batch: bool = False
 
     @property
     def hands_off(self) -> bool:

@@ -37,6 +37,8 @@ class Request:
     arrival_time: float
     priority: int = DEFAULT_PRIORITY
     deadline: float | None = None  # finish by then (perf_counter clock), or end with DEADLINE
+    # A batch job: it queues behind every interactive request and is preempted first.
+    batch: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     # The sampled tokens that end it: its stop_token_ids, and EOS unless ignore_eos.
     stop_token_ids: frozenset[int] = frozenset()
@@ -50,8 +52,9 @@ class Request:
     index: int = 0
     forks: list[Request] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    # The scheduler's bookkeeping: queue order, and the step it last started running.
-    queue_key: tuple[float, int] = (0.0, 0)
+    # The scheduler's bookkeeping: queue order (batch, virtual arrival, tie-breaker;
+    # `workers/request_queue.py`), and the step it last started running.
+    queue_key: tuple[bool, float, int] = (False, 0.0, 0)
     running_since_step: int = 0
     # Output tokens it is predicted to produce in all (`workers/length_predictor.py`),
     # at most max_tokens; None without a length policy.

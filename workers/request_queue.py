@@ -1,19 +1,25 @@
 """The scheduler's queue: waiting and swapped-out requests in one order, and every request's deadline.
 
 **Queue order (priority with aging).** Waiting and swapped-out requests share one
-queue ordered by a key fixed at arrival: `arrival - (priority - PRIORITY_MIN) * w`,
-with `w = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)`. Read it as "every
-priority step is a head start of w seconds": a request's effective priority grows
-with the time it waits, at the same rate for everyone, so the order never has to be
-recomputed. Consequence (the starvation bound): no request is ever overtaken by one
-that arrived more than `priority_bound_s` after it. Equal priority is first come,
-first served. A preempted request returns under its original key, keeping its place.
+queue ordered by a key fixed at arrival, `(batch, virtual arrival, tie-breaker)`, with
+virtual arrival `arrival - (priority - PRIORITY_MIN) * w` and
+`w = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)`. Batch jobs come after every
+interactive request, whatever the priorities and however long they waited. Within
+each class, read the virtual arrival as "every priority step is a head start of w
+seconds": a request's effective priority grows with the time it waits, at the same
+rate for everyone, so the order never has to be recomputed. Consequence (the
+starvation bound): no interactive request is ever overtaken by one that arrived more
+than `priority_bound_s` after it, and no batch request by a batch request that did;
+a batch request may wait behind interactive work indefinitely, by design. Equal
+priority is first come, first served. A preempted request returns under its original
+key, keeping its place.
 
 **Shortest predicted first.** Under a length policy (`SchedulerConfig.length_policy`) the
 key also subtracts a head start of up to `length_bound_s` seconds, more the shorter the
 request's predicted output (`workers.length_predictor.head_start_s`), so within a
-priority short jobs go first and a long one still ages: it is never overtaken by one that
-arrived more than `priority_bound_s + length_bound_s` after it.
+priority short jobs go first and a long one still ages: it is never overtaken by one of
+its class (interactive or batch) that arrived more than `priority_bound_s + length_bound_s`
+after it.
 
 Requests that finish while queued are dropped lazily, when they surface.
 """
@@ -32,7 +38,7 @@ QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
 
 class RequestQueue:
     def __init__(self, priority_bound_s: float) -> None:
-        self._heap: list[tuple[tuple[float, int], Request]] = []
+        self._heap: list[tuple[tuple[bool, float, int], Request]] = []
         self._deadlines: list[tuple[float, int, Request]] = []
         self._order = itertools.count()  # tie-breakers: first come, first served
         self._priority_weight = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
@@ -40,15 +46,16 @@ class RequestQueue:
         self.num_swapped = 0
 
     def place(self, request: Request, beside: Request | None = None, head_start_s: float = 0.0) -> None:
-        """Fix `request`'s queue key from its arrival, priority and `head_start_s` (or, for
-        a parallel choice, `beside` its lead's, with a tie-breaker of its own: keys are
-        unique), and watch its deadline."""
+        """Fix `request`'s queue key from whether it is a batch job, its arrival, priority
+        and `head_start_s` (or, for a parallel choice, `beside` its lead's, with a
+        tie-breaker of its own: keys are unique), and watch its deadline."""
         if beside is None:
+            batch = request.batch
             priority_credit = (request.priority - PRIORITY_MIN) * self._priority_weight
             virtual_arrival = request.arrival_time - priority_credit - head_start_s
         else:
-            virtual_arrival = beside.queue_key[0]
-        request.queue_key = (virtual_arrival, next(self._order))
+            batch, virtual_arrival, _ = beside.queue_key
+        request.queue_key = (batch, virtual_arrival, next(self._order))
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
 

@@ -12,6 +12,12 @@ queue's head (`_plan_prefills`), then drafts with what is left (`DraftPlanner.pl
 blocks are allocated as tokens are scheduled, never reserved for max_tokens up front;
 when a decode finds none free, a running request is preempted (`_preempt_one`).
 
+**Batch jobs** (`Request.batch`) run only on capacity interactive requests leave free:
+they queue behind every interactive request, are the first victims of any preemption,
+and are preempted as soon as an interactive request lacks a running slot or KV blocks
+to start or to go on with its prompt (`_preempt_batch_for`). A batch request never
+preempts an interactive one.
+
 **After the step** the scheduler owns what changed: `update_from_output` moves each
 chunk's request past the tokens it ran, appends the sampled tokens (after any accepted
 drafts), and retires the requests that reached a stop token or max_tokens. The engine
@@ -255,17 +261,20 @@ class Scheduler:
         admitted after its cached prefix) while `max_running_requests` and free blocks
         allow. The queue is strict: if its head cannot start, nothing behind it starts
         either, so a large request cannot be starved by small ones. A request is never
-        swapped back in during the step that swapped it out.
+        swapped back in during the step that swapped it out. An interactive request
+        short of a running slot or of blocks takes them from running batch requests.
         """
         config = self.config
         num_decodes = len(plan.chunks)
         budget = min(config.max_prefill_tokens, config.max_batch_tokens - num_decodes)
 
         # Running requests part-way through their prompt take their next chunk.
-        for request in self.running:
+        for request in list(self.running):  # a copy: batch requests may be preempted meanwhile
             if budget == 0:
                 break
-            if not request.is_decoding:
+            if request.status is RequestStatus.RUNNING and not request.is_decoding:
+                while self.kv_cache.room(request) == 0 and self._preempt_batch_for(request, plan):
+                    pass  # no block to write into: an interactive prompt takes batch requests' blocks
                 budget -= self._add_prefill_chunk(request, budget, plan)
 
         # The queue's head starts, while it fits.
@@ -274,10 +283,14 @@ class Scheduler:
             if request in plan.preempted:
                 break  # never back in the step that preempted it
             if self._occupied() + 1 + self._num_forking(request) > config.max_running_requests:
+                if self._preempt_batch_for(request, plan):
+                    continue
                 break  # a lead starts only with room for the choices that will fork from it
             if request.status is RequestStatus.SWAPPED:
                 # Back in only with room for its next token, so it runs this step.
                 if not self.kv_cache.can_hold(request.num_computed + 1):
+                    if self._preempt_batch_for(request, plan):
+                        continue
                     break
                 if request.is_decoding:
                     if num_decodes == self._decode_cap or plan.num_tokens == config.max_batch_tokens:
@@ -295,8 +308,12 @@ class Scheduler:
                 self._swap_in(request, plan)
                 budget -= self._add_prefill_chunk(request, budget, plan)
                 continue
-            if budget == 0 or not self._admit(request, budget, plan):
-                break  # no budget or no blocks: keep the queue's order, wait
+            if budget == 0:
+                break  # keep the queue's order, wait
+            if not self._admit(request, budget, plan):
+                if self._preempt_batch_for(request, plan):
+                    continue
+                break  # no blocks: keep the queue's order, wait
             budget -= self._add_prefill_chunk(request, budget, plan)
 
     def _admit(self, request: Request, budget: int, plan: StepPlan) -> bool:
@@ -370,9 +387,17 @@ class Scheduler:
                 return False
         return True
 
+    def _preempt_batch_for(self, request: Request, plan: StepPlan) -> bool:
+        """If `request` is interactive and a batch request runs, preempt one (as
+        `_preempt_one` picks it) to give `request` its running slot or blocks; else say False."""
+        if request.batch or not any(r.batch for r in self.running):
+            return False
+        self._preempt_one(plan)  # batch requests go first
+        return True
+
     def _preempt_one(self, plan: StepPlan) -> Request:
         """Preempt a running request and return it; it goes back to the queue under its
-        original key, keeping its place.
+        original key, keeping its place. Batch requests are always the first victims.
 
         - Swapped out, when the host tier has room: the victim is the request with the
           lowest priority, and among those the one that has run the most steps since it
@@ -385,14 +410,16 @@ class Scheduler:
           livelock.
         """
         if self.length_predictor is None:
-            victim = max(self.running, key=lambda r: (-r.priority, self._step - r.running_since_step, r.queue_key))
+            victim = max(
+                self.running, key=lambda r: (r.batch, -r.priority, self._step - r.running_since_step, r.queue_key)
+            )
         else:
-            victim = max(self.running, key=lambda r: (-r.priority, r.predicted_remaining, r.queue_key))
+            victim = max(self.running, key=lambda r: (r.batch, -r.priority, r.predicted_remaining, r.queue_key))
         if self.kv_cache.swap_out(victim, plan):
             self._remove_running(victim, plan)
             self.queue.push(victim, RequestStatus.SWAPPED)
             return victim
-        victim = max(self.running, key=lambda r: (-r.priority, r.queue_key))
+        victim = max(self.running, key=lambda r: (r.batch, -r.priority, r.queue_key))
         self._remove_running(victim, plan)
         victim.num_computed = 0  # recompute prompt + outputs when it runs again
         self.queue.push(victim, RequestStatus.WAITING)

@@ -53,6 +53,8 @@ class RequestValidator:
         prompt_ids = self._prompt_ids(request.prompt, params)
         resumed = self._resumed(request.resumed_output_ids, params)
         validate_priority(request.priority)
+        if not isinstance(request.batch, bool):
+            raise InvalidRequest(f"batch must be true or false, got {request.batch!r}")
         if deadline is not None and (
             isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
         ):
@@ -70,6 +72,7 @@ class RequestValidator:
                 arrival,
                 request.priority,
                 local_deadline,
+                batch=request.batch,  # every choice of a batch job is one too
                 output_token_ids=output_ids,
                 stop_token_ids=stop_ids,
                 index=index,
