@@ -393,6 +393,7 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
             metrics_config.ingest_poll_s,
             log_config.log_prompts,
             worker_config.disagg,
+            worker_config.fair_queue,
         )
         left = await worker.run(stop)
     except AuthenticationError as error:

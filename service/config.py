@@ -123,6 +123,55 @@ class DisaggConfig:
             raise ValueError("handoff_hold_s must be > 0")
 
 
+@dataclass(frozen=True)
+class FairQueueConfig:
+    """Fair queueing across workers: admission caps, tenant quotas and fair share
+    (docs/protocol.md, "Tenants, batch jobs and admission"). Every cap is off at 0."""
+
+    # Admit jobs into per-tenant queues in Redis and take them in fair order; every
+    # worker of a stream should agree on it. Any cap or quota below turns it on.
+    enabled: bool = False
+    # Jobs, and their prompt tokens, admitted and not yet taken by a worker: over a cap a
+    # new job is refused at once as queue_full.
+    max_queued_jobs: int = 0
+    max_queued_tokens: int = 0
+    # The same, per tenant.
+    tenant_max_queued_jobs: int = 0
+    tenant_max_queued_tokens: int = 0
+    # Tokens (prompt and output) a tenant may be served per second, averaged over 10 s of
+    # burst: over it, its new jobs are refused as quota_exceeded.
+    tenant_tokens_per_s: float = 0.0
+    # What a tenant is charged per prompt token and per output token (VTC's 1 and 2: an
+    # output token costs a step, a prompt token a share of one).
+    charge_prompt_weight: float = 1.0
+    charge_output_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_queued_jobs",
+            "max_queued_tokens",
+            "tenant_max_queued_jobs",
+            "tenant_max_queued_tokens",
+            "tenant_tokens_per_s",
+            "charge_prompt_weight",
+            "charge_output_weight",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        capped = any(
+            getattr(self, name)
+            for name in (
+                "max_queued_jobs",
+                "max_queued_tokens",
+                "tenant_max_queued_jobs",
+                "tenant_max_queued_tokens",
+                "tenant_tokens_per_s",
+            )
+        )
+        if capped:  # checked at admission
+            object.__setattr__(self, "enabled", True)
+
+
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -173,6 +222,7 @@ class WorkerConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    fair_queue: FairQueueConfig = field(default_factory=FairQueueConfig)
 
     def __post_init__(self) -> None:
         if self.disagg.role != "both" and not self.engine.cache.prefix_caching:

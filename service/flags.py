@@ -26,6 +26,7 @@ from service.config import (
     LOG_LEVELS,
     ROLES,
     DisaggConfig,
+    FairQueueConfig,
     GatewayConfig,
     LoggingConfig,
     MetricsConfig,
@@ -310,6 +311,21 @@ DISAGG = FlagGroup(
     ),
 )
 
+FAIR_QUEUE = FlagGroup(
+    "fair queueing, caps and quotas (docs/protocol.md)",
+    FairQueueConfig,
+    (
+        Flag("enabled", "admit jobs into per-tenant queues and take them in fair order", name="--fair-queue"),
+        Flag("max_queued_jobs", "admitted jobs not yet taken, over the stream (0 = no cap)"),
+        Flag("max_queued_tokens", "their prompt tokens, over the stream (0 = no cap)"),
+        Flag("tenant_max_queued_jobs", "admitted jobs not yet taken, per tenant (0 = no cap)"),
+        Flag("tenant_max_queued_tokens", "their prompt tokens, per tenant (0 = no cap)"),
+        Flag("tenant_tokens_per_s", "tokens a tenant may be served per second (0 = no quota)"),
+        Flag("charge_prompt_weight", "fair share: a tenant's charge per prompt token"),
+        Flag("charge_output_weight", "fair share: a tenant's charge per output token"),
+    ),
+)
+
 # EngineConfig's fields, each a config with its table.
 ENGINE: Mapping[str, FlagGroup] = {
     "model": MODEL,
@@ -338,6 +354,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     METRICS.add_to(parser)
     LOGGING.add_to(parser)
     DISAGG.add_to(parser)
+    FAIR_QUEUE.add_to(parser)
 
 
 def worker_config_from_args(args: argparse.Namespace, url: str) -> WorkerConfig:
@@ -348,6 +365,7 @@ def worker_config_from_args(args: argparse.Namespace, url: str) -> WorkerConfig:
         metrics=METRICS.build(args),
         logging=LOGGING.build(args),
         disagg=DISAGG.build(args),
+        fair_queue=FAIR_QUEUE.build(args),
     )
 
 

@@ -39,7 +39,8 @@ import structlog
 from redis.exceptions import RedisError
 
 from service.cancels import CancelRegistry, stream_id
-from service.config import DisaggConfig, RedisConfig
+from service.config import DisaggConfig, FairQueueConfig, RedisConfig
+from service.fair_queue import Admission, Charges, FairQueueReader, Refusal
 from service.handoff import Handoff, Handoffs
 from service.ingest import Entry, JobReader
 from service.metrics import Metrics
@@ -48,9 +49,19 @@ from service.protocol import Job, ProtocolError, decode_job
 from service.publish import LeaseLost, ReplyPublisher
 from service.retry import is_transient, retrying
 from service.structured_logging import bind_request, log_request_finished
-from workers.api import FinalEvent, FinishReason, GenerationRequest, InvalidRequest, Timings, Usage
+from workers.api import (
+    PRIORITY_MAX,
+    PRIORITY_MIN,
+    FinalEvent,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequest,
+    Timings,
+    Usage,
+)
 from workers.async_engine import AsyncEngine
 from workers.engine import Engine
+from workers.model_loader import encode_prompt
 
 log = structlog.get_logger("inflight.worker")
 
@@ -83,6 +94,7 @@ class Worker:
         ingest_poll_s: float = 5.0,
         log_prompts: bool = False,
         disagg: DisaggConfig = DisaggConfig(),
+        fair_queue: FairQueueConfig = FairQueueConfig(),
     ) -> None:
         self.role = disagg.role
         if self.role == "decode":  # it serves what prefill workers hand off
@@ -93,10 +105,21 @@ class Worker:
         engine.observer = self.metrics.observe_step
         self.ingest_poll_s = ingest_poll_s
         self.log_prompts = log_prompts  # prompts and outputs in the summary line: opt-in
-        self.reader = JobReader(redis, config)
         self.publisher = ReplyPublisher(redis, config.reply_ttl_s, config.consumer)
         self.outbox = ReplyOutbox(self.publisher, self.metrics.observe_publish_lag)
-        self.front = AsyncEngine(engine, self.outbox.on_events)
+        self.front = AsyncEngine(engine, self._on_events)
+        # With fair queueing (not on a decode worker: handoffs are internal) jobs are
+        # admitted from the request stream into tenant queues and taken from there.
+        self.admission = self.charges = None
+        if fair_queue.enabled and self.role != "decode":
+            scheduler = engine.config.scheduler
+            priority_step_s = scheduler.priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
+            self.reader = FairQueueReader(redis, config, fair_queue, priority_step_s)
+            self.admission = Admission(redis, config, fair_queue, self._admissible, self._refuse)
+            self.charges = Charges(redis, config.requests_stream, fair_queue)
+        else:
+            self.reader = JobReader(redis, config)
+        self.jobs: dict[str, Job] = {}  # by entry id, while their events flow (for charges)
         self.cancels = CancelRegistry(config.cancel_ttl_s)
         self.redis = redis
         # Enough queued work to keep the batcher full, no more.
@@ -122,6 +145,9 @@ class Worker:
                 asyncio.create_task(self._renew_leases(), name="leases"),
                 asyncio.create_task(self._housekeeping(), name="housekeeping"),
             ]
+            if self.admission is not None:
+                background.append(asyncio.create_task(self._admit(stop), name="admission"))
+                background.append(asyncio.create_task(self.charges.run(), name="charges"))
             if self.handoffs is not None:
                 self.front.engine.handoff_arena = self.handoffs.arena
                 background.append(asyncio.create_task(self._keep_handoffs(), name="handoffs"))
@@ -132,6 +158,8 @@ class Worker:
                 for task in background:
                     task.cancel()
                 await asyncio.wait(background, timeout=max(self._wind_down_left(), 0.1))
+                if self.charges is not None:
+                    await asyncio.wait([asyncio.create_task(self.charges.flush())], timeout=1.0)
 
     async def _prepare(self) -> None:
         await self.reader.ensure_group()
@@ -228,6 +256,7 @@ class Worker:
             )
         finally:
             self.outbox.close(entry.entry_id)
+            self.jobs.pop(entry.entry_id, None)
             if self.held[entry.entry_id].submitted:
                 self.front.cancel(entry.entry_id)  # a no-op once it has finished
             if handoff is not None:
@@ -295,9 +324,12 @@ class Worker:
                 resumed,
                 handoff_min_prompt_tokens=self.disagg.handoff_min_prompt_tokens if self.role == "prefill" else None,
                 prompt_kv=prompt_kv,
+                batch=job.batch,
             )
         )
         self.held[entry.entry_id].submitted = True
+        if self.charges is not None:
+            self.jobs[entry.entry_id] = job
         outcome = await published
         event = outcome.final
         self.metrics.observe_finished(event)
@@ -350,11 +382,15 @@ class Worker:
         request_id: str | None = None,
         claimed: bool = False,
         owner: str | None = None,
+        reader: JobReader | FairQueueReader | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
-        """Dead-letter the entry; first tell its producer on `reply_to`, if this job may
-        write there (`claimed`, or it can claim the stream now, as `owner`: the job's
-        request entry, which a handoff entry names)."""
+        """Dead-letter the entry (from `reader`'s stream: by default the one jobs are read
+        from); first tell its producer on `reply_to`, if this job may write there
+        (`claimed`, or it can claim the stream now, as `owner`: the job's request entry,
+        which a handoff entry names)."""
         owner = owner or entry.entry_id
+        reader = reader or self.reader
         log.warning(
             "job_dead_lettered",
             code=code,
@@ -367,13 +403,15 @@ class Worker:
         if reply_to:
             try:
                 if claimed or (await retrying(lambda: self.publisher.claim(reply_to, owner))).owned:
-                    await retrying(lambda: self.publisher.error(reply_to, owner, code, message, num_tokens))
+                    await retrying(
+                        lambda: self.publisher.error(reply_to, owner, code, message, num_tokens, retry_after_s)
+                    )
             except (LeaseLost, RedisError) as error:  # the dead letter still records it
                 if isinstance(error, RedisError) and is_transient(error):
                     raise
                 log.warning("error_reply_failed", entry_id=entry.entry_id, error=str(error) or type(error).__name__)
         self._settling(entry)
-        await retrying(lambda: self.reader.dead_letter(entry, code, message))
+        await retrying(lambda: reader.dead_letter(entry, code, message))
 
     async def _ack(self, entry: Entry) -> None:
         self._settling(entry)
@@ -383,6 +421,56 @@ class Worker:
         held = self.held.get(entry.entry_id)
         if held is not None:
             held.settling = True
+
+    # -- fair queueing -----------------------------------------------------------------
+
+    def _on_events(self, events: list) -> None:
+        """A step's events: to the outbox, and each output token charged to its tenant."""
+        self.outbox.on_events(events)
+        if self.charges is not None:
+            for event in events:
+                job = self.jobs.get(event.request_id)
+                if job is not None and not isinstance(event, FinalEvent):
+                    self.charges.output(job, len(event.token_ids))
+
+    async def _admit(self, stop: asyncio.Event) -> None:
+        """Admit new jobs from the request stream until told to stop."""
+        await _unless_stopped(stop, self.admission.run)
+
+    async def _admissible(self, entry: Entry) -> tuple[Job, int] | None:
+        """The entry's job and its prompt tokens; or None, when it was refused for what it
+        is (its producer told, the entry dead-lettered), as any worker would on reading it."""
+        try:
+            job = decode_job(entry.entry_id, entry.fields, self.config.reply_prefixes)
+        except ProtocolError as error:
+            self.metrics.observe_outcome("rejected")
+            await self._reject(
+                entry,
+                error.code,
+                error.message,
+                error.reply_to,
+                request_id=error.request_id,
+                reader=self.admission.reader,
+            )
+            return None
+        tokenizer = self.front.engine.tokenizer
+        try:  # off the event loop: a long prompt takes a while
+            prompt_tokens = len(await asyncio.to_thread(encode_prompt, tokenizer, job.prompt))
+        except InvalidRequest:
+            prompt_tokens = 0  # the engine refuses it when it is served, with this request's error
+        return job, prompt_tokens
+
+    async def _refuse(self, entry: Entry, job: Job, refusal: Refusal) -> None:
+        self.metrics.observe_outcome("rejected")
+        await self._reject(
+            entry,
+            refusal.code,
+            refusal.message,
+            job.reply_to,
+            request_id=job.request_id,
+            reader=self.admission.reader,
+            retry_after_s=refusal.retry_after_s,
+        )
 
     # -- alongside the jobs ------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from service.flags import (
     API_KEYS_ENV,
     DISAGG,
     ENGINE,
+    FAIR_QUEUE,
     GATEWAY,
     GATEWAY_LOGGING,
     LOGGING,
@@ -39,7 +40,14 @@ from workers.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 # Each table, under the setting it builds in its command's config.
-WORKER_TABLES = {"redis": REDIS, **ENGINE, "metrics": METRICS, "logging": LOGGING, "disagg": DISAGG}
+WORKER_TABLES = {
+    "redis": REDIS,
+    **ENGINE,
+    "metrics": METRICS,
+    "logging": LOGGING,
+    "disagg": DISAGG,
+    "fair_queue": FAIR_QUEUE,
+}
 GATEWAY_TABLES = {"": GATEWAY, "logging": GATEWAY_LOGGING}
 TABLES = [*WORKER_TABLES.values(), *GATEWAY_TABLES.values()]
 FLAGS = [(table, flag) for table in TABLES for flag in table.flags]

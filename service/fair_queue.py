@@ -1,0 +1,542 @@
+"""Fair queueing across workers: admission, tenant queues and fair share, in Redis
+(docs/protocol.md, "Tenants, batch jobs and admission"; issue 38).
+
+Producers add jobs to the request stream as always. Every worker admits what arrives
+there (`Admission`): one script checks the caps and quotas and either refuses the job or
+moves it into its tenant's queue at its level (a priority, or `batch`). Workers take
+jobs from those queues (`FairQueueReader`, a drop-in for `JobReader`): the level whose
+oldest job has waited longest (priority counted as a head start), within it the tenant
+served least, batch jobs only when no interactive job is queued. Tenants are charged for
+what they are served (`Charges`), so every worker orders by the same account (VTC).
+
+Each tenant queue is a stream with the same consumer group, leases and takeovers as the
+request stream; a job keeps its request entry id (its *origin*) for everything a producer
+sees, so the worker names it by that id, and this reader translates. Every key shares
+the request stream's hash slot (`{<requests stream>}:...`), so each script is atomic,
+on a Redis Cluster too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import structlog
+from redis.exceptions import ResponseError
+
+from service.config import FairQueueConfig, RedisConfig
+from service.ingest import RENEW, Entry, JobReader
+from service.protocol import Job
+from workers.api import PRIORITY_MIN
+
+log = structlog.get_logger("inflight.fair_queue")
+
+ORIGIN_FIELD = b"inflight:origin"  # the request entry's id, on a tenant queue's entry
+TOKENS_FIELD = b"inflight:tokens"  # its prompt tokens, as admission counted them
+BATCH_LEVEL = "batch"
+# A refusal's retry_after_s for queue_full: the excess over the drain rate, within these.
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
+DRAIN_WINDOW_S = 30
+# A tenant's bucket holds this many seconds of its tokens-per-second quota.
+QUOTA_BURST_S = 10
+
+# Shared by the scripts: the constants above, and the bookkeeping keys from the request
+# stream's name.
+_PRELUDE_LUA = f"""
+local window, retry_min, retry_max, burst = {DRAIN_WINDOW_S}, {RETRY_AFTER_MIN_S}, {RETRY_AFTER_MAX_S}, {QUOTA_BURST_S}
+local origin_field, tokens_field = '{ORIGIN_FIELD.decode()}', '{TOKENS_FIELD.decode()}'
+local priority_min = {PRIORITY_MIN}
+"""
+_KEYS_LUA = (
+    _PRELUDE_LUA
+    + """
+local tag = '{' .. KEYS[1] .. '}'
+local backlog_key, served_key = tag .. ':backlog', tag .. ':served'
+local queued_key, tokens_key = tag .. ':queued', tag .. ':queued_tokens'
+local function counter(key, field) return tonumber(redis.call('HGET', key, field) or '0') end
+local function account(level, tenant) if level == 'batch' then return 'batch:' .. tenant end return tenant end
+local function queues_with_backlog()
+  local flat, queues = redis.call('HGETALL', backlog_key), {}
+  for i = 1, #flat, 2 do
+    if tonumber(flat[i + 1]) > 0 then
+      local level, tenant = string.match(flat[i], ':q:([^:]+):(.+)$')
+      queues[#queues + 1] = {key = flat[i], level = level, tenant = tenant}
+    end
+  end
+  return queues
+end
+"""
+)
+
+# KEYS[1]: the request stream. ARGV: group, entry id, tenant, level, prompt tokens, now
+# (ms), max queued jobs, max queued tokens, the tenant's max queued jobs and tokens, its
+# tokens per second (0: no cap). Returns {'admitted'}, {'gone'} (another worker admitted
+# it, or it was deleted) or {code, retry_after_s, message}.
+ADMIT = (
+    _KEYS_LUA
+    + """
+local group, entry_id, tenant, level = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local tokens, now_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
+local max_jobs, max_tokens = tonumber(ARGV[7]), tonumber(ARGV[8])
+local tenant_max_jobs, tenant_max_tokens, rate = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+if #redis.call('XPENDING', KEYS[1], group, entry_id, entry_id, 1) == 0 then return {'gone'} end
+local entry = redis.call('XRANGE', KEYS[1], entry_id, entry_id)[1]
+if not entry then return {'gone'} end
+
+local function drain(field)
+  local now_s, total = math.floor(now_ms / 1000), 0
+  for s = now_s - window + 1, now_s do total = total + counter(tag .. ':drained:' .. s, field) end
+  return total / window
+end
+local function full(what, queued, cap, field, amount)
+  local rate_now = drain(field)
+  local wait = retry_max
+  if rate_now > 0 then wait = math.min(retry_max, math.max(retry_min, (queued + amount - cap) / rate_now)) end
+  return {'queue_full', tostring(wait), what .. ' queued: ' .. queued .. ' of at most ' .. cap}
+end
+if max_jobs > 0 and counter(queued_key, '*') + 1 > max_jobs then
+  return full('jobs', counter(queued_key, '*'), max_jobs, 'jobs', 1)
+end
+if max_tokens > 0 and counter(tokens_key, '*') + tokens > max_tokens then
+  return full('prompt tokens', counter(tokens_key, '*'), max_tokens, 'tokens', tokens)
+end
+if tenant_max_jobs > 0 and counter(queued_key, tenant) + 1 > tenant_max_jobs then
+  return full('tenant ' .. tenant .. ' jobs', counter(queued_key, tenant), tenant_max_jobs, 'jobs', 1)
+end
+if tenant_max_tokens > 0 and counter(tokens_key, tenant) + tokens > tenant_max_tokens then
+  return full('tenant ' .. tenant .. ' prompt tokens', counter(tokens_key, tenant), tenant_max_tokens, 'tokens', tokens)
+end
+if rate > 0 then
+  local bucket = tag .. ':rate:' .. tenant
+  local level_now = counter(bucket, 'level')
+  local at = tonumber(redis.call('HGET', bucket, 'at') or tostring(now_ms))
+  level_now = math.min(rate * burst, level_now + rate * (now_ms - at) / 1000)
+  if redis.call('EXISTS', bucket) == 0 then level_now = rate * burst end
+  redis.call('HSET', bucket, 'level', tostring(level_now), 'at', tostring(now_ms))
+  if level_now <= 0 then
+    return {'quota_exceeded', tostring(math.max(retry_min, -level_now / rate)),
+            'tenant ' .. tenant .. ' was served more than its ' .. rate .. ' tokens per second'}
+  end
+end
+
+-- Admitted. A tenant whose queues of this class were empty is lifted to the least
+-- counter among the tenants with queued jobs of the class: idle time earns no credit.
+local batch_class = level == 'batch'
+local was_idle, least = true, nil
+for _, queue in ipairs(queues_with_backlog()) do
+  if (queue.level == 'batch') == batch_class then
+    if queue.tenant == tenant then was_idle = false end
+    local served = counter(served_key, account(queue.level, queue.tenant))
+    if least == nil or served < least then least = served end
+  end
+end
+local mine = account(level, tenant)
+if was_idle and least ~= nil and counter(served_key, mine) < least then
+  redis.call('HSET', served_key, mine, tostring(least))
+end
+
+local queue = tag .. ':q:' .. level .. ':' .. tenant
+if redis.call('EXISTS', queue) == 0 then
+  redis.pcall('XGROUP', 'CREATE', queue, group, '0', 'MKSTREAM')
+  redis.call('SADD', tag .. ':queues', queue)
+end
+local fields = entry[2]
+table.insert(fields, origin_field); table.insert(fields, entry_id)
+table.insert(fields, tokens_field); table.insert(fields, tostring(tokens))
+redis.call('XADD', queue, '*', unpack(fields))
+redis.call('XACK', KEYS[1], group, entry_id)
+redis.call('XDEL', KEYS[1], entry_id)
+redis.call('HINCRBY', backlog_key, queue, 1)
+for _, field in ipairs({tenant, '*'}) do
+  redis.call('HINCRBY', queued_key, field, 1)
+  redis.call('HINCRBY', tokens_key, field, tokens)
+end
+redis.call('LPUSH', tag .. ':ready', 1)
+redis.call('LTRIM', tag .. ':ready', 0, 999)
+return {'admitted'}
+"""
+)
+
+# KEYS[1]: the request stream. ARGV: group, consumer, count, now (ms), the head start of
+# one priority step (ms), the prompt weight. Returns up to `count` {queue, id, fields}.
+TAKE = (
+    _KEYS_LUA
+    + """
+local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local now_ms, step_ms, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+
+-- When the oldest job not yet taken from a queue was admitted (ms), or nil.
+local function head_ms(queue)
+  local last = '0-0'
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', queue)) do
+    for i = 1, #info, 2 do
+      if info[i] == 'name' and info[i + 1] ~= group then break end
+      if info[i] == 'last-delivered-id' then last = info[i + 1] end
+    end
+  end
+  local next_entry = redis.call('XRANGE', queue, '(' .. last, '+', 'COUNT', 1)[1]
+  if not next_entry then return nil end
+  return tonumber(string.match(next_entry[1], '^(%d+)'))
+end
+
+local taken = {}
+while #taken < count do
+  local queues = queues_with_backlog()
+  if #queues == 0 then break end
+  -- The level: interactive first, the one whose oldest job has waited longest.
+  local level, best = nil, nil
+  for _, queue in ipairs(queues) do
+    if queue.level ~= 'batch' then
+      local arrived = head_ms(queue.key)
+      if arrived ~= nil then
+        local key = arrived - (tonumber(queue.level) - priority_min) * step_ms
+        if best == nil or key < best then level, best = queue.level, key end
+      else
+        redis.call('HSET', backlog_key, queue.key, 0)  -- nothing left to take: heal the count
+      end
+    end
+  end
+  level = level or 'batch'
+  -- Within it, the tenant served least.
+  local chosen, least = nil, nil
+  for _, queue in ipairs(queues) do
+    if queue.level == level then
+      local served = counter(served_key, account(queue.level, queue.tenant))
+      if least == nil or served < least then chosen, least = queue, served end
+    end
+  end
+  if chosen == nil then break end
+  local reply = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 1, 'STREAMS', chosen.key, '>')
+  local entry = reply and reply[1] and reply[1][2][1]
+  if not entry then
+    redis.call('HSET', backlog_key, chosen.key, 0)
+  else
+    local tokens = 0
+    for i = 1, #entry[2], 2 do
+      if entry[2][i] == tokens_field then tokens = tonumber(entry[2][i + 1]) end
+    end
+    redis.call('HINCRBY', backlog_key, chosen.key, -1)
+    for _, field in ipairs({chosen.tenant, '*'}) do
+      redis.call('HINCRBY', queued_key, field, -1)
+      redis.call('HINCRBY', tokens_key, field, -tokens)
+    end
+    redis.call('HINCRBYFLOAT', served_key, account(chosen.level, chosen.tenant), prompt_weight * tokens)
+    local bucket = tag .. ':rate:' .. chosen.tenant
+    if redis.call('EXISTS', bucket) == 1 then redis.call('HINCRBYFLOAT', bucket, 'level', -tokens) end
+    local drained = tag .. ':drained:' .. math.floor(now_ms / 1000)
+    redis.call('HINCRBY', drained, 'jobs', 1)
+    redis.call('HINCRBY', drained, 'tokens', tokens)
+    redis.call('EXPIRE', drained, 120)
+    taken[#taken + 1] = {chosen.key, entry[1], entry[2]}
+  end
+end
+return taken
+"""
+)
+
+# KEYS[1]: the request stream. ARGV: pairs of (account, weighted tokens), then the
+# tenants' raw tokens as pairs of (tenant, tokens) after a '--', and now (ms) first.
+CHARGE = (
+    _KEYS_LUA
+    + """
+local now_ms, i = tonumber(ARGV[1]), 2
+while ARGV[i] ~= '--' do
+  redis.call('HINCRBYFLOAT', served_key, ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+i = i + 1
+while i <= #ARGV do
+  local bucket = tag .. ':rate:' .. ARGV[i]
+  if redis.call('EXISTS', bucket) == 1 then
+    redis.call('HINCRBYFLOAT', bucket, 'level', -tonumber(ARGV[i + 1]))
+  end
+  i = i + 2
+end
+return 1
+"""
+)
+
+
+def level_of(job: Job) -> str:
+    return BATCH_LEVEL if job.batch else str(job.priority)
+
+
+def account_of(job: Job) -> str:
+    """The counter a job is charged to: batch jobs share a tenant's second counter."""
+    return f"batch:{job.tenant}" if job.batch else job.tenant
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str  # queue_full or quota_exceeded
+    retry_after_s: float
+    message: str
+
+
+class FairQueueReader:
+    """Takes admitted jobs from the tenant queues, in fair order; the worker's reader.
+
+    Same calls as `JobReader`, by the job's request entry id (an `Entry`'s `entry_id` is
+    the origin); it remembers which tenant queue entry each one is.
+    """
+
+    def __init__(self, redis, config: RedisConfig, fair: FairQueueConfig, priority_step_s: float) -> None:
+        self.redis = redis
+        self.config = config
+        self.fair = fair
+        self.stream = config.requests_stream
+        self.group = config.group
+        self.consumer = config.consumer
+        self.dead_letter_stream = config.dead_letter_stream
+        self.dead_letter_max_len = config.dead_letter_max_len
+        self.claim_idle_ms = config.claim_idle_ms
+        self._priority_step_ms = priority_step_s * 1000
+        self._tag = "{" + self.stream + "}"
+        self._take = redis.register_script(TAKE)
+        self._renew = redis.register_script(RENEW)
+        self._where: dict[str, tuple[str, str]] = {}  # origin -> (tenant queue, its entry id)
+        self._own_pending_done = False
+        self._takeovers_from = 0.0  # monotonic time; later after an outage (as JobReader)
+
+    async def ensure_group(self) -> None:
+        await JobReader(self.redis, self.config).ensure_group()
+
+    def outage_seen(self) -> None:
+        self._takeovers_from = time.monotonic() + self.claim_idle_ms / 1000
+
+    async def read(self, count: int, block_ms: int, held: Collection[str] = ()) -> list[Entry]:
+        if count <= 0:
+            return []
+        if not self._own_pending_done:
+            self._own_pending_done = True
+            entries = await self._own_pending(held)
+            if entries:
+                return entries[:count]
+        if (claimed := await self._takeovers(count, held)) or (taken := await self._taken(count)):
+            return claimed or taken
+        await self.redis.blpop([f"{self._tag}:ready"], timeout=block_ms / 1000)
+        return await self._taken(count)
+
+    async def _own_pending(self, held: Collection[str]) -> list[Entry]:
+        """After a restart: the entries this consumer was given and never finished."""
+        entries = []
+        for queue in await self._queues():
+            reply = await self.redis.xreadgroup(self.group, self.consumer, {queue: "0"})
+            for _, rows in reply or []:
+                entries += await self._entries(queue, [row for row in rows if row[1]], held, delivered=True)
+        return entries
+
+    async def _takeovers(self, count: int, held: Collection[str]) -> list[Entry]:
+        """Entries whose lease ran out (their worker died or hangs), from every queue."""
+        if time.monotonic() < self._takeovers_from:
+            return []
+        entries: list[Entry] = []
+        for queue in await self._queues():
+            try:
+                _, claimed, _ = await self.redis.xautoclaim(
+                    queue, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
+                )
+            except ResponseError as error:
+                if "NOGROUP" not in str(error):
+                    raise
+                continue
+            entries += await self._entries(queue, [row for row in claimed if row[1]], held, delivered=True)
+            if len(entries) >= count:
+                break
+        return entries
+
+    async def _taken(self, count: int) -> list[Entry]:
+        rows = await self._take(
+            keys=[self.stream],
+            args=[
+                self.group,
+                self.consumer,
+                count,
+                int(time.time() * 1000),
+                self._priority_step_ms,
+                self.fair.charge_prompt_weight,
+            ],
+        )
+        entries = []
+        for queue, entry_id, flat in rows:
+            fields = dict(zip(flat[::2], flat[1::2]))
+            entries += await self._entries(_text(queue), [(entry_id, fields)], (), delivered=False)
+        return entries
+
+    async def _entries(self, queue: str, rows: list, held: Collection[str], delivered: bool) -> list[Entry]:
+        """Entries named by their origin, with the bookkeeping fields taken off."""
+        entries = []
+        for entry_id, fields in rows:
+            fields = dict(fields)
+            origin = _text(fields.pop(ORIGIN_FIELD, b"") or entry_id)
+            fields.pop(TOKENS_FIELD, None)
+            if origin in held:
+                continue
+            queue_entry_id = _text(entry_id)
+            self._where[origin] = (queue, queue_entry_id)
+            deliveries = 1
+            if delivered:
+                rows = await self.redis.xpending_range(
+                    queue, self.group, min=queue_entry_id, max=queue_entry_id, count=1
+                )
+                deliveries = rows[0]["times_delivered"] if rows else 1
+            entries.append(Entry(origin, fields, deliveries))
+        return entries
+
+    async def _queues(self) -> list[str]:
+        return sorted(_text(queue) for queue in await self.redis.smembers(f"{self._tag}:queues"))
+
+    async def renew(self, entry_ids: Collection[str]) -> list[str]:
+        by_queue: dict[str, dict[str, str]] = defaultdict(dict)
+        lost = []
+        for origin in entry_ids:
+            if origin in self._where:
+                queue, queue_entry_id = self._where[origin]
+                by_queue[queue][queue_entry_id] = origin
+            else:
+                lost.append(origin)
+        for queue, origins in by_queue.items():
+            try:
+                gone = await self._renew(keys=[queue], args=[self.group, self.consumer, *origins])
+            except ResponseError as error:
+                if "NOGROUP" not in str(error):
+                    raise
+                continue
+            lost += [origins[_text(queue_entry_id)] for queue_entry_id in gone]
+        for origin in lost:  # another worker has it now
+            self._where.pop(origin, None)
+        return lost
+
+    async def ack(self, entry_id: str) -> None:
+        if entry_id not in self._where:
+            return  # lost to another worker meanwhile: it is theirs to ack
+        queue, queue_entry_id = self._where.pop(entry_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xack(queue, self.group, queue_entry_id)
+            pipe.xdel(queue, queue_entry_id)
+            await pipe.execute()
+
+    async def dead_letter(self, entry: Entry, code: str, message: str) -> None:
+        """As `JobReader.dead_letter`, naming the request stream and the request entry."""
+        record = {
+            "entry_id": entry.entry_id,
+            "stream": self.stream,
+            "code": code,
+            "message": message,
+            "deliveries": str(entry.deliveries),
+            "consumer": self.consumer,
+        }
+        record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
+        await self.redis.xadd(self.dead_letter_stream, record, maxlen=self.dead_letter_max_len, approximate=True)
+        await self.ack(entry.entry_id)
+
+
+class Admission:
+    """Moves each new request-stream entry into its tenant's queue, or refuses it.
+
+    `check(entry)` decodes an entry and counts its prompt tokens, or raises what the
+    worker turns into the entry's error (a `ProtocolError`, or an engine's refusal);
+    `refuse(entry, job, refusal)` tells the producer and dead-letters the entry.
+    """
+
+    def __init__(
+        self,
+        redis,
+        config: RedisConfig,
+        fair: FairQueueConfig,
+        check: Callable,
+        refuse: Callable,
+    ) -> None:
+        self.redis = redis
+        self.config = config
+        self.fair = fair
+        self.reader = JobReader(redis, config)  # the request stream, this worker's consumer
+        self._check = check
+        self._refuse = refuse
+        self._admit = redis.register_script(ADMIT)
+
+    async def run(self) -> None:
+        """Admit until cancelled."""
+        while True:
+            entries = await self.reader.read(64, self.config.block_ms)
+            for entry in entries:
+                await self.admit(entry)
+
+    async def admit(self, entry: Entry) -> None:
+        checked = await self._check(entry)
+        if checked is None:
+            return  # refused for what it is: the worker has told the producer
+        job, prompt_tokens = checked
+        fair = self.fair
+        result = await self._admit(
+            keys=[self.config.requests_stream],
+            args=[
+                self.config.group,
+                entry.entry_id,
+                job.tenant,
+                level_of(job),
+                prompt_tokens,
+                int(time.time() * 1000),
+                fair.max_queued_jobs,
+                fair.max_queued_tokens,
+                fair.tenant_max_queued_jobs,
+                fair.tenant_max_queued_tokens,
+                fair.tenant_tokens_per_s,
+            ],
+        )
+        outcome = _text(result[0])
+        if outcome in ("admitted", "gone"):
+            return
+        await self._refuse(entry, job, Refusal(outcome, float(result[1]), _text(result[2])))
+
+
+class Charges:
+    """The output tokens each tenant was served since the last flush, charged in one round
+    trip (a prompt is charged when its job is taken: the TAKE script)."""
+
+    def __init__(self, redis, stream: str, fair: FairQueueConfig) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.fair = fair
+        self._charge = redis.register_script(CHARGE)
+        self._weighted: dict[str, float] = defaultdict(float)  # by account
+        self._raw: dict[str, int] = defaultdict(int)  # by tenant, for the tokens-per-second quota
+
+    def output(self, job: Job, num_tokens: int) -> None:
+        self._weighted[account_of(job)] += self.fair.charge_output_weight * num_tokens
+        self._raw[job.tenant] += num_tokens
+
+    async def flush(self) -> None:
+        if not (self._weighted or self._raw):
+            return
+        weighted, raw = self._weighted, self._raw
+        self._weighted, self._raw = defaultdict(float), defaultdict(int)
+        args: list = [int(time.time() * 1000)]
+        for account, amount in weighted.items():
+            args += [account, amount]
+        args.append("--")
+        for tenant, amount in raw.items():
+            args += [tenant, amount]
+        try:
+            await self._charge(keys=[self.stream], args=args)
+        except Exception:
+            for account, amount in weighted.items():  # charged next time
+                self._weighted[account] += amount
+            for tenant, amount in raw.items():
+                self._raw[tenant] += amount
+            raise
+
+    async def run(self, interval_s: float = 0.2) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.flush()
+            except Exception as error:  # Redis away: kept for the next flush
+                log.debug("charge_failed", error=str(error))
+
+
+def _text(value, errors: str = "strict") -> str:
+    return value.decode(errors=errors) if isinstance(value, bytes) else value

@@ -1,0 +1,266 @@
+"""Fair queueing in Redis (`service/fair_queue.py`; docs/protocol.md, "Tenants, batch jobs
+and admission"), on a real Redis: admission moves each job into its tenant's queue or
+refuses it over a cap or quota, at once; workers take jobs by level (priority with aging),
+then by the tenant served least, and batch jobs only when no interactive job waits;
+leases, takeovers and acks work by the job's request entry id.
+
+Here admission's check is a small stand-in for the worker's (which decodes the job and
+counts its prompt tokens with the model's tokenizer): one token per word.
+tests/test_worker_fair_queue.py drives the whole worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from service.config import FairQueueConfig, RedisConfig
+from service.fair_queue import Admission, Charges, FairQueueReader, Refusal
+from service.protocol import Job, decode_job
+
+# A priority step's head start, in seconds (a worker's: its aging bound / 20).
+PRIORITY_STEP_S = 0.2
+
+
+class Queue:
+    """One private request stream with an admitting worker and a taking one."""
+
+    def __init__(self, client, fair: FairQueueConfig, consumer: str = "w1") -> None:
+        prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+        self.client = client
+        self.config = RedisConfig(
+            requests_stream=f"{prefix}:requests",
+            dead_letter_stream=f"{prefix}:dead",
+            control_stream=f"{prefix}:control",
+            consumer=consumer,
+            block_ms=50,
+            claim_idle_ms=300,
+        )
+        self.fair = fair
+        self.refusals: list[tuple[Job, Refusal]] = []
+        self.admission = Admission(client, self.config, fair, self._check, self._refuse)
+        self.reader = self.reader_for(consumer)
+
+    def reader_for(self, consumer: str) -> FairQueueReader:
+        config = RedisConfig(**{**self.config.__dict__, "consumer": consumer})
+        return FairQueueReader(self.client, config, self.fair, PRIORITY_STEP_S)
+
+    async def _check(self, entry):
+        job = decode_job(entry.entry_id, entry.fields)
+        return job, len(job.prompt.split())
+
+    async def _refuse(self, entry, job, refusal) -> None:
+        self.refusals.append((job, refusal))
+        await self.admission.reader.dead_letter(entry, refusal.code, refusal.message)
+
+    async def submit(self, prompt: str = "four words of prompt", **fields) -> str:
+        """Add a job to the request stream and admit it; returns its entry id."""
+        await self.admission.reader.ensure_group()
+        entry_id = await self.client.xadd(self.config.requests_stream, {"prompt": prompt, **fields})
+        for entry in await self.admission.reader.read(64, 50):
+            await self.admission.admit(entry)
+        return entry_id.decode()
+
+    async def take(self, count: int = 1, reader: FairQueueReader | None = None) -> list[tuple[str, Job]]:
+        entries = await (reader or self.reader).read(count, 50)
+        return [(entry.entry_id, decode_job(entry.entry_id, entry.fields)) for entry in entries]
+
+    async def tenants_taken(self, count: int) -> list[str]:
+        """Take jobs one at a time (so each sees the charges before it) and name their tenants."""
+        tenants = []
+        for _ in range(count):
+            ((entry_id, job),) = await self.take()
+            tenants.append(job.tenant)
+            await self.reader.ack(entry_id)
+        return tenants
+
+    async def charge(self, tenant: str, output_tokens: int) -> None:
+        charges = Charges(self.client, self.config.requests_stream, self.fair)
+        charges.output(Job(tenant, "x", None, 0, None, "", tenant), output_tokens)
+        await charges.flush()
+
+
+@pytest.fixture
+def client():
+    return aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=10)
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_an_admitted_job_leaves_the_request_stream_and_keeps_its_entry_id(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        entry_id = await queue.submit(id="job-1", tenant="acme")
+        assert await client.xlen(queue.config.requests_stream) == 0
+        ((taken_id, job),) = await queue.take()
+        assert (taken_id, job.request_id, job.tenant) == (entry_id, "job-1", "acme")
+        await queue.reader.ack(taken_id)
+
+    run(main())
+
+
+def test_within_a_level_the_tenant_served_least_goes_first(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        for _ in range(6):
+            await queue.submit(tenant="flood")
+        for _ in range(2):
+            await queue.submit(tenant="light")
+        # Each take charges the prompt (4 tokens): the two tenants alternate while both
+        # have jobs queued, although the flooder's six came first.
+        assert await queue.tenants_taken(6) == ["flood", "light", "flood", "light", "flood", "flood"]
+
+    run(main())
+
+
+def test_output_tokens_served_count_against_a_tenant(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        await queue.submit(tenant="a")
+        await queue.submit(tenant="b")
+        await queue.submit(tenant="a")
+        await queue.charge("a", output_tokens=100)  # a's long outputs: b goes first now
+        assert await queue.tenants_taken(3) == ["b", "a", "a"]
+
+    run(main())
+
+
+def test_a_tenant_back_from_idle_is_lifted_to_the_least_served_and_earns_no_credit(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        await queue.submit(tenant="busy")
+        await queue.submit(tenant="busy")
+        await queue.charge("busy", output_tokens=500)
+        await queue.submit(tenant="returning")  # never served: it would win 1,000 to 0
+        served = await client.hgetall("{" + queue.config.requests_stream + "}:served")
+        assert float(served[b"returning"]) == float(served[b"busy"]) == 1000.0
+        # Lifted to equal, the two take turns (ties go to either).
+        assert sorted(await queue.tenants_taken(2)) == ["busy", "returning"]
+
+    run(main())
+
+
+def test_a_higher_priority_goes_first_and_a_lower_one_ages_past_it(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        await queue.submit(tenant="a", priority="0")
+        await queue.submit(tenant="b", priority="2")  # two steps ahead of it
+        taken = await queue.take(2)
+        assert [job.priority for _, job in taken] == [2, 0]
+        for entry_id, _ in taken:
+            await queue.reader.ack(entry_id)  # else their leases run out while this test waits
+
+        old = await queue.submit(tenant="a", priority="0")
+        await asyncio.sleep(2.5 * PRIORITY_STEP_S)  # it waits longer than two steps' head start
+        await queue.submit(tenant="b", priority="2")
+        assert [entry_id for entry_id, _ in await queue.take(2)][0] == old
+
+    run(main())
+
+
+def test_batch_jobs_wait_until_no_interactive_job_is_queued(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        await queue.submit(tenant="a", batch="true")
+        await queue.submit(tenant="b", priority="-10")
+        await queue.submit(tenant="b", priority="-10")
+        taken = await queue.take(3)
+        assert [job.batch for _, job in taken] == [False, False, True]
+
+    run(main())
+
+
+def test_over_a_cap_a_job_is_refused_at_once_with_a_time_to_retry(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(max_queued_jobs=3, tenant_max_queued_jobs=2))
+        for tenant in ("a", "a", "a", "b", "c"):
+            await queue.submit(tenant=tenant)
+        refused = [(job.tenant, refusal.code) for job, refusal in queue.refusals]
+        assert refused == [("a", "queue_full"), ("c", "queue_full")]  # a over its own cap; then the stream's
+        assert all(1 <= refusal.retry_after_s <= 60 for _, refusal in queue.refusals)
+        dead = await client.xrange(queue.config.dead_letter_stream)
+        assert [fields[b"code"] for _, fields in dead] == [b"queue_full", b"queue_full"]
+        assert await client.xlen(queue.config.requests_stream) == 0  # nothing left behind
+        # Taking a job makes room again.
+        await queue.take(1)
+        await queue.submit(tenant="c")
+        assert len(queue.refusals) == 2
+
+    run(main())
+
+
+def test_a_cap_on_queued_prompt_tokens_counts_the_prompts(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(tenant_max_queued_tokens=10))
+        await queue.submit("one two three four five six", tenant="a")
+        await queue.submit("one two three four five six", tenant="a")  # 12 > 10
+        await queue.submit("one two three four", tenant="a")  # 10: fits
+        assert [refusal.code for _, refusal in queue.refusals] == ["queue_full"]
+        assert "prompt tokens" in queue.refusals[0][1].message
+
+    run(main())
+
+
+def test_a_tenant_over_its_tokens_per_second_is_refused_until_its_bucket_refills(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(tenant_tokens_per_s=10))  # a bucket of 100 tokens
+        await queue.submit(tenant="a")
+        await queue.charge("a", output_tokens=150)
+        await queue.submit(tenant="a")
+        await queue.submit(tenant="b")  # another tenant is not affected
+        assert [(job.tenant, refusal.code) for job, refusal in queue.refusals] == [("a", "quota_exceeded")]
+        assert 4 <= queue.refusals[0][1].retry_after_s <= 6  # about 50 tokens short, at 10 a second
+
+    run(main())
+
+
+def test_a_job_whose_lease_runs_out_is_taken_over_under_its_entry_id(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        entry_id = await queue.submit(tenant="a")
+        ((taken_id, _),) = await queue.take()
+        survivor = queue.reader_for("w2")
+        assert await queue.reader.renew([taken_id]) == []  # still w1's
+        await asyncio.sleep(0.4)  # w1 stops renewing: it died
+        ((again_id, job),) = await queue.take(reader=survivor)
+        assert again_id == entry_id == taken_id
+        assert await queue.reader.renew([taken_id]) == [taken_id]  # w1 learns it lost it
+        await survivor.ack(again_id)
+        assert (
+            await client.xlen(next(iter(await client.smembers("{" + queue.config.requests_stream + "}:queues")))) == 0
+        )
+
+    run(main())
+
+
+def test_a_restarted_worker_finds_its_own_jobs_first(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        entry_id = await queue.submit(tenant="a")
+        await queue.take()
+        restarted = queue.reader_for("w1")
+        entries = await restarted.read(4, 50)
+        assert [(entry.entry_id, entry.deliveries) for entry in entries] == [(entry_id, 2)]
+        await restarted.dead_letter(entries[0], "internal_error", "test")
+        dead = await client.xrange(queue.config.dead_letter_stream)
+        assert dead[0][1][b"entry_id"] == entry_id.encode()
+        assert dead[0][1][b"stream"] == queue.config.requests_stream.encode()
+
+    run(main())
+
+
+def test_a_job_admitted_by_two_workers_at_once_is_queued_once(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        await queue.admission.reader.ensure_group()
+        await client.xadd(queue.config.requests_stream, {"prompt": "x", "tenant": "a"})
+        (entry,) = await queue.admission.reader.read(1, 50)
+        await asyncio.gather(queue.admission.admit(entry), queue.admission.admit(entry))
+        assert len(await queue.take(4)) == 1
+
+    run(main())

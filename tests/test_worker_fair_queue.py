@@ -1,0 +1,121 @@
+"""A worker with fair queueing (`--fair-queue`), end to end on a real Redis and the real
+model: jobs of several tenants are admitted, taken and served as always; a job over a cap
+is refused at once with `queue_full` and `retry_after_s`, and dead-lettered under its
+request entry id; a bad entry fails at admission as it would anywhere; a queued job can
+be cancelled; and the tenants are charged for what they were served."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import msgpack
+import pytest
+import redis.asyncio as aioredis
+
+from service.config import FairQueueConfig
+from service.worker import Worker
+from tests.test_worker import read_replies, stream_config
+from tests.waiting import stream_reaches
+
+pytestmark = pytest.mark.slow
+
+
+async def serving(engine, config, fair: FairQueueConfig):
+    client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+    stop = asyncio.Event()
+    task = asyncio.create_task(Worker(engine, client, config, fair_queue=fair).run(stop))
+    return client, stop, task
+
+
+def test_tenants_jobs_are_served_and_charged(make_engine):
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+
+    async def main():
+        client, stop, task = await serving(make_engine(), config, FairQueueConfig(enabled=True))
+        ids = []
+        for i, tenant in enumerate(["a", "a", "b", "default", "batch-b"]):
+            fields = {"id": f"{run}-{i}", "prompt": "Count to ten:", "max_tokens": "6"}
+            if tenant == "batch-b":
+                fields.update(tenant="b", batch="true")
+            elif tenant != "default":
+                fields["tenant"] = tenant
+            await client.xadd(config.requests_stream, fields)
+            ids.append(f"{run}-{i}")
+        finals = [(await read_replies(client, f"inflight:out:{{{request_id}}}"))[-1] for request_id in ids]
+        assert [final["type"] for final in finals] == [b"done"] * 5
+        await asyncio.sleep(0.5)  # charges are flushed every 0.2 s
+        served = await client.hgetall("{" + config.requests_stream + "}:served")
+        # Each charged its prompt (weight 1) and 6 output tokens (weight 2).
+        assert {tenant: float(value) > 12 for tenant, value in served.items()} == {
+            b"a": True,
+            b"b": True,
+            b"default": True,
+            b"batch:b": True,  # batch jobs have an account of their own
+        }
+        assert float(served[b"a"]) > float(served[b"b"])  # two jobs to one
+        stop.set()
+        assert await task == []
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_over_a_cap_jobs_are_refused_at_once_and_the_rest_served(make_engine):
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    # The worker holds two jobs at most; one more may wait in the queues.
+    engine = make_engine(max_running_requests=1)
+
+    async def main():
+        client, stop, task = await serving(engine, config, FairQueueConfig(max_queued_jobs=1))
+        ids = [f"{run}-{i}" for i in range(6)]
+        for request_id in ids:
+            await client.xadd(config.requests_stream, {"id": request_id, "prompt": "Hello", "max_tokens": "24"})
+        finals = {request_id: (await read_replies(client, f"inflight:out:{{{request_id}}}"))[-1] for request_id in ids}
+        refused = [request_id for request_id, final in finals.items() if final["type"] == b"error"]
+        assert refused and len(refused) < len(ids)
+        for request_id in refused:
+            final = finals[request_id]
+            assert final["code"] == b"queue_full" and 1 <= float(final["retry_after_s"]) <= 60
+            assert msgpack.unpackb(final["data"])["retry_after_s"] == float(final["retry_after_s"])
+        assert all(finals[request_id]["type"] == b"done" for request_id in set(ids) - set(refused))
+        await stream_reaches(client, config.dead_letter_stream, len(refused))  # written after the error event
+        dead = await client.xrange(config.dead_letter_stream)
+        assert sorted(fields[b"field:id"].decode() for _, fields in dead) == sorted(refused)
+        assert all(fields[b"stream"] == config.requests_stream.encode() for _, fields in dead)
+        stop.set()
+        await task
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_bad_entry_fails_at_admission_and_a_queued_job_can_be_cancelled(make_engine):
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    engine = make_engine(max_running_requests=1)
+
+    async def main():
+        client, stop, task = await serving(engine, config, FairQueueConfig(enabled=True))
+        await client.xadd(config.requests_stream, {"id": f"{run}-bad", "prompt": "x", "tenant": "no spaces allowed"})
+        bad = await read_replies(client, f"inflight:out:{{{run}-bad}}")
+        assert (bad[-1]["type"], bad[-1]["code"]) == (b"error", b"invalid_field")
+
+        # One long job runs, one waits in the worker, the third in the tenant queue: cancel it.
+        for name in ("long-1", "long-2", "queued"):
+            await client.xadd(
+                config.requests_stream,
+                {"id": f"{run}-{name}", "prompt": "Hello", "max_tokens": "64", "ignore_eos": "1"},
+            )
+        await client.xadd(config.control_stream, {"type": "cancel", "id": f"{run}-queued"})
+        cancelled = await read_replies(client, f"inflight:out:{{{run}-queued}}")
+        assert (cancelled[-1]["type"], cancelled[-1]["finish_reason"]) == (b"done", b"cancelled")
+        for request_id in (f"{run}-long-1", f"{run}-long-2"):
+            assert (await read_replies(client, f"inflight:out:{{{request_id}}}"))[-1]["finish_reason"] == b"length"
+        stop.set()
+        await task
+        await client.aclose()
+
+    asyncio.run(main())
