@@ -53,8 +53,12 @@ def place(kv_cache: KVCacheManager, host_blocks: torch.Tensor | None, request: R
     num_blocks = min(prompt_kv.shape[2], (request.num_tokens - 1) // kv_cache.block_size)
     adopted = kv_cache.adopt_host_blocks(request, num_blocks)
     if adopted:
-        indices = torch.tensor([index for index, _ in adopted], dtype=torch.long)
+        indices = [index for index, _ in adopted]
         host_ids = torch.tensor([block for _, block in adopted], dtype=torch.long)
-        host_blocks.index_copy_(2, host_ids, prompt_kv.index_select(2, indices))
+        if indices == list(range(indices[0], indices[0] + len(indices))):  # the usual case: no gather
+            source = prompt_kv.narrow(2, indices[0], len(indices))
+        else:
+            source = prompt_kv.index_select(2, torch.tensor(indices, dtype=torch.long))
+        host_blocks.index_copy_(2, host_ids, source)
         kv_cache.host_pool.free([block for _, block in reversed(adopted)])  # cached; the tail evicted first
     return len(adopted)
