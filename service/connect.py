@@ -5,6 +5,9 @@
                                                a Redis Cluster, found from that seed node:
                                                redis-py's RedisCluster, which routes each
                                                command to the shard holding its key
+    redis+sentinel://h1:26379,h2:26379/mymaster[/0], rediss+sentinel://...
+                                               the primary that these Sentinels name
+                                               `mymaster`, asked again after a failover
 
 Everything else in the URL (user, password, `ssl_ca_certs` and the other query options)
 means what it means for one server, and applies to every node of a cluster.
@@ -21,15 +24,18 @@ and the SDK's error translation treat a cluster as they treat one server.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster
+import redis.asyncio.sentinel
 import redis.cluster
+import redis.sentinel
 from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, ResponseError
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # whether TLS
 # How much longer than its longest BLOCK a blocking reader's socket waits for a reply.
 BLOCK_MARGIN_S = 10.0
 
@@ -47,6 +53,11 @@ def connect(url: str, *, block_ms: int | None = None, **kwargs):
     kwargs.setdefault("max_connections", 2**31)
     if is_cluster(url):
         return _AsyncCluster.from_url(_seed_url(url), **kwargs)
+    if is_sentinel(url):
+        sentinels, service, options = _sentinel_parts(url, kwargs)
+        return redis.asyncio.sentinel.Sentinel(sentinels, sentinel_kwargs=_sentinel_kwargs(kwargs)).master_for(
+            service, **options
+        )
     return aioredis.Redis.from_url(url, **kwargs)
 
 
@@ -59,7 +70,46 @@ def connect_sync(url: str, *, block_ms: int | None = None, **kwargs):
             return redis.cluster.RedisCluster.from_url(_seed_url(url), **kwargs)
         except RedisClusterException as error:
             raise as_redis_error(error) from error
+    if is_sentinel(url):
+        sentinels, service, options = _sentinel_parts(url, kwargs)
+        return redis.sentinel.Sentinel(sentinels, sentinel_kwargs=_sentinel_kwargs(kwargs)).master_for(
+            service, **options
+        )
     return redis.Redis.from_url(url, **kwargs)
+
+
+def is_sentinel(url: str) -> bool:
+    return urlsplit(url).scheme.lower() in SENTINEL_SCHEMES
+
+
+def _sentinel_parts(url: str, kwargs: dict) -> tuple[list[tuple[str, int]], str, dict]:
+    """The Sentinels' addresses, the primary's service name, and the options for its
+    connections (credentials, database, TLS and query options, as for one server)."""
+    parts = urlsplit(url)
+    hosts = parts.netloc.rpartition("@")[2]
+    sentinels = []
+    for address in hosts.split(","):
+        host, _, port = address.rpartition(":")
+        sentinels.append((host or address, int(port) if host else 26379))
+    path = [segment for segment in parts.path.split("/") if segment]
+    if not path or len(path) > 2:
+        raise ValueError("a Sentinel URL names its primary: redis+sentinel://host:26379,.../mymaster[/db]")
+    options = {key: value for key, value in parse_qsl(parts.query)}
+    options.update(kwargs)
+    if parts.username:
+        options["username"] = unquote(parts.username)
+    if parts.password:
+        options["password"] = unquote(parts.password)
+    if len(path) == 2:
+        options["db"] = int(path[1])
+    if SENTINEL_SCHEMES[parts.scheme.lower()]:
+        options["ssl"] = True
+    return sentinels, path[0], options
+
+
+def _sentinel_kwargs(kwargs: dict) -> dict:
+    """How to talk to the Sentinels themselves: the same timeouts, no credentials."""
+    return {key: kwargs[key] for key in ("socket_timeout", "socket_connect_timeout") if key in kwargs}
 
 
 def as_redis_error(error: RedisClusterException) -> RedisError:
