@@ -145,3 +145,25 @@ def test_a_worker_through_sentinel_finishes_every_job_across_a_failover(replicat
         print(f"token events the failover lost: {missing}")
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize(
+    "url, sentinels, options",
+    [
+        ("redis+sentinel://a:26380,b/mymaster", [("a", 26380), ("b", 26379)], {}),
+        ("redis+sentinel://u:p%40ss@a:1/mymaster/2", [("a", 1)], {"username": "u", "password": "p@ss", "db": 2}),
+        ("rediss+sentinel://a:1/mymaster?ssl_ca_certs=/ca.pem", [("a", 1)], {"ssl": True, "ssl_ca_certs": "/ca.pem"}),
+    ],
+)
+def test_a_sentinel_url_names_the_sentinels_the_primary_and_its_options(url, sentinels, options):
+    from service.connect import _sentinel_parts, is_sentinel
+
+    assert is_sentinel(url)
+    assert _sentinel_parts(url, {}) == (sentinels, SERVICE, options)
+
+
+def test_a_sentinel_url_without_the_primarys_name_is_refused():
+    from service.connect import _sentinel_parts
+
+    with pytest.raises(ValueError, match="names its primary"):
+        _sentinel_parts("redis+sentinel://a:26379", {})
