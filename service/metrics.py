@@ -8,9 +8,15 @@ It is fed from three places, none of which imports prometheus_client:
   requests by state and priority, KV blocks, preemptions and swaps, the prefix
   cache (tokens queried, hits and cached blocks by tier, evictions, offloads), and
   speculative decoding (draft tokens verified and accepted, acceptance per verification);
-- `observe_finished`, `observe_outcome` and `observe_dead_letter`, from the worker;
+- `observe_finished`, `observe_outcome`, `observe_dead_letter`, `observe_tenant_tokens` and
+  `observe_refused`, from the worker;
 - `poll_ingest`, from the worker's event loop every `ingest_poll_s`: Redis lag, pending
-  entries and dead letters (a few round trips, never in the model thread).
+  entries and dead letters (a few round trips, never in the model thread); with fair
+  queueing also `poll_fair_queue`: jobs and prompt tokens queued by tenant, the batch backlog.
+
+A tenant label takes the tenant's name for the first `MAX_TENANT_LABELS` tenants a worker
+sees; any later tenant is counted under `OTHER_TENANTS`, so producers naming ever new
+tenants cannot grow the series without bound.
 
 Naming: one prefix (`inflight_`), the unit last (`_seconds`, `_tokens`, `_blocks`,
 `_entries`, `_ratio`; `_total` for counters), no colons.
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from service.protocol import DEFAULT_TENANT
 from workers.api import FinalEvent, FinishReason
 from workers.config import SchedulerConfig
 from workers.length_predictor import kendall_tau
@@ -75,6 +82,10 @@ OUTCOMES = tuple(reason.value for reason in FinishReason) + ("rejected",)
 STATES = ("running", "waiting", "swapped")
 POOLS = ("device", "host")
 HANDOFF_OUTCOMES = ("handed_off", "kv_read", "kv_computed", "kv_failed")
+# Tenants (docs/protocol.md, "Tenants, batch jobs and admission").
+MAX_TENANT_LABELS = 100
+OTHER_TENANTS = "(other)"  # no tenant's name: tenant names have no parentheses
+REFUSAL_CODES = ("queue_full", "quota_exceeded")
 
 
 class Metrics:
@@ -263,6 +274,41 @@ class Metrics:
             registry=registry,
         )
 
+        # -- tenants and batch jobs ---------------------------------------------------------
+        self.tenant_tokens = Counter(
+            "inflight_tenant_tokens",
+            "Tokens this worker served, by tenant, class (interactive, batch) and kind (prompt: counted as "
+            "the request ends; output: as generated).",
+            ["tenant", "class", "kind"],
+            registry=registry,
+        )
+        self.refused = Counter(
+            "inflight_refused_requests",
+            "Jobs this worker refused at admission (--fair-queue), by tenant and code (queue_full, quota_exceeded).",
+            ["tenant", "code"],
+            registry=registry,
+        )
+        # Polled from Redis: the same for every worker of a stream.
+        self.tenant_queued = Gauge(
+            "inflight_tenant_queued_requests",
+            "Jobs admitted into the tenant's queues and not yet taken by a worker (--fair-queue), by tenant.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.tenant_queued_tokens = Gauge(
+            "inflight_tenant_queued_tokens",
+            "Prompt tokens of those jobs, by tenant.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.batch_queued = Gauge(
+            "inflight_batch_queued_requests",
+            "Batch jobs admitted and not yet taken by a worker, all tenants: the batch backlog (--fair-queue).",
+            registry=registry,
+        )
+        self._tenant_labels = {DEFAULT_TENANT}  # the tenants with a label of their own
+        self._queued_tenants_seen: set[str] = set()
+
         # -- disaggregated prefill and decode (service/handoff.py) ------------------------
         self.handoffs = Counter(
             "inflight_handoff_requests",
@@ -294,6 +340,11 @@ class Metrics:
             self.handoffs.labels(outcome)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        for batch in (False, True):  # the default tenant's, so the batch share reads 0 before any batch job
+            for kind in ("prompt", "output"):
+                self.tenant_tokens.labels(DEFAULT_TENANT, _job_class(batch), kind)
+        for code in REFUSAL_CODES:
+            self.refused.labels(DEFAULT_TENANT, code)
         for mode in ("swap", "recompute"):
             self.preemptions.labels(mode)
         self.dead_letters.labels("deadline_unmeetable")  # the length-prediction row's refusals
@@ -428,6 +479,37 @@ class Metrics:
     def observe_dead_letter(self, code: str) -> None:
         self.dead_letters.labels(code).inc()
 
+    def observe_tenant_tokens(self, tenant: str, batch: bool, kind: str, num_tokens: int) -> None:
+        """Tokens served to a tenant's job: `prompt` (as the request ends) or `output`."""
+        self.tenant_tokens.labels(self._tenant_label(tenant), _job_class(batch), kind).inc(num_tokens)
+
+    def observe_refused(self, tenant: str, code: str) -> None:
+        """A job refused at admission: `queue_full` or `quota_exceeded`."""
+        self.refused.labels(self._tenant_label(tenant), code).inc()
+
+    def observe_fair_queue(self, queued: dict[str, int], queued_tokens: dict[str, int], batch_queued: int) -> None:
+        """The tenant queues as Redis counts them: jobs and prompt tokens by tenant, batch jobs."""
+        jobs: dict[str, int] = collections.Counter()
+        tokens: dict[str, int] = collections.Counter()
+        for tenant, count in queued.items():
+            jobs[self._tenant_label(tenant)] += count
+        for tenant, count in queued_tokens.items():
+            tokens[self._tenant_label(tenant)] += count
+        # A tenant no longer counted reads 0 rather than its last count.
+        for tenant in self._queued_tenants_seen | jobs.keys() | tokens.keys():
+            self.tenant_queued.labels(tenant).set(jobs.get(tenant, 0))
+            self.tenant_queued_tokens.labels(tenant).set(tokens.get(tenant, 0))
+        self._queued_tenants_seen |= jobs.keys() | tokens.keys()
+        self.batch_queued.set(batch_queued)
+
+    def _tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenant_labels:
+            return tenant
+        if len(self._tenant_labels) < MAX_TENANT_LABELS:
+            self._tenant_labels.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
     def _oldest_waiting_age(self) -> float:
         since = self._oldest_waiting_since
         return 0.0 if since is None else max(0.0, time.time() - since)
@@ -446,6 +528,36 @@ class Metrics:
                     self.ingest_lag.set(info["lag"])
         self.ingest_pending.set(pending["pending"])
         self.dead_letter_entries.set(dead)
+
+    async def poll_fair_queue(self, redis, stream: str) -> None:
+        """Read the fair queue's counts (service/fair_queue.py keeps them, next to `stream`)
+        in one round trip: jobs and prompt tokens queued by tenant, and the backlog of each
+        tenant queue, whose batch queues' add up to the batch backlog."""
+        tag = "{" + stream + "}"
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(f"{tag}:queued")
+            pipe.hgetall(f"{tag}:queued_tokens")
+            pipe.hgetall(f"{tag}:backlog")
+            queued, queued_tokens, backlog = await pipe.execute()
+        batch_queues = f"{tag}:q:batch:"
+        self.observe_fair_queue(
+            _tenant_counts(queued),
+            _tenant_counts(queued_tokens),
+            sum(int(count) for queue, count in backlog.items() if _text(queue).startswith(batch_queues)),
+        )
+
+
+def _job_class(batch: bool) -> str:
+    return "batch" if batch else "interactive"
+
+
+def _tenant_counts(counts: dict) -> dict[str, int]:
+    """A fair-queue hash by tenant, less its '*' field (the total)."""
+    return {_text(tenant): int(count) for tenant, count in counts.items() if _text(tenant) != "*"}
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0"):

@@ -23,14 +23,17 @@ within `shutdown_grace_s`, and leaves the rest pending (unacked) for another wor
 `run` returns the request ids it left. Redis being away does not stretch the stop.
 
 Observability: the engine's observer feeds `Metrics` after every step; the worker adds
-each request's outcome and timings as it ends, and polls Redis for the ingest lag. Each
-served request logs one summary line, with its id and priority bound as context.
+each request's outcome and timings as it ends, the tokens it serves each tenant and the
+jobs it refuses at admission, and polls Redis for the ingest lag (with fair queueing,
+also for the tenant queues). Each served request logs one summary line, with its id and
+priority bound as context.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -119,7 +122,7 @@ class Worker:
             self.charges = Charges(redis, config.requests_stream, fair_queue)
         else:
             self.reader = JobReader(redis, config)
-        self.jobs: dict[str, Job] = {}  # by entry id, while their events flow (for charges)
+        self.jobs: dict[str, Job] = {}  # by entry id, while their events flow (for charges and metrics)
         self.cancels = CancelRegistry(config.cancel_ttl_s)
         self.redis = redis
         # Enough queued work to keep the batcher full, no more.
@@ -330,11 +333,11 @@ class Worker:
             )
         )
         self.held[entry.entry_id].submitted = True
-        if self.charges is not None:
-            self.jobs[entry.entry_id] = job
+        self.jobs[entry.entry_id] = job
         outcome = await published
         event = outcome.final
         self.metrics.observe_finished(event)
+        self.metrics.observe_tenant_tokens(job.tenant, job.batch, "prompt", event.usage.prompt_tokens)
         if outcome.text is not None:
             log_request_finished(log, event, prompt=job.prompt, output=outcome.text)
         else:
@@ -427,13 +430,19 @@ class Worker:
     # -- fair queueing -----------------------------------------------------------------
 
     def _on_events(self, events: list) -> None:
-        """A step's events: to the outbox, and each output token charged to its tenant."""
+        """A step's events: to the outbox, and each output token counted as served to its
+        tenant (and, with fair queueing, charged to it)."""
         self.outbox.on_events(events)
-        if self.charges is not None:
-            for event in events:
-                job = self.jobs.get(event.request_id)
-                if job is not None and not isinstance(event, FinalEvent):
+        output_tokens: dict[tuple[str, bool], int] = defaultdict(int)  # by tenant and class
+        for event in events:
+            job = self.jobs.get(event.request_id)
+            if job is not None and not isinstance(event, FinalEvent):
+                output_tokens[job.tenant, job.batch] += len(event.token_ids)
+                if self.charges is not None:
                     self.charges.output(job, len(event.token_ids))
+        # Once per tenant and class a step, not per event: a step at GPU rates has hundreds.
+        for (tenant, batch), num_tokens in output_tokens.items():
+            self.metrics.observe_tenant_tokens(tenant, batch, "output", num_tokens)
 
     async def _admit(self, stop: asyncio.Event) -> None:
         """Admit new jobs from the request stream until told to stop."""
@@ -464,6 +473,7 @@ class Worker:
 
     async def _refuse(self, entry: Entry, job: Job, refusal: Refusal) -> None:
         self.metrics.observe_outcome("rejected")
+        self.metrics.observe_refused(job.tenant, refusal.code)
         await self._reject(
             entry,
             refusal.code,
@@ -540,13 +550,15 @@ class Worker:
                     self.front.cancel(entry_id)
 
     async def _housekeeping(self) -> None:
-        """Every `ingest_poll_s`: the ingest-lag gauges, and the control stream trimmed to
-        what is remembered."""
+        """Every `ingest_poll_s`: the ingest-lag gauges (and the tenant queues' with fair
+        queueing), and the control stream trimmed to what is remembered."""
         while True:
             try:
                 await self.metrics.poll_ingest(
                     self.redis, self.config.requests_stream, self.config.group, self.config.dead_letter_stream
                 )
+                if self.admission is not None:
+                    await self.metrics.poll_fair_queue(self.redis, self.config.requests_stream)
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.xtrim(self.config.control_stream, minid=self.cancels.window_start(), approximate=True)
                     pipe.xtrim(self.config.control_stream, maxlen=self.config.control_max_len, approximate=True)

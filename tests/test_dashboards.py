@@ -54,6 +54,7 @@ def exported_series_names() -> set[str]:
         FinalEvent("r", FinishReason.LENGTH, Usage(12, 3), Timings(0.1, 0.2, 0.4, (0.2, 0.3, 0.4)))
     )
     metrics.observe_dead_letter("invalid_type")
+    metrics.observe_fair_queue({"a": 2}, {"a": 24}, 1)  # polled from Redis with --fair-queue
     gateway = GatewayMetrics()
     gateway.observe_request("/v1/chat/completions", 200, 0.5)
     gateway.time_to_first_token.observe(0.1)
@@ -207,6 +208,10 @@ def test_the_dashboard_has_the_panels_the_operators_need():
         "inflight_prefix_cache_offloaded_blocks_total",
         "inflight_gateway_requests_total",
         "inflight_gateway_time_to_first_token_seconds_bucket",
+        "inflight_tenant_tokens_total",
+        "inflight_tenant_queued_requests",
+        "inflight_refused_requests_total",
+        "inflight_batch_queued_requests",
     ):
         assert metric in queries, metric
     ids = [panel["id"] for panel in dashboard["panels"]]

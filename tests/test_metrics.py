@@ -4,6 +4,7 @@ named by the project's conventions, and accepted by `promtool check metrics`."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import re
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
-from service.metrics import Metrics
+from service.metrics import MAX_TENANT_LABELS, OTHER_TENANTS, Metrics
 from workers.api import FinalEvent, GenerationRequest, SamplingParams
 
 BLOCK_BYTES = 16 * 46_080  # one 16-token block of SmolLM2-135M in float32 (all layers, K and V)
@@ -216,6 +217,146 @@ def test_ingest_lag_pending_entries_and_dead_letters_come_from_redis():
     first, second = asyncio.run(main())
     assert first == (3, 2, 1)  # 3 never delivered, 2 delivered and not acked, 1 dead letter
     assert second == (3, 1)
+
+
+def test_a_tenant_label_for_the_first_tenants_seen_and_the_rest_together():
+    metrics = Metrics()
+    for i in range(MAX_TENANT_LABELS + 5):  # `default` holds one label from the start
+        metrics.observe_tenant_tokens(f"t{i}", False, "output", 1)
+    metrics.observe_refused(f"t{MAX_TENANT_LABELS + 4}", "quota_exceeded")
+
+    def tokens(tenant: str, job_class: str = "interactive") -> float | None:
+        return metrics.registry.get_sample_value(
+            "inflight_tenant_tokens_total", {"tenant": tenant, "class": job_class, "kind": "output"}
+        )
+
+    assert tokens("t0") == tokens(f"t{MAX_TENANT_LABELS - 2}") == 1
+    assert tokens(f"t{MAX_TENANT_LABELS - 1}") is None
+    assert tokens(OTHER_TENANTS) == 6
+    assert value(metrics, "inflight_refused_requests_total", tenant=OTHER_TENANTS, code="quota_exceeded") == 1
+    # The default tenant's series exist from the start, so a batch share reads 0, not nothing.
+    assert tokens("default", "batch") == 0
+    assert value(metrics, "inflight_refused_requests_total", tenant="default", code="queue_full") == 0
+
+
+def test_fair_queue_counts_come_from_redis_and_a_tenant_no_longer_queued_reads_zero():
+    stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
+    tag = "{" + stream + "}"
+    metrics = Metrics()
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379)
+        keys = [f"{tag}:queued", f"{tag}:queued_tokens", f"{tag}:backlog"]
+        try:
+            # As service/fair_queue.py keeps them: by tenant with the total under '*'; by queue.
+            await client.hset(keys[0], mapping={"*": 3, "a": 2, "b": 1})
+            await client.hset(keys[1], mapping={"*": 40, "a": 30, "b": 10})
+            await client.hset(
+                keys[2], mapping={f"{tag}:q:0:a": 1, f"{tag}:q:batch:a": 1, f"{tag}:q:batch:b": 1, f"{tag}:q:3:b": 0}
+            )
+            await metrics.poll_fair_queue(client, stream)
+            first = [
+                value(metrics, "inflight_tenant_queued_requests", tenant="a"),
+                value(metrics, "inflight_tenant_queued_tokens", tenant="b"),
+                value(metrics, "inflight_batch_queued_requests"),
+            ]
+            await client.delete(*keys)
+            await client.hset(keys[0], mapping={"*": 1, "a": 1})
+            await metrics.poll_fair_queue(client, stream)
+            return first
+        finally:
+            await client.delete(*keys)
+            await client.aclose()
+
+    assert asyncio.run(main()) == [2, 10, 2]
+    assert value(metrics, "inflight_tenant_queued_requests", tenant="a") == 1
+    assert value(metrics, "inflight_tenant_queued_requests", tenant="b") == 0
+    assert value(metrics, "inflight_tenant_queued_tokens", tenant="a") == 0
+    assert value(metrics, "inflight_tenant_queued_requests", tenant="*") is None
+    assert value(metrics, "inflight_batch_queued_requests") == 0
+
+
+@pytest.mark.slow
+def test_a_fair_queueing_worker_reports_tenants_queues_refusals_and_tokens(make_engine):
+    """A real worker with fair queueing on a real Redis: it holds two long jobs of tenant
+    a, so two short ones of a and a batch job of b wait in the tenant queues, and a job of
+    c with too long a prompt is refused; the tokens counted are the replies' usage."""
+    from service.config import FairQueueConfig
+    from service.worker import Worker
+    from tests.test_worker import read_replies, stream_config
+    from tests.waiting import eventually
+
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    engine = make_engine(max_running_requests=1)  # the worker holds two jobs at most
+    metrics = Metrics(engine.config.scheduler)
+    long = {"prompt": "Hello", "max_tokens": "512", "ignore_eos": "1"}
+    short = {"prompt": "Count to ten:", "max_tokens": "6"}
+    jobs = {  # request id -> tenant, class, fields
+        f"{run}-long-0": ("a", "interactive", {**long, "tenant": "a"}),
+        f"{run}-long-1": ("a", "interactive", {**long, "tenant": "a"}),
+        f"{run}-short-0": ("a", "interactive", {**short, "tenant": "a"}),
+        f"{run}-short-1": ("a", "interactive", {**short, "tenant": "a"}),
+        f"{run}-batch": ("b", "batch", {**short, "tenant": "b", "batch": "true"}),
+    }
+    huge = {"prompt": "word " * 200, "max_tokens": "6", "tenant": "c"}  # over --max-queued-tokens alone
+
+    def queued(tenant: str) -> float | None:
+        return value(metrics, "inflight_tenant_queued_requests", tenant=tenant)
+
+    def tokens(tenant: str, job_class: str, kind: str) -> float | None:
+        labels = {"tenant": tenant, "class": job_class, "kind": kind}
+        return metrics.registry.get_sample_value("inflight_tenant_tokens_total", labels)
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        worker = Worker(
+            engine, client, config, metrics, ingest_poll_s=0.05, fair_queue=FairQueueConfig(max_queued_tokens=100)
+        )
+        task = asyncio.create_task(worker.run(stop))
+        try:
+            for request_id, (_, _, fields) in jobs.items():
+                await client.xadd(config.requests_stream, {"id": request_id, **fields})
+            await client.xadd(config.requests_stream, {"id": f"{run}-huge", **huge})
+            await eventually(
+                lambda: (queued("a"), queued("b"), value(metrics, "inflight_batch_queued_requests")) == (2, 1, 1),
+                60,
+                "the short jobs and the batch job queued",
+            )
+            assert value(metrics, "inflight_tenant_queued_tokens", tenant="a") > 0
+            refused = (await read_replies(client, f"inflight:out:{{{run}-huge}}"))[-1]
+            assert refused["code"] == b"queue_full"
+            assert value(metrics, "inflight_refused_requests_total", tenant="c", code="queue_full") == 1
+
+            for name in ("long-0", "long-1"):  # the queued jobs' turn
+                await client.xadd(config.control_stream, {"type": "cancel", "id": f"{run}-{name}"})
+            expected = collections.Counter()
+            for request_id, (tenant, job_class, _) in jobs.items():
+                final = (await read_replies(client, f"inflight:out:{{{request_id}}}"))[-1]
+                assert final["type"] == b"done"
+                expected[tenant, job_class, "prompt"] += int(final["prompt_tokens"])
+                expected[tenant, job_class, "output"] += int(final["completion_tokens"])
+            assert all(expected.values())
+            await eventually(
+                lambda: all(tokens(*labels) == count for labels, count in expected.items()),
+                10,
+                "the served tokens counted",
+            )
+            await eventually(
+                lambda: (queued("a"), queued("b"), value(metrics, "inflight_batch_queued_requests")) == (0, 0, 0),
+                10,
+                "the tenant queues emptied",
+            )
+            assert queued("c") is None  # refused: never queued
+            assert value(metrics, "inflight_refused_requests_total", tenant="a", code="queue_full") is None
+        finally:
+            stop.set()
+            await task
+            await client.delete(*await client.keys(f"*inflight:test:{run}*"), *await client.keys(f"*{{{run}-*"))
+            await client.aclose()
+
+    asyncio.run(main())
 
 
 def test_every_metric_has_the_prefix_a_unit_and_no_colon():

@@ -1,6 +1,7 @@
-"""Observability with real parts: a real `inflight worker` serves real requests through
-Redis (priorities, preemption and swapping on a tiny KV pool, a job the engine rejects, a
-job that cannot be decoded), a real Prometheus scrapes it every second with the alert
+"""Observability with real parts: a real `inflight worker` with fair queueing serves real
+requests of several tenants through Redis (priorities, a batch job, preemption and swapping
+on a tiny KV pool, a job the engine rejects, a job that cannot be decoded, a job refused at
+admission), a real Prometheus scrapes it every second with the alert
 rules loaded, and every dashboard panel's query must return data through Prometheus'
 HTTP API (a gateway in front of the same stream serves one streamed completion, for the
 gateway's panels; then a prefill and a decode worker on streams of their own hand one job
@@ -168,6 +169,10 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
             "127.0.0.1",
             "--ingest-poll-s",
             "0.5",
+            # The tenants row: a job whose prompt alone is over this cap is refused (queue_full).
+            "--fair-queue",
+            "--max-queued-tokens",
+            "400",
             # 5 device blocks and 2 host blocks: four requests of 4 blocks each preempt and swap.
             "--kv-memory-mb",
             "4",
@@ -255,11 +260,26 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         served = {
             f"{prefix}-{name}": priority for name, priority in (("low", -5), ("mid", 0), ("mid2", 0), ("high", 5))
         }
+        tenants = {"low": {"tenant": "a"}, "high": {"tenant": "a"}, "mid2": {"tenant": "b", "batch": "true"}}
         for request_id, priority in served.items():
-            client.xadd(stream, {"id": request_id, "prompt": PROMPT, "max_tokens": "40", "priority": str(priority)})
+            client.xadd(
+                stream,
+                {
+                    "id": request_id,
+                    "prompt": PROMPT,
+                    "max_tokens": "40",
+                    "priority": str(priority),
+                    **tenants.get(request_id.removeprefix(f"{prefix}-"), {}),
+                },
+            )
         client.xadd(stream, {"id": f"{prefix}-huge", "prompt": PROMPT, "max_tokens": "100000", "priority": "2"})
         client.xadd(stream, {"id": f"{prefix}-garbled", "prompt": PROMPT, "max_tokens": "lots"})
-        replies = [f"inflight:out:{{{request_id}}}" for request_id in [*served, f"{prefix}-huge", f"{prefix}-garbled"]]
+        # About 520 prompt tokens, over --max-queued-tokens by itself: refused at admission.
+        client.xadd(stream, {"id": f"{prefix}-refused", "prompt": PROMPT * 40, "max_tokens": "4", "tenant": "b"})
+        replies = [
+            f"inflight:out:{{{request_id}}}"
+            for request_id in [*served, f"{prefix}-huge", f"{prefix}-garbled", f"{prefix}-refused"]
+        ]
         replies.append(f"inflight:out:{{{through_gateway}}}")
 
         def finished(reply: str) -> bool:
@@ -268,12 +288,12 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         wait_until(lambda: all(finished(r) for r in replies), 300, "every request to finish", interval_s=0.5)
         # Prometheus has scraped the worker after the last request ended, and the lag poll has run.
         wait_until(
-            lambda: api.scalar('sum(inflight_requests_total{job="inflight"})') == 7,
+            lambda: api.scalar('sum(inflight_requests_total{job="inflight"})') == 8,
             30,
             "a scrape after the last request",
         )
         wait_until(lambda: api.scalar("sum(inflight_gateway_requests_total)") == 1, 30, "a scrape of the gateway")
-        wait_until(lambda: api.scalar("max(inflight_dead_letter_stream_entries)") == 2, 30, "the ingest poll")
+        wait_until(lambda: api.scalar("max(inflight_dead_letter_stream_entries)") == 3, 30, "the ingest poll")
         wait_until(
             lambda: api.scalar("max(inflight_ingest_pending_entries) + max(inflight_ingest_lag_entries)") == 0,
             30,
@@ -316,7 +336,7 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
             == 5
         )
         assert api.scalar('sum(inflight_requests_total{job="inflight", outcome="error"})') == 1
-        assert api.scalar('sum(inflight_requests_total{job="inflight", outcome="rejected"})') == 1
+        assert api.scalar('sum(inflight_requests_total{job="inflight", outcome="rejected"})') == 2
         assert api.scalar('sum(inflight_preemptions_total{job="inflight"})') > 0
         assert api.scalar('sum(inflight_kv_cache_blocks{job="inflight", pool="device"})') == 5
         by_priority = api.query(
@@ -324,7 +344,15 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         )
         assert {int(series["metric"]["priority"]) for series in by_priority["result"]} == {-5, 0, 5}
         assert api.scalar(f'max(max_over_time(inflight_kv_cache_usage_ratio{{pool="device"}}[{WINDOW}]))') > 0.5
-        assert api.scalar('sum(inflight_dead_letters_total{job="inflight"})') == 2
+        assert api.scalar('sum(inflight_dead_letters_total{job="inflight"})') == 3
+        # The tenants row: what each tenant was served adds up to the worker's totals, by kind.
+        assert api.scalar('sum(inflight_refused_requests_total{job="inflight", tenant="b", code="queue_full"})') == 1
+        assert api.scalar('sum(inflight_tenant_tokens_total{job="inflight", class="batch", kind="output"})') > 0
+        for kind, total in (("output", "inflight_generation_tokens_total"), ("prompt", "inflight_prompt_tokens_total")):
+            assert api.scalar(f'sum(inflight_tenant_tokens_total{{job="inflight", kind="{kind}"}})') == api.scalar(
+                f'sum({total}{{job="inflight"}})'
+            )
+        assert api.scalar('max(inflight_tenant_queued_requests{job="inflight", tenant="a"})') == 0
         # Prefix caching is on by default: every admission queried the cache.
         assert api.scalar("sum(inflight_prefix_cache_queried_tokens_total)") > 0
 
@@ -373,6 +401,6 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
     assert summaries[f"{prefix}-huge"]["finish_reason"] == "error"
     assert all(summaries[r]["completion_tokens"] > 0 and summaries[r]["first_token_s"] > 0 for r in served)
     dead_lettered = sorted(line["code"] for line in lines if line["event"] == "job_dead_lettered")
-    assert dead_lettered == ["invalid_request", "invalid_type"]
+    assert dead_lettered == ["invalid_request", "invalid_type", "queue_full"]
     assert [line["event"] for line in lines][-1] == "worker_stopped"
     assert PROMPT not in log  # prompts stay out of the log unless the operator opts in

@@ -139,6 +139,82 @@ SECTIONS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = 
         ],
     ),
     (
+        "Tenants and batch jobs",
+        [
+            (
+                "Tokens served by tenant",
+                "short",
+                [
+                    (
+                        f"sum by (tenant, class, kind) (rate(inflight_tenant_tokens_total[{RATE}]))",
+                        "{{tenant}} {{class}} {{kind}}",
+                    ),
+                ],
+                "Tokens per second all workers served each tenant, interactive and batch jobs apart: output "
+                "tokens as generated, prompt tokens as their requests end. (other): the tenants past the first "
+                "100 a worker saw.",
+            ),
+            (
+                "Queued jobs by tenant",
+                "short",
+                [
+                    ("max by (tenant) (inflight_tenant_queued_requests)", "{{tenant}}"),
+                ],
+                "Jobs admitted into each tenant's queues and not yet taken by a worker (--fair-queue): what "
+                "--max-queued-jobs and --tenant-max-queued-jobs count. Every worker reports the same.",
+            ),
+            (
+                "Queued prompt tokens by tenant",
+                "short",
+                [
+                    ("max by (tenant) (inflight_tenant_queued_tokens)", "{{tenant}}"),
+                ],
+                "Prompt tokens of those jobs: what --max-queued-tokens and --tenant-max-queued-tokens count.",
+            ),
+            (
+                "Refusals by tenant and code",
+                "reqps",
+                [
+                    (f"sum by (tenant, code) (rate(inflight_refused_requests_total[{RATE}]))", "{{tenant}} {{code}}"),
+                ],
+                "Jobs refused at admission per second: queue_full (a cap on queued jobs or tokens) or "
+                "quota_exceeded (the tenant's --tenant-tokens-per-s). The producer was told to retry after "
+                "retry_after_s.",
+            ),
+            (
+                "Batch backlog",
+                "short",
+                [
+                    ("max(inflight_batch_queued_requests)", "batch jobs queued"),
+                    (
+                        f'sum(rate(inflight_tenant_tokens_total{{class="batch", kind="output"}}[{RATE}]))',
+                        "batch output tokens/s",
+                    ),
+                ],
+                "Batch jobs admitted and not yet taken (--fair-queue; workers take them only when no interactive "
+                "job is queued), and the output tokens batch jobs are served per second.",
+            ),
+            (
+                "Batch capacity used",
+                "percentunit",
+                [
+                    (
+                        f'sum(rate(inflight_tenant_tokens_total{{class="batch", kind="output"}}[{RATE}]))'
+                        f' / clamp_min(sum(rate(inflight_tenant_tokens_total{{kind="output"}}[{RATE}])), 1e-9)',
+                        "output tokens (0 when idle)",
+                    ),
+                    (
+                        f'sum(rate(inflight_tenant_tokens_total{{class="batch", kind="prompt"}}[{RATE}]))'
+                        f' / clamp_min(sum(rate(inflight_tenant_tokens_total{{kind="prompt"}}[{RATE}])), 1e-9)',
+                        "prompt tokens (0 when idle)",
+                    ),
+                ],
+                "Batch jobs' share of the output and of the prompt tokens served, all workers: the capacity "
+                "they used, which interactive jobs left free (they preempt batch jobs the step they need room).",
+            ),
+        ],
+    ),
+    (
         "KV cache",
         [
             (
@@ -465,8 +541,8 @@ def dashboard() -> Dashboard:
         Dashboard("inflight")
         .uid("inflight-overview")
         .description(
-            "LLM inference workers: throughput, latency, queues, KV cache, prefix cache, steps, disaggregated "
-            "prefill and decode, the gateway, errors."
+            "LLM inference workers: throughput, latency, queues, tenants and batch jobs, KV cache, prefix cache, "
+            "steps, disaggregated prefill and decode, the gateway, errors."
         )
         .tags(["inflight"])
         .timezone(TimeZoneBrowser)
