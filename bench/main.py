@@ -34,7 +34,7 @@ SCENARIO_MODULES = {
     "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis", "edge": "bench.edge", "soak": "bench.soak",
     "intake": "bench.intake", "overhead": "bench.overhead", "gateway": "bench.gateway",
     "structured": "bench.structured", "spec": "bench.spec", "serve": "bench.serve", "length": "bench.length",
-    "disagg": "bench.disagg",
+    "disagg": "bench.disagg", "tenants": "bench.tenants",
 }  # fmt: skip
 SCENARIOS = ("throughput", "single", *SCENARIO_MODULES)
 # Scenarios that take the loaded model: `run(loaded, args, vocab_ids)`; the others `run(args)`.
@@ -147,7 +147,7 @@ def run_scenario(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     # scheduler: no model; redis: loads the model on its torch thread; edge: a stub engine;
-    # soak, disagg: worker processes load the model; intake: Redis only.
+    # soak, disagg, tenants: worker processes load the model; intake: Redis only.
     if args.scenario not in MODEL_SCENARIOS:
         figures = module.run(args)
     else:

@@ -1,0 +1,753 @@
+"""`inflight bench --scenario tenants`: fair queueing between tenants, batch jobs on idle
+capacity, and refusal under overload (issue 38; docs/protocol.md, "Tenants, batch jobs and
+admission").
+
+Two real `inflight worker --fair-queue` processes on streams of the run's own (on
+`--redis-url`, else an embedded Valkey), each pinned to one core with `taskset -c` and
+`--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds twice
+that many jobs; the rest wait in Redis, where the fair queue orders them), prefix caching
+off (the same prompts are sent twice, alone and under load), a long lease. Parts
+(`--tenants-parts`, default all three):
+
+- (a) **Fair share.** Three tenants, all backlogged from t0: `heavy` queues
+  `--tenants-flood` (10) times as many jobs as each of `light-1` and `light-2`
+  (`--tenants-light-jobs` each), ahead of them. Fixed lengths (`--tenants-prompt-len`
+  tokens of random ids, `--tenants-output-len` tokens out, EOS ignored), so every job
+  costs the same. Every 0.5 s this process reads the workers' charges
+  (`{<stream>}:served`) and who has jobs queued (`{<stream>}:queued`); the gap is
+  max |served_i - served_j| over the tenants backlogged at that sample, against VTC's
+  bound as issue 38 states it: 2 x the weighted cost of one request (prompt weight x its
+  prompt tokens + output weight x its max_tokens; the workers' default weights, 1 and 2).
+  Also each tenant's share of the service while all three were backlogged. Once the
+  light tenants are done the flood's remaining jobs are cancelled. Then the light jobs
+  again, at t0, as one tenant alone: the light tenants' TTFT p50/p99 under the flood
+  against alone.
+- (b) **Batch jobs on idle capacity.** Capacity first (unless `--tenants-capacity-rps`
+  gives it): `--tenants-capacity-jobs` jobs at t0; requests finished per second until the
+  last one started, and the weighted tokens charged per second over the same time (the
+  rest are cancelled). Then `--tenants-interactive-jobs` interactive jobs at Poisson
+  arrivals of `--tenants-interactive-load` (0.6) x capacity, alone; then
+  `--tenants-batch-jobs` batch jobs queued at once, and the same interactive arrivals
+  over them. Reported: interactive TTFT and TPOT with the batch backlog against alone, and
+  the share of idle capacity the batch used: batch tokens charged during the interactive
+  run / (capacity x its duration - interactive tokens charged), all in weighted tokens.
+  The batch backlog left is cancelled.
+- (c) **Overload.** Fresh workers with `--max-queued-jobs` (`--tenants-max-queued-jobs`);
+  `--tenants-overload-jobs` jobs at Poisson arrivals of `--tenants-overload` (2) x
+  capacity. Reported: the share refused (`queue_full`), how fast (from the request entry's
+  id to its dead letter's, both Redis's clock in ms: the dead letter is written just after
+  the error event), the `retry_after_s` they were given, the most jobs seen queued against
+  the cap, the accepted jobs left unfinished `TENANTS_DRAIN_S` after the last arrival
+  (none should be: nothing is left to expire), and the accepted jobs' TTFT p99 against
+  (b)'s interactive load alone (60% of capacity).
+
+Workload of (b) and (c): the bench's `--workload` (`--workload sharegpt`: ShareGPT first
+turns, chat-templated, with their real lengths: greedy, EOS honoured, capped by
+`--sharegpt-max-output`; `random`: random token ids of `--prompt-len`, `--output-len`
+tokens out, EOS ignored), disjoint requests for the probe, the interactive load, the batch
+backlog and the overload. Every job is greedy and goes out as text. Weighted tokens are
+the fair queue's own measure of service (prompt tokens charged when a job is taken, output
+tokens as they are made). This process and Redis share the two cores with the workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import inspect
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+
+from bench.arrivals import poisson
+from bench.disagg import Follower, Job
+from bench.metrics import RequestRecord, latency_figures, percentile
+from bench.processes import WorkerProcess
+from bench.servers import signals_as_exit, start_reaper, stop_reaper
+from bench.systems import delete_replies, redis_server, run_streams
+from service.config import FairQueueConfig
+from service.protocol import reply_stream
+from service.sdk import job_payload
+
+PARTS = ("a", "b", "c")
+WORKERS = (("w0", 0), ("w1", 1))  # consumer name, index of its core in --tenants-cores
+SAMPLE_S = 0.5  # how often the fair queue's counters are read
+POLL_S = 0.5  # how often the final events of jobs not followed live are looked up
+CLAIM_IDLE_MS = 60_000  # a starved event loop must not hand a job to the other worker
+SHUTDOWN_GRACE_S = 5
+WARMUP_JOBS, WARMUP_TOKENS = 4, 4
+BATCH_SETTLE_S = 2.0  # after the batch backlog is admitted and served, before the interactive load
+WAIT_LIMIT_S = 900.0  # a wait this long fails the run instead of hanging it
+TENANTS_DRAIN_S = 300.0  # (c): accepted jobs not finished this long after the last arrival are left
+WEIGHTS = FairQueueConfig()  # the workers' charge weights (their defaults)
+
+# --tenants-NAME: type, default, help.
+FLAGS = {
+    "parts": (str, ",".join(PARTS), "parts to run, comma-separated"),
+    "cores": (str, "0,1", "the two cores to pin the workers to"),
+    "max-running": (int, 8, "each worker's --max-running-requests (it holds twice as many jobs)"),
+    "light-jobs": (int, 30, "(a) jobs each light tenant queues at t0"),
+    "flood": (int, 10, "(a) the heavy tenant's jobs per light tenant's"),
+    "prompt-len": (int, 128, "(a) prompt length in tokens (random ids)"),
+    "output-len": (int, 64, "(a) output length in tokens (EOS ignored)"),
+    "capacity-rps": (float, 0.0, "(b, c) capacity in requests/s of the workload; 0 measures it"),
+    "capacity-jobs": (int, 64, "(b, c) jobs at t0 that measure capacity"),
+    "interactive-jobs": (int, 60, "(b) interactive jobs, Poisson arrivals"),
+    "interactive-load": (float, 0.6, "(b) their arrival rate as a share of capacity"),
+    "batch-jobs": (int, 2000, "(b) batch jobs queued under the interactive load"),
+    "overload-jobs": (int, 150, "(c) jobs, Poisson arrivals"),
+    "overload": (float, 2.0, "(c) their arrival rate as a multiple of capacity"),
+    "max-queued-jobs": (int, 8, "(c) the workers' --max-queued-jobs"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("tenants scenario (also --redis-url, --workload, --speculation)")
+    for name, (kind, default, text) in FLAGS.items():
+        group.add_argument(f"--tenants-{name}", type=kind, default=default, help=f"{text} (default: %(default)s)")
+
+
+@dataclass
+class TenantJob(Job):
+    tenant: str = "default"
+    batch: bool = False
+    ignore_eos: bool = True
+    entry_id: str = ""  # the request entry's id: Redis's clock when it was added
+
+    def payload(self) -> dict:
+        return job_payload(
+            self.prompt,
+            None,
+            self.request_id,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            tenant=self.tenant,
+            batch=self.batch or None,
+        )
+
+    def outcome(self) -> str:
+        """finish_reason, the error's code, or `unfinished`."""
+        if self.final is None:
+            return "unfinished"
+        return self.final.get("finish_reason") or self.final.get("code") or self.final["type"]
+
+    def record(self) -> RequestRecord:
+        """As a caller saw it; the end is the last token's arrival."""
+        times = [t - self.sent for t in self.times]
+        done = self.final is not None and self.final["type"] == "done" and bool(times)
+        return RequestRecord(
+            sent_s=0.0,
+            chunk_times_s=times,
+            end_s=times[-1] if times else None,
+            completion_tokens=len(times),
+            error=None if done else self.outcome(),
+        )
+
+
+class TenantFollower(Follower):
+    """disagg's follower, with each job's own payload; a job sent with `follow=False` is not
+    read live (a backlog of thousands), its final event looked up by `poll`."""
+
+    async def send(self, jobs: list[TenantJob], follow: bool = True) -> float:
+        pipe = self.client.pipeline(transaction=False)
+        for job in jobs:
+            self.jobs[job.request_id] = job
+            if follow:
+                self.open[reply_stream(job.request_id)] = job
+            pipe.xadd(self.requests_stream, job.payload())
+        sent = time.perf_counter()
+        entry_ids = await pipe.execute()
+        for job, entry_id in zip(jobs, entry_ids):
+            job.sent, job.entry_id = sent, entry_id.decode()
+        return sent
+
+    async def poll(self, jobs: list[TenantJob]) -> None:
+        """The last event of each job without a final one yet: its final one, if it came."""
+        missing = [job for job in jobs if job.final is None]
+        if not missing:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for job in missing:
+            pipe.xrevrange(reply_stream(job.request_id), count=1)
+        for job, rows in zip(missing, await pipe.execute()):
+            if rows:
+                event = msgpack.unpackb(rows[0][1][b"data"])
+                if event["type"] != "token":
+                    job.final = event
+
+
+class Counters:
+    """The fair queue's bookkeeping in Redis (docs/protocol.md, Keys): what each account
+    (a tenant, or `batch:<tenant>`) was charged, in weighted tokens, and each tenant's jobs
+    admitted and not yet taken (`*`: all of them)."""
+
+    def __init__(self, client, requests_stream: str) -> None:
+        tag = "{" + requests_stream + "}"
+        self.client, self.served_key, self.queued_key = client, f"{tag}:served", f"{tag}:queued"
+
+    async def read(self) -> tuple[dict[str, float], dict[str, int]]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(self.served_key)
+        pipe.hgetall(self.queued_key)
+        served, queued = await pipe.execute()
+        return (
+            {k.decode(): float(v) for k, v in served.items()},
+            {k.decode(): int(v) for k, v in queued.items()},
+        )
+
+    @contextlib.asynccontextmanager
+    async def sampling(self, t0: float):
+        """Read every SAMPLE_S while inside: yields the list of (s after t0, served, queued)."""
+        samples: list[tuple[float, dict, dict]] = []
+        stop = asyncio.Event()
+
+        async def sample() -> None:  # the last sample when told to stop
+            while True:
+                served, queued = await self.read()
+                samples.append((time.perf_counter() - t0, served, queued))
+                if stop.is_set():
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), SAMPLE_S)
+
+        task = asyncio.create_task(sample(), name="tenants-sampler")
+        try:
+            yield samples
+        finally:
+            stop.set()
+            await task
+
+
+@dataclass
+class Session:
+    """Two workers on streams of their own, and this process's follower of them."""
+
+    name: str
+    run_id: str
+    client: object
+    follower: TenantFollower
+    counters: Counters
+    workers: list[WorkerProcess]
+    dead_letter_stream: str
+
+    def job(self, label: str, prompt: str, max_tokens: int, **fields) -> TenantJob:
+        return TenantJob(label, f"{self.run_id}-{self.name}-{label}", prompt, max_tokens, **fields)
+
+    async def until(self, condition, what: str, poll: list[TenantJob] = (), required: bool = True) -> bool:
+        """Wait for `condition()` (a coroutine function's too), looking up `poll`'s final
+        events meanwhile. Fails when a worker died; after WAIT_LIMIT_S (or TENANTS_DRAIN_S
+        when not `required`), fails, or returns False when not `required`."""
+        deadline = time.perf_counter() + (WAIT_LIMIT_S if required else TENANTS_DRAIN_S)
+
+        async def met() -> bool:
+            result = condition()
+            return await result if inspect.isawaitable(result) else result
+
+        while not await met():
+            dead = [w.name for w in self.workers if not w.alive()]
+            if dead or time.perf_counter() > deadline:
+                if not dead and not required:
+                    return False
+                why = f"worker {dead[0]} died" if dead else f"still waiting after {WAIT_LIMIT_S:.0f} s"
+                tails = "\n".join(f"--- {w.name}\n{w.log_tail(1500)}" for w in self.workers)
+                raise RuntimeError(f"tenants: waiting for {what}: {why}\n{tails}")
+            if poll:
+                await self.follower.poll(poll)
+            async with self.follower.changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.follower.changed.wait(), POLL_S)
+        return True
+
+    async def send_at(self, jobs: list[TenantJob], arrivals: list[float]) -> float:
+        """Each job at its arrival time (s after the first); returns when the first went."""
+        start = time.perf_counter()
+        for job, at in zip(jobs, arrivals):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            await self.follower.send([job])
+        return start
+
+    def preemptions(self) -> float:
+        return sum(
+            value
+            for worker in self.workers
+            for (name, _), value in worker.metrics().items()
+            if name == "inflight_preemptions_total"
+        )
+
+
+@dataclass(frozen=True)
+class Prompts:
+    warmup: list[str]
+    flood: list[str]  # (a), fixed lengths
+    light: list[list[str]]  # (a), one list per light tenant
+    probe: list[tuple[str, int]]  # (b, c): (text, max_tokens)
+    interactive: list[tuple[str, int]]
+    batch: list[tuple[str, int]]
+    overload: list[tuple[str, int]]
+    source: str  # of (b, c)'s
+    ignore_eos: bool  # for (b, c)'s: a random workload's fixed lengths
+
+
+def run(args: argparse.Namespace) -> dict:
+    import uvloop
+
+    parts = [p.strip() for p in args.tenants_parts.split(",") if p.strip()]
+    if not parts or set(parts) - set(PARTS):
+        raise SystemExit(f"--tenants-parts takes some of {','.join(PARTS)}, got {args.tenants_parts!r}")
+    cores = [c.strip() for c in args.tenants_cores.split(",") if c.strip()]
+    if len(cores) != 2:
+        raise SystemExit(f"--tenants-cores takes two cores, got {args.tenants_cores!r}")
+    prompts = _prompts(args, parts)
+    with signals_as_exit():  # SIGTERM stops the workers on the way out too
+        return uvloop.run(_run(args, parts, cores, prompts))
+
+
+def _prompts(args: argparse.Namespace, parts: list[str]) -> Prompts:
+    from bench.workload import draw_workload, make_workload, prompt_vocabulary
+    from workers.config import ModelConfig
+    from workers.model_loader import load_model
+
+    loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))  # for its tokenizer and context
+    tokenizer, context, vocab_size = loaded.tokenizer, loaded.max_context, loaded.model.config.vocab_size
+    vocab_ids = prompt_vocabulary(tokenizer, vocab_size)
+    del loaded
+
+    def texts(count: int, prompt_len: int, output_len: int, seed: int) -> list[str]:
+        if count < 1:
+            return []
+        workload = make_workload(count, (prompt_len, prompt_len), (output_len, output_len), vocab_ids, seed)
+        return [tokenizer.decode(r.prompt_ids) for r in workload.requests]
+
+    light_jobs = args.tenants_light_jobs if "a" in parts else 0
+    flood = texts(light_jobs * args.tenants_flood, args.tenants_prompt_len, args.tenants_output_len, args.seed)
+    light = [texts(light_jobs, args.tenants_prompt_len, args.tenants_output_len, args.seed + k) for k in (1, 2)]
+    if "a" in parts and args.tenants_prompt_len + args.tenants_output_len > context:
+        raise SystemExit(f"(a)'s prompt and output do not fit the model's context ({context})")
+
+    probing = ("b" in parts or "c" in parts) and not args.tenants_capacity_rps > 0
+    counts = {
+        "probe": args.tenants_capacity_jobs if probing else 0,
+        "interactive": args.tenants_interactive_jobs if "b" in parts else 0,
+        "batch": args.tenants_batch_jobs if "b" in parts else 0,
+        "overload": args.tenants_overload_jobs if "c" in parts else 0,
+    }
+    drawn: list[tuple[str, int]] = []
+    if sum(counts.values()):
+        workload = draw_workload(
+            tokenizer, vocab_size, args.workload, sum(counts.values()), args.prompt_len, args.output_len,
+            args.sharegpt_max_output, args.seed,
+        )  # fmt: skip
+        longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
+        if longest > context:
+            raise SystemExit(f"a request of {longest} tokens does not fit the model's context ({context})")
+        drawn = [(tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests]
+    slices, start = {}, 0
+    for name, count in counts.items():
+        slices[name], start = drawn[start : start + count], start + count
+    return Prompts(
+        warmup=texts(WARMUP_JOBS, 32, WARMUP_TOKENS, args.seed + 3),
+        flood=flood,
+        light=light,
+        source="sharegpt first turns" if args.workload == "sharegpt" else "random token ids",
+        ignore_eos=args.workload != "sharegpt",
+        **slices,
+    )
+
+
+async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], prompts: Prompts) -> dict:
+    from service.connect import connect
+
+    report: dict = {"parts": parts}
+    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-tenants-") as logs:
+        client = connect(url, socket_timeout=60)
+        run_id = uuid.uuid4().hex[:8]
+        try:
+            capacity = None
+            if args.tenants_capacity_rps > 0:  # weighted tokens/s: from (b)'s jobs, if it runs
+                capacity = {
+                    "requests_per_s": args.tenants_capacity_rps,
+                    "weighted_tokens_per_s": None,
+                    "source": "flag",
+                }
+            if "a" in parts or "b" in parts or ("c" in parts and capacity is None):
+                async with _session(url, client, run_id, "main", args, cores, Path(logs), prompts) as session:
+                    if "a" in parts:
+                        report["a"] = await _timed(_part_a(session, prompts, args))
+                    if capacity is None and ("b" in parts or "c" in parts):
+                        capacity = await _capacity(session, prompts)
+                    if "b" in parts:
+                        report["b"] = await _timed(_part_b(session, prompts, capacity, args))
+            if capacity is not None:
+                report["capacity"] = capacity
+            if "c" in parts:
+                base = report.get("b", {}).get("alone", {}).get("ttft_p99_ms")
+                cap = ["--max-queued-jobs", str(args.tenants_max_queued_jobs)]
+                async with _session(url, client, run_id, "capped", args, cores, Path(logs), prompts, cap) as session:
+                    report["c"] = await _timed(_part_c(session, prompts, capacity, base, args))
+        finally:
+            await client.aclose()
+    report["workload"] = {
+        "a": f"{args.tenants_prompt_len} prompt tokens (random ids), {args.tenants_output_len} out, EOS ignored",
+        "b_c": prompts.source + (", EOS ignored" if prompts.ignore_eos else ", EOS honoured"),
+        "seed": args.seed,
+    }
+    report["settings"] = {
+        "model": args.model or "bundled SmolLM2-135M-Instruct",
+        "dtype": args.dtype,
+        "cores": cores,
+        "threads_per_worker": 1,
+        "max_running_requests": args.tenants_max_running,
+        "jobs_held_per_worker": 2 * args.tenants_max_running,
+        "charge_prompt_weight": WEIGHTS.charge_prompt_weight,
+        "charge_output_weight": WEIGHTS.charge_output_weight,
+        "speculative": args.speculation,
+        "prefix_caching": "off",
+        "claim_idle_ms": CLAIM_IDLE_MS,
+        "cpu_count": os.cpu_count(),
+    }
+    return report
+
+
+async def _timed(part) -> dict:
+    load_before, started = os.getloadavg()[0], time.perf_counter()
+    figures = await part
+    figures["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    figures["elapsed_s"] = round(time.perf_counter() - started, 1)
+    return figures
+
+
+@contextlib.asynccontextmanager
+async def _session(url: str, client, run_id: str, name: str, args, cores: list[str], logs: Path, prompts: Prompts,
+                   extra: list[str] = ()):  # fmt: skip
+    """Two fair-queue workers on `name`'s own streams, warmed up; stopped, and every key of
+    theirs deleted, on the way out."""
+    print(f"bench: tenants: starting the workers ({name})", file=sys.stderr, flush=True)
+    prefix = f"inflight:bench:{run_id}:{name}"
+    streams = run_streams(url, prefix)
+    log_dir = logs / name
+    log_dir.mkdir()
+    workers = [_worker(url, streams, log_dir, args, consumer, cores[core], extra) for consumer, core in WORKERS]
+    for worker in workers:
+        worker.start()
+    reaper = start_reaper([str(worker.pid) for worker in workers])  # should this process be SIGKILLed
+    follower = TenantFollower(client, streams.requests_stream, streams.control_stream, None)
+    counters = Counters(client, streams.requests_stream)
+    session = Session(name, run_id, client, follower, counters, workers, streams.dead_letter_stream)
+    reader = None
+    try:
+        for worker in workers:
+            await asyncio.to_thread(worker.wait_ready)
+        reader = asyncio.create_task(follower.read(), name="tenants-reader")
+        for i, text in enumerate(prompts.warmup):  # one at a time: a cap on queued jobs refuses none
+            warm = session.job(f"warmup-{i}", text, WARMUP_TOKENS, tenant="warmup")
+            await follower.send([warm])
+            await session.until(lambda: warm.final is not None, "the warm-up")
+        yield session
+    finally:
+        if reader is not None:
+            follower.reading = False
+            await asyncio.gather(reader, return_exceptions=True)
+        for worker in workers:
+            await asyncio.to_thread(worker.stop)
+        stop_reaper(reaper)
+        await delete_replies(client, list(follower.jobs))
+        for pattern in (f"{prefix}:*", "{" + streams.requests_stream + "}:*"):
+            keys = [key async for key in client.scan_iter(pattern)]
+            if keys:
+                await client.delete(*keys)
+
+
+def _worker(url: str, streams, log_dir: Path, args, consumer: str, core: str, extra) -> WorkerProcess:
+    argv = ["--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
+    argv += ["--requests-stream", streams.requests_stream, "--dead-letter-stream", streams.dead_letter_stream]
+    argv += ["--control-stream", streams.control_stream, "--threads", "1", "--fair-queue"]
+    argv += ["--max-running-requests", str(args.tenants_max_running), "--no-prefix-caching"]
+    argv += ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
+    argv += ["--log-format", "json", *(["--no-speculative"] if args.speculation == "off" else []), *extra]
+    worker = WorkerProcess(consumer, argv, log_dir)
+    worker.argv = ["taskset", "-c", core, *worker.argv]
+    return worker
+
+
+# -- (a) fair share ------------------------------------------------------------------------
+
+
+async def _part_a(s: Session, prompts: Prompts, args) -> dict:
+    print("bench: tenants: (a) a flood and two light tenants", file=sys.stderr, flush=True)
+    out = args.tenants_output_len
+    heavy = [s.job(f"a-heavy-{i}", text, out, tenant="heavy") for i, text in enumerate(prompts.flood)]
+    light = [
+        s.job(f"a-light{k}-{i}", text, out, tenant=f"light-{k}")
+        for k, texts in enumerate(prompts.light, 1)
+        for i, text in enumerate(texts)
+    ]
+    tenants = ["heavy", "light-1", "light-2"]
+    async with s.counters.sampling(time.perf_counter()) as samples:
+        await s.follower.send(heavy, follow=False)  # the flood first, then the light tenants' jobs
+        await s.follower.send(light)
+        await s.until(lambda: all(j.final for j in light), "(a)'s light tenants")
+    await s.follower.cancel(heavy)
+    await s.until(lambda: all(j.final for j in heavy), "(a)'s flood to end", poll=heavy)
+
+    alone = [s.job(f"a-alone-{i}", j.prompt, out, tenant="alone") for i, j in enumerate(light)]
+    await s.follower.send(alone)
+    await s.until(lambda: all(j.final for j in alone), "(a)'s light jobs alone")
+
+    served = [j for j in heavy + light if j.outcome() == "length"]
+    longest_prompt = max(j.final["usage"]["prompt_tokens"] for j in served)
+    bound = 2 * (WEIGHTS.charge_prompt_weight * longest_prompt + WEIGHTS.charge_output_weight * out)
+    flooded, by_itself = latency_figures([j.record() for j in light]), latency_figures([j.record() for j in alone])
+    return {
+        "gap": _gap(samples, tenants, bound),
+        "share_while_all_backlogged": _shares(samples, tenants),
+        "tenants": {name: _tenant(name, heavy + light) for name in tenants},
+        "light_ttft_ms": {"p50": flooded["ttft_p50_ms"], "p99": flooded["ttft_p99_ms"]},
+        "alone_ttft_ms": {"p50": by_itself["ttft_p50_ms"], "p99": by_itself["ttft_p99_ms"]},
+        "ttft_p50_over_alone": _ratio(flooded["ttft_p50_ms"], by_itself["ttft_p50_ms"]),
+        "ttft_p99_over_alone": _ratio(flooded["ttft_p99_ms"], by_itself["ttft_p99_ms"]),
+        "jobs": _accounting(heavy + light + alone),
+        "longest_prompt_tokens": longest_prompt,
+    }
+
+
+def _tenant(name: str, jobs: list[TenantJob]) -> dict:
+    mine = [j for j in jobs if j.tenant == name]
+    figures = latency_figures([j.record() for j in mine])
+    return {"jobs": len(mine), "outcomes": _outcomes(mine)} | (
+        {} if name == "heavy" else {"ttft_p50_ms": figures["ttft_p50_ms"], "ttft_p99_ms": figures["ttft_p99_ms"]}
+    )
+
+
+def _gap(samples: list, tenants: list[str], bound: float) -> dict:
+    """max |served_i - served_j| over the tenants backlogged at each sample with two or more."""
+    series = []
+    for t, served, queued in samples:
+        backlogged = [served.get(name, 0.0) for name in tenants if queued.get(name, 0) > 0]
+        if len(backlogged) >= 2:
+            series.append([round(t, 2), round(max(backlogged) - min(backlogged), 1)])
+    worst = max((gap for _, gap in series), default=None)
+    return {
+        "max_weighted_tokens": worst,
+        "vtc_bound_weighted_tokens": bound,
+        "max_over_bound": _ratio(worst, bound),
+        "samples": len(series),
+        "series": series,  # [s after t0, the gap]
+    }
+
+
+def _shares(samples: list, tenants: list[str]) -> dict | None:
+    """Each tenant's share of the tokens charged between the first and last samples at
+    which all of them were backlogged."""
+    all_in = [served for _, served, queued in samples if all(queued.get(name, 0) > 0 for name in tenants)]
+    if len(all_in) < 2:
+        return None
+    deltas = {name: all_in[-1].get(name, 0.0) - all_in[0].get(name, 0.0) for name in tenants}
+    total = sum(deltas.values())
+    return {name: round(delta / total, 3) for name, delta in deltas.items()} if total > 0 else None
+
+
+# -- (b) capacity, and batch jobs on idle capacity -----------------------------------------
+
+
+async def _capacity(s: Session, prompts: Prompts) -> dict:
+    """Requests finished per second while the workers were full (until the last job
+    started), and weighted tokens charged per second over the same time."""
+    print("bench: tenants: capacity", file=sys.stderr, flush=True)
+    jobs = [
+        s.job(f"probe-{i}", text, n, tenant="probe", ignore_eos=prompts.ignore_eos)
+        for i, (text, n) in enumerate(prompts.probe)
+    ]
+    before, _ = await s.counters.read()
+    t0 = time.perf_counter()
+    async with s.counters.sampling(t0) as samples:
+        await s.follower.send(jobs)
+        await s.until(lambda: all(j.times or j.final for j in jobs), "the probe's first tokens")
+        full_s = max(j.times[0] for j in jobs if j.times) - t0
+        finished = sum(j.final is not None for j in jobs)
+        if finished == 0:  # too few jobs to fill the workers: the whole run instead
+            await s.until(lambda: all(j.final for j in jobs), "the probe")
+            full_s, finished = time.perf_counter() - t0, len(jobs)
+    charged = [(t, served.get("probe", 0.0) - before.get("probe", 0.0)) for t, served, _ in samples]
+    within = [(t, tokens) for t, tokens in charged if t <= full_s and tokens > 0]
+    t_charged, weighted = within[-1] if within else charged[-1]  # else: the last sample, after
+    await s.follower.cancel(jobs)
+    await s.until(lambda: all(j.final for j in jobs), "the probe's cancels")
+    return {
+        "requests_per_s": round(finished / full_s, 3),
+        "weighted_tokens_per_s": round(weighted / t_charged, 1) if t_charged > 0 else None,
+        "source": "measured",
+        "jobs": len(jobs),
+        "finished_while_full": finished,
+        "full_s": round(full_s, 2),
+    }
+
+
+async def _part_b(s: Session, prompts: Prompts, capacity: dict, args) -> dict:
+    rate = args.tenants_interactive_load * capacity["requests_per_s"]
+    arrivals = poisson(len(prompts.interactive), rate, args.seed)
+    print(f"bench: tenants: (b) interactive at {rate:.3g}/s alone", file=sys.stderr, flush=True)
+    alone = await _interactive(s, "b-alone", prompts, arrivals)
+    if capacity["weighted_tokens_per_s"] is None:  # the flag's: at the interactive jobs' mean cost
+        costs = [_cost(j.final["usage"]) for j in alone["jobs"] if j.outcome() in ("stop", "length")]
+        capacity["weighted_tokens_per_s"] = round(capacity["requests_per_s"] * sum(costs) / len(costs), 1)
+
+    print(f"bench: tenants: (b) {len(prompts.batch)} batch jobs, then the same arrivals", file=sys.stderr, flush=True)
+    batch = [
+        s.job(f"b-batch-{i}", text, n, tenant="bulk", batch=True, ignore_eos=prompts.ignore_eos)
+        for i, (text, n) in enumerate(prompts.batch)
+    ]
+    await s.follower.send(batch, follow=False)
+
+    async def admitted_and_served() -> bool:
+        served, _ = await s.counters.read()
+        return await s.client.xlen(s.follower.requests_stream) == 0 and served.get("batch:bulk", 0.0) > 0
+
+    await s.until(admitted_and_served, "the batch backlog to be admitted and served")
+    await asyncio.sleep(BATCH_SETTLE_S)
+    preemptions = s.preemptions()
+    loaded = await _interactive(s, "b-loaded", prompts, arrivals)
+    preemptions = s.preemptions() - preemptions
+    await s.follower.poll(batch)
+    batch_done_in_run = sum(j.final is not None for j in batch)
+    await s.follower.cancel(batch)
+    await s.until(lambda: all(j.final for j in batch), "the batch backlog's cancels", poll=batch)
+
+    window = loaded["window_s"]
+    batch_tokens = loaded["after"].get("batch:bulk", 0.0) - loaded["before"].get("batch:bulk", 0.0)
+    idle = capacity["weighted_tokens_per_s"] * window - loaded["interactive_tokens"]
+    return {
+        "rate_per_s": round(rate, 3),
+        "alone": alone["figures"],
+        "with_batch": loaded["figures"]
+        | {
+            "batch_weighted_tokens": round(batch_tokens, 1),
+            "idle_weighted_tokens": round(idle, 1),
+            "idle_capacity_used": round(batch_tokens / idle, 3) if idle > 0 else None,
+            "batch_jobs_finished": batch_done_in_run,
+            "preemptions": preemptions,
+        },
+        "ttft_p99_over_alone": _ratio(loaded["figures"]["ttft_p99_ms"], alone["figures"]["ttft_p99_ms"]),
+        "tpot_p99_over_alone": _ratio(loaded["figures"]["tpot_p99_ms"], alone["figures"]["tpot_p99_ms"]),
+        "jobs": {"interactive": _accounting(alone["jobs"] + loaded["jobs"]), "batch": _accounting(batch)},
+    }
+
+
+async def _interactive(s: Session, label: str, prompts: Prompts, arrivals: list[float]) -> dict:
+    """The interactive jobs at their arrival times, followed to their ends; the weighted
+    tokens charged from the first arrival to the last end."""
+    jobs = [
+        s.job(f"{label}-{i}", text, n, tenant="interactive", ignore_eos=prompts.ignore_eos)
+        for i, (text, n) in enumerate(prompts.interactive)
+    ]
+    before, _ = await s.counters.read()
+    start = await s.send_at(jobs, arrivals)
+    await s.until(lambda: all(j.final for j in jobs), f"({label}) the interactive jobs")
+    window = time.perf_counter() - start
+    after, _ = await s.counters.read()
+    tokens = after.get("interactive", 0.0) - before.get("interactive", 0.0)
+    figures = latency_figures([j.record() for j in jobs])
+    figures |= {"window_s": round(window, 2), "interactive_weighted_tokens": round(tokens, 1)}
+    figures["outcomes"] = _outcomes(jobs)
+    return {"jobs": jobs, "figures": figures, "window_s": window, "before": before, "after": after,
+            "interactive_tokens": tokens}  # fmt: skip
+
+
+# -- (c) overload --------------------------------------------------------------------------
+
+
+async def _part_c(s: Session, prompts: Prompts, capacity: dict, base_ttft_p99_ms: float | None, args) -> dict:
+    rate = args.tenants_overload * capacity["requests_per_s"]
+    print(f"bench: tenants: (c) {len(prompts.overload)} jobs at {rate:.3g}/s", file=sys.stderr, flush=True)
+    jobs = [
+        s.job(f"c-{i}", text, n, tenant="overload", ignore_eos=prompts.ignore_eos)
+        for i, (text, n) in enumerate(prompts.overload)
+    ]
+    arrivals = poisson(len(jobs), rate, args.seed + 1)
+    async with s.counters.sampling(time.perf_counter()) as samples:
+        await s.send_at(jobs, arrivals)
+        await s.until(lambda: all(j.final for j in jobs), "(c)'s jobs", required=False)
+    _, queued = await s.counters.read()
+
+    sent = {j.entry_id for j in jobs}
+    dead = {
+        fields[b"entry_id"].decode(): _ms(entry_id)
+        for entry_id, fields in await s.client.xrange(s.dead_letter_stream)
+        if fields.get(b"code") == b"queue_full" and fields[b"entry_id"].decode() in sent
+    }
+    refused = [j for j in jobs if j.outcome() == "queue_full"]
+    refusal_ms = [dead[j.entry_id] - _ms(j.entry_id) for j in refused if j.entry_id in dead]
+    retry = [j.final["retry_after_s"] for j in refused if "retry_after_s" in j.final]
+    accepted = [j for j in jobs if j.outcome() != "queue_full"]
+    figures = latency_figures([j.record() for j in accepted])
+    return {
+        "rate_per_s": round(rate, 3),
+        "max_queued_jobs": args.tenants_max_queued_jobs,
+        "jobs": _accounting(jobs),
+        "refused_share": round(len(refused) / len(jobs), 3),
+        "refusal_ms": {"p50": _pct(refusal_ms, 50), "p99": _pct(refusal_ms, 99), "max": max(refusal_ms, default=None)},
+        "retry_after_s": {"p50": _pct(retry, 50), "max": max(retry, default=None)},
+        "dead_letters_queue_full": len(dead),
+        "max_queued_seen": max((q.get("*", 0) for _, _, q in samples), default=0),
+        "queued_at_end": queued.get("*", 0),
+        "accepted": {
+            "jobs": len(accepted),
+            "unfinished": sum(j.final is None for j in accepted),
+            "ttft_p50_ms": figures["ttft_p50_ms"],
+            "ttft_p99_ms": figures["ttft_p99_ms"],
+            "tpot_p99_ms": figures["tpot_p99_ms"],
+        },
+        "accepted_ttft_p99_over_b_alone": _ratio(figures["ttft_p99_ms"], base_ttft_p99_ms),
+    }
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _cost(usage: dict) -> float:
+    return (
+        WEIGHTS.charge_prompt_weight * usage["prompt_tokens"]
+        + WEIGHTS.charge_output_weight * usage["completion_tokens"]
+    )
+
+
+def _outcomes(jobs: list[TenantJob]) -> dict[str, int]:
+    return dict(Counter(j.outcome() for j in jobs))
+
+
+def _accounting(jobs: list[TenantJob]) -> dict:
+    """Every job sent, by how it ended: completed (stop, length), cancelled, refused
+    (queue_full, quota_exceeded), another error, or unfinished."""
+    outcomes = Counter(j.outcome() for j in jobs)
+    completed = outcomes["stop"] + outcomes["length"]
+    refused = outcomes["queue_full"] + outcomes["quota_exceeded"]
+    cancelled, unfinished = outcomes["cancelled"], outcomes["unfinished"]
+    return {
+        "sent": len(jobs),
+        "completed": completed,
+        "cancelled": cancelled,
+        "refused": refused,
+        "unfinished": unfinished,
+        "other": len(jobs) - completed - cancelled - refused - unfinished,
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(percentile(values, q), 3) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def _ms(entry_id: str | bytes) -> int:
+    """A stream entry id's time part: Redis's clock when it was added, in ms."""
+    entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(entry_id.partition("-")[0])
