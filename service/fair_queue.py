@@ -315,7 +315,7 @@ class FairQueueReader:
             entries = await self._own_pending(held)
             if entries:
                 return entries[:count]
-        if (claimed := await self._takeovers(count, held)) or (taken := await self._taken(count)):
+        if (claimed := await self.takeovers(count, held)) or (taken := await self._taken(count)):
             return claimed or taken
         await self.redis.blpop([f"{self._tag}:ready"], timeout=block_ms / 1000)
         return await self._taken(count)
@@ -329,7 +329,7 @@ class FairQueueReader:
                 entries += await self._entries(queue, [row for row in rows if row[1]], held, delivered=True)
         return entries
 
-    async def _takeovers(self, count: int, held: Collection[str]) -> list[Entry]:
+    async def takeovers(self, count: int, held: Collection[str] = ()) -> list[Entry]:
         """Entries whose lease ran out (their worker died or hangs), from every queue."""
         if time.monotonic() < self._takeovers_from:
             return []

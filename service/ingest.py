@@ -97,21 +97,26 @@ class JobReader:
                 self._own_pending_done = True  # everything it had is in hand
             if entries:
                 return await self._with_deliveries(entries[:count])
-        claimed = []
-        if time.monotonic() >= self._takeovers_from:
-            try:
-                _, claimed, _ = await self.redis.xautoclaim(
-                    self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
-                )
-            except ResponseError as error:
-                if "NOGROUP" not in str(error):
-                    raise
-        # Deleted entries come back empty; an id in hand only missed a renewal.
-        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
-        if claimed:
-            return await self._with_deliveries(claimed)
+        if claimed := await self.takeovers(count, held):
+            return claimed
         # A new entry is on its first delivery: no need to ask Redis.
         return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
+
+    async def takeovers(self, count: int, held: Collection[str] = ()) -> list[Entry]:
+        """Up to `count` entries whose lease ran out (their worker died or hangs), not in `held`."""
+        if time.monotonic() < self._takeovers_from:
+            return []
+        try:
+            _, claimed, _ = await self.redis.xautoclaim(
+                self.stream, self.group, self.consumer, self.claim_idle_ms, start_id="0-0", count=count
+            )
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            return []
+        # Deleted entries come back empty; an id in hand only missed a renewal.
+        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
+        return await self._with_deliveries(claimed) if claimed else []
 
     def outage_seen(self) -> None:
         """Redis was unreachable: hold takeovers back for one lease period."""

@@ -127,6 +127,7 @@ class Worker:
         self.redis = redis
         # Enough queued work to keep the batcher full, no more.
         self.capacity = 2 * engine.config.scheduler.max_running_requests
+        self.takeover_allowance = engine.config.scheduler.takeover_allowance
         self.held: dict[str, Held] = {}  # by entry id
         self.handoffs = Handoffs(redis, disagg, config.consumer, self.metrics) if self.role != "both" else None
         self._wind_down_until = 0.0  # set when the grace period ends
@@ -174,19 +175,31 @@ class Worker:
         while not stop.is_set():
             room = self.capacity - len(self.held)
             if room <= 0:
-                stopping = asyncio.create_task(stop.wait())
-                await asyncio.wait(
-                    [stopping, *(h.task for h in self.held.values())], return_when=asyncio.FIRST_COMPLETED
-                )
-                stopping.cancel()
-                continue
-            entries = await _unless_stopped(stop, lambda: self.reader.read(room, self.config.block_ms, self.held))
+                entries = await self._take_over_when_full(stop)
+            else:
+                entries = await _unless_stopped(stop, lambda: self.reader.read(room, self.config.block_ms, self.held))
             if entries:
                 await _unless_stopped(stop, self._catch_up_cancels)
             if stop.is_set():
                 return  # anything read but not started stays pending, for a restart or another worker
             for entry in entries:
                 self._hold(entry)
+
+    async def _take_over_when_full(self, stop: asyncio.Event) -> list[Entry]:
+        """Full: wait for a job to end, and meanwhile look for jobs a dead worker left,
+        up to the takeover allowance beyond `capacity` (their streams stalled mid-answer:
+        they must not wait for room here)."""
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait(
+            [stopping, *(h.task for h in self.held.values())],
+            timeout=self.config.block_ms / 1000,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        stopping.cancel()
+        extra = self.capacity + self.takeover_allowance - len(self.held)
+        if stop.is_set() or extra <= 0 or len(self.held) < self.capacity:
+            return []
+        return await _unless_stopped(stop, lambda: self.reader.takeovers(extra, self.held)) or []
 
     async def _drain(self) -> list[str]:
         """Give what is held `shutdown_grace_s` to finish; cancel the rest (no final event,

@@ -18,7 +18,7 @@ from workers.engine import Engine
 from workers.model_loader import load_model
 from workers.plan import ScheduledChunk, StepPlan
 from workers.request import Request, RequestStatus
-from workers.request_queue import RequestQueue
+from workers.request_queue import BATCH, RequestQueue
 
 
 def batch_job(rid: str, prompt_len: int, **options) -> Request:
@@ -116,7 +116,7 @@ def test_a_parallel_choice_of_a_batch_job_is_placed_as_a_batch_job():
     lead, fork = batch_job("lead", 2), batch_job("lead/1", 2)
     queue.place(lead)
     queue.place(fork, beside=lead)
-    assert fork.queue_key[:-1] == lead.queue_key[:-1] == (True, lead.queue_key[1])
+    assert fork.queue_key[:-1] == lead.queue_key[:-1] == (BATCH, lead.queue_key[1])
 
 
 # -- preemption for interactive work -----------------------------------------------------

@@ -119,6 +119,10 @@ class SchedulerConfig:
     max_prefill_chunk: int = 512
     # Most requests running (holding KV blocks) at once.
     max_running_requests: int = 64
+    # Running slots beyond max_running_requests that only taken-over requests may use
+    # (resumed from another worker's published tokens: their streams stalled mid-answer),
+    # so such a request never waits behind new work on a saturated worker.
+    takeover_allowance: int = 4
     # Aging: a request is never overtaken in the queue by one that arrived more than
     # this many seconds after it, whatever their priorities. Within that window each
     # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
@@ -150,6 +154,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not self.priority_bound_s >= 0:
             raise ValueError("priority_bound_s must be >= 0")
+        if self.takeover_allowance < 0:
+            raise ValueError("takeover_allowance must be >= 0")
         if self.length_policy not in LENGTH_POLICIES:
             raise ValueError(f"length_policy must be one of {LENGTH_POLICIES}, got {self.length_policy!r}")
         if not self.length_bound_s >= 0:

@@ -39,6 +39,9 @@ class Request:
     deadline: float | None = None  # finish by then (perf_counter clock), or end with DEADLINE
     # A batch job: it queues behind every interactive request and is preempted first.
     batch: bool = False
+    # Resumed from another worker's published tokens (its stream stalled mid-answer): it
+    # queues ahead of the rest of its class and may use the takeover allowance.
+    takeover: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     # The sampled tokens that end it: its stop_token_ids, and EOS unless ignore_eos.
     stop_token_ids: frozenset[int] = frozenset()
@@ -52,9 +55,9 @@ class Request:
     index: int = 0
     forks: list[Request] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    # The scheduler's bookkeeping: queue order (batch, virtual arrival, tie-breaker;
+    # The scheduler's bookkeeping: queue order (class, virtual arrival, tie-breaker;
     # `workers/request_queue.py`), and the step it last started running.
-    queue_key: tuple[bool, float, int] = (False, 0.0, 0)
+    queue_key: tuple[int, float, int] = (1, 0.0, 0)
     running_since_step: int = 0
     # Output tokens it is predicted to produce in all (`workers/length_predictor.py`),
     # at most max_tokens; None without a length policy.

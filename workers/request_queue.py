@@ -1,10 +1,12 @@
 """The scheduler's queue: waiting and swapped-out requests in one order, and every request's deadline.
 
 **Queue order (priority with aging).** Waiting and swapped-out requests share one
-queue ordered by a key fixed at arrival, `(batch, virtual arrival, tie-breaker)`, with
+queue ordered by a key fixed at arrival, `(class, virtual arrival, tie-breaker)`, with
 virtual arrival `arrival - (priority - PRIORITY_MIN) * w` and
-`w = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)`. Batch jobs come after every
-interactive request, whatever the priorities and however long they waited. Within
+`w = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)`. The classes, in order: interactive
+requests taken over from a worker that died (their streams stalled mid-answer), other
+interactive requests, batch jobs. Batch jobs come after every interactive request,
+whatever the priorities and however long they waited. Within
 each class, read the virtual arrival as "every priority step is a head start of w
 seconds": a request's effective priority grows with the time it waits, at the same
 rate for everyone, so the order never has to be recomputed. Consequence (the
@@ -34,11 +36,19 @@ from workers.api import PRIORITY_MAX, PRIORITY_MIN
 from workers.request import Request, RequestStatus
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
+TAKEN_OVER, INTERACTIVE, BATCH = 0, 1, 2
+
+
+def queue_class(request: Request) -> int:
+    """Which class of the queue's order a request is in (the key's first part)."""
+    if request.batch:
+        return BATCH
+    return TAKEN_OVER if request.takeover else INTERACTIVE
 
 
 class RequestQueue:
     def __init__(self, priority_bound_s: float) -> None:
-        self._heap: list[tuple[tuple[bool, float, int], Request]] = []
+        self._heap: list[tuple[tuple[int, float, int], Request]] = []
         self._deadlines: list[tuple[float, int, Request]] = []
         self._order = itertools.count()  # tie-breakers: first come, first served
         self._priority_weight = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
@@ -50,12 +60,12 @@ class RequestQueue:
         and `head_start_s` (or, for a parallel choice, `beside` its lead's, with a
         tie-breaker of its own: keys are unique), and watch its deadline."""
         if beside is None:
-            batch = request.batch
+            rank = queue_class(request)
             priority_credit = (request.priority - PRIORITY_MIN) * self._priority_weight
             virtual_arrival = request.arrival_time - priority_credit - head_start_s
         else:
-            batch, virtual_arrival, _ = beside.queue_key
-        request.queue_key = (batch, virtual_arrival, next(self._order))
+            rank, virtual_arrival, _ = beside.queue_key
+        request.queue_key = (rank, virtual_arrival, next(self._order))
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
 

@@ -282,7 +282,7 @@ class Scheduler:
             request = self.queue.head()
             if request in plan.preempted:
                 break  # never back in the step that preempted it
-            if self._occupied() + 1 + self._num_forking(request) > config.max_running_requests:
+            if self._occupied() + 1 + self._num_forking(request) > self._running_limit(request):
                 if self._preempt_batch_for(request, plan):
                     continue
                 break  # a lead starts only with room for the choices that will fork from it
@@ -358,6 +358,12 @@ class Scheduler:
         return len(self.running) + sum(self._num_forking(r) for r in self.running if r.forks)
 
     # -- helpers -------------------------------------------------------------------
+
+    def _running_limit(self, request: Request) -> int:
+        """Most requests running once `request` starts: a taken-over one may also use the
+        takeover allowance."""
+        allowance = self.config.takeover_allowance if request.takeover and not request.batch else 0
+        return self.config.max_running_requests + allowance
 
     @property
     def _decode_cap(self) -> int:

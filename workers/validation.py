@@ -73,6 +73,7 @@ class RequestValidator:
                 request.priority,
                 local_deadline,
                 batch=request.batch,  # every choice of a batch job is one too
+                takeover=any(resumed),
                 output_token_ids=output_ids,
                 stop_token_ids=stop_ids,
                 index=index,
