@@ -161,12 +161,14 @@ return {'admitted'}
 )
 
 # KEYS[1]: the request stream. ARGV: group, consumer, count, now (ms), the head start of
-# one priority step (ms), the prompt weight. Returns up to `count` {queue, id, fields}.
+# one priority step (ms), the prompt weight, whether batch jobs may be taken ('1' or '0').
+# Returns up to `count` {queue, id, fields}.
 TAKE = (
     _KEYS_LUA
     + """
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local now_ms, step_ms, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local batch_allowed = ARGV[7] == '1'
 
 -- When the oldest job not yet taken from a queue was admitted (ms), or nil.
 local function head_ms(queue)
@@ -199,6 +201,7 @@ while #taken < count do
       end
     end
   end
+  if level == nil and not batch_allowed then break end
   level = level or 'batch'
   -- Within it, the tenant served least.
   local chosen, least = nil, nil
@@ -307,7 +310,11 @@ class FairQueueReader:
     def outage_seen(self) -> None:
         self._takeovers_from = time.monotonic() + self.claim_idle_ms / 1000
 
-    async def read(self, count: int, block_ms: int, held: Collection[str] = ()) -> list[Entry]:
+    async def read(
+        self, count: int, block_ms: int, held: Collection[str] = (), interactive_only: bool = False
+    ) -> list[Entry]:
+        """As `JobReader.read`; `interactive_only` leaves batch jobs queued (a worker full of
+        batch jobs still takes interactive ones: its engine preempts the batch jobs)."""
         if count <= 0:
             return []
         if not self._own_pending_done:
@@ -315,10 +322,10 @@ class FairQueueReader:
             entries = await self._own_pending(held)
             if entries:
                 return entries[:count]
-        if (claimed := await self.takeovers(count, held)) or (taken := await self._taken(count)):
+        if (claimed := await self.takeovers(count, held)) or (taken := await self._taken(count, interactive_only)):
             return claimed or taken
         await self.redis.blpop([f"{self._tag}:ready"], timeout=block_ms / 1000)
-        return await self._taken(count)
+        return await self._taken(count, interactive_only)
 
     async def _own_pending(self, held: Collection[str]) -> list[Entry]:
         """After a restart: the entries this consumer was given and never finished."""
@@ -348,7 +355,7 @@ class FairQueueReader:
                 break
         return entries
 
-    async def _taken(self, count: int) -> list[Entry]:
+    async def _taken(self, count: int, interactive_only: bool = False) -> list[Entry]:
         rows = await self._take(
             keys=[self.stream],
             args=[
@@ -358,6 +365,7 @@ class FairQueueReader:
                 int(time.time() * 1000),
                 self._priority_step_ms,
                 self.fair.charge_prompt_weight,
+                "0" if interactive_only else "1",
             ],
         )
         entries = []

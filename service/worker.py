@@ -85,6 +85,7 @@ class Held:
     request_id: str | None = None  # known once the entry is decoded
     submitted: bool = False  # in the engine, under the entry id
     settling: bool = False  # being acked or dead-lettered: renewals no longer find it
+    batch: bool = False  # a batch job (known once decoded)
 
 
 class Worker:
@@ -174,7 +175,15 @@ class Worker:
     async def _claim_until(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             room = self.capacity - len(self.held)
-            if room <= 0:
+            held_batch = sum(held.batch for held in self.held.values())
+            if room <= 0 and held_batch and self.admission is not None:
+                # Full, but partly of batch jobs: interactive jobs never wait behind them.
+                interactive_room = self.capacity - (len(self.held) - held_batch)
+                entries = await _unless_stopped(
+                    stop,
+                    lambda: self.reader.read(interactive_room, self.config.block_ms, self.held, interactive_only=True),
+                )
+            elif room <= 0:
                 entries = await self._take_over_when_full(stop)
             else:
                 entries = await _unless_stopped(stop, lambda: self.reader.read(room, self.config.block_ms, self.held))
@@ -256,6 +265,7 @@ class Worker:
             await self._reject(entry, "internal_error", f"could not decode the entry: {type(error).__name__}", None)
             return
         self.held[entry.entry_id].request_id = job.request_id
+        self.held[entry.entry_id].batch = job.batch
         bind_request(job.request_id, job.priority)  # this task's context only
         try:
             await self._serve(entry, job, handoff)

@@ -264,3 +264,16 @@ def test_a_job_admitted_by_two_workers_at_once_is_queued_once(client):
         assert len(await queue.take(4)) == 1
 
     run(main())
+
+
+def test_a_worker_may_take_interactive_jobs_only_leaving_batch_jobs_queued(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        await queue.submit(tenant="a", batch="true")
+        assert await queue.reader.read(4, 50, interactive_only=True) == []
+        await queue.submit(tenant="b")
+        entries = await queue.reader.read(4, 50, interactive_only=True)
+        assert [decode_job(e.entry_id, e.fields).tenant for e in entries] == ["b"]
+        assert [job.batch for _, job in await queue.take(4)] == [True]
+
+    run(main())

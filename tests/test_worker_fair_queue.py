@@ -119,3 +119,32 @@ def test_a_bad_entry_fails_at_admission_and_a_queued_job_can_be_cancelled(make_e
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_worker_full_of_batch_jobs_still_takes_an_interactive_job_and_serves_it_first(make_engine):
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    engine = make_engine(max_running_requests=1)  # holds two jobs
+
+    async def main():
+        client, stop, task = await serving(engine, config, FairQueueConfig(enabled=True))
+        for i in range(3):
+            await client.xadd(
+                config.requests_stream,
+                {"id": f"{run}-batch-{i}", "prompt": "Hello", "max_tokens": "48", "ignore_eos": "1", "batch": "1"},
+            )
+        await stream_reaches(client, f"inflight:out:{{{run}-batch-0}}", 2)  # the worker is busy with batch work
+        await client.xadd(config.requests_stream, {"id": f"{run}-chat", "prompt": "Hi", "max_tokens": "4"})
+        chat = await read_replies(client, f"inflight:out:{{{run}-chat}}")
+        assert chat[-1]["type"] == b"done"
+        # It ran while the batch jobs waited: none of them had finished.
+        for i in range(3):
+            last = await client.xrevrange(f"inflight:out:{{{run}-batch-{i}}}", count=1)
+            assert not last or last[0][1][b"type"] == b"token"
+        for i in range(3):
+            assert (await read_replies(client, f"inflight:out:{{{run}-batch-{i}}}"))[-1]["type"] == b"done"
+        stop.set()
+        await task
+        await client.aclose()
+
+    asyncio.run(main())
