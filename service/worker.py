@@ -126,8 +126,11 @@ class Worker:
         self.jobs: dict[str, Job] = {}  # by entry id, while their events flow (for charges and metrics)
         self.cancels = CancelRegistry(config.cancel_ttl_s)
         self.redis = redis
-        # Enough queued work to keep the batcher full, no more.
-        self.capacity = 2 * engine.config.scheduler.max_running_requests
+        # Enough queued work to keep the batcher full, no more. With fair queueing the
+        # order is decided in Redis, so hold only a little beyond what runs: a job held
+        # here waits in this worker's order, not the fleet's.
+        max_running = engine.config.scheduler.max_running_requests
+        self.capacity = max_running + max(1, max_running // 8) if self.admission is not None else 2 * max_running
         self.takeover_allowance = engine.config.scheduler.takeover_allowance
         self.held: dict[str, Held] = {}  # by entry id
         self.handoffs = Handoffs(redis, disagg, config.consumer, self.metrics) if self.role != "both" else None
