@@ -240,7 +240,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @dataclass(frozen=True)
 class GatewayConfig:
     """Everything one `inflight gateway` process runs with. It holds no state of its own:
-    every request is a job on the request stream, so gateways scale out freely."""
+    every request is a job on the request stream, and files and batches live in Redis, so
+    gateways scale out freely."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -270,18 +271,40 @@ class GatewayConfig:
     api_keys: Mapping[str, str | None] = field(default_factory=dict, repr=False, hash=False)
     # Largest accepted request body, the protocol's entry limit.
     max_body_bytes: int = 1 << 20
+    # The Batch API (docs/gateway.md, "Batches"). An uploaded file is held in Redis whole:
+    # at most this many bytes and lines (OpenAI's line cap), kept this long (OpenAI's 30 days).
+    max_file_bytes: int = 64 << 20
+    max_file_lines: int = 50_000
+    file_ttl_s: int = 30 * 86_400
+    # Jobs of one batch queued or running at once: enough to soak idle workers, few
+    # enough not to flood the queue or trip the workers' caps.
+    batch_max_outstanding: int = 32
+    # A gateway drives a batch while it holds the batch's lease; one that dies has its
+    # batches taken over by another within about this long.
+    batch_lease_s: float = 10.0
+    batch_poll_s: float = 1.0
+    # The completion window behind OpenAI's "24h"; shorter only in tests.
+    batch_window_s: float = 86_400.0
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in [0, 65535]")
-        for name in ("default_max_tokens", "retry_after_s", "max_body_bytes"):
+        for name in (
+            "default_max_tokens",
+            "retry_after_s",
+            "max_body_bytes",
+            "max_file_bytes",
+            "max_file_lines",
+            "file_ttl_s",
+            "batch_max_outstanding",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("max_queue_depth", "max_queue_age_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit)")
-        for name in ("queue_poll_s", "reply_timeout_s"):
+        for name in ("queue_poll_s", "reply_timeout_s", "batch_lease_s", "batch_poll_s", "batch_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if not self.model_name:

@@ -392,9 +392,16 @@ GATEWAY = FlagGroup(
         Flag("queue_poll_s", "how often the queue's depth and age are looked up"),
         Flag("retry_after_s", "Retry-After of a 429"),
         Flag("reply_timeout_s", "cancel and answer 504 when a job's replies stay silent this long"),
+        Flag("max_file_bytes", "largest file uploaded for the Batch API, in MiB", name="--max-file-mb", unit=MIB),
+        Flag("max_file_lines", "most lines (requests) in an uploaded file"),
+        Flag("file_ttl_s", "files (batch input and output) are deleted this long after they were made"),
+        Flag("batch_max_outstanding", "jobs of one batch queued or running at once"),
+        Flag("batch_lease_s", "a dead gateway's batches are taken over by another after this long"),
+        Flag("batch_poll_s", "how often a gateway looks for batches to drive"),
     ),
-    # api_keys: from --api-keys-file and $INFLIGHT_API_KEYS together; logging: GATEWAY_LOGGING.
-    unflagged=("group", "api_keys", "max_body_bytes", "logging"),
+    # api_keys: from --api-keys-file and $INFLIGHT_API_KEYS together; logging: GATEWAY_LOGGING;
+    # batch_window_s: OpenAI's "24h", shorter only in tests.
+    unflagged=("group", "api_keys", "max_body_bytes", "batch_window_s", "logging"),
 )
 
 GATEWAY_LOGGING = LOGGING.without("log_prompts")  # the gateway logs no prompts

@@ -29,9 +29,12 @@ from starlette.routing import Route
 from service.config import GatewayConfig
 from service.connect import connect
 from service.gateway.auth import TENANT_HEADER, APIKeys
+from service.gateway.batch_driver import BatchDriver
+from service.gateway.batches import BatchesAPI
 from service.gateway.errors import APIError, from_queue
+from service.gateway.files import FilesAPI
 from service.gateway.metrics import CLIENT_LEFT, GatewayMetrics
-from service.gateway.openai_api import CHAT, TEXT, Parsed, Renderer, error_event, parse
+from service.gateway.openai_api import CHAT, TEXT, Parsed, Renderer, error_event, read_request, response_id
 from service.gateway.queue import Queue, QueueUnavailable
 from service.gateway.replies import BLOCK_MS, ReplyTimeout
 
@@ -54,6 +57,10 @@ class Gateway:
         self.metrics.backlog_depth.set_function(lambda: self.queue.backlog.depth)
         self.metrics.backlog_age.set_function(lambda: self.queue.backlog.oldest_s)
         self.started = int(time.time())
+        # The Batch API: files and batches in Redis, and the driver that runs batches.
+        self.files = FilesAPI(self.redis, config, self.keys)
+        self.batches = BatchesAPI(self.redis, config, self.keys, self.files.store, self._json)
+        self.batch_driver = BatchDriver(config, self.queue, self.batches.store, self.files.store)
 
     def app(self) -> Starlette:
         routes = [
@@ -62,6 +69,8 @@ class Gateway:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
+            *self.files.routes(),
+            *self.batches.routes(),
         ]
         handlers = {APIError: _api_error, HTTPException: _http_error}
         return Starlette(
@@ -76,9 +85,11 @@ class Gateway:
         watching = asyncio.create_task(self.queue.watch_backlog(), name="backlog")
         reader = self.queue.reader
         reading = asyncio.create_task(reader.run(), name="replies") if reader is not None else None
+        driving = asyncio.create_task(self.batch_driver.run(), name="batches")
         try:
             yield
         finally:
+            await self.batch_driver.close(driving)
             watching.cancel()
             if reading is not None:
                 await reader.close(reading)
@@ -96,14 +107,7 @@ class Gateway:
     async def _complete(self, request: Request, kind: str) -> JobResponse:
         started = time.perf_counter()
         tenant = self.keys.tenant(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
-        parsed = parse(kind, await self._json(request), self.config.default_max_tokens)
-        if parsed.model != self.config.model_name:
-            raise APIError(
-                404,
-                f"The model `{parsed.model}` does not exist; this server has `{self.config.model_name}`",
-                param="model",
-                code="model_not_found",
-            )
+        parsed = read_request(kind, await self._json(request), self.config)
         request_id = uuid.uuid4().hex
         payload = parsed.payload(request_id, tenant)
         why = self.queue.overloaded()
@@ -157,8 +161,7 @@ class JobResponse:
     def __init__(self, gateway: Gateway, request_id: str, parsed: Parsed, started: float, tenant: str) -> None:
         self.gateway, self.queue, self.metrics = gateway, gateway.queue, gateway.metrics
         self.request_id, self.parsed, self.started, self.tenant = request_id, parsed, started, tenant
-        prefix = "chatcmpl-" if parsed.kind == CHAT else "cmpl-"
-        self.renderer = Renderer(parsed, prefix + request_id)
+        self.renderer = Renderer(parsed, response_id(parsed.kind, request_id))
         self.finished = False  # the job ended (its final event read, or cancelled here)
         self.summary: dict = {}
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from service.config import GatewayConfig
 from service.gateway.errors import APIError, bad_request, from_queue
 from service.protocol import DEFAULT_TENANT, ProtocolError, decode_job
 
@@ -93,20 +94,41 @@ class Parsed:
     include_usage: bool
     n: int
 
-    def payload(self, request_id: str, tenant: str = DEFAULT_TENANT) -> bytes:
+    def payload(self, request_id: str, tenant: str = DEFAULT_TENANT, batch: bool = False) -> bytes:
         """The job as the request entry's msgpack `payload`, checked as a worker checks
         it (a ProtocolError becomes the status its code has from a worker: 413 for
-        `too_large`, else 400). The default tenant is left implicit, so the job reads
-        the same to workers older than tenants."""
+        `too_large`, else 400). The default tenant and interactive jobs are left
+        implicit, so the job reads the same to workers older than tenants."""
         job = {"id": request_id, **self.job}
         if tenant != DEFAULT_TENANT:
             job["tenant"] = tenant
+        if batch:
+            job["batch"] = True
         payload = msgpack.packb(job)
         try:
             decode_job("0-0", {"payload": payload})
         except ProtocolError as error:
             raise from_queue(error.code, error.message) from None
         return payload
+
+
+def read_request(kind: str, body, config: GatewayConfig) -> Parsed:
+    """A request body for the served model -> `Parsed`; an APIError (400, or 404 for
+    another model) otherwise. An HTTP request and a batch's line are both read here."""
+    parsed = parse(kind, body, config.default_max_tokens)
+    if parsed.model != config.model_name:
+        raise APIError(
+            404,
+            f"The model `{parsed.model}` does not exist; this server has `{config.model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+    return parsed
+
+
+def response_id(kind: str, request_id: str) -> str:
+    """The answer's `id`: OpenAI's prefix for the API, then the job's id."""
+    return ("chatcmpl-" if kind == CHAT else "cmpl-") + request_id
 
 
 def parse(kind: str, body, default_max_tokens: int) -> Parsed:

@@ -71,10 +71,11 @@ class Queue:
                 delay *= 2
         log.warning("cancel_not_sent", request_id=request_id)
 
-    async def replies(self, request_id: str) -> AsyncIterator[list[dict]]:
+    async def replies(self, request_id: str, timeout_s: float | None = None) -> AsyncIterator[list[dict]]:
         """The job's events in order, in batches as they land; the last batch ends with
-        its done or error event."""
-        key, timeout_s = reply_stream(request_id), self.config.reply_timeout_s
+        its done or error event. Silent for `timeout_s` (default `reply_timeout_s`; a
+        batch job may wait longer) -> ReplyTimeout."""
+        key, timeout_s = reply_stream(request_id), timeout_s or self.config.reply_timeout_s
         reading = self.reader.entries(key, timeout_s) if self.reader else read_alone(self.redis, key, timeout_s)
         try:
             async for entries in reading:
