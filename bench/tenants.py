@@ -405,7 +405,7 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
         "cores": cores,
         "threads_per_worker": 1,
         "max_running_requests": args.tenants_max_running,
-        "jobs_held_per_worker": 2 * args.tenants_max_running,
+        "jobs_held_per_worker": args.tenants_max_running + max(1, args.tenants_max_running // 8),  # as the worker holds
         "charge_prompt_weight": WEIGHTS.charge_prompt_weight,
         "charge_output_weight": WEIGHTS.charge_output_weight,
         "speculative": args.speculation,
