@@ -20,6 +20,9 @@ QUEUE_ERRORS: dict[str, tuple[int, str]] = {
     # Refused for load, before anything ran: the client's to send again after Retry-After.
     "queue_full": (429, "rate_limit_error"),
     "quota_exceeded": (429, "rate_limit_error"),
+    # A worker with a length policy predicts it cannot end by its deadline_ms: nothing
+    # ran, and another server (or a later deadline) may do.
+    "deadline_unmeetable": (503, "server_error"),
     # The gateway names every job afresh, so this means two gateways drew one id.
     "duplicate_id": (409, "server_error"),
     # The serving side failed.
