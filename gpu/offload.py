@@ -35,12 +35,6 @@ class HostKVPool:
         self.stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.kernels = kernels
 
-    def touch(self) -> None:
-        """Map every page of the pool now. A pool that receives blocks often (a decode
-        worker's, where handed-off prompts land) would otherwise take a page fault per
-        page on first write, several times slower than the copy."""
-        self.blocks.zero_()
-
     @classmethod
     def from_budget(cls, device_cache: PagedKVCache, memory_bytes: int, kernels=None) -> HostKVPool | None:
         """As many blocks as `memory_bytes` holds; None if not even one."""

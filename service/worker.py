@@ -158,8 +158,6 @@ class Worker:
                 background.append(asyncio.create_task(self.charges.run(), name="charges"))
             if self.handoffs is not None:
                 self.front.engine.handoff_arena = self.handoffs.arena
-                if self.role == "decode" and self.front.engine.runner.host_pool is not None:
-                    self.front.engine.runner.host_pool.touch()  # handed-off prompts land there
                 background.append(asyncio.create_task(self._keep_handoffs(), name="handoffs"))
             try:
                 await self._claim_until(stop)
