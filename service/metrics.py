@@ -345,6 +345,8 @@ class Metrics:
                 self.tenant_tokens.labels(DEFAULT_TENANT, _job_class(batch), kind)
         for code in REFUSAL_CODES:
             self.refused.labels(DEFAULT_TENANT, code)
+        self.tenant_queued.labels(DEFAULT_TENANT)  # 0 until a fair-queueing worker reads Redis
+        self.tenant_queued_tokens.labels(DEFAULT_TENANT)
         for mode in ("swap", "recompute"):
             self.preemptions.labels(mode)
         self.dead_letters.labels("deadline_unmeetable")  # the length-prediction row's refusals
