@@ -28,7 +28,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from service.config import FairQueueConfig, RedisConfig
-from service.ingest import RENEW, Entry, JobReader
+from service.ingest import RENEW, Entry, JobReader, dead_letter_record
 from service.protocol import Job
 from workers.api import PRIORITY_MIN
 
@@ -429,15 +429,7 @@ class FairQueueReader:
 
     async def dead_letter(self, entry: Entry, code: str, message: str) -> None:
         """As `JobReader.dead_letter`, naming the request stream and the request entry."""
-        record = {
-            "entry_id": entry.entry_id,
-            "stream": self.stream,
-            "code": code,
-            "message": message,
-            "deliveries": str(entry.deliveries),
-            "consumer": self.consumer,
-        }
-        record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
+        record = dead_letter_record(entry, self.stream, self.consumer, code, message)
         await self.redis.xadd(self.dead_letter_stream, record, maxlen=self.dead_letter_max_len, approximate=True)
         await self.ack(entry.entry_id)
 

@@ -145,15 +145,7 @@ class JobReader:
     async def dead_letter(self, entry: Entry, code: str, message: str) -> None:
         """Park the entry, with why, on the dead-letter stream; then ack and delete it here
         (two steps: see the module docstring)."""
-        record = {
-            "entry_id": entry.entry_id,
-            "stream": self.stream,
-            "code": code,
-            "message": message,
-            "deliveries": str(entry.deliveries),
-            "consumer": self.consumer,
-        }
-        record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
+        record = dead_letter_record(entry, self.stream, self.consumer, code, message)
         await self.redis.xadd(self.dead_letter_stream, record, maxlen=self.dead_letter_max_len, approximate=True)
         await self.ack(entry.entry_id)
 
@@ -177,6 +169,20 @@ class JobReader:
             pending = await pipe.execute()
         deliveries = [rows[0]["times_delivered"] if rows else 1 for rows in pending]
         return [Entry(entry_id, fields, n) for entry_id, (_, fields), n in zip(ids, entries, deliveries)]
+
+
+def dead_letter_record(entry: Entry, stream: str, consumer: str, code: str, message: str) -> dict:
+    """A dead letter: which entry of which stream, why, and its fields as they came."""
+    record = {
+        "entry_id": entry.entry_id,
+        "stream": stream,
+        "code": code,
+        "message": message,
+        "deliveries": str(entry.deliveries),
+        "consumer": consumer,
+    }
+    record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
+    return record
 
 
 def _text(value, errors: str = "strict") -> str:
