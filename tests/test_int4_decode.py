@@ -61,8 +61,8 @@ def test_the_matmul_computes_torchs_int4_linear(build, rows):
     linear = Int4Linear(nn.Linear(1536, 192, bias=False).to(torch.bfloat16))
     x = torch.randn(rows, 1536).to(torch.bfloat16)
     got = torch.empty(rows, 192, dtype=torch.bfloat16)
-    decode_library(flags).int4_linear(linear.packed.data_ptr(), linear.scales_and_zeros.data_ptr(), 192, 1536,
-                                      x.data_ptr(), rows, got.data_ptr(), 2)  # fmt: skip
+    weights = (linear.packed_in_blocks_of_64.data_ptr(), linear.scales_and_zeros.data_ptr())
+    decode_library(flags).int4_linear(*weights, 192, 1536, x.data_ptr(), rows, got.data_ptr(), 2)
     with torch.inference_mode():
         want = linear(x)
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)

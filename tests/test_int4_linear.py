@@ -12,6 +12,7 @@ from gpu.cpu.int4_linear import (
     INT4PACK_MAX_ROWS,
     Int4Linear,
     dequantize,
+    pack,
     quantize_groupwise,
     quantize_model,
     unpack,
@@ -37,10 +38,20 @@ def test_each_group_of_32_spans_its_own_range_in_16_levels():
 
 
 def test_unpack_reads_back_what_torch_packed():
-    """The dense path unpacks torch's private layout: this fails if a torch release changes it."""
+    """The dense path unpacks torch's private layout, which depends on the CPU (64 rows a
+    block with AVX-512, 32 with AVX2): this fails if a torch release changes it."""
     q = torch.randint(0, 16, (192, 96), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
     assert torch.equal(unpack(packed, 192, 96).int(), q)
+    for block_n in (64, 32):
+        assert torch.equal(unpack(pack(q, block_n), 192, 96, block_n).int(), q)
+
+
+def test_the_decode_kernel_reads_blocks_of_64_on_every_cpu():
+    torch.manual_seed(0)
+    linear = Int4Linear(nn.Linear(96, 192, bias=False).to(torch.bfloat16))
+    q = unpack(linear.packed, 192, 96)
+    assert torch.equal(linear.packed_in_blocks_of_64, pack(q, 64))
 
 
 @pytest.mark.parametrize("bias", [False, True])

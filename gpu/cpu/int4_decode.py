@@ -78,7 +78,7 @@ def _layer_pointers(layer: nn.Module, key_pool: torch.Tensor, value_pool: torch.
         return None
     pointers = [norm.weight.data_ptr() for norm in norms]
     for linear in linears:
-        pointers += [linear.packed.data_ptr(), linear.scales_and_zeros.data_ptr()]
+        pointers += [linear.packed_in_blocks_of_64.data_ptr(), linear.scales_and_zeros.data_ptr()]
     return pointers + [key_pool.data_ptr(), value_pool.data_ptr()]
 
 

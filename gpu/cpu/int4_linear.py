@@ -22,6 +22,8 @@ multiple of 64 and input size a multiple of 32 (the kernel's blocking); others s
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,8 +36,7 @@ GROUP_SIZE = 32
 # (docs/benchmarks.md, "int4 weights"), so decodes, speculative drafts and decode
 # batches run on the kernel and prompt chunks unpack.
 INT4PACK_MAX_ROWS = 64
-# The kernel packs 64 output rows at a time: byte [block, k, j] holds row 64·block + j in
-# its low nibble and row 64·block + 32 + j in its high one.
+# Linears whose outputs are a multiple of this fit every layout below.
 _BLOCK_N = 64
 _INNER_K_TILES = 2
 
@@ -65,11 +66,34 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> to
     return (groups * scales[..., None] + zeros[..., None]).reshape(n, k)
 
 
-def unpack(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """The q [N, K] (uint8) held in the kernel's packed layout."""
-    blocks = packed.reshape(out_features // _BLOCK_N, in_features, _BLOCK_N // 2)
-    both = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [N/64, K, 64]
+def pack(q: torch.Tensor, block_n: int) -> torch.Tensor:
+    """q [N, K] in 0..15 packed `block_n` output rows at a time: byte [block, k, j] holds
+    row block_n·block + j in its low nibble and row block_n·block + block_n/2 + j in its
+    high one ([N/block_n, K, block_n/2] uint8, flat as [N, K/2])."""
+    n, k = q.shape
+    blocks = q.to(torch.uint8).reshape(n // block_n, block_n, k).permute(0, 2, 1)
+    half = block_n // 2
+    return (blocks[..., :half] | blocks[..., half:] << 4).contiguous().reshape(n, k // 2)
+
+
+def unpack(packed: torch.Tensor, out_features: int, in_features: int, block_n: int | None = None) -> torch.Tensor:
+    """The q [N, K] (uint8) held in `pack`'s layout (torch's kernel's, by default)."""
+    block_n = block_n or torch_block_n()
+    blocks = packed.reshape(out_features // block_n, in_features, block_n // 2)
+    both = torch.cat([blocks & 0xF, blocks >> 4], dim=2)  # [N/block_n, K, block_n]
     return both.permute(0, 2, 1).reshape(out_features, in_features)
+
+
+@functools.cache
+def torch_block_n() -> int:
+    """The output rows torch's CPU int4 kernel packs at a time: its private layout depends
+    on the CPU it was dispatched for (64 with AVX-512, 32 with AVX2), so ask it."""
+    q = torch.randint(0, 16, (_BLOCK_N, GROUP_SIZE * 2), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+    for block_n in (64, 32):
+        if torch.equal(packed.reshape(-1), pack(q, block_n).reshape(-1)):
+            return block_n
+    raise RuntimeError("torch's CPU int4 kernel packs in a layout inflight does not know")
 
 
 class Int4Linear(nn.Module):
@@ -107,6 +131,14 @@ class Int4Linear(nn.Module):
         else:
             out = F.linear(rows, self.dequantized(), self.bias)
         return out.reshape(*shape[:-1], self.out_features)
+
+    @functools.cached_property
+    def packed_in_blocks_of_64(self) -> torch.Tensor:
+        """The packed weight in the layout inflight's C++ decode kernel reads (torch's on
+        AVX-512; repacked once, on first use, where torch packs 32 rows at a time)."""
+        if torch_block_n() == 64:
+            return self.packed
+        return pack(unpack(self.packed, self.out_features, self.in_features), 64)
 
     def dequantized(self) -> torch.Tensor:
         """The weight in bfloat16 (a shared buffer: valid until the next call)."""

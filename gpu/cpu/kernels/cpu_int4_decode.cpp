@@ -5,7 +5,7 @@
 // torch path spends more than that again calling some twenty operations a layer from
 // Python.
 //
-// The weights are `Int4Linear`'s, in torch's CPU int4 layout: per block of 64 output rows,
+// The weights are `Int4Linear.packed_in_blocks_of_64` (torch's AVX-512 int4 layout): per block of 64 output rows,
 // byte [k, j] holds row j's 4-bit weight in its low nibble and row 32 + j's in its high
 // one; scales and zeros are [K/32, N, 2] bfloat16, and a weight is (q - 8) × scale + zero.
 // Every matmul reads the weights once for up to `ROW_TILE` tokens and sums q·x per group
