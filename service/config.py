@@ -265,6 +265,14 @@ class GatewayConfig:
     # A request whose reply stream stays silent this long is cancelled and answered 504:
     # no worker serves the stream (a failover's pause is about claim_idle_ms, 2 s).
     reply_timeout_s: float = 60.0
+    # Resumable streams (docs/gateway.md, "Resuming a stream"): SSE event ids on every
+    # streamed answer (else only where the request asks, by header; off by default since
+    # some clients read an event as one `data:` line); how long a streamed answer can be
+    # taken up again (as long as workers keep its reply stream, their reply_ttl_s); and
+    # how long a job whose client left waits to be resumed before it is cancelled (0: at once).
+    event_ids: bool = False
+    stream_ttl_s: int = 3600
+    resume_grace_s: float = 0.0
     # Bearer keys, each to the tenant it is bound to (None: the request may name its
     # own); none = no auth. A set of keys binds none. Never printed: repr=False keeps
     # them out of logs.
@@ -298,12 +306,15 @@ class GatewayConfig:
             "max_file_lines",
             "file_ttl_s",
             "batch_max_outstanding",
+            "stream_ttl_s",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("max_queue_depth", "max_queue_age_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit)")
+        if self.resume_grace_s < 0:
+            raise ValueError("resume_grace_s must be >= 0 (0 = cancel at once)")
         for name in ("queue_poll_s", "reply_timeout_s", "batch_lease_s", "batch_poll_s", "batch_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")

@@ -6,7 +6,12 @@ waits for the job's first event before it sends a status line, so a job the work
 refuses gets its error status rather than a 200 with an error inside. While it waits and
 streams it also listens for the client leaving (ASGI's `http.disconnect`, which arrives
 at once, between tokens or while the job still waits in the queue) and then cancels the
-job on the control stream, so its worker drops it within a step.
+job on the control stream, so its worker drops it within a step (or, with
+`resume_grace_s`, once that long has passed with no one resuming the stream).
+
+A streamed answer can be resumed (`service.gateway.resume`): a request with
+`Last-Event-ID`, or `GET /v1/streams/{id}`, continues the job's answer where the client
+left off, from its reply stream in Redis, at any gateway.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import uuid
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -37,6 +43,7 @@ from service.gateway.metrics import CLIENT_LEFT, GatewayMetrics
 from service.gateway.openai_api import CHAT, TEXT, Parsed, Renderer, error_event, read_request, response_id
 from service.gateway.queue import Queue, QueueUnavailable
 from service.gateway.replies import BLOCK_MS, ReplyTimeout
+from service.gateway.resume import EVENT_IDS_HEADER, Position, StreamCards, event_id, read_event_id
 
 log = structlog.get_logger("inflight.gateway")
 
@@ -57,6 +64,8 @@ class Gateway:
         self.metrics.backlog_depth.set_function(lambda: self.queue.backlog.depth)
         self.metrics.backlog_age.set_function(lambda: self.queue.backlog.oldest_s)
         self.started = int(time.time())
+        self.cards = StreamCards(self.redis, config.requests_stream, config.stream_ttl_s)
+        self._cancelling: set[asyncio.Task] = set()  # cancels waiting out resume_grace_s
         # The Batch API: files and batches in Redis, and the driver that runs batches.
         self.files = FilesAPI(self.redis, config, self.keys)
         self.batches = BatchesAPI(self.redis, config, self.keys, self.files.store, self._json)
@@ -66,6 +75,7 @@ class Gateway:
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/streams/{request_id}", self.stream_again, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -91,6 +101,9 @@ class Gateway:
         finally:
             await self.batch_driver.close(driving)
             watching.cancel()
+            for cancelling in list(self._cancelling):  # stopping: jobs in their grace run on, to be resumed elsewhere
+                cancelling.cancel()
+                await asyncio.wait((cancelling,))
             if reading is not None:
                 await reader.close(reading)
             with contextlib.suppress(asyncio.TimeoutError, OSError):
@@ -107,6 +120,9 @@ class Gateway:
     async def _complete(self, request: Request, kind: str) -> JobResponse:
         started = time.perf_counter()
         tenant = self.keys.tenant(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
+        if "last-event-id" in request.headers:  # a client reconnecting: no new job
+            request_id, after = read_event_id(request.headers["last-event-id"])
+            return await self._resume(request_id, after, tenant, started)
         parsed = read_request(kind, await self._json(request), self.config)
         request_id = uuid.uuid4().hex
         payload = parsed.payload(request_id, tenant)
@@ -119,14 +135,66 @@ class Gateway:
                 code="queue_full",
                 headers={"Retry-After": str(self.config.retry_after_s)},
             )
+        card = None
         try:
-            await self.queue.submit(payload)
+            if parsed.stream:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    card = self.cards.remember(pipe, request_id, parsed, tenant)
+                    await self.queue.submit(payload, pipe)
+            else:
+                await self.queue.submit(payload)
         except QueueUnavailable as error:
             log.warning("queue_unavailable", error=str(error))
             raise APIError(
                 503, "the queue (Redis) is unavailable; retry later", "server_error", code="queue_unavailable"
             ) from None
-        return JobResponse(self, request_id, parsed, started, tenant)
+        event_ids = self.config.event_ids or _asked_for(request.headers.get(EVENT_IDS_HEADER))
+        response = JobResponse(self, request_id, parsed, started, tenant, event_ids=event_ids)
+        if card is not None:
+            response.renderer.created, response.taken = card.created, 1
+        return response
+
+    async def stream_again(self, request: Request) -> JobResponse:
+        """GET /v1/streams/{id}: a streamed job's answer again, from its start or after
+        the request's `Last-Event-ID`."""
+        started = time.perf_counter()
+        tenant = self.keys.tenant(request.headers.get("authorization"), request.headers.get(TENANT_HEADER))
+        request_id, after = request.path_params["request_id"].removeprefix("chatcmpl-").removeprefix("cmpl-"), None
+        if "last-event-id" in request.headers:
+            named, after = read_event_id(request.headers["last-event-id"])
+            if named != request_id:
+                raise APIError(400, "Last-Event-ID is an event of another request", param="Last-Event-ID")
+        return await self._resume(request_id, after, tenant, started)
+
+    async def _resume(self, request_id: str, after: Position | None, tenant: str, started: float) -> JobResponse:
+        try:
+            card, taken = await self.cards.take(request_id, tenant)
+        except RedisError:
+            raise APIError(
+                503, "the queue (Redis) is unavailable; retry later", "server_error", code="queue_unavailable"
+            ) from None
+        self.metrics.resumed.inc()
+        response = JobResponse(self, request_id, card.parsed, started, tenant, event_ids=True, after=after)
+        response.renderer.created, response.taken = card.created, taken
+        return response
+
+    def cancel_abandoned(self, request_id: str, taken: int | None) -> None:
+        """The client of a job left: cancel it, at once or, where the answer can be resumed
+        and `resume_grace_s` allows, once the grace has passed with no one taking it up."""
+        grace_s = self.config.resume_grace_s if taken is not None else 0
+
+        async def cancel() -> None:
+            if grace_s:
+                await asyncio.sleep(grace_s)
+                with contextlib.suppress(RedisError):
+                    if await self.cards.taken_since(request_id, taken):
+                        return
+            self.metrics.cancels.labels("disconnect").inc()
+            await self.queue.cancel(request_id)
+
+        cancelling = asyncio.get_running_loop().create_task(cancel())
+        self._cancelling.add(cancelling)
+        cancelling.add_done_callback(self._cancelling.discard)
 
     async def models(self, request: Request) -> Response:
         self.keys.check(request.headers.get("authorization"))
@@ -156,14 +224,27 @@ class Gateway:
 
 
 class JobResponse:
-    """The answer to one queued job, streamed (SSE) or whole, as its reply stream lands."""
+    """The answer to one queued job, streamed (SSE) or whole, as its reply stream lands.
+    A streamed answer's events carry ids when `event_ids`; one resumed sends only what
+    comes `after` the client's last event id."""
 
-    def __init__(self, gateway: Gateway, request_id: str, parsed: Parsed, started: float, tenant: str) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        request_id: str,
+        parsed: Parsed,
+        started: float,
+        tenant: str,
+        event_ids: bool = False,
+        after: Position | None = None,
+    ) -> None:
         self.gateway, self.queue, self.metrics = gateway, gateway.queue, gateway.metrics
         self.request_id, self.parsed, self.started, self.tenant = request_id, parsed, started, tenant
         self.renderer = Renderer(parsed, response_id(parsed.kind, request_id))
+        self.event_ids, self.after = event_ids, after
+        self.taken: int | None = None  # which taking of a resumable stream this is (None: not resumable)
         self.finished = False  # the job ended (its final event read, or cancelled here)
-        self.summary: dict = {}
+        self.summary: dict = {"resumed": True} if after is not None else {}
 
     async def __call__(self, scope, receive, send) -> None:
         self.metrics.in_progress.inc()
@@ -186,9 +267,8 @@ class JobResponse:
             answering.cancel()
             await asyncio.wait((answering,))
             if not self.finished:
-                self.metrics.cancels.labels("disconnect").inc()
                 self.summary["client_left"] = True
-                await self.queue.cancel(self.request_id)
+                self.gateway.cancel_abandoned(self.request_id, self.taken)
         log.info(
             "request_finished",
             request_id=self.request_id,
@@ -226,7 +306,7 @@ class JobResponse:
             }
         )
         self.summary["status"] = 200
-        if batch[0]["type"] == "token":
+        if batch[0]["type"] == "token" and self.after is None:
             self.metrics.time_to_first_token.observe(time.perf_counter() - self.started)
             self.summary["first_token_s"] = round(time.perf_counter() - self.started, 4)
         while True:
@@ -234,17 +314,25 @@ class JobResponse:
             for event in batch:
                 if event["type"] != "token":
                     self._ended(event)
-                    body.append(
-                        self.renderer.ending(event) if event["type"] == "done" else error_event(_queue_error(event))
+                    ending = (
+                        self.renderer.ending(event) if event["type"] == "done" else [error_event(_queue_error(event))]
                     )
+                    body += [self._sse(chunk, (1, k)) for k, chunk in enumerate(ending) if self._unsent((1, k))]
                     await send({"type": "http.response.body", "body": b"".join(body), "more_body": False})
                     return
                 chunk = self.renderer.chunk(event.get("index", 0), event["text"], tokens=[event])
-                if chunk is not None:
-                    body.append(chunk)
+                if chunk is not None and self._unsent((0, event["seq"])):
+                    body.append(self._sse(chunk, (0, event["seq"])))
             if body:
                 await send({"type": "http.response.body", "body": b"".join(body), "more_body": True})
             batch = await anext(batches)
+
+    def _unsent(self, position: Position) -> bool:
+        return self.after is None or position > self.after
+
+    def _sse(self, chunk: bytes, position: Position) -> bytes:
+        """The chunk as one SSE event, with its id when ids are on."""
+        return b"id: " + event_id(self.request_id, position) + b"\n" + chunk if self.event_ids else chunk
 
     async def _whole(self, send, batch: list[dict], batches) -> None:
         tokens: list[dict] = []
@@ -303,6 +391,10 @@ class JobResponse:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def _asked_for(header: str | None) -> bool:
+    return (header or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _queue_error(event: dict) -> APIError:

@@ -51,6 +51,11 @@ class GatewayMetrics:
             ["reason"],
             registry=registry,
         )
+        self.resumed = Counter(
+            "inflight_gateway_resumed_streams",
+            "Streamed answers taken up again (Last-Event-ID, or GET /v1/streams/{id}).",
+            registry=registry,
+        )
         self.backlog_depth = Gauge(
             "inflight_gateway_queue_depth_entries",
             "Jobs in the request stream no worker has taken yet, as last looked up.",

@@ -316,7 +316,7 @@ class Renderer:
             }
         )
 
-    def ending(self, done: dict) -> bytes:
+    def ending(self, done: dict) -> list[bytes]:
         """The last events of a stream: each choice's held-back text and finish reason,
         the usage when asked for, and `[DONE]`."""
         events = [self.chunk(c["index"], c["text"], c["finish_reason"]) for c in choices_of(done)]
@@ -330,7 +330,7 @@ class Renderer:
                     }
                 )
             )
-        return b"".join(events) + b"data: [DONE]\n\n"
+        return [*events, b"data: [DONE]\n\n"]
 
     def whole(self, tokens: list[dict], done: dict) -> dict:
         """The non-streaming answer, from the token events and the done event."""

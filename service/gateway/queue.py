@@ -50,10 +50,15 @@ class Queue:
         # One reader for every reply stream, but on a cluster (streams in many slots).
         self.reader = None if isinstance(redis, RedisCluster) else ReplyReader(redis, config.requests_stream)
 
-    async def submit(self, payload: bytes) -> None:
-        """One XADD; no retry, so a request never waits on an outage (clients retry 503s)."""
+    async def submit(self, payload: bytes, pipe=None) -> None:
+        """One XADD (sent with what `pipe` holds, if given); no retry, so a request never
+        waits on an outage (clients retry 503s)."""
         try:
-            await self.redis.xadd(self.config.requests_stream, {"payload": payload})
+            if pipe is None:
+                await self.redis.xadd(self.config.requests_stream, {"payload": payload})
+            else:
+                pipe.xadd(self.config.requests_stream, {"payload": payload})
+                await pipe.execute()
         except RedisError as error:
             raise QueueUnavailable(f"{type(error).__name__}: {error}") from error
 
