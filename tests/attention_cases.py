@@ -13,9 +13,11 @@ kernels keep every score and sum in fp32 and round only the output.
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from gpu.attention import AttentionBackend, SequenceSlice
@@ -27,6 +29,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 128, 256]
 BLOCK_SIZES = [16, 32]
 GQA_GROUPS = [1, 4, 8]
+# The emulation's sweep, where every launch costs (each CUDA thread a host thread): every
+# instantiation (dtype, head_dim, block size) once, the GQA ratio (a runtime argument)
+# taking each of its values in turn, so every ratio meets every dtype and head_dim.
+INSTANTIATIONS = [
+    pytest.param(dtype, head_dim, GQA_GROUPS[i % len(GQA_GROUPS)], block_size, id=f"{dtype}-{head_dim}-{block_size}")
+    for i, (dtype, head_dim, block_size) in enumerate(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES))
+]
 
 # Tolerances against the reference, by dtype (the kernels accumulate in fp32).
 TOLERANCES = {

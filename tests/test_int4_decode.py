@@ -6,8 +6,6 @@ stays on the torch path."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch import nn
@@ -15,9 +13,9 @@ from torch import nn
 from gpu.attention import SequenceSlice
 from gpu.cpu.int4_decode import MAX_TOKENS, Int4DecodeStep, decode_library
 from gpu.cpu.int4_linear import Int4Linear, quantize_model
+from gpu.cpu.int8_linear import Int8Linear
 from gpu.cpu.native_build import CPU_CXX_FLAGS, PORTABLE_CPU_CXX_FLAGS, cpu_identity
-from tests.test_int4_linear import MAX_PERPLEXITY_CHANGE, MIN_TOP1_AGREEMENT
-from tests.test_int8_weights import float32_on_the_docs, teacher_forced
+from tests.test_int8_weights import float32_on_the_docs
 from workers.config import CacheConfig, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
@@ -185,32 +183,54 @@ def test_the_head_sums_int8_inputs_per_group_of_32(full_runner, build):
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
 
 
-class _HiddenThenHead:
-    """`model` up to the final norm (the Hugging Face forward), then the one call's head:
-    what `teacher_forced` reads as `.logits`."""
-
-    def __init__(self, model, step: Int4DecodeStep) -> None:
-        self.model, self.step = model, step
-
-    def __call__(self, input_ids):
-        hidden = self.model.model(input_ids=input_ids).last_hidden_state[0]
-        return SimpleNamespace(logits=self.step.head(hidden)[None])
+# The real model teacher-forced over the docs against float32 (as the int8 gate): the
+# bfloat16 model alone reaches about 97% top-1 agreement, with int4 weights about 95.7%
+# (docs/benchmarks.md, "int4 weights"). A broken quantization lands far below.
+MIN_TOP1_AGREEMENT = 0.94
+MAX_PERPLEXITY_CHANGE = 0.02
+# The one call's head reads this many of the gate's positions: its portable build, made for
+# decode's few rows, takes minutes over all of them on a CPU without AVX-512.
+ONE_CALL_HEAD_POSITIONS = 2000
 
 
 @pytest.mark.slow
-def test_the_one_calls_head_stays_close_to_float32(full_runner):
-    """The quality gate of int4 weights (`tests/test_int4_linear.py`), with the logits from
-    the one call's head: quantizing the head's input costs about half a point of top-1
-    agreement (docs/benchmarks.md, "One request in one call")."""
+def test_int4_weights_stay_close_to_float32_through_either_lm_head(full_runner):
+    """The quality gate of int4 weights: the quantized model teacher-forced over real text
+    against float32, its layers run once, their output read through torch's LM head (int8
+    weights) and through the one call's, which quantizes its input too (about half a point
+    of top-1 agreement; docs/benchmarks.md, "int4 weights", "One request in one call")."""
     runner, _ = full_runner
     chunks, want_top1, want_nll = float32_on_the_docs()
     loaded = load_model(ModelConfig(dtype="bfloat16"))
-    quantize_model(loaded.model)  # the same int4 layers and int8 head as the runner's model
-    got_top1, got_nll = teacher_forced(_HiddenThenHead(loaded.model, runner.lean.decode_step), chunks)
-    agreement = (got_top1 == want_top1).float().mean().item()
-    perplexity_ratio = (got_nll.mean() - want_nll.mean()).exp().item()
-    assert agreement >= MIN_TOP1_AGREEMENT, f"top-1 agreement {agreement:.4f} over {len(want_top1)} positions"
-    assert abs(perplexity_ratio - 1) <= MAX_PERPLEXITY_CHANGE, f"perplexity ratio {perplexity_ratio:.4f}"
+    assert quantize_model(loaded.model) == 1 + 7 * loaded.model.config.num_hidden_layers
+    assert isinstance(loaded.model.get_output_embeddings(), Int8Linear)
+    with torch.inference_mode():
+        hidden = [loaded.model.model(input_ids=torch.tensor([chunk])).last_hidden_state[0] for chunk in chunks]
+    heads = {"torch's head": loaded.model.lm_head, "the one call's head": runner.lean.decode_step.head}
+    for name, head in heads.items():
+        positions = len(want_top1) if head is loaded.model.lm_head else ONE_CALL_HEAD_POSITIONS
+        got_top1, got_nll = teacher_forced_from(hidden, chunks, head, positions)
+        agreement = (got_top1 == want_top1[:positions]).float().mean().item()
+        perplexity_ratio = (got_nll.mean() - want_nll[:positions].mean()).exp().item()
+        where = f"{name}, {positions} positions"
+        assert agreement >= MIN_TOP1_AGREEMENT, f"{where}: top-1 agreement {agreement:.4f}"
+        assert abs(perplexity_ratio - 1) <= MAX_PERPLEXITY_CHANGE, f"{where}: perplexity ratio {perplexity_ratio:.4f}"
+
+
+@torch.inference_mode()
+def teacher_forced_from(hidden, chunks, head, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`teacher_forced`'s top-1 and negative log-likelihoods, from the layers' output
+    through `head`, over the first `positions` positions."""
+    top1, nll, left = [], [], positions
+    for states, chunk in zip(hidden, chunks):
+        rows = min(left, len(chunk) - 1)
+        if rows <= 0:
+            break
+        logits = head(states[:rows]).float()
+        top1.append(logits.argmax(-1))
+        nll.append(-torch.log_softmax(logits, -1).gather(1, torch.tensor(chunk[1 : rows + 1])[:, None])[:, 0])
+        left -= rows
+    return torch.cat(top1), torch.cat(nll)
 
 
 @pytest.mark.parametrize("weights", ["dense", "int8"])

@@ -18,8 +18,7 @@ from gpu.offload import HostKVPool
 from tests.attention_cases import (
     BLOCK_SIZES,
     DTYPES,
-    GQA_GROUPS,
-    HEAD_DIMS,
+    INSTANTIATIONS,
     check_against_reference,
     check_far_cache_against_reference,
     decode_chunks,
@@ -56,10 +55,7 @@ def backend(step, kernels, partition_size=None) -> CupyAttentionBackend:
     return CupyAttentionBackend(step.kernel_cache, kernels, partition_size=partition_size)
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("group", GQA_GROUPS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("dtype", "head_dim", "group", "block_size"), INSTANTIATIONS)
 def test_decode_split_into_partitions(kernels, dtype, head_dim, group, block_size):
     """Contexts that are not multiples of the block size, split into 32-token partitions
     and reduced; the shortest fits in one partition, the longest spans several."""
@@ -124,10 +120,7 @@ def test_cache_of_more_than_2_31_elements(kernels):
     check_far_cache_against_reference(step, cache, sequences, attention, base)
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("group", GQA_GROUPS)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("dtype", "head_dim", "group", "block_size"), INSTANTIATIONS)
 def test_chunked_prefill(kernels, dtype, head_dim, group, block_size):
     """A fresh prompt, a later chunk of a prompt whose prefix is cached (both not
     block-aligned), and a one-token prompt, in one step."""
