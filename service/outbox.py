@@ -18,6 +18,13 @@ future fails with `LeaseLost` when another worker owns the stream now, and with 
 
 TTLs: a write refreshes its stream's TTL at the first write, the final event, and
 otherwise at most once every `ttl_s / TTL_REFRESHES` seconds.
+
+Repair: a stream keeps the events it has landed while its job runs. Redis replicates
+asynchronously, so a failover can lose the last events the old primary took; each write
+checks that the stream still holds every event written before it (`Gap`), and if not,
+what was lost is sent again, in order, before anything new, with the same entry ids, so
+a reader sees each `seq` once. What a worker did not write itself (before a takeover)
+it cannot send again: that gap stays, and is logged.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from service.protocol import done_fields, token_data
-from service.publish import Append, LeaseLost, ReplyPublisher
+from service.publish import Append, Gap, LeaseLost, ReplyPublisher
 from service.retry import retrying
 from workers.api import Event, FinalEvent, FinishReason
 
@@ -55,6 +62,9 @@ class _Stream:
     entry_id: str
     seq: int  # the next token's seq
     result: asyncio.Future
+    first_seq: int = 0  # the first token event this worker writes (after a takeover, not 0)
+    landed: list[bytes] = field(default_factory=list)  # its token events landed so far, from first_seq
+    gap_at: int | None = None  # a gap before first_seq, lost in a failover: the next write accepts it
     waiting: list[bytes] = field(default_factory=list)  # token events not yet sent, as msgpack
     oldest: float = 0.0  # when the oldest waiting event's step ended (monotonic)
     final: FinalEvent | None = None
@@ -82,6 +92,7 @@ class ReplyOutbox:
             entry_id,
             seq,
             asyncio.get_running_loop().create_future(),
+            first_seq=seq,
             text=[] if keep_text else None,
             indexed=choices > 1,
         )
@@ -147,7 +158,8 @@ class ReplyOutbox:
             refresh = (
                 stream.refreshed_at is None or now - stream.refreshed_at >= self._refresh_s or stream.final is not None
             )
-            append = Append(stream.reply_to, stream.entry_id, stream.waiting, stream.final_waiting, refresh)
+            written = stream.gap_at if stream.gap_at is not None else stream.first_seq + len(stream.landed)
+            append = Append(stream.reply_to, stream.entry_id, stream.waiting, stream.final_waiting, refresh, written)
             batch.append((stream, stream.oldest, stream.final is not None))
             appends.append(append)
             stream.waiting, stream.final_waiting = [], None
@@ -162,7 +174,11 @@ class ReplyOutbox:
             reply = next(replies) if writes else True
             if stream.result.done():
                 continue  # closed while the pipeline was in flight
-            if reply is True:
+            if isinstance(reply, Gap):
+                self._send_again(stream, append, reply.have)
+            elif reply is True:
+                stream.landed.extend(append.tokens)
+                stream.gap_at = None
                 if writes:
                     self.observe_lag(landed - oldest)
                 if append.refresh_ttl:
@@ -175,6 +191,21 @@ class ReplyOutbox:
                 self._fail(stream, LeaseLost(stream.reply_to))
             else:
                 self._fail(stream, reply)
+
+    def _send_again(self, stream: _Stream, append: Append, have: int) -> None:
+        """The stream holds `have` token events, fewer than landed: what was lost goes
+        again, ahead of this append's events and of any that came since."""
+        kept = max(0, have - stream.first_seq)
+        lost = stream.landed[kept:]
+        del stream.landed[kept:]
+        if have < stream.first_seq:  # lost events this worker did not write (before it took the job over)
+            log.error("reply_stream_gap", reply_to=stream.reply_to, missing=(have, stream.first_seq))
+            stream.gap_at = have
+        log.warning("reply_stream_repaired", reply_to=stream.reply_to, have=have, sent_again=len(lost))
+        stream.waiting = [*lost, *append.tokens, *stream.waiting]
+        if append.final is not None:
+            stream.final_waiting = append.final
+        self._ready.set()
 
     @staticmethod
     def _fail(stream: _Stream, error: BaseException) -> None:

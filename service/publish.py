@@ -60,11 +60,14 @@ return {1, redis.call('XRANGE', KEYS[1], '-', '+')}
 
 # KEYS: each stream's reply stream and owner key, in pairs. ARGV[1]: msgpack, one entry
 # per stream: {owner value, TTL seconds (0: leave the TTLs), token events as their
-# msgpack `data`, the final event's entry id or "", its field/value pairs}. Each token is
-# written with its readable fields at entry id <seq + 1>-0. Returns per stream: 1 when
-# written (entries already there count as written), 0 when this worker is not the owner,
-# or the error Redis gave for that stream. Many streams in one call, each token one
-# msgpack string: packing commands and arguments is most of a publisher's cost.
+# msgpack `data`, the final event's entry id or "", its field/value pairs, the number of
+# token events written before these, the owner key's TTL}. Each token is written with its readable fields at
+# entry id <seq + 1>-0. Returns per stream: 1 when written (entries already there count
+# as written), 0 when this worker is not the owner, -1 - k when the stream holds only k
+# token events though more were written before (a failover lost them: nothing is
+# written, the writer sends them again), or the error Redis gave for that stream. An
+# owner key that is gone (lost with the writes) is set again. Many streams in one call,
+# each token one msgpack string: packing commands and arguments is most of a publisher's cost.
 FENCED_APPEND = """
 local function failed(added)
   if type(added) == 'table' and added['err'] and not string.find(added['err'], 'equal or smaller', 1, true) then
@@ -76,8 +79,21 @@ local results = {}
 for s = 1, #streams do
   local stream, owner, spec = KEYS[2 * s - 1], KEYS[2 * s], streams[s]
   local result = 1
-  if redis.call('GET', owner) ~= spec[1] then
+  local held, have = redis.call('GET', owner), spec[6]
+  if spec[6] > 0 then  -- written before: check that it is all still there
+    local last = redis.pcall('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+    if not last['err'] then  -- (not a stream: the XADD below says so)
+      have = last[1] and tonumber(string.match(last[1][1], '^(%d+)')) or 0
+    end
+    if held == false then  -- the owner key went with the lost writes
+      redis.call('SET', owner, spec[1], 'EX', spec[7])
+      held = spec[1]
+    end
+  end
+  if held ~= spec[1] then
     result = 0
+  elseif have < spec[6] then
+    result = -1 - have
   else
     for _, data in ipairs(spec[3]) do
       local token = cmsgpack.unpack(data)
@@ -112,6 +128,14 @@ return results
 STREAMS_PER_CALL = 128
 
 
+@dataclass(frozen=True)
+class Gap:
+    """The stream holds only `have` token events, fewer than were written to it: a
+    failover of Redis lost the rest (asynchronous replication). Nothing was written."""
+
+    have: int
+
+
 class LeaseLost(Exception):
     """Another worker serves this job now; this one must stop writing and generating."""
 
@@ -133,6 +157,7 @@ class Append:
     tokens: Sequence[bytes]
     final: tuple[str, dict] | None
     refresh_ttl: bool
+    written: int = 0  # token events this writer wrote before these (0: none, or it does not know)
 
 
 @dataclass(frozen=True)
@@ -182,11 +207,12 @@ class ReplyPublisher:
                 finished = True
         return Claim(True, choices, num_events, finished)
 
-    async def append(self, appends: Sequence[Append]) -> list[bool | RedisError]:
+    async def append(self, appends: Sequence[Append]) -> list[bool | Gap | RedisError]:
         """Write every `Append` in one pipelined round trip. Per append: True when written,
-        False when this worker no longer owns the stream, or the error Redis answered for
-        that stream alone (WRONGTYPE, OOM). Raises when Redis cannot be reached (then the
-        whole call may be retried: the writes are idempotent)."""
+        False when this worker no longer owns the stream, a `Gap` when the stream lost
+        events written before (nothing written), or the error Redis answered for that
+        stream alone (WRONGTYPE, OOM). Raises when Redis cannot be reached (then the whole
+        call may be retried: the writes are idempotent)."""
         calls = self._calls(appends)
         replies = await self._append_pipelined(calls, appends)
         if any(isinstance(reply, NoScriptError) for reply in replies):
@@ -197,15 +223,16 @@ class ReplyPublisher:
         for reply in replies:
             if isinstance(reply, RedisError) and is_transient(reply):
                 raise reply  # a node away: the caller retries the whole append
-        results: dict[int, bool | RedisError] = {}
+        results: dict[int, bool | Gap | RedisError] = {}
         for call, reply in zip(calls, replies):
             if isinstance(reply, RedisError):  # the whole call failed, e.g. OOM
                 results.update((index, reply) for index in call)
                 continue
             for index, result in zip(call, reply):
-                results[index] = (
-                    ResponseError(result.decode(errors="replace")) if isinstance(result, bytes) else bool(result)
-                )
+                if isinstance(result, bytes):
+                    results[index] = ResponseError(result.decode(errors="replace"))
+                else:
+                    results[index] = Gap(-1 - result) if result < 0 else bool(result)
         return [results[index] for index in range(len(appends))]
 
     def _calls(self, appends: Sequence[Append]) -> list[list[int]]:
@@ -236,6 +263,8 @@ class ReplyPublisher:
                             append.tokens,
                             event_id,
                             [part for pair in fields.items() for part in pair],
+                            append.written,
+                            self.ttl_s,
                         )
                     )
                 # The old msgpack format (no bin, no str8), the one Redis's Lua cmsgpack reads.
