@@ -263,6 +263,23 @@ return 1
 )
 
 
+@dataclass(frozen=True)
+class CountKeys:
+    """Where the fair queue keeps its counts beside a request stream (the names `_KEYS_LUA`
+    builds): jobs and prompt tokens queued, by tenant ('*': all of them), and each tenant
+    queue's backlog, by queue key (a batch queue's starts with `batch_queues`)."""
+
+    queued: str
+    queued_tokens: str
+    backlog: str
+    batch_queues: str
+
+    @staticmethod
+    def of(stream: str) -> CountKeys:
+        tag = "{" + stream + "}"
+        return CountKeys(f"{tag}:queued", f"{tag}:queued_tokens", f"{tag}:backlog", f"{tag}:q:{BATCH_LEVEL}:")
+
+
 def level_of(job: Job) -> str:
     return BATCH_LEVEL if job.batch else str(job.priority)
 

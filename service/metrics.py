@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from service.fair_queue import CountKeys
 from service.protocol import DEFAULT_TENANT
 from workers.api import FinalEvent, FinishReason
 from workers.config import SchedulerConfig
@@ -535,17 +536,16 @@ class Metrics:
         """Read the fair queue's counts (service/fair_queue.py keeps them, next to `stream`)
         in one round trip: jobs and prompt tokens queued by tenant, and the backlog of each
         tenant queue, whose batch queues' add up to the batch backlog."""
-        tag = "{" + stream + "}"
+        keys = CountKeys.of(stream)
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(f"{tag}:queued")
-            pipe.hgetall(f"{tag}:queued_tokens")
-            pipe.hgetall(f"{tag}:backlog")
+            pipe.hgetall(keys.queued)
+            pipe.hgetall(keys.queued_tokens)
+            pipe.hgetall(keys.backlog)
             queued, queued_tokens, backlog = await pipe.execute()
-        batch_queues = f"{tag}:q:batch:"
         self.observe_fair_queue(
             _tenant_counts(queued),
             _tenant_counts(queued_tokens),
-            sum(int(count) for queue, count in backlog.items() if _text(queue).startswith(batch_queues)),
+            sum(int(count) for queue, count in backlog.items() if _text(queue).startswith(keys.batch_queues)),
         )
 
 
