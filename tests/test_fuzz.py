@@ -7,8 +7,8 @@ junk). An entry the protocol would accept is drawn again: every random entry mus
 on the dead-letter stream with a code. One entry in fifty is a good job (`max_tokens`
 1-4), which must still complete, seqs exact. The worker must stay up throughout.
 
-`INFLIGHT_FUZZ_ENTRIES` sets the count (default: the issue's 10,000) and
-`INFLIGHT_FUZZ_SEED` the seed.
+`INFLIGHT_FUZZ_ENTRIES` sets the count (default 3,000, for CI's time; the issue's drill
+is 10,000, measured in docs/benchmarks.md, "Fuzz") and `INFLIGHT_FUZZ_SEED` the seed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from service.protocol import decode_job
 
 pytestmark = pytest.mark.slow
 
-ENTRIES = int(os.environ.get("INFLIGHT_FUZZ_ENTRIES", "10000"))
+ENTRIES = int(os.environ.get("INFLIGHT_FUZZ_ENTRIES", "3000"))
 SEED = int(os.environ.get("INFLIGHT_FUZZ_SEED", "12"))
 GOOD_EVERY = 50
 STALL_S = 30

@@ -188,9 +188,13 @@ def test_the_head_sums_int8_inputs_per_group_of_32(full_runner, build):
 # (docs/benchmarks.md, "int4 weights"). A broken quantization lands far below.
 MIN_TOP1_AGREEMENT = 0.94
 MAX_PERPLEXITY_CHANGE = 0.02
-# The one call's head reads this many of the gate's positions: its portable build, made for
-# decode's few rows, takes minutes over all of them on a CPU without AVX-512.
-ONE_CALL_HEAD_POSITIONS = 2000
+# Positions each head is read at: the gate's text is the int8 gate's 4,000 positions, but
+# in bfloat16 (emulated where the CPU lacks AVX-512 BF16) the layers take minutes over all
+# of them, and the one call's head, its portable build made for decode's few rows, more.
+# Agreement is flat in the count: 95.3%, 95.5%, 95.6% at 1,000, 2,000, 4,000 positions
+# through either head (docs/benchmarks.md, "int4 weights").
+TORCH_HEAD_POSITIONS = 2000
+ONE_CALL_HEAD_POSITIONS = 1000
 
 
 @pytest.mark.slow
@@ -204,11 +208,12 @@ def test_int4_weights_stay_close_to_float32_through_either_lm_head(full_runner):
     loaded = load_model(ModelConfig(dtype="bfloat16"))
     assert quantize_model(loaded.model) == 1 + 7 * loaded.model.config.num_hidden_layers
     assert isinstance(loaded.model.get_output_embeddings(), Int8Linear)
+    chunks = chunks[: -(-TORCH_HEAD_POSITIONS // (len(chunks[0]) - 1))]
     with torch.inference_mode():
         hidden = [loaded.model.model(input_ids=torch.tensor([chunk])).last_hidden_state[0] for chunk in chunks]
     heads = {"torch's head": loaded.model.lm_head, "the one call's head": runner.lean.decode_step.head}
     for name, head in heads.items():
-        positions = len(want_top1) if head is loaded.model.lm_head else ONE_CALL_HEAD_POSITIONS
+        positions = TORCH_HEAD_POSITIONS if head is loaded.model.lm_head else ONE_CALL_HEAD_POSITIONS
         got_top1, got_nll = teacher_forced_from(hidden, chunks, head, positions)
         agreement = (got_top1 == want_top1[:positions]).float().mean().item()
         perplexity_ratio = (got_nll.mean() - want_nll[:positions].mean()).exp().item()
