@@ -10,10 +10,15 @@ and started again on the same port and data, then w1 is SIGKILLed while it strea
 restarted under its name. Requests are added with entry ids of our own, so a retried
 XADD that had landed is refused, not doubled.
 
-Reported: jobs lost; duplicate or missing seqs; time from the SIGKILL to the next token
-of each stream the killed worker was serving; KV blocks in use when idle; w2's RSS growth
-since the warm-up; Redis `used_memory` before and after the reply TTL ran out; the counts;
-and `checks`, each figure against its target.
+With `--soak-chaos` the faults come at random moments instead, of five kinds, through
+the whole run (bench/chaos.py), and a share of the traffic is streamed over HTTP through
+two gateways, resuming at the other one when a gateway dies.
+
+Reported: jobs lost; duplicate or missing seqs; time from each SIGKILL or SIGSTOP to the
+next token of each stream the worker was serving; KV blocks in use when idle; w2's RSS
+growth since the warm-up; Redis `used_memory` before and after the reply TTL ran out;
+the counts; with chaos, the faults and the HTTP streams (broken without resumption,
+events twice); and `checks`, each figure against its target.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections import Counter
@@ -36,6 +42,7 @@ from pathlib import Path
 import msgpack
 from redis.exceptions import ResponseError
 
+from bench.chaos import FAULTS, REDIS_STALL_S, STOP_S, Gateways, completion_body, pause
 from bench.metrics import percentile
 from bench.processes import RedisServer, WorkerProcess
 from service.config import RedisConfig
@@ -47,6 +54,7 @@ from service.sdk import job_payload
 CONFIG = RedisConfig()
 CANCEL_FRACTION = 0.05
 MALFORMED_FRACTION = 0.01
+HTTP_FRACTION = 0.3  # with chaos: good jobs streamed through a gateway
 # When in the run the chaos strikes, as fractions of the traffic's duration.
 REDIS_RESTART_AT, WORKER_KILL_AT = 0.35, 0.6
 # A stream's events are still read this long after its final event: a second writer
@@ -83,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (kind, default, text) in FLAGS.items():
         group.add_argument(f"--soak-{name}", type=kind, default=default, help=f"{text} (default: %(default)s)")
     group.add_argument("--soak-logs", type=Path, default=None, help="keep the workers' and Redis's logs in this folder")
+    group.add_argument(
+        "--soak-chaos", action="store_true", help="faults at random moments, and HTTP traffic through two gateways"
+    )
+    group.add_argument(
+        "--soak-chaos-gap-s", type=float, default=60.0, help="mean seconds between faults (default: %(default)s)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -106,16 +120,25 @@ def run(args: argparse.Namespace) -> dict:
 async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
     with RedisServer(tmp / "redis") as server:
         workers = [WorkerProcess(name, _worker_argv(server.url, args), tmp) for name in ("w1", "w2")]
+        gateways = None
+        if args.soak_chaos:
+            gateways = Gateways(server.url, tmp, random.Random(args.seed), args.soak_reply_ttl_s)
         client = connect(server.url, socket_timeout=10)
         try:
             for worker in workers:
                 worker.start()
+            if gateways is not None:
+                await asyncio.to_thread(gateways.start)
             for worker in workers:  # loading side by side
                 await asyncio.to_thread(worker.wait_ready)
-            return await _Soak(client, server, workers, args).run(duration)
+            return await _Soak(client, server, workers, args, gateways).run(duration)
         finally:
             for worker in workers:
+                if worker.alive():  # one paused by the chaos too
+                    worker.process.send_signal(signal.SIGCONT)
                 worker.stop()
+            if gateways is not None:
+                gateways.stop()
             await client.aclose()
 
 
@@ -148,8 +171,12 @@ class _Job:
 
 
 class _Soak:
-    def __init__(self, client, server: RedisServer, workers: list[WorkerProcess], args: argparse.Namespace) -> None:
+    def __init__(
+        self, client, server: RedisServer, workers: list[WorkerProcess], args: argparse.Namespace, gateways=None
+    ) -> None:
         self.client = client
+        self.gateways: Gateways | None = gateways
+        self.http_tasks: set[asyncio.Task] = set()
         self.server = server
         self.killed_worker, self.survivor = workers
         self.workers = workers
@@ -164,7 +191,8 @@ class _Soak:
         self.reading = True
         self.last_entry = (0, 0)
         self.chaos: dict = {}
-        self.kill: dict = {}
+        self.interruptions: list[dict] = []  # each worker SIGKILL or SIGSTOP: when, and where its streams stood
+        self.faults: list[dict] = []  # with chaos: each fault, its kind and when
         self.rss_samples: list[list[int]] = []  # [s after the warm-up, kB]
 
     async def run(self, duration: float) -> dict:
@@ -172,8 +200,17 @@ class _Soak:
         reader = asyncio.create_task(self._read())
         started = time.monotonic()
         chaos = asyncio.create_task(self._chaos(started, duration))
-        await self._produce(started + duration)
-        await chaos
+        if self.gateways is not None:
+            import aiohttp
+
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=150)
+            async with aiohttp.ClientSession(timeout=timeout) as self.session:
+                await self._produce(started + duration)
+                await chaos
+                await asyncio.gather(*self.http_tasks)
+        else:
+            await self._produce(started + duration)
+            await chaos
         traffic_s = time.monotonic() - started
         drain_deadline = time.monotonic() + self.args.soak_drain_s
         while self._outstanding() and time.monotonic() < drain_deadline:
@@ -190,7 +227,7 @@ class _Soak:
         return self._report(traffic_s, idle, rss_end, alive, memory_before, memory_after, keys_left)
 
     def _outstanding(self) -> int:
-        return sum(1 for key in self.open if self.jobs[key].final is None)
+        return sum(1 for key in self.open if self.jobs[key].final is None) + len(self.http_tasks)
 
     # -- traffic -------------------------------------------------------------------------
 
@@ -203,15 +240,20 @@ class _Soak:
             if self.rng.random() < MALFORMED_FRACTION:
                 await self._send_malformed()
                 continue
+            if self.gateways is not None and self.rng.random() < HTTP_FRACTION:
+                task = asyncio.create_task(self._send_http())
+                self.http_tasks.add(task)
+                task.add_done_callback(self.http_tasks.discard)
+                continue
             job = await self._send_job()
             if self.rng.random() < CANCEL_FRACTION:
                 running = self.rng.random() < 0.5  # else at once, most likely while it waits
                 cancels.append(asyncio.create_task(self._cancel_later(job, running, self.rng.uniform(0, 1))))
         await asyncio.gather(*cancels)
 
-    async def _send_job(self) -> _Job:
+    def _draw(self) -> tuple[str, dict]:
+        """A prompt and its options: lengths, sampling, priority as users vary them."""
         rng = self.rng
-        request_id = f"soak-{next(self.counter)}"
         low, high = rng.choice(((3, 20),) * 6 + ((20, 120),) * 3 + ((120, 300),))
         text = " ".join(rng.choices(WORDS, k=rng.randint(low, high)))
         options = {
@@ -222,6 +264,23 @@ class _Soak:
             options.update(temperature=0.8, top_p=0.95, seed=rng.randrange(1 << 31))
         if rng.random() < 0.5:
             options["ignore_eos"] = True
+        return text, options
+
+    async def _send_http(self) -> None:
+        """A streamed completion through a gateway; its reply stream is checked as the queue's are."""
+        text, options = self._draw()
+
+        def follow(request_id: str) -> None:
+            job = _Job(request_id, reply_stream(request_id))
+            self.jobs[job.reply_to] = job
+            self.open.add(job.reply_to)
+
+        await self.gateways.stream(self.session, completion_body(text, options), follow)
+
+    async def _send_job(self) -> _Job:
+        rng = self.rng
+        request_id = f"soak-{next(self.counter)}"
+        text, options = self._draw()
         chat = rng.random() < 0.25
         prompt, messages = (None, [{"role": "user", "content": text}]) if chat else (text, None)
         if rng.random() < 0.5:
@@ -255,20 +314,29 @@ class _Soak:
         self.malformed[await self._add(fields)] = code
 
     async def _add(self, fields: dict) -> str:
-        """XADD with an id of our own, so that a retry of a write that had landed is refused."""
-        ms = max(int(time.time() * 1000), self.last_entry[0])
-        self.last_entry = (ms, self.last_entry[1] + 1 if ms == self.last_entry[0] else 0)
-        entry_id = f"{ms}-{self.last_entry[1]}"
+        """XADD with an id of our own, so that a retry of a write that had landed is refused.
+        An id refused as "equal or smaller" is ours only if the entry there is: the gateways
+        add to the same stream, and one may have taken a later id first."""
+        while True:
+            ms = max(int(time.time() * 1000), self.last_entry[0])
+            self.last_entry = (ms, self.last_entry[1] + 1 if ms == self.last_entry[0] else 0)
+            entry_id = f"{ms}-{self.last_entry[1]}"
 
-        async def add() -> None:
-            try:
-                await self.client.xadd(CONFIG.requests_stream, fields, id=entry_id)
-            except ResponseError as error:
-                if "equal or smaller" not in str(error):
-                    raise
+            async def add() -> bool:
+                try:
+                    await self.client.xadd(CONFIG.requests_stream, fields, id=entry_id)
+                    return True
+                except ResponseError as error:
+                    if "equal or smaller" not in str(error):
+                        raise
+                there = await self.client.xrange(CONFIG.requests_stream, entry_id, entry_id)
+                return bool(there) and there[0][1] == {_bytes(k): _bytes(v) for k, v in fields.items()}
 
-        await _retrying(add)
-        return entry_id
+            if await _retrying(add):
+                return entry_id
+            last = await _retrying(lambda: self.client.xrevrange(CONFIG.requests_stream, count=1))
+            if last:  # after the stream's last entry
+                self.last_entry = max(self.last_entry, _entry(last[0][0].decode()))
 
     async def _cancel_later(self, job: _Job, running: bool, delay: float) -> None:
         while running and not job.tokens and not job.final:
@@ -307,6 +375,10 @@ class _Soak:
         await _sleep_until(started + self.args.soak_warmup_s)
         self.chaos["rss_warm_kb"] = self.survivor.rss_kb()
         sampler = asyncio.create_task(self._sample_rss(started + duration))
+        if self.args.soak_chaos:
+            await self._random_faults(started, started + duration)
+            await sampler
+            return
         await _sleep_until(started + REDIS_RESTART_AT * duration)
         down = time.monotonic()
         await asyncio.to_thread(self.server.stop)
@@ -318,6 +390,40 @@ class _Soak:
         await self._kill_and_restart(self.killed_worker)
         await sampler
 
+    async def _random_faults(self, started: float, until: float) -> None:
+        """One fault at a time, each kind in turn at first (so a short run sees all five),
+        then drawn; exponential gaps around --soak-chaos-gap-s."""
+        kinds = list(FAULTS)
+        self.rng.shuffle(kinds)
+        while True:
+            await asyncio.sleep(self.rng.expovariate(1 / self.args.soak_chaos_gap_s))
+            if time.monotonic() >= until:
+                return
+            kind = kinds.pop() if kinds else self.rng.choice(FAULTS)
+            at = time.monotonic()
+            detail = await self._fault(kind)
+            self.faults.append(
+                {"kind": kind, "at_s": round(at - started, 1), "took_s": round(time.monotonic() - at, 1)}
+            )
+            if detail:
+                self.faults[-1]["detail"] = detail
+
+    async def _fault(self, kind: str):
+        if kind == "worker_kill":
+            await self._kill_and_restart(self.killed_worker)
+        elif kind == "worker_stop":
+            streaming = await self._streaming(self.killed_worker)
+            paused = pause(self.killed_worker.process.pid, self.rng.uniform(*STOP_S))
+            await self._mark(streaming, "stop")
+            await paused
+        elif kind == "gateway_kill":
+            return await self.gateways.kill_one()
+        elif kind == "redis_restart":
+            await asyncio.to_thread(self.server.stop)
+            await asyncio.to_thread(self.server.start)
+        elif kind == "redis_stall":
+            await pause(self.server.process.pid, REDIS_STALL_S)
+
     async def _sample_rss(self, until: float) -> None:
         """The survivor's RSS through the run: does it level off or keep growing?"""
         start = time.monotonic()
@@ -327,6 +433,16 @@ class _Soak:
 
     async def _kill_and_restart(self, worker: WorkerProcess) -> None:
         """SIGKILL the worker while it streams; note where each of its streams stood."""
+        streaming = await self._streaming(worker)
+        worker.kill()
+        killed_at = time.monotonic()
+        await self._mark(streaming, "kill")  # it is dead: what its streams hold now is all it published
+        worker.start()
+        await asyncio.to_thread(worker.wait_ready)
+        self.chaos["worker_restart_s"] = time.monotonic() - killed_at
+
+    async def _streaming(self, worker: WorkerProcess) -> list[_Job]:
+        """The jobs the worker holds that have tokens and no end yet (waits up to 30 s for one)."""
         deadline = time.monotonic() + 30
         while True:
             pending = await _retrying(
@@ -337,26 +453,22 @@ class _Soak:
             held = [self.by_entry.get(row["message_id"].decode()) for row in pending]
             streaming = [job for job in held if job is not None and job.tokens and job.final is None]
             if streaming or time.monotonic() > deadline:
-                break
+                return streaming
             await asyncio.sleep(0.1)
-        worker.kill()
-        killed_at = time.monotonic()
-        # It is dead: what its streams hold now is all it published.
+
+    async def _mark(self, streaming: list[_Job], kind: str) -> None:
+        """Where each stream stood when its worker was interrupted (now)."""
+        at = time.monotonic()
         async with self.client.pipeline(transaction=False) as pipe:
             for job in streaming:
                 pipe.xrevrange(job.reply_to, count=1)
-            last = await pipe.execute()
-        self.kill = {
-            "at": killed_at,
-            "streams": {
-                job.reply_to: _entry(rows[0][0].decode())
-                for job, rows in zip(streaming, last)
-                if rows and rows[0][1][b"type"] == b"token"
-            },
+            last = await _retrying(pipe.execute)
+        streams = {
+            job.reply_to: _entry(rows[0][0].decode())
+            for job, rows in zip(streaming, last)
+            if rows and rows[0][1][b"type"] == b"token"
         }
-        worker.start()
-        await asyncio.to_thread(worker.wait_ready)
-        self.chaos["worker_restart_s"] = time.monotonic() - killed_at
+        self.interruptions.append({"kind": kind, "at": at, "streams": streams})
 
     # -- the figures ---------------------------------------------------------------------
 
@@ -379,18 +491,24 @@ class _Soak:
         return keys
 
     def _kill_figures(self) -> dict:
-        """From the SIGKILL to the next token of each stream the killed worker was serving."""
+        """From each SIGKILL (or SIGSTOP) to the next token of each stream the worker was serving."""
         waits, per_stream = [], {}
-        for key, mark in self.kill.get("streams", {}).items():
-            job = self.jobs[key]
-            later = [at for entry, _, at in job.events if entry > mark]
-            waits.append(later[0] - self.kill["at"] if later else None)
-            per_stream[job.request_id] = {"next_token_s": waits[-1], "finished_by": (job.final or {}).get("worker")}
+        for interruption in self.interruptions:
+            for key, mark in interruption["streams"].items():
+                job = self.jobs[key]
+                later = [at for entry, _, at in job.events if entry > mark]
+                waits.append(later[0] - interruption["at"] if later else None)
+                per_stream[job.request_id] = {
+                    "after": interruption["kind"],
+                    "next_token_s": waits[-1],
+                    "finished_by": (job.final or {}).get("worker"),
+                }
         resumed = [s for s in waits if s is not None]
         return {
             "streams": len(waits),
             "not_resumed": len(waits) - len(resumed),
             "next_token_p50_s": percentile(resumed, 50) if resumed else None,
+            "next_token_p99_s": percentile(resumed, 99) if resumed else None,
             "next_token_max_s": max(resumed) if resumed else None,
             "per_stream": per_stream,
             "worker_restart_s": self.chaos.get("worker_restart_s"),
@@ -415,6 +533,7 @@ class _Soak:
                 "finish_reasons": dict(reasons),
                 "errors": dict(Counter(final["code"] for final in finals if final["type"] == "error")),
                 "lost": sum(job.final is None for job in jobs),
+                "lost_samples": [job.request_id for job in jobs if job.final is None][:10],
             },
             # By where the job was when the cancel went out.
             "cancels_sent": dict(Counter(job.cancelled_when for job in cancelled)),
@@ -429,6 +548,9 @@ class _Soak:
             "seqs": _seq_faults(jobs),
             "kill": self._kill_figures(),
             "redis_restart": {"at_s": self.chaos.get("redis_restart_at_s"), "down_s": self.chaos.get("redis_down_s")},
+            "faults": self.faults,
+            "faults_by_kind": dict(Counter(fault["kind"] for fault in self.faults)),
+            "http": self.gateways.figures() if self.gateways is not None else None,
             "idle_at_end": idle,
             "kv_blocks_in_use_at_end": kv_in_use,
             "workers_alive_at_end": alive,
@@ -466,6 +588,11 @@ class _Soak:
             "malformed_all_dead_lettered": figures["malformed"]["without_dead_letter"] == 0,
             "workers_up": all(alive.values()),
         }
+        if self.gateways is not None:
+            http = figures["http"]
+            figures["checks"]["http_streams_resumed_exactly"] = (
+                http["broken_without_resumption"] == http["duplicate_events"] == http["out_of_order"] == 0
+            )
         return figures
 
 
@@ -522,6 +649,14 @@ def format_table(figures: dict) -> str:
             "0",
         ),
     }
+    if figures.get("http"):
+        http = figures["http"]
+        rows["http_streams_resumed_exactly"] = (
+            "HTTP streams broken / events twice",
+            f"{http['broken_without_resumption']} / {http['duplicate_events']} of {http['sent']} "
+            f"({http['resumed']} resumed after a gateway died, {http['errors']} error answers)",
+            "0 / 0",
+        )
     width = max(len(what) for what, _, _ in rows.values())
     lines = [
         f"soak: {figures['traffic_s']:.0f} s of traffic; {jobs['completed']} completed, {jobs['cancelled']} cancelled, "
@@ -545,6 +680,10 @@ def _engine_state(metrics: dict) -> dict:
         "kv_blocks_used": total("inflight_kv_cache_blocks", state="used"),
         "requests_in_engine": total("inflight_scheduler_requests"),
     }
+
+
+def _bytes(value) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
 
 
 def _entry(entry_id: str) -> tuple[int, int]:

@@ -4,7 +4,7 @@ at this gateway or another.
 Every token of a job is on its reply stream in Redis until the stream expires, so a
 stream's answer can be rendered again from the start by anyone: what is missing is how
 to render it (the request's kind, model and options) and where the client left off.
-The first is a small card written with the job (`inflight:requests:gateway:stream:<id>`,
+The first is a small card written with the job (`inflight:requests:gateway:stream:{<id>}`,
 no prompt or text in it); the second is the SSE event's `id`, `<request id>-<position>`,
 which the client sends back as `Last-Event-ID`. A resumed answer replays the stream
 from its start through the same renderer and sends only what comes after the position,
@@ -81,7 +81,7 @@ class StreamCards:
         self.redis, self.namespace, self.ttl_s = redis, namespace, ttl_s
 
     def key(self, request_id: str) -> str:
-        return f"{self.namespace}:gateway:stream:{request_id}"
+        return f"{self.namespace}:gateway:stream:{{{request_id}}}"  # in the job's reply stream's slot
 
     def remember(self, pipe, request_id: str, parsed: Parsed, tenant: str) -> Card:
         """Queues the card's writes on `pipe` (sent with the job), taken once."""

@@ -1,0 +1,177 @@
+"""The soak's chaos (`inflight bench --scenario soak --soak-chaos`): faults at random
+moments through the run, and streamed HTTP requests through two gateways that resume
+at the other gateway when the one carrying them dies.
+
+One fault at a time, the gaps between them drawn exponentially around
+`--soak-chaos-gap-s`:
+- `worker_kill`: w1 SIGKILLed while it streams, then started again under its name;
+- `worker_stop`: w1 SIGSTOPped for 3-6 s while it streams: its leases run out and w2,
+  already busy, takes its jobs over; w1, continued, finds them fenced;
+- `gateway_kill`: one of the two gateways SIGKILLed, started again 2 s later;
+- `redis_restart`: SIGTERM, then started again on its append-only file;
+- `redis_stall`: the server SIGSTOPped for 5 s: every connection to it stalls, as in a
+  network partition.
+A Sentinel failover is drilled on its own (tests/test_sentinel_failover.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+from bench.processes import GatewayProcess
+from service.config import DEFAULT_MODEL_NAME
+from service.gateway.resume import read_event_id
+
+FAULTS = ("worker_kill", "worker_stop", "gateway_kill", "redis_restart", "redis_stall")
+STOP_S = (3.0, 6.0)
+REDIS_STALL_S = 5.0
+GATEWAY_DOWN_S = 2.0
+# A streamed request whose gateway died is resumed at a live gateway, for this long.
+RESUME_FOR_S = 60.0
+
+
+@dataclass
+class HttpStream:
+    """One streamed completion as its client saw it, across the connections it took."""
+
+    request_id: str | None = None
+    positions: list[tuple[int, int]] = field(default_factory=list)  # every event's, in arrival order
+    done: bool = False  # `[DONE]` arrived
+    connections: int = 0
+    resumed: int = 0  # connections that continued it after a break (Last-Event-ID or from its start)
+    error: str | None = None  # an error answer (not a break)
+
+    @property
+    def duplicates(self) -> int:
+        return len(self.positions) - len(set(self.positions))
+
+
+class Gateways:
+    """Two gateways on the soak's Redis; a streamed request goes to one of those up."""
+
+    def __init__(self, url: str, log_dir, rng: random.Random, ttl_s: int) -> None:
+        argv = ["--redis-url", url, "--reply-timeout-s", "120", "--max-queue-age-s", "0", "--max-queue-depth", "0"]
+        argv += ["--stream-ttl-s", str(ttl_s)]  # resumable as long as the workers keep reply streams
+        self.processes = [GatewayProcess(name, argv, log_dir) for name in ("g1", "g2")]
+        self.rng = rng
+        self.streams: list[HttpStream] = []
+
+    def start(self) -> None:
+        for gateway in self.processes:
+            gateway.start()
+        for gateway in self.processes:
+            gateway.wait_ready()
+
+    def stop(self) -> None:
+        for gateway in self.processes:
+            gateway.stop()
+
+    async def kill_one(self) -> str:
+        gateway = self.rng.choice(self.processes)
+        gateway.process.kill()
+        gateway.process.wait()
+        await asyncio.sleep(GATEWAY_DOWN_S)
+        gateway.start()
+        await asyncio.to_thread(gateway.wait_ready)
+        return gateway.name
+
+    def _up(self) -> GatewayProcess:
+        up = [g for g in self.processes if g.process is not None and g.process.poll() is None]
+        return self.rng.choice(up or self.processes)
+
+    async def stream(self, session, body: dict, on_request_id) -> HttpStream:
+        """POST a streamed completion; when the connection breaks, continue it at a gateway
+        that is up, after the last event id received (or from its start)."""
+        import aiohttp
+
+        record, last_id = HttpStream(), None
+        self.streams.append(record)
+        give_up = time.monotonic() + RESUME_FOR_S
+        while time.monotonic() < give_up:
+            gateway, headers = self._up(), {"X-Inflight-Event-Ids": "1"}
+            if last_id is not None:
+                headers["Last-Event-ID"] = last_id
+            if record.request_id is None:
+                method, path = "POST", "/v1/completions"
+            else:  # resumed: from the last event, or from the start when none came
+                method, path = "GET", f"/v1/streams/{record.request_id}"
+            record.connections += 1
+            record.resumed += record.request_id is not None
+            try:
+                async with session.request(
+                    method, gateway.url + path, json=body if method == "POST" else None, headers=headers
+                ) as response:
+                    if response.status != 200:
+                        if response.status >= 500 and record.request_id is None:
+                            await asyncio.sleep(0.5)  # the gateway cannot reach Redis yet: ask again
+                            continue
+                        record.error = f"{response.status} {await response.text()}"[:200]
+                        return record
+                    if record.request_id is None:
+                        record.request_id = response.headers["x-request-id"]
+                        on_request_id(record.request_id)
+                    async for event_id, data in _events(response.content):
+                        if event_id is not None:
+                            record.positions.append(read_event_id(event_id)[1])
+                            last_id = event_id
+                        if data == "[DONE]":
+                            record.done = True
+                            return record
+            except (TimeoutError, aiohttp.ClientError, ConnectionError):
+                pass  # the gateway died mid-answer (or before it): go on at one that is up
+            await asyncio.sleep(0.2)
+        return record
+
+    def figures(self) -> dict:
+        streams = self.streams
+        return {
+            "sent": len(streams),
+            "completed": sum(s.done for s in streams),
+            "errors": sum(s.error is not None for s in streams),
+            "broken_without_resumption": sum(not s.done and s.error is None for s in streams),
+            "resumed": sum(s.resumed > 0 for s in streams),
+            "resumed_and_completed": sum(s.resumed > 0 and s.done for s in streams),
+            "duplicate_events": sum(s.duplicates for s in streams),
+            "out_of_order": sum(s.positions != sorted(s.positions) for s in streams),
+            "error_samples": [s.error for s in streams if s.error][:5],
+        }
+
+
+async def _events(content):
+    """A server-sent event stream as (id, data) pairs."""
+    event_id, data = None, []
+    async for raw in content:
+        line = raw.decode().rstrip("\r\n")
+        if line == "":
+            if data:
+                yield event_id, "\n".join(data)
+            event_id, data = None, []
+        elif line.startswith("id: "):
+            event_id = line[4:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+
+
+def completion_body(prompt: str, options: dict) -> dict:
+    """The soak's job as a streamed `POST /v1/completions`."""
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "stream": True, "max_tokens": options["max_tokens"]}
+    body |= {k: options[k] for k in ("temperature", "top_p", "seed", "ignore_eos", "priority") if k in options}
+    return body
+
+
+def pause(pid: int, seconds: float) -> asyncio.Task:
+    """SIGSTOP the process now, SIGCONT it `seconds` later (the task)."""
+    os.kill(pid, signal.SIGSTOP)
+
+    async def resume() -> None:
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    return asyncio.get_running_loop().create_task(resume())
