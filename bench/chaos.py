@@ -107,7 +107,7 @@ class Gateways:
                     method, gateway.url + path, json=body if method == "POST" else None, headers=headers
                 ) as response:
                     if response.status != 200:
-                        if response.status >= 500 and record.request_id is None:
+                        if response.status in (502, 503, 504):
                             await asyncio.sleep(0.5)  # the gateway cannot reach Redis yet: ask again
                             continue
                         record.error = f"{response.status} {await response.text()}"[:200]
