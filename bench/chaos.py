@@ -23,6 +23,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from bench.http_client import ServerSentEvents
 from bench.processes import GatewayProcess
 from service.config import DEFAULT_MODEL_NAME
 from service.gateway.resume import read_event_id
@@ -144,17 +145,10 @@ class Gateways:
 
 async def _events(content):
     """A server-sent event stream as (id, data) pairs."""
-    event_id, data = None, []
+    parser = ServerSentEvents()
     async for raw in content:
-        line = raw.decode().rstrip("\r\n")
-        if line == "":
-            if data:
-                yield event_id, "\n".join(data)
-            event_id, data = None, []
-        elif line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            data.append(line[6:])
+        if (event := parser.feed(raw)) is not None:
+            yield event
 
 
 def completion_body(prompt: str, options: dict) -> dict:

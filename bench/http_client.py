@@ -103,6 +103,27 @@ class CompletionsClient:
         return record
 
 
+class ServerSentEvents:
+    """Server-sent events as a client reads them: fed the stream's lines one by one, it
+    gives back each event once complete, as (its id or None, its data)."""
+
+    def __init__(self) -> None:
+        self.event_id: str | None = None
+        self.data: list[str] = []
+
+    def feed(self, raw: bytes) -> tuple[str | None, str] | None:
+        line = raw.decode().rstrip("\r\n")
+        if line == "":
+            event = (self.event_id, "\n".join(self.data)) if self.data else None
+            self.event_id, self.data = None, []
+            return event
+        if line.startswith("id: "):
+            self.event_id = line[4:]
+        elif line.startswith("data: "):
+            self.data.append(line[6:])
+        return None
+
+
 def token_times(record: RequestRecord) -> list[float]:
     """Each output token's arrival after t0: each text chunk's time, then the last one's for
     the tokens the usage counts beyond the chunks (text held back, a partial character)."""

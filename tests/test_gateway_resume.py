@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from bench.http_client import ServerSentEvents
 from bench.processes import GatewayProcess
 from service.config import DEFAULT_MODEL_NAME
 from service.gateway.errors import APIError
@@ -86,17 +87,10 @@ def status(method: str, gateway: GatewayProcess, path: str, body: dict | None = 
 def events_of(response: http.client.HTTPResponse) -> Iterator[tuple[str | None, str]]:
     """A server-sent event stream as (id, data) pairs, as an SSE client parses it."""
     assert response.status == 200, response.read()
-    event_id, data = None, []
+    parser = ServerSentEvents()
     for raw in response:
-        line = raw.decode().rstrip("\n")
-        if line == "":
-            if data:
-                yield event_id, "\n".join(data)
-            event_id, data = None, []
-        elif line.startswith("id: "):
-            event_id = line[4:]
-        elif line.startswith("data: "):
-            data.append(line[6:])
+        if (event := parser.feed(raw)) is not None:
+            yield event
 
 
 def text_of(events: list[tuple[str | None, str]]) -> str:
