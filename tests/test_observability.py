@@ -310,14 +310,17 @@ def test_prometheus_scrapes_a_serving_worker_and_every_panel_has_data(tmp_path, 
         # Three blocks of prompt: the full ones travel as K/V.
         client.xadd(f"{prefix}:pd:requests", {"id": f"{prefix}-handed", "prompt": PROMPT * 3, "max_tokens": "8"})
         wait_until(lambda: finished(handed), 300, "the handed-off job to finish", interval_s=0.5)
+        # Each worker is scraped on its own schedule: wait for a scrape of both after the handoff.
         wait_until(
-            lambda: api.scalar('sum(inflight_handoff_requests_total{outcome="kv_read"})') == 1,
+            lambda: (
+                api.scalar('sum(inflight_handoff_requests_total{outcome="kv_read"})') == 1
+                and api.scalar('sum(inflight_handoff_requests_total{outcome="handed_off"})') == 1
+                and api.scalar("sum(inflight_kv_transfer_bytes_total)") > 0
+            ),
             30,
-            "a scrape after the K/V read",
+            "a scrape of both workers after the handoff",
         )
         assert client.xrevrange(handed, count=1)[0][1][b"worker"] == b"decode"
-        assert api.scalar('sum(inflight_handoff_requests_total{outcome="handed_off"})') == 1
-        assert api.scalar("sum(inflight_kv_transfer_bytes_total)") > 0
 
         dashboard = json.loads((ROOT / "ops" / "grafana" / "dashboards" / "inflight.json").read_text())
         empty = []
