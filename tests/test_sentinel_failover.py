@@ -75,12 +75,16 @@ class Sentinels:
 
 @pytest.fixture
 def replicated(tmp_path):
-    primary = RedisServer(tmp_path / "primary", appendonly=False)
+    # The primary syncs a new replica at once (its default waits 5 s for more replicas).
+    primary = RedisServer(tmp_path / "primary", appendonly=False, args=("--repl-diskless-sync-delay", "0"))
     primary.start()
     replica = RedisServer(tmp_path / "replica", appendonly=False, args=("--replicaof", "127.0.0.1", str(primary.port)))
     replica.start()
     sentinels = Sentinels(tmp_path, primary.port)
     try:
+        # Until its first sync is done the replica holds nothing: promoted then, it would lose everything.
+        replica_client = connect_sync(f"redis://127.0.0.1:{replica.port}")
+        wait_until(lambda: replica_client.info("replication")["master_link_status"] == "up", 30, "the replica's sync")
         wait_until(sentinels.know_replica, 30, "the Sentinels to find the replica")
         yield primary, replica, sentinels
     finally:
