@@ -203,23 +203,45 @@ inline float exp_scores(float* s, int n) {
     return sum;
 }
 
-// Ask for the block's rows ahead of their use: a request's blocks are scattered over
-// the pool, so the hardware prefetcher cannot guess the next one. Into L2, not L1: a
-// block is about a hundred lines, more than L1 can have in flight, so prefetching into
-// L1 stalls on its miss buffers where L2's take them all (docs/benchmarks.md).
-template <typename T>
-inline void prefetch_block(const T* block, int64_t elements) {
-    for (int64_t i = 0; i < elements; i += 64 / sizeof(T)) _mm_prefetch(reinterpret_cast<const char*>(block + i), _MM_HINT_T1);
-}
+// The next block's rows, asked for ahead of their use while the current block is worked
+// on: a request's blocks are scattered over the pool, so the hardware prefetcher cannot
+// guess the next one. Into L2, not L1: a block is about a hundred lines, more than L1 can
+// have in flight. A few lines at a time, spread over the current block's work: asked for
+// all at once they fill the core's line-fill buffers, and the core stalls until most
+// have landed, so the work waits on the memory instead of overlapping it
+// (docs/benchmarks.md, "The CPU kernels").
+struct Prefetcher {
+    const char* next = nullptr;
+    int lines = 0;
+    int issued = 0;
 
-// The block holding token `start` of a context of `n` tokens; the next block is prefetched.
+    // Up to `count` more lines of the next block.
+    void issue(int count) {
+        for (const int end = std::min(lines, issued + count); issued < end; ++issued)
+            _mm_prefetch(next + 64 * (int64_t)issued, _MM_HINT_T1);
+    }
+    // Whatever is left of the next block, then aim at `block` (`bytes` long; none if null).
+    void aim(const void* block, int64_t bytes) {
+        issue(lines);
+        next = static_cast<const char*>(block);
+        lines = block == nullptr ? 0 : (int)((bytes + 63) / 64);
+        issued = 0;
+    }
+    // The lines to ask for at each of `steps` points of a block's work.
+    int share(int steps) const { return (lines + steps - 1) / steps; }
+};
+
+// The block holding token `start` of a context of `n` tokens; `ahead` aims at the next one.
 template <typename T>
 inline const T* block_at(const T* pool, const Args<T>& a, const int32_t* table, int start, int n,
-                             int64_t row_stride) {
+                         int64_t row_stride, Prefetcher& ahead) {
     const int index = start / a.block_size;
-    if (start + a.block_size < n)
-        prefetch_block(pool + (int64_t)table[index + 1] * a.block_size * row_stride,
-                       std::min(a.block_size, n - start - a.block_size) * row_stride);
+    const int next = start + a.block_size;
+    if (next < n)
+        ahead.aim(pool + (int64_t)table[index + 1] * a.block_size * row_stride,
+                  std::min(a.block_size, n - next) * row_stride * (int64_t)sizeof(T));
+    else
+        ahead.aim(nullptr, 0);
     return pool + (int64_t)table[index] * a.block_size * row_stride;
 }
 
@@ -239,10 +261,12 @@ struct Group {
 // Scores of one sequence's query heads against `count` K rows of `block`, from token `start`.
 template <int HEAD_DIM, typename T>
 inline void score_block(const Args<T>& a, const T* query, const T* block, int count, float* scores, int n,
-                        int64_t row_stride) {
+                        int64_t row_stride, Prefetcher& ahead) {
     const int group = a.num_heads / a.num_kv_heads;
     const __m256 scale = _mm256_set1_ps(a.scale);
+    const int per_head = ahead.share(a.num_heads);
     for (int h = 0; h < a.num_heads; ++h) {
+        ahead.issue(per_head);
         const T* q = query + (int64_t)h * a.query_head_stride;
         const T* k = block + (int64_t)(h / group) * HEAD_DIM;
         float* s = scores + (size_t)h * n;
@@ -260,12 +284,14 @@ inline void score_block(const Args<T>& a, const T* query, const T* block, int co
 // loads and widening, not the multiply-adds, were most of the work. Every sum adds the
 // same products in the same order as one head at a time would.
 template <int HEAD_DIM, int HEADS, typename T>
-inline void weigh_heads(const T* v, int count, const float* scores, int n, float* acc, int64_t row_stride) {
+inline void weigh_heads(const T* v, int count, const float* scores, int n, float* acc, int64_t row_stride,
+                        Prefetcher& ahead, int per_row) {
     constexpr int CHUNKS = HEAD_DIM / 16;
     __m512 out[HEADS][CHUNKS];
     for (int g = 0; g < HEADS; ++g)
         for (int c = 0; c < CHUNKS; ++c) out[g][c] = _mm512_loadu_ps(acc + g * HEAD_DIM + 16 * c);
     for (int j = 0; j < count; ++j) {
+        ahead.issue(per_row);
         __m512 row[CHUNKS];
         for (int c = 0; c < CHUNKS; ++c) row[c] = load16(v + j * row_stride + 16 * c);
         for (int g = 0; g < HEADS; ++g) {
@@ -279,20 +305,21 @@ inline void weigh_heads(const T* v, int count, const float* scores, int n, float
 
 template <int HEAD_DIM, typename T>
 inline void weigh_block(const Args<T>& a, const T* block, int count, const float* scores, int n, float* acc,
-                        int64_t row_stride) {
+                        int64_t row_stride, Prefetcher& ahead) {
     // Sums held at once: HEADS_AT_ONCE × HEAD_DIM / 16 registers of the 32, with room for the row.
     constexpr int HEADS_AT_ONCE = HEAD_DIM <= 64 ? 4 : 2;
     const int group = a.num_heads / a.num_kv_heads;
+    const int per_row = ahead.share(a.num_kv_heads * ((group + HEADS_AT_ONCE - 1) / HEADS_AT_ONCE) * count);
     for (int kv = 0; kv < a.num_kv_heads; ++kv) {
         const T* v = block + (int64_t)kv * HEAD_DIM;
         for (int first = kv * group; first < (kv + 1) * group; first += HEADS_AT_ONCE) {
             const float* p = scores + (size_t)first * n;
             float* o = acc + (size_t)first * HEAD_DIM;
             switch (std::min(HEADS_AT_ONCE, (kv + 1) * group - first)) {
-                case 4: weigh_heads<HEAD_DIM, 4>(v, count, p, n, o, row_stride); break;
-                case 3: weigh_heads<HEAD_DIM, 3>(v, count, p, n, o, row_stride); break;
-                case 2: weigh_heads<HEAD_DIM, 2>(v, count, p, n, o, row_stride); break;
-                default: weigh_heads<HEAD_DIM, 1>(v, count, p, n, o, row_stride); break;
+                case 4: weigh_heads<HEAD_DIM, 4>(v, count, p, n, o, row_stride, ahead, per_row); break;
+                case 3: weigh_heads<HEAD_DIM, 3>(v, count, p, n, o, row_stride, ahead, per_row); break;
+                case 2: weigh_heads<HEAD_DIM, 2>(v, count, p, n, o, row_stride, ahead, per_row); break;
+                default: weigh_heads<HEAD_DIM, 1>(v, count, p, n, o, row_stride, ahead, per_row); break;
             }
         }
     }
@@ -300,10 +327,12 @@ inline void weigh_block(const Args<T>& a, const T* block, int count, const float
 #else
 template <int HEAD_DIM, typename T>
 inline void weigh_block(const Args<T>& a, const T* block, int count, const float* scores, int n, float* acc,
-                        int64_t row_stride) {
+                        int64_t row_stride, Prefetcher& ahead) {
     constexpr int CHUNKS = HEAD_DIM / 8;
     const int group = a.num_heads / a.num_kv_heads;
+    const int per_head = ahead.share(a.num_heads);
     for (int h = 0; h < a.num_heads; ++h) {
+        ahead.issue(per_head);
         const float* p = scores + (size_t)h * n;
         const T* v = block + (int64_t)(h / group) * HEAD_DIM;
         float* o = acc + (size_t)h * HEAD_DIM;
@@ -335,42 +364,49 @@ void attend_group_avx2(const Args<T>& a, const Group& g, std::vector<float>& sco
     const int32_t* shared_table = a.block_tables + (int64_t)g.seqs[0] * a.max_blocks;
     const int shared_tokens = g.shared * a.block_size;
     auto query_of = [&](int i) { return a.query + (int64_t)a.query_rows[g.seqs[i]] * a.query_token_stride; };
+    Prefetcher ahead;
 
     for (int start = 0; start < shared_tokens; start += a.block_size) {
-        const T* block = block_at(a.key_pool, a, shared_table, start, shared_tokens, row_stride);
+        const T* block = block_at(a.key_pool, a, shared_table, start, shared_tokens, row_stride, ahead);
         for (int i = 0; i < g.count; ++i)
             score_block<HEAD_DIM>(a, query_of(i), block, a.block_size, scores.data() + offsets[i] + start,
-                                  a.context_lens[g.seqs[i]], row_stride);
+                                  a.context_lens[g.seqs[i]], row_stride, ahead);
     }
     for (int i = 0; i < g.count; ++i) {
         const int n = a.context_lens[g.seqs[i]];
         const int32_t* table = a.block_tables + (int64_t)g.seqs[i] * a.max_blocks;
         for (int start = shared_tokens; start < n; start += a.block_size)
-            score_block<HEAD_DIM>(a, query_of(i), block_at(a.key_pool, a, table, start, n, row_stride),
+            score_block<HEAD_DIM>(a, query_of(i), block_at(a.key_pool, a, table, start, n, row_stride, ahead),
                                   std::min(a.block_size, n - start), scores.data() + offsets[i] + start, n,
-                                  row_stride);
+                                  row_stride, ahead);
     }
+    // The first V block arrives while the exponentials are computed.
+    const int32_t* first_table = g.shared > 0 ? shared_table : a.block_tables + (int64_t)g.seqs[0] * a.max_blocks;
+    ahead.aim(a.value_pool + (int64_t)first_table[0] * a.block_size * row_stride,
+              std::min(a.block_size, a.context_lens[g.seqs[0]]) * row_stride * (int64_t)sizeof(T));
+    const int per_head = ahead.share(heads);
     float sums[MAX_GROUP][1024];
     for (int i = 0; i < g.count; ++i)
         for (int h = 0; h < heads; ++h) {
+            ahead.issue(per_head);
             const int n = a.context_lens[g.seqs[i]];
             sums[i][h] = exp_scores(scores.data() + offsets[i] + (size_t)h * n, n);
         }
     for (int start = 0; start < shared_tokens; start += a.block_size) {
-        const T* block = block_at(a.value_pool, a, shared_table, start, shared_tokens, row_stride);
+        const T* block = block_at(a.value_pool, a, shared_table, start, shared_tokens, row_stride, ahead);
         for (int i = 0; i < g.count; ++i)
             weigh_block<HEAD_DIM>(a, block, a.block_size, scores.data() + offsets[i] + start,
                                   a.context_lens[g.seqs[i]], acc.data() + (size_t)i * heads * HEAD_DIM,
-                                  row_stride);
+                                  row_stride, ahead);
     }
     for (int i = 0; i < g.count; ++i) {
         const int n = a.context_lens[g.seqs[i]];
         const int32_t* table = a.block_tables + (int64_t)g.seqs[i] * a.max_blocks;
         float* seq_acc = acc.data() + (size_t)i * heads * HEAD_DIM;
         for (int start = shared_tokens; start < n; start += a.block_size)
-            weigh_block<HEAD_DIM>(a, block_at(a.value_pool, a, table, start, n, row_stride),
+            weigh_block<HEAD_DIM>(a, block_at(a.value_pool, a, table, start, n, row_stride, ahead),
                                   std::min(a.block_size, n - start), scores.data() + offsets[i] + start, n,
-                                  seq_acc, row_stride);
+                                  seq_acc, row_stride, ahead);
         const int64_t row = a.query_rows[g.seqs[i]];
         for (int h = 0; h < heads; ++h) {
             T* out = a.out + (row * heads + h) * HEAD_DIM;
