@@ -81,9 +81,11 @@ for s = 1, #streams do
   local result = 1
   local held, have = redis.call('GET', owner), spec[6]
   if spec[6] > 0 then  -- written before: check that it is all still there
-    local last = redis.pcall('XREVRANGE', stream, '+', '-', 'COUNT', 1)
-    if not last['err'] then  -- (not a stream: the XADD below says so)
-      have = last[1] and tonumber(string.match(last[1][1], '^(%d+)')) or 0
+    -- A running job's stream holds its token events at ids 1-0 .. k-0 and nothing else,
+    -- and a failover loses a suffix of them, so its length is the k it holds.
+    local length = redis.pcall('XLEN', stream)
+    if type(length) == 'number' then  -- (not a stream: the XADD below says so)
+      have = length
     end
     if held == false then  -- the owner key went with the lost writes
       redis.call('SET', owner, spec[1], 'EX', spec[7])
