@@ -380,9 +380,9 @@ void attend_group_avx2(const Args<T>& a, const Group& g, std::vector<float>& sco
                                   std::min(a.block_size, n - start), scores.data() + offsets[i] + start, n,
                                   row_stride, ahead);
     }
-    // The first V block arrives while the exponentials are computed.
-    const int32_t* first_table = g.shared > 0 ? shared_table : a.block_tables + (int64_t)g.seqs[0] * a.max_blocks;
-    ahead.aim(a.value_pool + (int64_t)first_table[0] * a.block_size * row_stride,
+    // The first V block (the group's first sequence's, shared or not) arrives while the
+    // exponentials are computed.
+    ahead.aim(a.value_pool + (int64_t)shared_table[0] * a.block_size * row_stride,
               std::min(a.block_size, a.context_lens[g.seqs[0]]) * row_stride * (int64_t)sizeof(T));
     const int per_head = ahead.share(heads);
     float sums[MAX_GROUP][1024];
