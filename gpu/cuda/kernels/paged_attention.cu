@@ -28,8 +28,11 @@ __device__ __forceinline__ i64 kv_offset(i64 block, int pos, int num_kv_heads, i
 // A block loads each K and V row of its partition once for all (up to MAX_GROUP) query
 // heads that share the KV head. With one partition it writes the output; with more it
 // writes each partition's normalised output, max and sum for `paged_decode_reduce`.
+// Memory-bound: resident blocks keep loads in flight, so registers are capped (and the
+// unrolling kept short) for DECODE_BLOCKS_PER_SM of them (docs/benchmarks.md, "The GPU path").
+constexpr int DECODE_BLOCKS_PER_SM = 8;
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
-__global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
+__global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decode_attention(
     T* __restrict__ out,                 // [tokens, num_heads, HEAD_DIM]
     float* __restrict__ partial_out,     // [seqs, num_heads, num_partitions, HEAD_DIM]
     float* __restrict__ partial_max,     // [seqs, num_heads, num_partitions]
@@ -52,13 +55,19 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
     constexpr int V_ROWS = NUM_THREADS / V_THREADS;
     // Tokens whose K (V) rows a thread loads before using any.
     constexpr int K_UNROLL = 2;
-    constexpr int V_UNROLL = 8;
+    constexpr int V_UNROLL = 4;
     static_assert(HEAD_DIM % DIMS_PER_LANE == 0 && LANES <= 32 && V_ROWS >= 1, "head_dim");
 
-    __shared__ float q_s[MAX_GROUP][HEAD_DIM];
-    __shared__ float scores_s[MAX_GROUP][MAX_PARTITION];
+    // Each lane's 16 dims padded to 20 floats: the 8 lanes of a token read their slices as
+    // 16-byte words from 8 distinct groups of banks (unpadded, 4 lanes share each group).
+    __shared__ float q_s[MAX_GROUP][LANES][DIMS_PER_LANE + 4];
+    // The scores, then phase 3's per-row sums in the same memory (written once every
+    // score is read): a smaller footprint leaves room for more blocks per SM.
+    constexpr int SCORES = MAX_GROUP * MAX_PARTITION, SUMS = V_ROWS * MAX_GROUP * HEAD_DIM;
+    __shared__ float scratch_s[SCORES > SUMS ? SCORES : SUMS];
+    float(*scores_s)[MAX_PARTITION] = reinterpret_cast<float(*)[MAX_PARTITION]>(scratch_s);
+    float(*acc_s)[MAX_GROUP][HEAD_DIM] = reinterpret_cast<float(*)[MAX_GROUP][HEAD_DIM]>(scratch_s);
     __shared__ float inv_sum_s[MAX_GROUP];
-    __shared__ float acc_s[V_ROWS][MAX_GROUP][HEAD_DIM];
     __shared__ int blocks_s[MAX_PARTITION / BLOCK_SIZE + 1];  // the partition's block ids
 
     const int seq = blockIdx.y;
@@ -81,9 +90,10 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
     const int num_blocks = (start + count - 1) / BLOCK_SIZE - first_block + 1;
     for (int i = tid; i < num_blocks; i += NUM_THREADS)
         blocks_s[i] = block_tables[(i64)seq * max_blocks + first_block + i];
+#pragma unroll  // a constant trip count: the loads go out together, not one latency each
     for (int i = tid; i < MAX_GROUP * HEAD_DIM; i += NUM_THREADS) {
         const int h = i / HEAD_DIM, d = i % HEAD_DIM;
-        q_s[h][d] = h < heads
+        q_s[h][d / DIMS_PER_LANE][d % DIMS_PER_LANE] = h < heads
             ? to_float(query[row * query_token_stride + (i64)(first_head + h) * query_head_stride + d]) * scale
             : 0.f;
     }
@@ -115,7 +125,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
             if (h >= heads) break;  // uniform across the block
             float q[DIMS_PER_LANE];
 #pragma unroll
-            for (int i = 0; i < DIMS_PER_LANE; ++i) q[i] = q_s[h][lane_in_token * DIMS_PER_LANE + i];
+            for (int i = 0; i < DIMS_PER_LANE; ++i) q[i] = q_s[h][lane_in_token][i];
 #pragma unroll
             for (int u = 0; u < K_UNROLL; ++u) {
                 if (pass + u * TOKENS_PER_PASS >= count) break;  // uniform: past the partition's end
@@ -186,6 +196,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_attention(
             }
         }
     }
+    __syncthreads();  // every score read: the sums may overwrite them
 #pragma unroll
     for (int h = 0; h < MAX_GROUP; ++h)
 #pragma unroll
