@@ -78,7 +78,9 @@ def linears_call(model: nn.Module, rows: int, dtype: torch.dtype):
     calls = []
     for layer in model.model.layers:
         attention = layer.self_attn
-        modules = [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj,
+        projections = [attention.qkv_proj] if hasattr(attention, "qkv_proj") else [  # fused (gpu.cpu.fusions)
+            attention.q_proj, attention.k_proj, attention.v_proj]  # fmt: skip
+        modules = [*projections, attention.o_proj,
                    *[m for m in layer.mlp.children() if hasattr(m, "in_features")]]  # fmt: skip
         calls.extend((m.forward, torch.randn(rows, m.in_features).to(dtype)) for m in modules)
     calls.append((model.lm_head.forward, torch.randn(rows, model.lm_head.in_features).to(dtype)))
@@ -124,8 +126,8 @@ def stubbed(runner: ModelRunner, rows: int, dtype: torch.dtype, calls: dict) -> 
     saved = []
     for layer in model.model.layers:
         attention = layer.self_attn
-        for owner, name in [(attention, "q_proj"), (attention, "k_proj"), (attention, "v_proj"),
-                            (attention, "o_proj"), (layer, "mlp")]:  # fmt: skip
+        projections = ["qkv_proj"] if hasattr(attention, "qkv_proj") else ["q_proj", "k_proj", "v_proj"]
+        for owner, name in [*[(attention, p) for p in projections], (attention, "o_proj"), (layer, "mlp")]:
             module = getattr(owner, name)
             features = module.out_features if name != "mlp" else model.config.hidden_size
             saved.append((owner, name, module))

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from gpu.cpu import fusions as cpu_fusions
-from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm, fuse_for_cpu, fused_ops
+from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm, ProjectionSlice, fuse_for_cpu, fused_ops
 from gpu.cpu.native_build import PORTABLE_CPU_CXX_FLAGS, cpu_identity
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -54,8 +54,8 @@ def ops(request, monkeypatch):
 def test_fused_model_gives_the_same_logits(arch, ops):
     model = tiny(CONFIGS[arch])
     fused = copy.deepcopy(model)
-    # Per layer: two norms and the MLP; plus the final norm.
-    assert fuse_for_cpu(fused) == 2 * 3 + 1
+    # Per layer: two norms, the MLP and the attention's projections; plus the final norm.
+    assert fuse_for_cpu(fused) == 2 * 4 + 1
     assert sum(isinstance(m, FusedRMSNorm) for m in fused.modules()) == 5
     assert sum(isinstance(m, FusedGatedMLP) for m in fused.modules()) == 2
     assert fuse_for_cpu(fused) == 0  # fusing twice changes nothing
@@ -70,7 +70,7 @@ def test_fused_bfloat16_model_gives_the_same_logits(arch, ops):
     sum the norm's squares in another order and SiLU's exponential differs in the last bit."""
     model = tiny(CONFIGS[arch]).to(torch.bfloat16)
     fused = copy.deepcopy(model)
-    assert fuse_for_cpu(fused) == 2 * 3 + 1
+    assert fuse_for_cpu(fused) == 2 * 4 + 1
     ids = torch.randint(0, 512, (1, 37))
     with torch.inference_mode():
         torch.testing.assert_close(fused(ids).logits.float(), model(ids).logits.float(), atol=4e-2, rtol=2e-2)
@@ -129,3 +129,42 @@ def test_norm_and_gated_product_match_torch_for_any_shape(ops, rows):
     with torch.inference_mode():
         want = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
         torch.testing.assert_close(fused(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_projections_are_the_three_stacked():
+    """qkv_proj's rows are q's, k's and v's weights (and biases) in that order, and the
+    three projections still answer, as slices of its output."""
+    model = tiny(CONFIGS["qwen2"])  # Qwen2: projections with biases
+    attention = model.model.layers[0].self_attn
+    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want = [q(x), k(x), v(x)]
+    fused = copy.deepcopy(model)
+    assert fuse_for_cpu(fused, qkv=True) == 2 * 4 + 1
+    attention = fused.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, ProjectionSlice)
+    assert torch.equal(attention.qkv_proj.weight, torch.cat([q.weight, k.weight, v.weight]))
+    assert torch.equal(attention.qkv_proj.bias, torch.cat([q.bias, k.bias, v.bias]))
+    with torch.no_grad():
+        got = [attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6)
+    plain = copy.deepcopy(model)
+    assert fuse_for_cpu(plain, qkv=False) == 2 * 3 + 1
+    assert type(plain.model.layers[0].self_attn.q_proj) is nn.Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 700])
+def test_the_residual_add_before_a_norm_is_torchs_add_then_the_norm(ops, dtype, rows):
+    """add_forward leaves `hidden + delta` in `hidden`, rounded as torch's add rounds it, and
+    returns exactly what the norm gives for that sum."""
+    torch.manual_seed(rows)
+    norm = FusedRMSNorm(type("Norm", (), {"weight": torch.randn(100).to(dtype), "variance_epsilon": 1e-5})())
+    hidden, delta = (torch.randn(rows, 100) * 3).to(dtype), torch.randn(rows, 100).to(dtype)
+    want_sum = hidden + delta
+    want = norm(want_sum)
+    got = norm.add_forward(hidden, delta)
+    assert torch.equal(hidden, want_sum)
+    assert torch.equal(got, want)

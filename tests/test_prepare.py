@@ -31,7 +31,7 @@ def test_a_llama_stack_on_a_cpu_is_fused_packed_and_runs_the_lean_forward():
     assert prepared.model is model and prepared.device == torch.device("cpu")
     layer = model.model.layers[0]
     assert isinstance(layer.input_layernorm, FusedRMSNorm) and isinstance(layer.mlp, FusedGatedMLP)
-    assert isinstance(layer.self_attn.q_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    assert isinstance(layer.self_attn.qkv_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
     assert prepared.lean is not None and prepared.lean.model is model and prepared.lean.decode_step is None
     assert prepared.graphs is None and prepared.host_pool is None  # no swap budget
     assert prepared.kv_cache.blocks.dtype == model.dtype and prepared.backend.kv_cache is prepared.kv_cache
@@ -42,7 +42,7 @@ def test_int8_weights_quantize_the_layers_and_leave_the_head_dense_and_packed():
     model = tiny_llama("bfloat16")
     prepared = prepare_model(model, DeviceOptions(kv_memory_bytes=64 * BLOCK_BYTES, block_size=16, weights="int8"))
     attention = model.model.layers[0].self_attn
-    assert isinstance(attention.q_proj, Int8Linear) and isinstance(attention.o_proj, Int8Linear)
+    assert isinstance(attention.qkv_proj, Int8Linear) and isinstance(attention.o_proj, Int8Linear)
     assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)  # `DENSE_LINEARS`
     assert isinstance(model.lm_head, PackedLinear)
     assert prepared.lean is not None and prepared.lean.decode_step is None  # one call is int4's

@@ -9,7 +9,14 @@ and Mistral (the classes are named, so another architecture's variant, such as G
   norm in float32, cast back to the model's dtype, then times the weight (in bfloat16 that
   cast is a rounding the one-pass operation makes too);
 - the MLP's gate and up projections as one linear of twice the width (one call, one
-  pass over the activations), then SiLU of the first half times the second in one pass.
+  pass over the activations), then SiLU of the first half times the second in one pass;
+- optionally, the attention's query, key and value projections as one linear
+  (`qkv_proj`): one wider product instead of three narrow ones (the narrow key and value
+  products use the cores worst). The lean forward calls it once and splits the columns;
+  `q_proj`, `k_proj` and `v_proj` become column slices of it, so the Hugging Face forward
+  still runs (it computes the whole product for each of them: it is the fallback and the
+  tests' oracle, not the serving path). With `add_forward`, a norm also does the residual
+  add before it, in the same pass.
 
 The one-pass operations are C++ (`gpu/cpu/kernels/cpu_fused_ops.cpp`, built for this CPU
 like the decode kernel) for float32 and bfloat16; where it cannot be built, or for other
@@ -32,6 +39,7 @@ from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
 GATED_MLPS = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
+ATTENTIONS = {"LlamaAttention", "Qwen2Attention", "MistralAttention"}
 
 
 # The C++ operations' suffix for each dtype they cover.
@@ -55,6 +63,27 @@ class FusedRMSNorm(nn.Module):
         getattr(ops, "rms_norm" + KERNEL_DTYPES[dtype])(
             rows.data_ptr(), rows.stride(0), self.weight.data_ptr(), out.data_ptr(), rows.shape[0], self.shape[0],
             self.eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def add_forward(self, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The residual add and the norm in one pass: `hidden += delta` in place (rounded as
+        torch's add rounds), then this norm of it."""
+        ops = fused_ops()
+        dtype = hidden.dtype
+        if (
+            ops is None
+            or dtype not in KERNEL_DTYPES
+            or self.weight.dtype != dtype
+            or delta.dtype != dtype
+            or not (hidden.is_contiguous() and delta.is_contiguous())
+            or hidden.shape != delta.shape
+        ):
+            return self.forward(hidden.add_(delta))
+        out = torch.empty(hidden.shape, dtype=dtype)
+        getattr(ops, "add_rms_norm" + KERNEL_DTYPES[dtype])(
+            hidden.data_ptr(), delta.data_ptr(), self.weight.data_ptr(), out.data_ptr(),
+            hidden.numel() // self.shape[0], self.shape[0], self.eps, torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -95,10 +124,49 @@ class FusedGatedMLP(nn.Module):
         return self.down_proj(product)
 
 
-def fuse_for_cpu(model: nn.Module) -> int:
-    """Swap the model's norms and MLPs in place; returns how many modules were swapped."""
+class ProjectionSlice(nn.Module):
+    """Columns [start, stop) of the attention's fused `qkv_proj`: what `q_proj`, `k_proj` or
+    `v_proj` computed. The attention is held without registering it (it is the parent)."""
+
+    def __init__(self, attention: nn.Module, start: int, stop: int) -> None:
+        super().__init__()
+        object.__setattr__(self, "_attention", attention)
+        self.start, self.stop = start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._attention.qkv_proj(x)[..., self.start : self.stop]
+
+
+def fuse_qkv(attention: nn.Module) -> bool:
+    """`attention.qkv_proj` from its three projections, which become slices of it; False
+    where they are not three plain linears over the same input."""
+    projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    if not all(type(p) is nn.Linear for p in projections):
+        return False
+    if len({p.in_features for p in projections}) != 1 or len({p.bias is None for p in projections}) != 1:
+        return False
+    q, k, v = projections
+    fused = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features, bias=q.bias is not None,
+                      device=q.weight.device, dtype=q.weight.dtype)  # fmt: skip
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in projections]))
+        if q.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in projections]))
+    attention.qkv_proj = fused
+    start = 0
+    for name, projection in zip(("q_proj", "k_proj", "v_proj"), projections):
+        setattr(attention, name, ProjectionSlice(attention, start, start + projection.out_features))
+        start += projection.out_features
+    return True
+
+
+def fuse_for_cpu(model: nn.Module, qkv: bool = True) -> int:
+    """Swap the model's norms and MLPs in place, and with `qkv` fuse each attention's
+    projections; returns how many modules were swapped or fused."""
     swapped = 0
     for parent in list(model.modules()):
+        if qkv and type(parent).__name__ in ATTENTIONS and fuse_qkv(parent):
+            swapped += 1
         for name, child in list(parent.named_children()):
             kind = type(child).__name__
             if kind in RMS_NORMS:
@@ -121,6 +189,8 @@ def fused_ops(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
     for suffix in KERNEL_DTYPES.values():
         getattr(library, "rms_norm" + suffix).argtypes = (P, I64, P, P, I64, I, ctypes.c_float, I)
         getattr(library, "rms_norm" + suffix).restype = None
+        getattr(library, "add_rms_norm" + suffix).argtypes = (P, P, P, P, I64, I, ctypes.c_float, I)
+        getattr(library, "add_rms_norm" + suffix).restype = None
         getattr(library, "silu_mul" + suffix).argtypes = (P, I64, P, I64, I, I)
         getattr(library, "silu_mul" + suffix).restype = None
     return library

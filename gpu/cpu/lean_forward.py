@@ -62,12 +62,25 @@ class _Layer:
         self.index = attention.layer_idx
         self.scale = attention.scaling
         self.input_norm = layer.input_layernorm.forward
+        self.add_input_norm = _add_norm(layer.input_layernorm)
+        fused = getattr(attention, "qkv_proj", None)  # gpu.cpu.fusions.fuse_qkv
+        self.qkv_proj = None if fused is None else fused.forward
         self.q_proj = attention.q_proj.forward
         self.k_proj = attention.k_proj.forward
         self.v_proj = attention.v_proj.forward
         self.o_proj = attention.o_proj.forward
-        self.post_attention_norm = layer.post_attention_layernorm.forward
+        self.add_post_attention_norm = _add_norm(layer.post_attention_layernorm)
         self.mlp = layer.mlp.forward
+
+
+def _add_norm(norm: nn.Module):
+    """`hidden += delta; return norm(hidden)`: in one pass where the norm offers it
+    (`gpu.cpu.fusions.FusedRMSNorm.add_forward`)."""
+    fused = getattr(norm, "add_forward", None)
+    if fused is not None:
+        return fused
+    forward = norm.forward
+    return lambda hidden, delta: forward(hidden.add_(delta))
 
 
 class LeanForward:
@@ -118,20 +131,29 @@ class LeanForward:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         half = head_dim // 2
         attend, metadata = batch.backend.attend, batch.metadata
+        query_and_key = (heads + kv_heads) * head_dim
+        mlp_out = None  # each layer's MLP output is added to `hidden` by the next layer's norm
         for layer in self.layers:
-            x = layer.input_norm(hidden)
-            q = layer.q_proj(x).view(num_tokens, heads, head_dim)
-            k = layer.k_proj(x).view(num_tokens, kv_heads, head_dim)
-            v = layer.v_proj(x).view(num_tokens, kv_heads, head_dim)
+            x = layer.input_norm(hidden) if mlp_out is None else layer.add_input_norm(hidden, mlp_out)
+            if layer.qkv_proj is not None:
+                qkv = layer.qkv_proj(x)
+                qk = qkv[:, :query_and_key].view(num_tokens, heads + kv_heads, head_dim)
+                v = qkv[:, query_and_key:].view(num_tokens, kv_heads, head_dim)
+            else:
+                q = layer.q_proj(x).view(num_tokens, heads, head_dim)
+                k = layer.k_proj(x).view(num_tokens, kv_heads, head_dim)
+                v = layer.v_proj(x).view(num_tokens, kv_heads, head_dim)
+                qk = torch.cat((q, k), dim=1)
             # Hugging Face's q * cos + rotate_half(q) * sin, for queries and keys at once;
             # rotate_half(x) * sin is x with its halves swapped times sin with its first
             # half negated (the same products: negation is exact).
-            qk = torch.cat((q, k), dim=1)
             rotated = qk * cos
             rotated.add_(qk.roll(half, dims=-1).mul_(sin))
             out = attend(layer.index, rotated[:, :heads], rotated[:, heads:], v, layer.scale, metadata)
-            hidden.add_(layer.o_proj(out.view(num_tokens, heads * head_dim)))
-            hidden.add_(layer.mlp(layer.post_attention_norm(hidden)))
+            x = layer.add_post_attention_norm(hidden, layer.o_proj(out.view(num_tokens, heads * head_dim)))
+            mlp_out = layer.mlp(x)
+        if mlp_out is not None:
+            hidden.add_(mlp_out)
 
     def _cover(self, needed: int) -> None:
         """cos/sin tables (`_cos`, and `_sin` with its first half negated) for `needed` positions."""

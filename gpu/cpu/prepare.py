@@ -18,10 +18,12 @@ from gpu.cpu.packed_linear import can_pack, pack_linears
 
 
 def swap_modules_for_cpu(model: nn.Module, weights: str) -> None:
-    """Fuses the norms and MLPs (`gpu.cpu.fusions`), stores the linears' weights as
-    `weights` says ("dense", "int8" or "int4"; `gpu.cpu.int8_linear`, `gpu.cpu.int4_linear`)
-    and packs every linear still dense for oneDNN (`gpu.cpu.packed_linear`)."""
-    fuse_for_cpu(model)
+    """Fuses the norms, MLPs and (but with int4 weights, whose decode stack reads the three
+    projections) the attention projections (`gpu.cpu.fusions`), stores the linears'
+    weights as `weights` says ("dense", "int8" or "int4"; `gpu.cpu.int8_linear`,
+    `gpu.cpu.int4_linear`) and packs every linear still dense for oneDNN
+    (`gpu.cpu.packed_linear`)."""
+    fuse_for_cpu(model, qkv=weights != "int4")
     if weights == "int8":
         int8_linear.quantize_model(model)  # the LM head stays dense: logits keep the dense model's precision
     elif weights == "int4":

@@ -22,6 +22,16 @@ void rms_norm_rows(const T* x, int64_t x_row_stride, const T* weight, T* out, in
 }
 
 template <typename T>
+void add_rms_norm_rows(T* hidden, const T* delta, const T* weight, T* out, int64_t rows, int dim, float eps,
+                       int num_threads) {
+#pragma omp parallel for num_threads(threads_for(rows * dim, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        add_row(hidden + r * dim, delta + r * dim, dim);
+        rms_norm_row(hidden + r * dim, weight, out + r * dim, dim, eps);
+    }
+}
+
+template <typename T>
 void silu_mul_rows(const T* gate_up, int64_t row_stride, T* out, int64_t rows, int dim, int num_threads) {
 #pragma omp parallel for num_threads(threads_for(rows * dim, num_threads)) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
@@ -41,6 +51,18 @@ extern "C" void rms_norm(const float* x, int64_t x_row_stride, const float* weig
 extern "C" void rms_norm_bf16(const bf16* x, int64_t x_row_stride, const bf16* weight, bf16* out, int64_t rows,
                               int dim, float eps, int num_threads) {
     rms_norm_rows(x, x_row_stride, weight, out, rows, dim, eps, num_threads);
+}
+
+// hidden[r] += delta[r] (rounded as the activations' dtype rounds), then out[r] =
+// rms_norm(hidden[r]) as above; every array contiguous [rows, dim].
+extern "C" void add_rms_norm(float* hidden, const float* delta, const float* weight, float* out, int64_t rows, int dim,
+                             float eps, int num_threads) {
+    add_rms_norm_rows(hidden, delta, weight, out, rows, dim, eps, num_threads);
+}
+
+extern "C" void add_rms_norm_bf16(bf16* hidden, const bf16* delta, const bf16* weight, bf16* out, int64_t rows,
+                                  int dim, float eps, int num_threads) {
+    add_rms_norm_rows(hidden, delta, weight, out, rows, dim, eps, num_threads);
 }
 
 // out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], rows `row_stride` elements apart.
