@@ -28,7 +28,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from service.config import FairQueueConfig, RedisConfig
-from service.ingest import RENEW, Entry, JobReader, dead_letter_record
+from service.ingest import RENEW, Entry, JobReader, dead_letter_record, lease_wait_ms
 from service.protocol import Job
 from workers.api import PRIORITY_MIN
 
@@ -341,8 +341,16 @@ class FairQueueReader:
                 return entries[:count]
         if (claimed := await self.takeovers(count, held)) or (taken := await self._taken(count, interactive_only)):
             return claimed or taken
+        block_ms = await self.lease_wait_ms(block_ms)
         await self.redis.blpop([f"{self._tag}:ready"], timeout=block_ms / 1000)
         return await self._taken(count, interactive_only)
+
+    async def lease_wait_ms(self, block_ms: int) -> int:
+        """As `JobReader.lease_wait_ms`, over every tenant queue."""
+        if time.monotonic() < self._takeovers_from:
+            return block_ms
+        queues = await self._queues()
+        return await lease_wait_ms(self.redis, queues, self.group, self.consumer, self.claim_idle_ms, block_ms)
 
     async def _own_pending(self, held: Collection[str]) -> list[Entry]:
         """After a restart: the entries this consumer was given and never finished."""

@@ -7,7 +7,9 @@ Queue semantics:
   JUSTID, only where this consumer still owns it) every `claim_idle_ms / 4`, so an entry
   waiting in a long backlog is never mistaken for a dead worker's;
 - entries idle longer than `claim_idle_ms` (their worker stopped renewing: it died or
-  hangs) are taken over with XAUTOCLAIM; ids the caller already holds are skipped. After
+  hangs) are taken over with XAUTOCLAIM; ids the caller already holds are skipped. A
+  worker's blocking wait ends when the next lease held by another consumer runs out, so
+  a takeover starts then rather than up to a block later (`lease_wait_ms`). After
   Redis was unreachable, a worker takes nothing over for one lease period: every live
   worker was cut off too, and gets that long to renew its own;
 - the caller asks for at most as many entries as it can take (backpressure), so idle
@@ -48,6 +50,31 @@ for i = 3, #ARGV do
 end
 return lost
 """
+
+
+# Pending entries looked at for the next lease to run out: all of them at any real
+# deployment's size (a worker holds at most its capacity and allowance).
+PENDING_SCAN = 1000
+# The shortest wait it makes: an entry whose lease ran out but that cannot be taken yet
+# (too many at once, or during an outage's hold-off) must not turn the wait into a spin.
+MIN_LEASE_WAIT_MS = 50
+
+
+async def lease_wait_ms(redis, streams, group: str, consumer: str, claim_idle_ms: int, block_ms: int) -> int:
+    """`block_ms`, or less where an entry of `streams` pending with another consumer
+    reaches `claim_idle_ms` idle sooner: then just past that moment."""
+    idlest = -1
+    for stream in streams:
+        try:
+            rows = await redis.xpending_range(stream, group, min="-", max="+", count=PENDING_SCAN)
+        except ResponseError:  # no group yet
+            continue
+        for row in rows:
+            if _text(row["consumer"]) != consumer:
+                idlest = max(idlest, row["time_since_delivered"])
+    if idlest < 0:
+        return block_ms
+    return max(MIN_LEASE_WAIT_MS, min(block_ms, claim_idle_ms - idlest + 1))
 
 
 @dataclass(frozen=True)
@@ -99,8 +126,15 @@ class JobReader:
                 return await self._with_deliveries(entries[:count])
         if claimed := await self.takeovers(count, held):
             return claimed
+        block_ms = await self.lease_wait_ms(block_ms)
         # A new entry is on its first delivery: no need to ask Redis.
         return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
+
+    async def lease_wait_ms(self, block_ms: int) -> int:
+        """How long to wait for new work before looking for takeovers again (`lease_wait_ms`)."""
+        if time.monotonic() < self._takeovers_from:
+            return block_ms
+        return await lease_wait_ms(self.redis, [self.stream], self.group, self.consumer, self.claim_idle_ms, block_ms)
 
     async def takeovers(self, count: int, held: Collection[str] = ()) -> list[Entry]:
         """Up to `count` entries whose lease ran out (their worker died or hangs), not in `held`."""

@@ -199,10 +199,11 @@ class Worker:
         """Full: wait for a job to end, and meanwhile look for jobs a dead worker left,
         up to the takeover allowance beyond `capacity` (their streams stalled mid-answer:
         they must not wait for room here)."""
+        wait_ms = await _unless_stopped(stop, lambda: self.reader.lease_wait_ms(self.config.block_ms))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait(
             [stopping, *(h.task for h in self.held.values())],
-            timeout=self.config.block_ms / 1000,
+            timeout=(wait_ms or self.config.block_ms) / 1000,
             return_when=asyncio.FIRST_COMPLETED,
         )
         stopping.cancel()

@@ -119,6 +119,31 @@ def test_entries_idle_past_the_claim_time_move_to_a_live_worker(keys):
     assert claimed.entry_id == taken.entry_id and claimed.deliveries == 2
 
 
+def test_a_waiting_worker_takes_a_job_over_when_its_lease_runs_out_not_a_block_later(keys):
+    """A worker blocked on an empty stream wakes when another consumer's lease ends: the
+    takeover comes about claim_idle_ms after the holder's last delivery, well before the
+    block would have ended."""
+
+    async def main():
+        client = await connect()
+        dead = reader(client, keys, "dead-worker", claim_idle_ms=600)
+        await dead.ensure_group()
+        await client.xadd(keys["stream"], {"prompt": "p"})
+        [taken] = await dead.read(1, block_ms=100)
+        delivered = asyncio.get_running_loop().time()
+        live = reader(client, keys, "live", claim_idle_ms=600)
+        claimed = []
+        while not claimed:  # each read blocks up to 5 s, or until the lease runs out
+            claimed = await live.read(5, block_ms=5000)
+        waited = asyncio.get_running_loop().time() - delivered
+        await client.aclose()
+        return taken, claimed, waited
+
+    taken, claimed, waited = run(main())
+    assert [c.entry_id for c in claimed] == [taken.entry_id]
+    assert 0.6 <= waited < 1.5
+
+
 def test_dead_letter_keeps_the_entry_and_why_and_acks_it(keys):
     async def main():
         client = await connect()
