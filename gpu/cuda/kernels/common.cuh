@@ -59,21 +59,39 @@ template <> __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float x
     return h;
 }
 
-// N consecutive elements, converted to fp32, read in 16-byte words (8-byte ones when
-// the N elements are just 8 bytes). The address must be aligned to the word.
+// N consecutive elements as loaded: their bits, in 16-byte words (8-byte ones when the
+// N elements are just 8 bytes), widened to fp32 when used. Held this way, a load can go
+// out well before its values are needed at half the registers of fp32 (16-bit types).
+// The address must be aligned to the word.
+template <typename T, int N>
+struct Raw {
+    static constexpr int BYTES = N * sizeof(T) >= 16 ? 16 : 8;
+    typedef typename word_of<BYTES>::type word_t;
+    static constexpr int WORDS = N * (int)sizeof(T) / BYTES;
+    static_assert(N * sizeof(T) % BYTES == 0, "loads are whole words");
+    word_t words[WORDS];
+
+    __device__ __forceinline__ void load(const T* __restrict__ src) {
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) words[i] = reinterpret_cast<const word_t*>(src)[i];
+    }
+    __device__ __forceinline__ void clear() {
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) words[i] = word_t{};  // all bits zero: 0.0 in every type
+    }
+    __device__ __forceinline__ void widen(float* dst) const {
+        const T* elements = reinterpret_cast<const T*>(words);
+#pragma unroll
+        for (int j = 0; j < N; ++j) dst[j] = to_float(elements[j]);
+    }
+};
+
+// N consecutive elements, converted to fp32 (as `Raw` loads them).
 template <typename T, int N>
 __device__ __forceinline__ void load_as_float(const T* __restrict__ src, float* dst) {
-    constexpr int BYTES = N * sizeof(T) >= 16 ? 16 : 8;
-    typedef typename word_of<BYTES>::type word_t;
-    constexpr int PER_LOAD = BYTES / sizeof(T);
-    static_assert(N % PER_LOAD == 0, "loads are whole words");
-#pragma unroll
-    for (int i = 0; i < N; i += PER_LOAD) {
-        word_t word = *reinterpret_cast<const word_t*>(src + i);
-        const T* elements = reinterpret_cast<const T*>(&word);
-#pragma unroll
-        for (int j = 0; j < PER_LOAD; ++j) dst[i + j] = to_float(elements[j]);
-    }
+    Raw<T, N> raw;
+    raw.load(src);
+    raw.widen(dst);
 }
 
 __device__ __forceinline__ float warp_max(float x, int width) {

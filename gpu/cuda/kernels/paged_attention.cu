@@ -28,9 +28,10 @@ __device__ __forceinline__ i64 kv_offset(i64 block, int pos, int num_kv_heads, i
 // A block loads each K and V row of its partition once for all (up to MAX_GROUP) query
 // heads that share the KV head. With one partition it writes the output; with more it
 // writes each partition's normalised output, max and sum for `paged_decode_reduce`.
-// Memory-bound: resident blocks keep loads in flight, so registers are capped (and the
-// unrolling kept short) for DECODE_BLOCKS_PER_SM of them (docs/benchmarks.md, "The GPU path").
-constexpr int DECODE_BLOCKS_PER_SM = 8;
+// Memory-bound: resident blocks keep loads in flight, so registers are capped for
+// DECODE_BLOCKS_PER_SM of them, without spilling; within a block the next K and V rows
+// are loaded while the current ones are used (docs/benchmarks.md, "The GPU path").
+constexpr int DECODE_BLOCKS_PER_SM = 7;
 template <typename T, int HEAD_DIM, int BLOCK_SIZE>
 __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decode_attention(
     T* __restrict__ out,                 // [tokens, num_heads, HEAD_DIM]
@@ -53,9 +54,9 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
     constexpr int V_DIMS = 4;
     constexpr int V_THREADS = HEAD_DIM / V_DIMS;
     constexpr int V_ROWS = NUM_THREADS / V_THREADS;
-    // Tokens whose K (V) rows a thread loads before using any.
-    constexpr int K_UNROLL = 2;
-    constexpr int V_UNROLL = 4;
+    // Tokens whose K (V) rows a thread has in use at a time (and as many loading).
+    constexpr int K_UNROLL = 1;
+    constexpr int V_UNROLL = 2;
     static_assert(HEAD_DIM % DIMS_PER_LANE == 0 && LANES <= 32 && V_ROWS >= 1, "head_dim");
 
     // Each lane's 16 dims padded to 20 floats: the 8 lanes of a token read their slices as
@@ -100,24 +101,33 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
     __syncthreads();
 
     // Phase 1: scores of every token in the partition, for every head of the group.
-    // K_UNROLL tokens per lane group are loaded before any is used, to keep more loads
-    // in flight (decode is bound by memory bandwidth).
+    // K_UNROLL tokens per lane group at a time; the next pass's K rows are loaded (as they
+    // are stored) before this pass's products, so the loads overlap them (decode is bound
+    // by memory bandwidth).
     const int lane_in_token = lane % LANES;
-    for (int pass = 0; pass < count; pass += TOKENS_PER_PASS * K_UNROLL) {
-        float k[K_UNROLL][DIMS_PER_LANE];
+    const int token_in_pass = warp * TOKENS_PER_WARP + lane / LANES;
+    constexpr int K_STEP = TOKENS_PER_PASS * K_UNROLL;
+    Raw<T, DIMS_PER_LANE> k_next[K_UNROLL];
+    auto load_keys = [&](int pass) {
 #pragma unroll
         for (int u = 0; u < K_UNROLL; ++u) {
-            const int t = pass + u * TOKENS_PER_PASS + warp * TOKENS_PER_WARP + lane / LANES;
+            const int t = pass + u * TOKENS_PER_PASS + token_in_pass;
             if (t < count) {
                 const int pos = start + t;
                 const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
                                                                num_kv_heads, kv_head);
-                load_as_float<T, DIMS_PER_LANE>(key_cache + at + lane_in_token * DIMS_PER_LANE, k[u]);
+                k_next[u].load(key_cache + at + lane_in_token * DIMS_PER_LANE);
             } else {
-#pragma unroll
-                for (int i = 0; i < DIMS_PER_LANE; ++i) k[u][i] = 0.f;
+                k_next[u].clear();
             }
         }
+    };
+    load_keys(0);
+    for (int pass = 0; pass < count; pass += K_STEP) {
+        float k[K_UNROLL][DIMS_PER_LANE];
+#pragma unroll
+        for (int u = 0; u < K_UNROLL; ++u) k_next[u].widen(k[u]);
+        if (pass + K_STEP < count) load_keys(pass + K_STEP);  // uniform across the block
         // Heads outer, tokens inner: each slice of q read from shared memory serves
         // K_UNROLL tokens (shared-memory bandwidth would bound this loop otherwise).
 #pragma unroll
@@ -171,8 +181,10 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
     for (int h = 0; h < MAX_GROUP; ++h)
 #pragma unroll
         for (int i = 0; i < V_DIMS; ++i) acc[h][i] = 0.f;
-    for (int first = v_row; first < count; first += V_ROWS * V_UNROLL) {
-        float v[V_UNROLL][V_DIMS];
+    // As in phase 1, the next rows' loads go out before this round's products.
+    constexpr int V_STEP = V_ROWS * V_UNROLL;
+    Raw<T, V_DIMS> v_next[V_UNROLL];
+    auto load_values = [&](int first) {
 #pragma unroll
         for (int u = 0; u < V_UNROLL; ++u) {
             const int t = first + u * V_ROWS;
@@ -180,9 +192,18 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
                 const int pos = start + t;
                 const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
                                                                num_kv_heads, kv_head);
-                load_as_float<T, V_DIMS>(value_cache + at + d0, v[u]);
+                v_next[u].load(value_cache + at + d0);
+            } else {
+                v_next[u].clear();
             }
         }
+    };
+    load_values(v_row);
+    for (int first = v_row; first < count; first += V_STEP) {
+        float v[V_UNROLL][V_DIMS];
+#pragma unroll
+        for (int u = 0; u < V_UNROLL; ++u) v_next[u].widen(v[u]);
+        if (first + V_STEP < count) load_values(first + V_STEP);  // per row of threads
 #pragma unroll
         for (int u = 0; u < V_UNROLL; ++u) {
             const int t = first + u * V_ROWS;
