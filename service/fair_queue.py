@@ -28,7 +28,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from service.config import FairQueueConfig, RedisConfig
-from service.ingest import RENEW, Entry, JobReader, dead_letter_record, lease_wait_ms
+from service.ingest import Entry, JobReader, LeasedReader, dead_letter_record
 from service.protocol import Job
 from workers.api import PRIORITY_MIN
 
@@ -296,7 +296,7 @@ class Refusal:
     message: str
 
 
-class FairQueueReader:
+class FairQueueReader(LeasedReader):
     """Takes admitted jobs from the tenant queues, in fair order; the worker's reader.
 
     Same calls as `JobReader`, by the job's request entry id (an `Entry`'s `entry_id` is
@@ -304,28 +304,16 @@ class FairQueueReader:
     """
 
     def __init__(self, redis, config: RedisConfig, fair: FairQueueConfig, priority_step_s: float) -> None:
-        self.redis = redis
+        super().__init__(redis, config)
         self.config = config
         self.fair = fair
-        self.stream = config.requests_stream
-        self.group = config.group
-        self.consumer = config.consumer
-        self.dead_letter_stream = config.dead_letter_stream
-        self.dead_letter_max_len = config.dead_letter_max_len
-        self.claim_idle_ms = config.claim_idle_ms
         self._priority_step_ms = priority_step_s * 1000
         self._tag = "{" + self.stream + "}"
         self._take = redis.register_script(TAKE)
-        self._renew = redis.register_script(RENEW)
         self._where: dict[str, tuple[str, str]] = {}  # origin -> (tenant queue, its entry id)
-        self._own_pending_done = False
-        self._takeovers_from = 0.0  # monotonic time; later after an outage (as JobReader)
 
     async def ensure_group(self) -> None:
         await JobReader(self.redis, self.config).ensure_group()
-
-    def outage_seen(self) -> None:
-        self._takeovers_from = time.monotonic() + self.claim_idle_ms / 1000
 
     async def read(
         self, count: int, block_ms: int, held: Collection[str] = (), interactive_only: bool = False
@@ -345,12 +333,8 @@ class FairQueueReader:
         await self.redis.blpop([f"{self._tag}:ready"], timeout=block_ms / 1000)
         return await self._taken(count, interactive_only)
 
-    async def lease_wait_ms(self, block_ms: int) -> int:
-        """As `JobReader.lease_wait_ms`, over every tenant queue."""
-        if time.monotonic() < self._takeovers_from:
-            return block_ms
-        queues = await self._queues()
-        return await lease_wait_ms(self.redis, queues, self.group, self.consumer, self.claim_idle_ms, block_ms)
+    async def _leased_streams(self) -> list[str]:
+        return await self._queues()  # the tenant queues: their entries are the leased ones
 
     async def _own_pending(self, held: Collection[str]) -> list[Entry]:
         """After a restart: the entries this consumer was given and never finished."""
@@ -363,7 +347,7 @@ class FairQueueReader:
 
     async def takeovers(self, count: int, held: Collection[str] = ()) -> list[Entry]:
         """Entries whose lease ran out (their worker died or hangs), from every queue."""
-        if time.monotonic() < self._takeovers_from:
+        if not self._taking_over():
             return []
         entries: list[Entry] = []
         for queue in await self._queues():

@@ -84,7 +84,10 @@ class Entry:
     deliveries: int  # how many times it has been delivered, this delivery included
 
 
-class JobReader:
+class LeasedReader:
+    """What a worker's readers share: the request stream and its consumer group, this
+    worker's consumer name, the lease, and takeovers held back after an outage."""
+
     def __init__(self, redis, config: RedisConfig) -> None:
         self.redis = redis  # a redis.asyncio Redis or RedisCluster whose socket timeout exceeds any BLOCK
         self.stream = config.requests_stream
@@ -97,6 +100,26 @@ class JobReader:
         self._own_pending_done = False
         self._takeovers_from = 0.0  # monotonic time; later after an outage
 
+    def outage_seen(self) -> None:
+        """Redis was unreachable: hold takeovers back for one lease period."""
+        self._takeovers_from = time.monotonic() + self.claim_idle_ms / 1000
+
+    def _taking_over(self) -> bool:
+        return time.monotonic() >= self._takeovers_from
+
+    async def lease_wait_ms(self, block_ms: int) -> int:
+        """How long to wait for new work before looking for takeovers again (`lease_wait_ms`)."""
+        if not self._taking_over():
+            return block_ms
+        streams = await self._leased_streams()
+        return await lease_wait_ms(self.redis, streams, self.group, self.consumer, self.claim_idle_ms, block_ms)
+
+    async def _leased_streams(self) -> list[str]:
+        """The streams whose entries are leased."""
+        return [self.stream]
+
+
+class JobReader(LeasedReader):
     async def ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
@@ -130,15 +153,9 @@ class JobReader:
         # A new entry is on its first delivery: no need to ask Redis.
         return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
 
-    async def lease_wait_ms(self, block_ms: int) -> int:
-        """How long to wait for new work before looking for takeovers again (`lease_wait_ms`)."""
-        if time.monotonic() < self._takeovers_from:
-            return block_ms
-        return await lease_wait_ms(self.redis, [self.stream], self.group, self.consumer, self.claim_idle_ms, block_ms)
-
     async def takeovers(self, count: int, held: Collection[str] = ()) -> list[Entry]:
         """Up to `count` entries whose lease ran out (their worker died or hangs), not in `held`."""
-        if time.monotonic() < self._takeovers_from:
+        if not self._taking_over():
             return []
         try:
             _, claimed, _ = await self.redis.xautoclaim(
@@ -151,10 +168,6 @@ class JobReader:
         # Deleted entries come back empty; an id in hand only missed a renewal.
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
         return await self._with_deliveries(claimed) if claimed else []
-
-    def outage_seen(self) -> None:
-        """Redis was unreachable: hold takeovers back for one lease period."""
-        self._takeovers_from = time.monotonic() + self.claim_idle_ms / 1000
 
     async def renew(self, entry_ids: Collection[str]) -> list[str]:
         """Keep the leases of `entry_ids`; returns those this consumer no longer owns."""
