@@ -199,11 +199,13 @@ class Worker:
         """Full: wait for a job to end, and meanwhile look for jobs a dead worker left,
         up to the takeover allowance beyond `capacity` (their streams stalled mid-answer:
         they must not wait for room here)."""
-        wait_ms = await _unless_stopped(stop, lambda: self.reader.lease_wait_ms(self.config.block_ms))
+        wait_ms = self.config.block_ms
+        if self.capacity + self.takeover_allowance > len(self.held):  # a takeover could follow the wait
+            wait_ms = await _unless_stopped(stop, lambda: self.reader.lease_wait_ms(wait_ms)) or wait_ms
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait(
             [stopping, *(h.task for h in self.held.values())],
-            timeout=(wait_ms or self.config.block_ms) / 1000,
+            timeout=wait_ms / 1000,
             return_when=asyncio.FIRST_COMPLETED,
         )
         stopping.cancel()
