@@ -48,7 +48,8 @@ def test_disagg_scenario_reports_each_configuration_under_a_prefill_storm(tmp_pa
     for name, config in configs.items():
         storm = config["storm"]
         assert finite_positive(storm["ttft_p50_s"]) and storm["ttft_p50_s"] <= storm["ttft_p99_s"], name
-        assert finite_positive(storm["itl_p50_steady_s"]) and storm["steady_gaps"] > 0, name
+        # a loaded machine reads several tokens in one XREAD: gaps of zero are what the client saw
+        assert storm["steady_gaps"] > 0 and 0 <= storm["itl_p50_steady_s"] < math.inf, name
         assert finite_positive(config["lone"]["ttft_p50_s"]) and config["dead_letters"] == 0, name
         assert config["finish_reasons"] == {"length": 4 + LONE + STORM, "cancelled": RUNNING}, name
     assert [w["cores"] for w in configs["colocated_two"]["workers"]] == ["0", "1"]
@@ -71,7 +72,7 @@ def test_disagg_scenario_reports_each_configuration_under_a_prefill_storm(tmp_pa
     kv = disagg["kv_transfer"]
     assert kv["reads"] == handed_off and finite_positive(kv["bytes_per_s"])
     assert finite_positive(kv["ms_per_1000_prompt_tokens"]) and finite_positive(kv["bytes_per_token"])
-    assert finite_positive(disagg["lone"]["handoff_to_second_token_p50_s"])
+    assert 0 <= disagg["lone"]["handoff_to_second_token_p50_s"] < math.inf  # one XREAD can bring both
     assert set(figures["handoff_overhead"]) == {
         f"{key}_vs_{other}_s" for key in ("ttft", "second_token_gap") for other in ("colocated_two", "colocated_one")
     }
