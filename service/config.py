@@ -45,7 +45,8 @@ class RedisConfig:
     # The lease: a worker renews the entries it holds every claim_idle_ms / 4; an entry
     # not renewed for this long (its worker died or hangs) is taken over by another.
     claim_idle_ms: int = 2000
-    # An entry delivered more times than this goes to the dead-letter stream.
+    # An entry taken over this many times in a row with no new token on its reply stream
+    # in between goes to the dead-letter stream (its workers keep dying on it).
     max_deliveries: int = 3
     # Reply streams (and their owner keys) expire this long after their last event.
     reply_ttl_s: int = 3600

@@ -58,6 +58,25 @@ if not held then return {1, {}} end
 return {1, redis.call('XRANGE', KEYS[1], '-', '+')}
 """
 
+# KEYS: the reply stream's progress key. ARGV: token events on the stream now, the job
+# entry's deliveries (this one included), TTL seconds. Returns how many deliveries in a row
+# ended with no new token on the stream. Recorded at takeovers only (a first delivery
+# writes nothing): without a record, the first delivery made progress if the stream holds
+# a token.
+STALLED_DELIVERIES = """
+local events, deliveries = tonumber(ARGV[1]), tonumber(ARGV[2])
+local last = redis.call('HGET', KEYS[1], 'events')
+local stalls = 0
+if last == false then
+  if events == 0 then stalls = deliveries - 1 end
+elseif events <= tonumber(last) then
+  stalls = tonumber(redis.call('HGET', KEYS[1], 'stalls')) + 1
+end
+redis.call('HSET', KEYS[1], 'events', events, 'stalls', stalls)
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return stalls
+"""
+
 # KEYS: each stream's reply stream and owner key, in pairs. ARGV[1]: msgpack, one entry
 # per stream: {owner value, TTL seconds (0: leave the TTLs), token events as their
 # msgpack `data`, the final event's entry id or "", its field/value pairs, the number of
@@ -146,7 +165,17 @@ class LeaseLost(Exception):
 def owner_key(reply_to: str) -> str:
     """`<reply_to>:owner`, in the reply stream's hash slot: a `reply_to` without a hash
     tag is wrapped in one (`{<reply_to>}:owner`), as a Redis Cluster script needs."""
-    return f"{reply_to}:owner" if hash_tag(reply_to) else f"{{{reply_to}}}:owner"
+    return _beside(reply_to, "owner")
+
+
+def progress_key(reply_to: str) -> str:
+    """`<reply_to>:progress`, in the reply stream's hash slot (as `owner_key`): where the
+    stream stood at its job's last takeover, for the poison-job guard."""
+    return _beside(reply_to, "progress")
+
+
+def _beside(reply_to: str, suffix: str) -> str:
+    return f"{reply_to}:{suffix}" if hash_tag(reply_to) else f"{{{reply_to}}}:{suffix}"
 
 
 @dataclass(frozen=True)
@@ -184,6 +213,7 @@ class ReplyPublisher:
         self.worker = worker  # named on done events: which consumer finished the request
         self.incarnation = os.urandom(6).hex()  # two processes under one name still differ
         self._claim = redis.register_script(CLAIM)
+        self._stalled_deliveries = redis.register_script(STALLED_DELIVERIES)
         self._append_sha = redis.register_script(FENCED_APPEND).sha
         self.cluster = isinstance(redis, RedisCluster)
 
@@ -208,6 +238,15 @@ class ReplyPublisher:
             else:
                 finished = True
         return Claim(True, choices, num_events, finished)
+
+    async def stalled_deliveries(self, reply_to: str, num_events: int, deliveries: int) -> int:
+        """At a takeover: how many of the job's deliveries in a row, counting back from the
+        last one, ended with no new token on `reply_to` (its workers died, or were taken
+        over from, without making progress). A job that kills every worker that runs it
+        stalls every time; one whose workers die of other causes moves on between them."""
+        return int(
+            await self._stalled_deliveries(keys=[progress_key(reply_to)], args=[num_events, deliveries, self.ttl_s])
+        )
 
     async def append(self, appends: Sequence[Append]) -> list[bool | Gap | RedisError]:
         """Write every `Append` in one pipelined round trip. Per append: True when written,

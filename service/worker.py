@@ -313,12 +313,15 @@ class Worker:
             await self._ack(entry)
             return
         seq = claim.num_events
-        if entry.deliveries > self.config.max_deliveries:
+        stalls = 0
+        if entry.deliveries > 1:  # a takeover: did the job move on since the last one?
+            stalls = await retrying(lambda: self.publisher.stalled_deliveries(job.reply_to, seq, entry.deliveries))
+        if stalls >= self.config.max_deliveries:
             self.metrics.observe_outcome("rejected")
             await self._reject(
                 entry,
                 "too_many_deliveries",
-                f"delivered {entry.deliveries} times",
+                f"delivered {entry.deliveries} times, the last {stalls} ending with no new token",
                 job.reply_to,
                 seq,
                 claimed=True,

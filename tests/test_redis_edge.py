@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from service.config import RedisConfig
 from service.ingest import JobReader
 from service.protocol import token_data, token_fields
-from service.publish import Append, ReplyPublisher, owner_key
+from service.publish import Append, ReplyPublisher, owner_key, progress_key
 from workers.api import FinalEvent, FinishReason, Timings, Usage
 
 
@@ -37,6 +37,7 @@ def keys():
         "dead": f"{prefix}:dead",
         "reply": f"{prefix}:out:{{r}}",
         "owner": f"{prefix}:out:{{r}}:owner",
+        "progress": f"{prefix}:out:{{r}}:progress",
     }
     yield names
 
@@ -268,6 +269,32 @@ def test_an_owner_key_shares_its_reply_streams_hash_slot():
         assert key_slot(owner_key(reply_to).encode()) == key_slot(reply_to.encode()), reply_to
     assert owner_key("inflight:out:{job-1}") == "inflight:out:{job-1}:owner"
     assert owner_key("inflight:out:plain") == "{inflight:out:plain}:owner"
+
+
+def test_takeovers_count_the_deliveries_in_a_row_that_left_the_reply_stream_where_it_was(keys):
+    """The poison-job guard's count: a takeover that finds no new token since the last one
+    adds a stall, one that finds the stream moved on starts again from none."""
+    assert progress_key(keys["reply"]) == keys["progress"]
+
+    async def main():
+        client = await connect()
+        publisher = ReplyPublisher(client, ttl_s=120)
+        # (token events on the stream, deliveries) at each takeover, in turn
+        counts = [await publisher.stalled_deliveries(keys["reply"], events, deliveries)
+                  for events, deliveries in [(0, 2), (0, 3), (4, 4), (4, 5), (4, 6), (9, 7)]]  # fmt: skip
+        await client.delete(keys["progress"])
+        # no takeover recorded: the first delivery moved the stream on if it holds a token
+        fresh = [await publisher.stalled_deliveries(keys["reply"], 3, 5)]
+        await client.delete(keys["progress"])
+        fresh.append(await publisher.stalled_deliveries(keys["reply"], 0, 4))
+        ttl = await client.ttl(keys["progress"])
+        await client.aclose()
+        return counts, fresh, ttl
+
+    counts, fresh, ttl = run(main())
+    assert counts == [1, 2, 0, 1, 2, 0]
+    assert fresh == [0, 3]
+    assert 0 < ttl <= 120
 
 
 def test_the_write_script_gives_token_entries_exactly_the_fields_the_protocol_defines(keys):

@@ -173,6 +173,49 @@ def test_a_takeover_continues_every_choice_after_its_own_published_tokens(make_e
     assert replies[-1]["type"] == b"done" and replies[-1]["worker"] == b"w2"
 
 
+def test_a_job_whose_workers_die_without_progress_is_dead_lettered_and_one_that_moves_on_is_served(make_engine):
+    """The poison-job guard counts deliveries that ended with no new token: a job delivered
+    three times without one goes to the dead letters (`too_many_deliveries`) when taken
+    over again; one delivered as often whose stream gained tokens is continued."""
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    first = stream_config(prefix, shutdown_grace_s=0.0, claim_idle_ms=300)
+    second = RedisConfig(**{**first.__dict__, "consumer": "w2"})
+    job = {"prompt": "Count to a thousand:", "max_tokens": "24", "ignore_eos": "true"}
+    moving, stuck = f"{prefix}-moving", f"{prefix}-stuck"
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(make_engine(), client, first).run(stop))
+        moving_entry = await client.xadd(first.requests_stream, {"id": moving, **job})
+        await stream_reaches(client, f"inflight:out:{{{moving}}}", 3)
+        stop.set()
+        await serving  # the grace is over: `moving` is left pending, some tokens out
+        stuck_entry = await client.xadd(first.requests_stream, {"id": stuck, **job})
+        await client.xreadgroup(first.group, "gone", {first.requests_stream: ">"}, count=1)  # never ran
+        # As if each had been taken over before, by workers that died: the next delivery is
+        # `moving`'s seventh (tokens on its stream) and `stuck`'s fourth (none).
+        await client.xclaim(first.requests_stream, first.group, "gone", 0, [moving_entry], retrycount=6)
+        await client.xclaim(first.requests_stream, first.group, "gone", 0, [stuck_entry], retrycount=3)
+        stop = asyncio.Event()
+        serving = asyncio.create_task(Worker(make_engine(), client, second).run(stop))
+        replies = {
+            request_id: await read_replies(client, f"inflight:out:{{{request_id}}}") for request_id in (moving, stuck)
+        }
+        stop.set()
+        await serving
+        dead = [fields for _, fields in await client.xrange(first.dead_letter_stream)]
+        await client.delete(*[key async for key in client.scan_iter(match=f"*{prefix}*")])
+        await client.aclose()
+        return replies, dead
+
+    replies, dead = asyncio.run(main())
+    tokens = [e for e in replies[moving] if e["type"] == b"token"]
+    assert [int(e["seq"]) for e in tokens] == list(range(24)) and replies[moving][-1]["type"] == b"done"
+    assert [e["type"] for e in replies[stuck]] == [b"error"] and replies[stuck][0]["code"] == b"too_many_deliveries"
+    assert [(f[b"field:id"], f[b"code"]) for f in dead] == [(stuck.encode(), b"too_many_deliveries")]
+
+
 def test_a_cancel_on_the_control_stream_ends_the_request(make_engine):
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
     config = stream_config(prefix)
