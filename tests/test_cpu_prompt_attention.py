@@ -26,14 +26,24 @@ pytestmark = pytest.mark.skipif(
 AVX512_CPU_CXX_FLAGS = (*AVX2_CPU_CXX_FLAGS, "-mavx512f", "-mavx512vl")
 
 
-@pytest.fixture(scope="module", params=["native", "avx512", "avx2", "portable"])
+# This CPU's build without the tile unit: the AVX-512 BF16 dot products where AMX would run.
+NO_AMX_CPU_CXX_FLAGS = (*native_build.CPU_CXX_FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+
+
+@pytest.fixture(scope="module", params=["native", "no-amx", "avx512", "avx2", "portable"])
 def prompt_kernel(request):
-    """The prompt kernel as built for this CPU, for AVX-512 without BF16, for AVX2 alone,
-    and without -march=native (the portable loops every CPU runs)."""
-    needs = {"avx512": ("avx512f", "avx512vl"), "avx2": ("avx2", "fma")}.get(request.param, ())
+    """The prompt kernel as built for this CPU (on AMX, bfloat16 on tiles), for it without
+    AMX, for AVX-512 without BF16, for AVX2 alone, and without -march=native (the portable
+    loops every CPU runs)."""
+    needs = {
+        "no-amx": ("amx_bf16", "avx512_bf16"),
+        "avx512": ("avx512f", "avx512vl"),
+        "avx2": ("avx2", "fma"),
+    }.get(request.param, ())
     if not has_cpu_flags(*needs):
-        pytest.skip(f"this CPU has no {request.param}")
+        pytest.skip(f"this CPU has no {needs}")
     flags = {
+        "no-amx": NO_AMX_CPU_CXX_FLAGS,
         "avx512": AVX512_CPU_CXX_FLAGS,
         "avx2": AVX2_CPU_CXX_FLAGS,
         "portable": native_build.PORTABLE_CPU_CXX_FLAGS,

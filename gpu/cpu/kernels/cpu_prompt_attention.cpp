@@ -14,6 +14,10 @@
 // - then, per tile and key block: scores for several rows at once (independent chains
 //   that hide the multiply-add latency), online softmax (running max and sum per row),
 //   and the weighted V added into each row's fp32 output, several rows per V load.
+// On a CPU with AMX (Intel's tile unit), bfloat16 runs both products on tiles: the scores
+// against the same transposed keys, and the weighted V with V laid out in pairs of keys
+// and each weight split into two bfloat16 (its rounding and the rest), which keeps the
+// weights to about 16 bits instead of bfloat16's 8; softmax stays on AVX-512.
 // Elsewhere, plain loops the compiler vectorises, one row at a time.
 //
 // Threads: OpenMP, the runtime torch itself uses, with the thread count torch uses. Tiles
@@ -27,6 +31,12 @@
 #include <vector>
 
 #include "cpu_vector_math.h"
+
+#if defined(INFLIGHT_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define INFLIGHT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -294,13 +304,14 @@ inline void weigh_cols(int cols, const float* p, const float* alpha, const float
 // call, read by every tile; the buffers live in the calling thread, kept across calls.
 template <typename T>
 struct Prepared {
-    const KeyT<T>* keys;  // [kv_heads][blocks][head_dim * SUB]
-    const float* values;  // [kv_heads][keys][head_dim] for bfloat16; float32 V is read in place
+    const KeyT<T>* keys;      // [kv_heads][blocks][head_dim * SUB]
+    const float* values;      // [kv_heads][keys][head_dim] for bfloat16; float32 V is read in place
+    const T* value_pairs;     // on AMX instead: [kv_heads][blocks * SUB / 2][head_dim] pairs of keys
     int blocks;
 };
 
 template <typename T>
-void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, int blocks, int kv, int b) {
+void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, T* value_pairs, int blocks, int kv, int b) {
     using K = KeyT<T>;
     const int dim = a.head_dim, start = b * SUB, count = std::min(SUB, a.num_keys() - start);
     K* kt = keys + ((int64_t)kv * blocks + b) * dim * SUB;
@@ -315,6 +326,20 @@ void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, int blocks, i
             for (int d = 0; d < dim; ++d) kt[(int64_t)d * SUB + j] = to_float(k[d]);
         }
     }
+    if (value_pairs != nullptr) {
+        // Key 2i and 2i + 1 side by side for each column (the tile unit's right operand);
+        // zero past the last key, where the weights are 0 (and 0 x garbage could be NaN).
+        T* pairs = value_pairs + ((int64_t)kv * blocks + b) * SUB * dim;
+        for (int j = 0; j < SUB; ++j) {
+            T* column = pairs + (int64_t)(j / 2) * 2 * dim + j % 2;
+            if (j < count) {
+                const T* v = a.v_row(start + j, kv);
+                for (int d = 0; d < dim; ++d) column[2 * d] = v[d];
+            } else {
+                for (int d = 0; d < dim; ++d) column[2 * d] = T{};
+            }
+        }
+    }
     if (values != nullptr)
         for (int j = 0; j < count; ++j) {
             const T* v = a.v_row(start + j, kv);
@@ -325,8 +350,8 @@ void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, int blocks, i
 
 // Per-thread buffers for one tile.
 struct Scratch {
-    std::vector<float> q32, scores, out, top, sums, shift, alpha;
-    std::vector<bf16> q16;
+    std::vector<float> q32, scores, out, top, sums, shift, alpha, part;
+    std::vector<bf16> q16, weights;
 };
 
 template <typename T>
@@ -432,6 +457,193 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
     }
 }
 
+#ifdef INFLIGHT_AMX
+// The tile unit: eight tiles of up to 16 rows of 64 bytes; TDPBF16PS adds into a 16 x 16
+// fp32 tile the products of a 16 x 32 bfloat16 tile and a 16 x 16 tile of bfloat16 pairs
+// (rows of the right operand are pairs of its reduction index). Here tiles 0-3 hold
+// results, tiles 4 and 6 left operands and tile 5 the right; every tile is 16 x 64 bytes.
+namespace amx {
+
+constexpr int ROWS = 16;
+static_assert(SUB == 32 && BLOCK == 64, "a key block is four result tiles of 16 keys");
+
+struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Linux gives the tile state only to a process that asks for it (once; torch's oneDNN
+// asks too). False where the kernel refuses, and the AVX-512 path runs.
+// The first n lanes of 16 (none for n <= 0, all for n >= 16).
+inline __mmask16 lanes(int n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+inline bool granted() {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ok;
+}
+
+// Per thread, before its first tile instruction (oneDNN, in the same threads, loads its own).
+inline void configure() {
+    Config config{};
+    config.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+// Scores of 16 query rows (`dim` apart) against `subs` SUB-key blocks of transposed keys
+// (their [dim / 2][SUB] pairs are the right operand as laid out), into rows BLOCK apart.
+inline void score_group(const bf16* q, int dim, const bf16* kt, int subs, float* s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const bf16* next = kt + (int64_t)dim * SUB;  // the second SUB block
+    for (int d = 0; d < dim; d += 32) {
+        _tile_loadd(4, q + d, dim * 2);
+        _tile_loadd(5, kt + (int64_t)d * SUB, SUB * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, kt + (int64_t)d * SUB + 32, SUB * 4);
+        _tile_dpbf16ps(1, 4, 5);
+        if (subs == 2) {
+            _tile_loadd(5, next + (int64_t)d * SUB, SUB * 4);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(5, next + (int64_t)d * SUB + 32, SUB * 4);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, s, BLOCK * 4);
+    _tile_stored(1, s + 16, BLOCK * 4);
+    if (subs == 2) {
+        _tile_stored(2, s + 32, BLOCK * 4);
+        _tile_stored(3, s + 48, BLOCK * 4);
+    }
+}
+
+// 16 rows' weights for one block, each the sum of a high and a low bfloat16 (`high` and
+// `low`, rows BLOCK apart), times its V (pairs of keys, [keys / 2][dim]), 64 columns at
+// a time, into `part` (16 x dim fp32).
+inline void weigh_group(const bf16* high, const bf16* low, const bf16* pairs, int subs, int dim, float* part) {
+    for (int col = 0; col < dim; col += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int k = 0; k < subs; ++k) {
+            const bf16* v = pairs + (int64_t)k * (SUB / 2) * 2 * dim + 2 * col;
+            _tile_loadd(4, high + k * SUB, BLOCK * 2);
+            _tile_loadd(6, low + k * SUB, BLOCK * 2);
+            _tile_loadd(5, v, dim * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(0, 6, 5);
+            _tile_loadd(5, v + 32, dim * 4);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_dpbf16ps(1, 6, 5);
+            _tile_loadd(5, v + 64, dim * 4);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(2, 6, 5);
+            _tile_loadd(5, v + 96, dim * 4);
+            _tile_dpbf16ps(3, 4, 5);
+            _tile_dpbf16ps(3, 6, 5);
+        }
+        _tile_stored(0, part + col, dim * 4);
+        _tile_stored(1, part + col + 16, dim * 4);
+        _tile_stored(2, part + col + 32, dim * 4);
+        _tile_stored(3, part + col + 48, dim * 4);
+    }
+}
+
+}  // namespace amx
+
+// attend_tile on the tile unit (bfloat16, head_dim a multiple of 64, scale > 0). The
+// running max is kept in unscaled scores (the same order for a positive scale), so the
+// scale rides in the exponent's multiply-add.
+void attend_tile_amx(const Args<bf16>& a, const Prepared<bf16>& prep, int kv, int tile, Scratch& w) {
+    const int dim = a.head_dim, group = a.group();
+    const int first = tile * TILE, tokens = std::min(TILE, a.q_len - first), rows = tokens * group;
+    const int groups = (rows + amx::ROWS - 1) / amx::ROWS, padded = groups * amx::ROWS;
+    // Rows in token order as in attend_tile; rows past the last are zero: scored, not used.
+    w.q16.assign((size_t)padded * dim, bf16{});
+    bf16* q = w.q16.data();
+    for (int r = 0; r < rows; ++r)
+        std::memcpy(q + r * dim, a.q_row(first + r / group, kv * group + r % group), dim * sizeof(bf16));
+    w.scores.resize((size_t)padded * BLOCK);
+    w.weights.assign((size_t)2 * padded * BLOCK, bf16{});  // the high parts, then the low
+    w.part.resize((size_t)amx::ROWS * dim);
+    w.out.assign((size_t)rows * dim, 0.0f);
+    w.top.assign(rows, NEG_INF);
+    w.sums.assign((size_t)rows * W, 0.0f);
+    w.alpha.resize(rows);
+    float* s = w.scores.data();
+    const float scale = a.scale;
+    const int first_pos = a.past_len + first, keys = first_pos + tokens;
+
+    for (int start = 0; start < keys; start += BLOCK) {
+        const int begin = std::max(0, start - first_pos) * group;
+        const int subs = std::min(2, (keys - start + SUB - 1) / SUB);
+        const bf16* kt = prep.keys + ((int64_t)kv * prep.blocks + start / SUB) * dim * SUB;
+        for (int g = begin / amx::ROWS; g < groups; ++g)
+            amx::score_group(q + (int64_t)g * amx::ROWS * dim, dim, kt, subs, s + (size_t)g * amx::ROWS * BLOCK);
+        // Per row: its scores with the causal mask (and past the block's last key) as -inf,
+        // the new max, the factor its earlier sums shrink by, and the weights, split in two
+        // bfloat16; its sum is kept per lane.
+        for (int r = begin; r < rows; ++r) {
+            const float* row = s + (size_t)r * BLOCK;
+            const int seen = first_pos + r / group + 1 - start;
+            vec x[BLOCK / W];
+            for (int i = 0; i < BLOCK / W; ++i) x[i] = _mm512_mask_loadu_ps(vset1(NEG_INF), amx::lanes(seen - i * W), row + i * W);
+            const float row_top = std::max(w.top[r], vtop(vmax(vmax(x[0], x[1]), vmax(x[2], x[3]))));
+            const float alpha = w.top[r] == NEG_INF ? 0.0f : std::exp((w.top[r] - row_top) * scale);
+            w.alpha[r] = alpha;
+            w.top[r] = row_top;
+            const vec shift = vset1(-row_top * scale), times = vset1(scale);
+            vec total = vzero();
+            bf16* high = w.weights.data() + (size_t)r * BLOCK;
+            bf16* low = high + (size_t)padded * BLOCK;
+            for (int i = 0; i < BLOCK / W; ++i) {
+                const vec weight = vexp(vfmadd(x[i], times, shift));
+                const __m256bh rounded = _mm512_cvtneps_pbh(weight);
+                const __m256bh rest = _mm512_cvtneps_pbh(vsub(weight, _mm512_cvtpbh_ps(rounded)));
+                std::memcpy(high + i * W, &rounded, sizeof rounded);
+                std::memcpy(low + i * W, &rest, sizeof rest);
+                total = vadd(total, weight);
+            }
+            float* sum = w.sums.data() + (size_t)r * W;
+            vstore(sum, vfmadd(vload(sum), vset1(alpha), total));
+        }
+        const bf16* pairs = prep.value_pairs + ((int64_t)kv * prep.blocks * SUB + start) * dim;
+        for (int g = begin / amx::ROWS; g < groups; ++g) {
+            const bf16* high = w.weights.data() + (size_t)g * amx::ROWS * BLOCK;
+            amx::weigh_group(high, high + (size_t)padded * BLOCK, pairs, subs, dim, w.part.data());
+            for (int r = std::max(begin, g * amx::ROWS); r < std::min(rows, (g + 1) * amx::ROWS); ++r) {
+                float* o = w.out.data() + (size_t)r * dim;
+                const float* part = w.part.data() + (size_t)(r - g * amx::ROWS) * dim;
+                const vec alpha = vset1(w.alpha[r]);
+                for (int d = 0; d < dim; d += W) vstore(o + d, vfmadd(vload(o + d), alpha, vload(part + d)));
+            }
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        bf16* out = a.out + ((int64_t)(first + r / group) * a.num_heads + kv * group + r % group) * dim;
+        const vec inv = vset1(1.0f / vsum(vload(w.sums.data() + (size_t)r * W)));
+        for (int d = 0; d < dim; d += W) vstore_as(out + d, vmul(vload(w.out.data() + (size_t)r * dim + d), inv));
+    }
+}
+#endif
+
+template <typename T>
+bool use_amx(const Args<T>& a) {
+#ifdef INFLIGHT_AMX
+    if constexpr (std::is_same_v<T, bf16>) return a.head_dim % 64 == 0 && a.scale > 0.0f && amx::granted();
+#endif
+    (void)a;
+    return false;
+}
+
 constexpr size_t MAX_KEPT_BYTES = size_t(64) << 20;
 
 template <typename T>
@@ -439,36 +651,59 @@ void attend_blocked(const Args<T>& a, int num_threads) {
     using K = KeyT<T>;
     const int blocks = (a.num_keys() + SUB - 1) / SUB;
     const int tiles = num_tiles(a.q_len), items = tiles * a.num_kv_heads;
+    const bool tiled = use_amx(a);
     thread_local std::vector<K> key_store;
     thread_local std::vector<float> value_store;
+    thread_local std::vector<T> pair_store;
     const size_t key_size = (size_t)a.num_kv_heads * blocks * a.head_dim * SUB;
     if (key_store.size() < key_size) key_store.resize(key_size);
     float* values = nullptr;
-    if constexpr (!std::is_same_v<T, float>) {
+    T* pairs = nullptr;
+    if (tiled) {
+        if (pair_store.size() < key_size) pair_store.resize(key_size);
+        pairs = pair_store.data();
+    } else if constexpr (!std::is_same_v<T, float>) {
         const size_t value_size = (size_t)a.num_kv_heads * a.num_keys() * a.head_dim;
         if (value_store.size() < value_size) value_store.resize(value_size);
         values = value_store.data();
     }
-    const Prepared<T> prep{key_store.data(), values, blocks};
+    const Prepared<T> prep{key_store.data(), values, pairs, blocks};
     K* keys = key_store.data();
 #pragma omp parallel num_threads(team_size(items, num_threads))
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < a.num_kv_heads * blocks; ++i)
-            prepare_block(a, keys, values, blocks, i / blocks, i % blocks);
+            prepare_block(a, keys, values, pairs, blocks, i / blocks, i % blocks);
         Scratch scratch;  // per thread, reused across its items
+#ifdef INFLIGHT_AMX
+        if constexpr (std::is_same_v<T, bf16>)
+            if (tiled) amx::configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < items; ++i) {
             int kv, tile;
             item_of(i, tiles, a.num_kv_heads, kv, tile);
+#ifdef INFLIGHT_AMX
+            if constexpr (std::is_same_v<T, bf16>)
+                if (tiled) {
+                    attend_tile_amx(a, prep, kv, tile, scratch);
+                    continue;
+                }
+#endif
             attend_tile(a, prep, kv, tile, scratch);
         }
+#ifdef INFLIGHT_AMX
+        if (tiled) _tile_release();
+#endif
     }
     // Kept for the next call (fresh pages cost more than filling them), unless a very long
     // context made them large.
-    if (key_store.capacity() * sizeof(K) + value_store.capacity() * sizeof(float) > MAX_KEPT_BYTES) {
+    const size_t kept = key_store.capacity() * sizeof(K) + value_store.capacity() * sizeof(float) +
+                        pair_store.capacity() * sizeof(T);
+    if (kept > MAX_KEPT_BYTES) {
         std::vector<K>().swap(key_store);
         std::vector<float>().swap(value_store);
+        std::vector<T>().swap(pair_store);
     }
 }
 #endif
