@@ -6,10 +6,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from gpu.cpu.packed_linear import PackedLinear, can_pack, onednn_packs, pack_linears
+from gpu.cpu.packed_linear import PackedLinear, amx_kernel, can_pack, onednn_packs, pack_linears
 
 BF16_PACKS = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 here")
 
@@ -26,6 +27,25 @@ def test_packed_linear_matches_nn_linear(dtype, atol, bias):
             got, want = packed(x), linear(x)
         assert got.shape == want.shape and got.dtype == dtype
         torch.testing.assert_close(got, want, atol=atol, rtol=1e-2)
+
+
+@pytest.mark.skipif(amx_kernel() is None, reason="this CPU has no AMX")
+def test_on_amx_bfloat16_linears_run_the_tile_kernel_and_others_onednn():
+    """bfloat16 with both sides multiples of 32 runs on the tile kernel, for any row count
+    (rows read through their stride); a side that is not, and float32, stay on oneDNN."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True).bfloat16()
+    tiled = PackedLinear(linear)
+    assert tiled.on_amx
+    assert not PackedLinear(nn.Linear(64, 100).bfloat16()).on_amx
+    assert not PackedLinear(nn.Linear(64, 96)).on_amx
+    wide = torch.randn(70, 128, dtype=torch.bfloat16)
+    for x in (wide[:, 32:96], wide[:1, :64], wide[:33, :64].reshape(3, 11, 64)):
+        with torch.inference_mode():
+            got = tiled(x)
+        want = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2)
 
 
 def test_pack_linears_replaces_every_linear_and_keeps_the_logits():
