@@ -1,4 +1,4 @@
-"""Packed oneDNN linears compute what `nn.Linear` computes, for any row count."""
+"""Packed linears (oneDNN, or the AMX kernel) compute what `nn.Linear` computes, for any row count."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers.models.llama.modeling_llama import LlamaMLP
 
+from gpu.cpu.fusions import FusedGatedMLP, fused_ops
 from gpu.cpu.packed_linear import PackedLinear, amx_kernel, can_pack, onednn_packs, pack_linears
 
 BF16_PACKS = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 here")
@@ -46,6 +48,29 @@ def test_on_amx_bfloat16_linears_run_the_tile_kernel_and_others_onednn():
         want = F.linear(x.float(), linear.weight.float(), linear.bias.float())
         assert got.shape == want.shape and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(amx_kernel() is None, reason="this CPU has no AMX")
+def test_on_amx_a_gated_mlp_gets_silu_times_up_from_the_product_pass():
+    """A gated MLP's gate and up projections, packed with their halves interleaved: the
+    linear still returns [gate, up] in place, and `silu_mul` returns bit for bit what the
+    separate SiLU-product pass (`silu_mul_bf16`) makes of that output."""
+    torch.manual_seed(0)
+    mlp = FusedGatedMLP(LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=96)).bfloat16())
+    plain = PackedLinear(mlp.gate_up_proj)
+    gated = PackedLinear(mlp.gate_up_proj, gated=True)
+    assert gated.gated and not plain.gated
+    x = torch.randn(37, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        gate_up = gated(x)
+        assert torch.equal(gate_up, plain(x))
+        want = torch.empty(37, 96, dtype=torch.bfloat16)
+        fused_ops().silu_mul_bf16(gate_up.data_ptr(), 192, want.data_ptr(), 37, 96, 1)
+        assert torch.equal(gated.silu_mul(x), want)
+        mlp.gate_up_proj = gated
+        torch.testing.assert_close(
+            mlp(x).float(), F.linear(want.float(), mlp.down_proj.weight.float()), atol=3e-2, rtol=1e-2
+        )
 
 
 def test_pack_linears_replaces_every_linear_and_keeps_the_logits():

@@ -23,7 +23,8 @@ like the decode kernel) for float32 and bfloat16; where it cannot be built, or f
 dtypes, they fall back to torch (the norm's own formula, `F.silu` and a multiply), which
 computes the same to rounding.
 
-Run before `pack_linears`, which then packs the fused projection like any other linear.
+Run before `pack_linears`, which then packs the fused projection like any other linear
+(on AMX, with the SiLU product in the same kernel: `gpu.cpu.packed_linear`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ class FusedGatedMLP(nn.Module):
         self.down_proj = mlp.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "gated", False):  # packed for AMX: SiLU x up in the product's pass
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         gate_up = self.gate_up_proj(x)
         ops = fused_ops()
         if ops is None or gate_up.dtype not in KERNEL_DTYPES or not gate_up.is_contiguous():

@@ -18,6 +18,7 @@ import functools
 import torch
 from torch import nn
 
+from gpu.cpu.fusions import FusedGatedMLP
 from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 
 # oneDNN packs float32 everywhere, bfloat16 on most x86 CPUs; float16 needs features most lack.
@@ -28,20 +29,32 @@ _ROWS_HINT = 64
 
 # The tile kernel's blocks: 32 output and 32 input columns.
 _AMX_BLOCK = 32
+# Its epilogues (`kernels/cpu_amx_linear.cpp`): plain; a gated MLP's interleaved halves put
+# back in place; SiLU(gate) x up.
+_PLAIN, _HALVES, _SILU_MUL = 0, 1, 2
 
 
 class PackedLinear(nn.Module):
     """An `nn.Linear` whose weight lives in a packed layout (inference only): the AMX
-    kernel's where it applies (`amx_applies`), oneDNN's otherwise."""
+    kernel's where it applies (`amx_applies`), oneDNN's otherwise.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    `gated`: the linear is a gated MLP's gate and up projections side by side
+    (`gpu.cpu.fusions.FusedGatedMLP`). On AMX its halves are packed interleaved, and
+    `silu_mul(x)` computes SiLU(gate) x up in the product's own pass (`self.gated`).
+    """
+
+    def __init__(self, linear: nn.Linear, gated: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.on_amx = amx_applies(weight)
+        self.gated = gated and self.on_amx
         if self.on_amx:
+            if self.gated:
+                weight = interleave_halves(weight)
+                self.bias = None if self.bias is None else interleave_halves(self.bias)
             self.packed_weight = torch.empty_like(weight)
             amx_kernel().amx_pack_weight(weight.contiguous().data_ptr(), *weight.shape, self.packed_weight.data_ptr())
         else:
@@ -49,23 +62,37 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_amx:
-            return self._amx_forward(x)
+            return self._amx_forward(x, _HALVES if self.gated else _PLAIN, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def _amx_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) x up of the two halves of this linear's output (only where `gated`)."""
+        if not self.gated:
+            raise ValueError("silu_mul needs a gated linear on AMX")
+        return self._amx_forward(x, _SILU_MUL, self.out_features // 2)
+
+    def _amx_forward(self, x: torch.Tensor, epilogue: int, width: int) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        out = torch.empty(rows.shape[0], width, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.data_ptr()
         status = amx_kernel().amx_linear(
             rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0),
-            self.packed_weight.data_ptr(), self.out_features, bias, out.data_ptr(), self.out_features,
+            self.packed_weight.data_ptr(), self.out_features, bias, out.data_ptr(), width, epilogue,
             torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"the AMX linear refused {tuple(x.shape)} x {self.in_features}->{self.out_features}")
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], width)
+
+
+def interleave_halves(rows: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's [gate; up] rows reordered as the tile kernel's blocks of 32 want them:
+    16 rows of gate, then the 16 of up that go with them, and so on."""
+    half = rows.shape[0] // 2
+    blocks = rows.reshape(2, half // 16, 16, *rows.shape[1:]).transpose(0, 1)
+    return blocks.reshape(rows.shape).contiguous()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -81,7 +108,7 @@ def amx_kernel() -> ctypes.CDLL | None:
     library.amx_linear_ready.restype = ctypes.c_int
     library.amx_pack_weight.argtypes = (p, i64, i64, p)
     library.amx_pack_weight.restype = None
-    library.amx_linear.argtypes = (p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int)
+    library.amx_linear.argtypes = (p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int)
     library.amx_linear.restype = ctypes.c_int
     return library if library.amx_linear_ready() else None
 
@@ -125,6 +152,7 @@ def pack_linears(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child))
+                gated = isinstance(parent, FusedGatedMLP) and name == "gate_up_proj"
+                setattr(parent, name, PackedLinear(child, gated=gated))
                 replaced += 1
     return replaced

@@ -7,12 +7,20 @@
 // go to threads in column-block order, so a thread keeps its weight blocks in cache while
 // the rows stream past them.
 //
+// An epilogue per item: the sums (plus bias) rounded to bfloat16 into y; or, for the gated
+// MLP's gate and up projections packed with their halves interleaved (16 gate columns, then
+// the 16 up columns that go with them, per block), the two halves back where they belong,
+// or SiLU(gate) x up straight away (the MLP's next step, one pass over memory saved).
+//
 // Threads: OpenMP (torch's runtime), the count given. Built only where the compiler has
 // AMX (-march=native on such a CPU); `amx_linear_ready` says whether it may run here.
+// Each item's epilogue runs during the next item's products, between its steps.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include <omp.h>
 
 #include "cpu_vector_math.h"
 
@@ -51,9 +59,12 @@ void configure() {
     _tile_loadconfig(&config);
 }
 
-// y rows [row, row + 32) x columns [col, col + 32): x's rows `x_stride` apart (a partial
-// block comes zero-padded in `pad`), the packed weight's column block `weight`.
-void item(const bf16* x, int64_t x_stride, const bf16* weight, int64_t k_steps, float* sums) {
+// The sums of y rows [row, row + 32) x columns [col, col + 32) into `sums` (32 x 32): x's
+// rows `x_stride` apart, the packed weight's column block `weight`. `between(step)` runs
+// after each step's products: vector work (the last item's epilogue) that the core does
+// while the tile unit multiplies.
+template <typename Between>
+void item(const bf16* x, int64_t x_stride, const bf16* weight, int64_t k_steps, float* sums, Between between) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -67,11 +78,43 @@ void item(const bf16* x, int64_t x_stride, const bf16* weight, int64_t k_steps, 
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        between(k);
     }
     _tile_stored(0, sums, BLOCK * 4);
     _tile_stored(1, sums + TILE, BLOCK * 4);
     _tile_stored(2, sums + TILE * BLOCK, BLOCK * 4);
     _tile_stored(3, sums + TILE * BLOCK + TILE, BLOCK * 4);
+}
+
+enum Epilogue { PLAIN = 0, HALVES = 1, SILU_MUL = 2 };
+
+inline __m512 rounded(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
+
+inline void store(bf16* p, __m512 v) {
+    const __m256bh packed = _mm512_cvtneps_pbh(v);
+    std::memcpy(p, &packed, sizeof packed);
+}
+
+// Row r of an item at columns [col, col + 32) of the packed order: `low` its first 16 sums
+// plus bias, `high` the next 16. y has n columns (PLAIN, HALVES) or n / 2 (SILU_MUL).
+inline void finish_row(Epilogue epilogue, __m512 low, __m512 high, bf16* y_row, int64_t col, int64_t n) {
+    switch (epilogue) {
+        case PLAIN:
+            store(y_row + col, low);
+            store(y_row + col + TILE, high);
+            break;
+        case HALVES:
+            store(y_row + col / 2, low);
+            store(y_row + n / 2 + col / 2, high);
+            break;
+        case SILU_MUL: {
+            // As `silu_mul_bf16` over the rounded projections: SiLU rounded, times up, rounded.
+            const __m512 gate = rounded(low), up = rounded(high);
+            const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+            store(y_row + col / 2, _mm512_mul_ps(rounded(silu), up));
+            break;
+        }
+    }
 }
 
 }  // namespace
@@ -93,12 +136,13 @@ extern "C" void amx_pack_weight(const bf16* weight, int64_t n, int64_t k, bf16* 
         }
 }
 
-// y [m, n] (rows `y_stride` apart) = x [m, k] (rows `x_stride` apart) times the packed
-// weight, plus `bias` [n] unless null. Returns 0, or -1 where it cannot run (no tile
-// permission, or n, k not multiples of 32).
+// y (rows `y_stride` apart) from x [m, k] (rows `x_stride` apart) times the packed weight
+// [n, k], plus `bias` [n] (in the packed column order) unless null, through `epilogue`
+// (see above: 0 plain, 1 halves, 2 SiLU x up). Returns 0, or -1 where it cannot run (no
+// tile permission, n or k not multiples of 32, an unknown epilogue).
 extern "C" int amx_linear(const bf16* x, int64_t m, int64_t k, int64_t x_stride, const bf16* packed, int64_t n,
-                          const bf16* bias, bf16* y, int64_t y_stride, int num_threads) {
-    if (!granted() || n % BLOCK != 0 || k % BLOCK != 0 || m < 0) return -1;
+                          const bf16* bias, bf16* y, int64_t y_stride, int epilogue, int num_threads) {
+    if (!granted() || n % BLOCK != 0 || k % BLOCK != 0 || m < 0 || epilogue < PLAIN || epilogue > SILU_MUL) return -1;
     if (m == 0) return 0;
     const int64_t row_blocks = (m + BLOCK - 1) / BLOCK, col_blocks = n / BLOCK, k_steps = k / BLOCK;
     const int64_t items = row_blocks * col_blocks;
@@ -106,10 +150,23 @@ extern "C" int amx_linear(const bf16* x, int64_t m, int64_t k, int64_t x_stride,
 #pragma omp parallel num_threads(threads)
     {
         configure();
-        alignas(64) float sums[BLOCK * BLOCK];
-        std::vector<bf16> pad;  // a last, partial row block, zero-padded to 32 rows
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < items; ++i) {
+        alignas(64) float sums[2][BLOCK * BLOCK];  // this item's, and the last one's
+        std::vector<bf16> pad;                     // a last, partial row block, zero-padded to 32 rows
+        struct Finished {
+            const float* sums = nullptr;
+            int64_t row = 0, rows = 0, col = 0;
+            __m512 bias_low, bias_high;
+        } last;
+        auto finish = [&](int64_t from, int64_t to) {  // rows [from, to) of the last item
+            if (last.sums == nullptr) return;
+            for (int64_t r = from; r < std::min(to, last.rows); ++r)
+                finish_row((Epilogue)epilogue, _mm512_add_ps(_mm512_loadu_ps(last.sums + r * BLOCK), last.bias_low),
+                           _mm512_add_ps(_mm512_loadu_ps(last.sums + r * BLOCK + TILE), last.bias_high),
+                           y + (last.row + r) * y_stride, last.col, n);
+        };
+        // A contiguous share of the items, in column-block order (static, as `omp for` would).
+        const int64_t team = omp_get_num_threads(), self = omp_get_thread_num();
+        for (int64_t i = items * self / team; i < items * (self + 1) / team; ++i) {
             const int64_t col_block = i / row_blocks, row_block = i % row_blocks;
             const int64_t row = row_block * BLOCK, rows = std::min<int64_t>(BLOCK, m - row);
             const bf16* rows_of_x = x + row * x_stride;
@@ -122,19 +179,19 @@ extern "C" int amx_linear(const bf16* x, int64_t m, int64_t k, int64_t x_stride,
                 rows_of_x = pad.data();
                 stride = k;
             }
-            item(rows_of_x, stride, packed + col_block * k_steps * 2 * TILE_ELEMENTS, k_steps, sums);
+            float* into = sums[i & 1];
+            const int64_t rows_a_step = (last.rows + k_steps - 1) / k_steps;
+            item(rows_of_x, stride, packed + col_block * k_steps * 2 * TILE_ELEMENTS, k_steps, into,
+                 [&](int64_t step) { finish(step * rows_a_step, (step + 1) * rows_a_step); });
             const int64_t col = col_block * BLOCK;
-            const __m512 bias_low = bias ? _mm512_cvtpbh_ps(*(const __m256bh*)(bias + col)) : _mm512_setzero_ps();
-            const __m512 bias_high =
-                bias ? _mm512_cvtpbh_ps(*(const __m256bh*)(bias + col + TILE)) : _mm512_setzero_ps();
-            for (int64_t r = 0; r < rows; ++r) {
-                const __m256bh low = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + r * BLOCK), bias_low));
-                const __m256bh high =
-                    _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + r * BLOCK + TILE), bias_high));
-                std::memcpy(y + (row + r) * y_stride + col, &low, sizeof low);
-                std::memcpy(y + (row + r) * y_stride + col + TILE, &high, sizeof high);
-            }
+            last.sums = into;
+            last.row = row;
+            last.rows = rows;
+            last.col = col;
+            last.bias_low = bias ? _mm512_cvtpbh_ps(*(const __m256bh*)(bias + col)) : _mm512_setzero_ps();
+            last.bias_high = bias ? _mm512_cvtpbh_ps(*(const __m256bh*)(bias + col + TILE)) : _mm512_setzero_ps();
         }
+        finish(0, BLOCK);
         _tile_release();
     }
     return 0;
@@ -144,7 +201,7 @@ extern "C" int amx_linear(const bf16* x, int64_t m, int64_t k, int64_t x_stride,
 extern "C" int amx_linear_ready() { return 0; }
 extern "C" void amx_pack_weight(const bf16*, int64_t, int64_t, bf16*) {}
 extern "C" int amx_linear(const bf16*, int64_t, int64_t, int64_t, const bf16*, int64_t, const bf16*, bf16*, int64_t,
-                          int) {
+                          int, int) {
     return -1;
 }
 #endif
