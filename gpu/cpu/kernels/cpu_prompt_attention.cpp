@@ -350,7 +350,7 @@ void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, T* value_pair
 
 // Per-thread buffers for one tile.
 struct Scratch {
-    std::vector<float> q32, scores, out, top, sums, shift, alpha, part;
+    std::vector<float> q32, scores, out, top, fresh, sums, shift, alpha, part;
     std::vector<bf16> q16, weights;
 };
 
@@ -559,6 +559,11 @@ inline void weigh_group(const bf16* high, const bf16* low, const bf16* pairs, in
 
 }  // namespace amx
 
+// A row's BLOCK scores, those of keys at or past `seen` as -inf.
+inline void masked_scores(const float* row, int seen, vec* x) {
+    for (int i = 0; i < BLOCK / W; ++i) x[i] = _mm512_mask_loadu_ps(vset1(NEG_INF), amx::lanes(seen - i * W), row + i * W);
+}
+
 // attend_tile on the tile unit (bfloat16, head_dim a multiple of 64, scale > 0). The
 // running max is kept in unscaled scores (the same order for a positive scale), so the
 // scale rides in the exponent's multiply-add.
@@ -567,17 +572,21 @@ void attend_tile_amx(const Args<bf16>& a, const Prepared<bf16>& prep, int kv, in
     const int first = tile * TILE, tokens = std::min(TILE, a.q_len - first), rows = tokens * group;
     const int groups = (rows + amx::ROWS - 1) / amx::ROWS, padded = groups * amx::ROWS;
     // Rows in token order as in attend_tile; rows past the last are zero: scored, not used.
-    w.q16.assign((size_t)padded * dim, bf16{});
+    w.q16.resize((size_t)padded * dim);
     bf16* q = w.q16.data();
     for (int r = 0; r < rows; ++r)
         std::memcpy(q + r * dim, a.q_row(first + r / group, kv * group + r % group), dim * sizeof(bf16));
+    std::memset(q + rows * dim, 0, (size_t)(padded - rows) * dim * sizeof(bf16));
     w.scores.resize((size_t)padded * BLOCK);
-    w.weights.assign((size_t)2 * padded * BLOCK, bf16{});  // the high parts, then the low
+    // The high parts, then the low. A row not (or no longer) written keeps finite leftovers:
+    // a result row depends on its own weights row only, and such rows' results are unused.
+    w.weights.resize((size_t)2 * padded * BLOCK);
     w.part.resize((size_t)amx::ROWS * dim);
     w.out.assign((size_t)rows * dim, 0.0f);
-    w.top.assign(rows, NEG_INF);
+    w.top.assign(padded, NEG_INF);
+    w.fresh.assign(padded, NEG_INF);
     w.sums.assign((size_t)rows * W, 0.0f);
-    w.alpha.resize(rows);
+    w.alpha.resize(padded);
     float* s = w.scores.data();
     const float scale = a.scale;
     const int first_pos = a.past_len + first, keys = first_pos + tokens;
@@ -588,19 +597,27 @@ void attend_tile_amx(const Args<bf16>& a, const Prepared<bf16>& prep, int kv, in
         const bf16* kt = prep.keys + ((int64_t)kv * prep.blocks + start / SUB) * dim * SUB;
         for (int g = begin / amx::ROWS; g < groups; ++g)
             amx::score_group(q + (int64_t)g * amx::ROWS * dim, dim, kt, subs, s + (size_t)g * amx::ROWS * BLOCK);
-        // Per row: its scores with the causal mask (and past the block's last key) as -inf,
-        // the new max, the factor its earlier sums shrink by, and the weights, split in two
-        // bfloat16; its sum is kept per lane.
+        // Softmax in three passes over the rows, each row independent of the others within
+        // a pass (so the core overlaps them): each row's new max, of its scores with the
+        // causal mask (and past the block's last key) as -inf; then 16 rows at a time, the
+        // factor their earlier sums shrink by; then each row's weights, split in two
+        // bfloat16, and its sum, kept per lane.
+        const int first_row = begin / W * W;
+        std::copy(w.top.begin() + first_row, w.top.end(), w.fresh.begin() + first_row);
         for (int r = begin; r < rows; ++r) {
-            const float* row = s + (size_t)r * BLOCK;
-            const int seen = first_pos + r / group + 1 - start;
             vec x[BLOCK / W];
-            for (int i = 0; i < BLOCK / W; ++i) x[i] = _mm512_mask_loadu_ps(vset1(NEG_INF), amx::lanes(seen - i * W), row + i * W);
-            const float row_top = std::max(w.top[r], vtop(vmax(vmax(x[0], x[1]), vmax(x[2], x[3]))));
-            const float alpha = w.top[r] == NEG_INF ? 0.0f : std::exp((w.top[r] - row_top) * scale);
-            w.alpha[r] = alpha;
-            w.top[r] = row_top;
-            const vec shift = vset1(-row_top * scale), times = vset1(scale);
+            masked_scores(s + (size_t)r * BLOCK, first_pos + r / group + 1 - start, x);
+            w.fresh[r] = std::max(w.top[r], vtop(vmax(vmax(x[0], x[1]), vmax(x[2], x[3]))));
+        }
+        for (int r = first_row; r < rows; r += W) {
+            const vec top = vload(w.top.data() + r), fresh = vload(w.fresh.data() + r);
+            vstore(w.alpha.data() + r, vexp(vmul(vsub(top, fresh), vset1(scale))));  // 0 where top is -inf
+            vstore(w.top.data() + r, fresh);
+        }
+        for (int r = begin; r < rows; ++r) {
+            vec x[BLOCK / W];
+            masked_scores(s + (size_t)r * BLOCK, first_pos + r / group + 1 - start, x);
+            const vec shift = vset1(-w.top[r] * scale), times = vset1(scale);
             vec total = vzero();
             bf16* high = w.weights.data() + (size_t)r * BLOCK;
             bf16* low = high + (size_t)padded * BLOCK;
@@ -613,7 +630,7 @@ void attend_tile_amx(const Args<bf16>& a, const Prepared<bf16>& prep, int kv, in
                 total = vadd(total, weight);
             }
             float* sum = w.sums.data() + (size_t)r * W;
-            vstore(sum, vfmadd(vload(sum), vset1(alpha), total));
+            vstore(sum, vfmadd(vload(sum), vset1(w.alpha[r]), total));
         }
         const bf16* pairs = prep.value_pairs + ((int64_t)kv * prep.blocks * SUB + start) * dim;
         for (int g = begin / amx::ROWS; g < groups; ++g) {
