@@ -22,7 +22,7 @@ _log = logging.getLogger("inflight.native")
 # The CPU kernels (`gpu/cpu/kernels/cpu_*.cpp`): built for this CPU, with OpenMP (torch's own
 # runtime once loaded into this process, which already has torch's libgomp).
 KERNELS = Path(__file__).parent / "kernels"
-CPU_HEADERS = (KERNELS / "cpu_vector_math.h", KERNELS / "cpu_row_ops.h")
+CPU_HEADERS = (KERNELS / "cpu_vector_math.h", KERNELS / "cpu_row_ops.h", KERNELS / "cpu_amx.h")
 CPU_CXX_FLAGS = ("-std=c++17", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{KERNELS}")
 # Without -march=native: the portable loops, not the AVX2 ones (for testing both).
 PORTABLE_CPU_CXX_FLAGS = tuple(flag for flag in CPU_CXX_FLAGS if flag != "-march=native")

@@ -25,8 +25,6 @@ from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN tunes the packed layout for; any row count works with it.
 _ROWS_HINT = 64
-
-
 # The tile kernel's blocks: 32 output and 32 input columns.
 _AMX_BLOCK = 32
 # Its epilogues (`kernels/cpu_amx_linear.cpp`): plain; a gated MLP's interleaved halves put
@@ -86,6 +84,9 @@ class PackedLinear(nn.Module):
             raise RuntimeError(f"the AMX linear refused {tuple(x.shape)} x {self.in_features}->{self.out_features}")
         return out.view(*x.shape[:-1], width)
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
 
 def interleave_halves(rows: torch.Tensor) -> torch.Tensor:
     """A gated MLP's [gate; up] rows reordered as the tile kernel's blocks of 32 want them:
@@ -93,9 +94,6 @@ def interleave_halves(rows: torch.Tensor) -> torch.Tensor:
     half = rows.shape[0] // 2
     blocks = rows.reshape(2, half // 16, 16, *rows.shape[1:]).transpose(0, 1)
     return blocks.reshape(rows.shape).contiguous()
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 @functools.cache

@@ -22,42 +22,18 @@
 
 #include <omp.h>
 
+#include "cpu_amx.h"
 #include "cpu_vector_math.h"
 
-#if defined(INFLIGHT_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#ifdef INFLIGHT_AMX
 namespace {
 
-constexpr int TILE = 16;         // rows of a tile; its 64 bytes hold 16 fp32 or 16 bfloat16 pairs
+using amx::granted;
+constexpr int TILE = amx::ROWS;
 constexpr int BLOCK = 2 * TILE;  // rows, columns and input columns of a work item's step
 constexpr int64_t TILE_ELEMENTS = TILE * BLOCK;  // bfloat16 in one packed tile
 
-struct alignas(64) Config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// Linux gives the tile state only to a process that asks for it (once; oneDNN asks too).
-bool granted() {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return ok;
-}
-
-// Tiles 0-3: results; 4-5: rows of x; 6-7: the weight. Per thread, before its first tile
-// instruction (oneDNN, in the same threads, loads its own).
-void configure() {
-    Config config{};
-    config.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        config.colsb[t] = 64;
-        config.rows[t] = TILE;
-    }
-    _tile_loadconfig(&config);
-}
+// Tiles 0-3: results; 4-5: rows of x; 6-7: the weight (`cpu_amx.h`).
 
 // The sums of y rows [row, row + 32) x columns [col, col + 32) into `sums` (32 x 32): x's
 // rows `x_stride` apart, the packed weight's column block `weight`. `between(step)` runs
@@ -149,7 +125,7 @@ extern "C" int amx_linear(const bf16* x, int64_t m, int64_t k, int64_t x_stride,
     const int threads = (int)std::max<int64_t>(1, std::min<int64_t>(items, num_threads));
 #pragma omp parallel num_threads(threads)
     {
-        configure();
+        amx::configure();
         alignas(64) float sums[2][BLOCK * BLOCK];  // this item's, and the last one's
         std::vector<bf16> pad;                     // a last, partial row block, zero-padded to 32 rows
         struct Finished {

@@ -30,13 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_amx.h"
 #include "cpu_vector_math.h"
-
-#if defined(INFLIGHT_AVX512BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define INFLIGHT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -458,42 +453,13 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
 }
 
 #ifdef INFLIGHT_AMX
-// The tile unit: eight tiles of up to 16 rows of 64 bytes; TDPBF16PS adds into a 16 x 16
-// fp32 tile the products of a 16 x 32 bfloat16 tile and a 16 x 16 tile of bfloat16 pairs
-// (rows of the right operand are pairs of its reduction index). Here tiles 0-3 hold
-// results, tiles 4 and 6 left operands and tile 5 the right; every tile is 16 x 64 bytes.
-namespace amx {
+// Tiles 0-3 hold results, 4 and 6 left operands, 5 the right (`cpu_amx.h`).
+namespace tiles {
 
-constexpr int ROWS = 16;
 static_assert(SUB == 32 && BLOCK == 64, "a key block is four result tiles of 16 keys");
 
-struct alignas(64) Config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// Linux gives the tile state only to a process that asks for it (once; torch's oneDNN
-// asks too). False where the kernel refuses, and the AVX-512 path runs.
 // The first n lanes of 16 (none for n <= 0, all for n >= 16).
 inline __mmask16 lanes(int n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
-
-inline bool granted() {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return ok;
-}
-
-// Per thread, before its first tile instruction (oneDNN, in the same threads, loads its own).
-inline void configure() {
-    Config config{};
-    config.palette = 1;
-    for (int t = 0; t < 7; ++t) {
-        config.colsb[t] = 64;
-        config.rows[t] = ROWS;
-    }
-    _tile_loadconfig(&config);
-}
 
 // Scores of 16 query rows (`dim` apart) against `subs` SUB-key blocks of transposed keys
 // (their [dim / 2][SUB] pairs are the right operand as laid out), into rows BLOCK apart.
@@ -557,11 +523,11 @@ inline void weigh_group(const bf16* high, const bf16* low, const bf16* pairs, in
     }
 }
 
-}  // namespace amx
+}  // namespace tiles
 
 // A row's BLOCK scores, those of keys at or past `seen` as -inf.
 inline void masked_scores(const float* row, int seen, vec* x) {
-    for (int i = 0; i < BLOCK / W; ++i) x[i] = _mm512_mask_loadu_ps(vset1(NEG_INF), amx::lanes(seen - i * W), row + i * W);
+    for (int i = 0; i < BLOCK / W; ++i) x[i] = _mm512_mask_loadu_ps(vset1(NEG_INF), tiles::lanes(seen - i * W), row + i * W);
 }
 
 // attend_tile on the tile unit (bfloat16, head_dim a multiple of 64, scale > 0). The
@@ -596,7 +562,7 @@ void attend_tile_amx(const Args<bf16>& a, const Prepared<bf16>& prep, int kv, in
         const int subs = std::min(2, (keys - start + SUB - 1) / SUB);
         const bf16* kt = prep.keys + ((int64_t)kv * prep.blocks + start / SUB) * dim * SUB;
         for (int g = begin / amx::ROWS; g < groups; ++g)
-            amx::score_group(q + (int64_t)g * amx::ROWS * dim, dim, kt, subs, s + (size_t)g * amx::ROWS * BLOCK);
+            tiles::score_group(q + (int64_t)g * amx::ROWS * dim, dim, kt, subs, s + (size_t)g * amx::ROWS * BLOCK);
         // Softmax in three passes over the rows, each row independent of the others within
         // a pass (so the core overlaps them): each row's new max, of its scores with the
         // causal mask (and past the block's last key) as -inf; then 16 rows at a time, the
@@ -635,7 +601,7 @@ void attend_tile_amx(const Args<bf16>& a, const Prepared<bf16>& prep, int kv, in
         const bf16* pairs = prep.value_pairs + ((int64_t)kv * prep.blocks * SUB + start) * dim;
         for (int g = begin / amx::ROWS; g < groups; ++g) {
             const bf16* high = w.weights.data() + (size_t)g * amx::ROWS * BLOCK;
-            amx::weigh_group(high, high + (size_t)padded * BLOCK, pairs, subs, dim, w.part.data());
+            tiles::weigh_group(high, high + (size_t)padded * BLOCK, pairs, subs, dim, w.part.data());
             for (int r = std::max(begin, g * amx::ROWS); r < std::min(rows, (g + 1) * amx::ROWS); ++r) {
                 float* o = w.out.data() + (size_t)r * dim;
                 const float* part = w.part.data() + (size_t)(r - g * amx::ROWS) * dim;
