@@ -12,9 +12,10 @@
 // the 16 up columns that go with them, per block), the two halves back where they belong,
 // or SiLU(gate) x up straight away (the MLP's next step, one pass over memory saved).
 //
+// Each item's epilogue runs during the next item's products, between its steps.
+//
 // Threads: OpenMP (torch's runtime), the count given. Built only where the compiler has
 // AMX (-march=native on such a CPU); `amx_linear_ready` says whether it may run here.
-// Each item's epilogue runs during the next item's products, between its steps.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -64,30 +65,26 @@ void item(const bf16* x, int64_t x_stride, const bf16* weight, int64_t k_steps, 
 
 enum Epilogue { PLAIN = 0, HALVES = 1, SILU_MUL = 2 };
 
+// As bfloat16 would hold it, back in fp32 (the AVX-512 BF16 rounding `store16` makes).
 inline __m512 rounded(__m512 v) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v)); }
-
-inline void store(bf16* p, __m512 v) {
-    const __m256bh packed = _mm512_cvtneps_pbh(v);
-    std::memcpy(p, &packed, sizeof packed);
-}
 
 // Row r of an item at columns [col, col + 32) of the packed order: `low` its first 16 sums
 // plus bias, `high` the next 16. y has n columns (PLAIN, HALVES) or n / 2 (SILU_MUL).
 inline void finish_row(Epilogue epilogue, __m512 low, __m512 high, bf16* y_row, int64_t col, int64_t n) {
     switch (epilogue) {
         case PLAIN:
-            store(y_row + col, low);
-            store(y_row + col + TILE, high);
+            store16(y_row + col, low);
+            store16(y_row + col + TILE, high);
             break;
         case HALVES:
-            store(y_row + col / 2, low);
-            store(y_row + n / 2 + col / 2, high);
+            store16(y_row + col / 2, low);
+            store16(y_row + n / 2 + col / 2, high);
             break;
         case SILU_MUL: {
             // As `silu_mul_bf16` over the rounded projections: SiLU rounded, times up, rounded.
             const __m512 gate = rounded(low), up = rounded(high);
             const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-            store(y_row + col / 2, _mm512_mul_ps(rounded(silu), up));
+            store16(y_row + col / 2, _mm512_mul_ps(rounded(silu), up));
             break;
         }
     }
