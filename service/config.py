@@ -228,8 +228,6 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.disagg.role != "both" and not self.engine.cache.prefix_caching:
             raise ValueError("a prefill or decode worker needs prefix caching: handed-off K/V are cached blocks")
-        if self.disagg.role == "decode" and not self.engine.cache.swap_memory_bytes:
-            raise ValueError("a decode worker needs a host tier (swap memory): handed-off K/V enter it")
 
 
 # -- the gateway (`inflight gateway`, service/gateway/) -----------------------------------

@@ -17,7 +17,7 @@ the prefill worker's transfer agent, the slot's address and size, the tokens it 
 its layout, and when the prefill worker frees it). A decode worker reads it through the
 same consumer group, leases and takeovers as the request stream. It reads the K/V with
 the transfer engine (`gpu/kv_transfer.py`) into a slot of its own arena, gives them to
-the engine (they enter the prefix cache's host tier), and continues the job from the
+the engine (they enter its prefix cache, as cached device blocks), and continues the job from the
 published tokens, as a takeover does. When the job ends it tells the prefill worker,
 which frees the slot; a slot never confirmed is freed `handoff_hold_s` after the
 handoff. A decode worker taken over from keeps nothing: its successor reads the K/V from
@@ -197,7 +197,7 @@ class Handoffs:
 
     def release(self, slot_id: str) -> None:
         """This worker is done with the K/V it read under `slot_id` (the engine holds
-        them in its host tier now, or the job ended or left)."""
+        them in its prefix cache now, or the job ended or left)."""
         self.arena.release(slot_id)
 
     async def confirm(self, handoff: Handoff) -> None:

@@ -386,7 +386,7 @@ class Worker:
 
     def _release_prompt_kv(self, entry: Entry) -> None:
         """Free the K/V read for `entry` once the engine is done with the request (it
-        places them in its host tier when it takes the request in: never before)."""
+        places them in its prefix cache when it takes the request in: never before)."""
 
         async def release_when_gone() -> None:
             while self.front.holds(entry.entry_id):

@@ -39,12 +39,12 @@ def disagg(prefix: str, role: str, **overrides) -> DisaggConfig:
     return DisaggConfig(role=role, handoff_stream=f"{prefix}:handoffs", handoff_min_prompt_tokens=8, **overrides)
 
 
-def tally_host_hits(engine) -> list[int]:
-    """The decode engine's prompt tokens found in its host tier, step by step."""
+def tally_prefix_hits(engine) -> list[int]:
+    """The decode engine's prompt tokens found in its prefix cache, step by step."""
     hits, observe = [], engine.observer
 
     def observer(stats) -> None:
-        hits.append(stats.cache.host_hit_tokens)
+        hits.append(stats.cache.device_hit_tokens + stats.cache.host_hit_tokens)
         observe(stats)
 
     engine.observer = observer
@@ -62,14 +62,14 @@ def expected_tokens(make_engine) -> dict[str, list[int]]:
 async def serve(make_engine, prefix: str, jobs, handoff_entries=(), reply_streams=(), dead_letters: int = 0):
     """Run a prefill and a decode worker until every job's reply stream (and each of
     `reply_streams`) ends and `dead_letters` are dead-lettered; returns the replies, the
-    workers, the decode engine's host-tier hits, what is still pending, and the dead letters."""
+    workers, the decode engine's prefix-cache hits, what is still pending, and the dead letters."""
     config = stream_config(prefix)
     client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
     stop = asyncio.Event()
     prefill = Worker(make_engine(block_size=BLOCK), client, config, disagg=disagg(prefix, "prefill"))
     decode_engine = make_engine(block_size=BLOCK)
     decode = Worker(decode_engine, client, replace(config, consumer="w2"), disagg=disagg(prefix, "decode"))
-    host_hits = tally_host_hits(decode_engine)
+    prefix_hits = tally_prefix_hits(decode_engine)
     serving = [asyncio.create_task(worker.run(stop)) for worker in (prefill, decode)]
     for name, prompt in jobs.items():
         await client.xadd(
@@ -100,7 +100,7 @@ async def serve(make_engine, prefix: str, jobs, handoff_entries=(), reply_stream
         *(f"{reply_to}:owner" for reply_to in reply_streams),
     )
     await client.aclose()
-    return replies, (prefill, decode), host_hits, pending, dead
+    return replies, (prefill, decode), prefix_hits, pending, dead
 
 
 def tokens_of(replies: list[dict]) -> list[int]:
@@ -112,7 +112,7 @@ def tokens_of(replies: list[dict]) -> list[int]:
 def test_prefill_and_decode_workers_serve_the_tokens_of_one_worker(make_engine):
     want = expected_tokens(make_engine)
     prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
-    replies, (prefill, decode), host_hits, pending, dead = asyncio.run(serve(make_engine, prefix, PROMPTS))
+    replies, (prefill, decode), prefix_hits, pending, dead = asyncio.run(serve(make_engine, prefix, PROMPTS))
     for name in PROMPTS:
         assert tokens_of(replies[name]) == want[name], name
         assert replies[name][-1]["type"] == b"done"
@@ -120,7 +120,7 @@ def test_prefill_and_decode_workers_serve_the_tokens_of_one_worker(make_engine):
     # The long prompts were finished by the decode worker; the short one never left the prefill worker.
     assert replies["long"][-1]["worker"] == b"w2" and replies["chatty"][-1]["worker"] == b"w2"
     assert replies["short"][-1]["worker"] == b"w1"
-    assert sum(host_hits) >= 2 * (8 // BLOCK) * BLOCK  # the decode worker read the prompts, not recomputed them
+    assert sum(prefix_hits) >= 2 * (8 // BLOCK) * BLOCK  # the decode worker read the prompts, not recomputed them
     assert [p["pending"] for p in pending] == [0, 0]
     assert dead == []
 

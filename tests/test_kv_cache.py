@@ -216,3 +216,32 @@ def test_truncating_frees_the_blocks_past_the_kept_tokens():
     kv.truncate(r, 5)
     assert len(r.block_ids) == 2 and kv.device_pool.num_free == 6
     assert kept_list is not r.block_ids and len(kept_list) == 3
+
+
+def test_k_v_computed_elsewhere_take_empty_device_blocks_first_then_the_host_tier():
+    """A decode worker placing a prompt read from a prefill worker: the blocks it adopts
+    are registered under the request's addresses and, once filled, cached where the
+    request finds them. A cached device block is never taken for it (its offload is
+    planned only with the next step); the host tier takes what does not fit."""
+    kv = manager(num_blocks=4, host_blocks=4)
+    cached = request(9, first=500, rid="cached")
+    compute(kv, cached, 8)
+    kv.free(cached)  # two cached device blocks, two empty ones
+    r = request(17)
+    adopted = kv.adopt_blocks(r, 4)
+    assert [index for index, _ in adopted.device] == [0, 1] and [index for index, _ in adopted.host] == [2, 3]
+    assert kv.device_pool.num_cached == 4 and kv.device_pool.take_evicted() == []
+    kv.adopted_filled(adopted)
+    assert kv.device_pool.num_free == 4 and kv.host_pool.num_free == 4  # cached, not held
+    prefix = kv.find_prefix(r)
+    assert [isinstance(entry, int) for entry in prefix.blocks] == [True, True, False, False]
+    assert kv.adopt_blocks(r, 4) == ([], [])  # already cached: nothing to place
+
+
+def test_without_room_fewer_blocks_are_adopted_and_the_rest_is_computed():
+    kv = manager(num_blocks=2)
+    r = request(17)
+    adopted = kv.adopt_blocks(r, 4)
+    assert [index for index, _ in adopted.device] == [0, 1] and adopted.host == []
+    kv.adopted_filled(adopted)
+    assert kv.find_prefix(r).num_tokens == 2 * BLOCK

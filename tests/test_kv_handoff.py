@@ -58,8 +58,10 @@ def test_a_handed_off_prompt_decodes_to_the_tokens_of_one_engine(make_engine):
     expected = colocated_tokens(make_engine)
     prefill, arena = hand_off(make_engine)
     decode_engine = make_engine(block_size=BLOCK)
-    host_hits = []
-    decode_engine.observer = lambda stats: host_hits.append(stats.cache.host_hit_tokens)
+    prefix_hits = []
+    decode_engine.observer = lambda stats: prefix_hits.append(
+        stats.cache.device_hit_tokens + stats.cache.host_hit_tokens
+    )
     decode = Driver(decode_engine)
     staged = {}
     for request_id, prompt in PROMPTS.items():
@@ -77,8 +79,8 @@ def test_a_handed_off_prompt_decodes_to_the_tokens_of_one_engine(make_engine):
     for request_id in PROMPTS:
         assert decode.finals[request_id].finish_reason is FinishReason.LENGTH
         assert prefill.tokens[request_id] + decode.tokens[request_id] == expected[request_id], request_id
-    # The decode engine found every staged prompt block in its host tier: none recomputed.
-    assert sum(host_hits) == sum(staged.values())
+    # The decode engine found every staged prompt block in its prefix cache: none recomputed.
+    assert sum(prefix_hits) == sum(staged.values())
     assert arena.num_held == 0
 
 

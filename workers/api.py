@@ -175,8 +175,8 @@ class GenerationRequest:
     which requests may: one choice, no stop strings, no constraint).
     `prompt_kv` (on a decode worker): the K/V of the prompt's first full blocks, read
     from the prefill worker, shaped like the KV pool's blocks (`[layers, 2, blocks,
-    block_size, kv_heads, head_dim]`): they enter the prefix cache's host tier, so the
-    request computes only the rest.
+    block_size, kv_heads, head_dim]`): they enter the prefix cache (empty device blocks,
+    then the host tier), so the request computes only the rest.
     `batch` (a batch job) makes it run only on capacity interactive requests leave
     free: it queues behind every interactive request, whatever their priorities and
     however long it waited, and while running it is preempted (swapped out, else

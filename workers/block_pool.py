@@ -54,6 +54,11 @@ class BlockPool:
         return len(self._empty) + len(self._cached)
 
     @property
+    def num_empty(self) -> int:
+        """Free blocks holding nothing worth keeping: `allocate` takes these before it evicts."""
+        return len(self._empty)
+
+    @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
 

@@ -295,7 +295,9 @@ class Engine:
     def _place_prompt_kv(self, request: Request, prompt_kv: torch.Tensor) -> None:
         try:
             host = self.runner.host_pool
-            kv_handoff.place(self.scheduler.kv_cache, host.blocks if host else None, request, prompt_kv)
+            kv_handoff.place(
+                self.scheduler.kv_cache, self.runner.kv_cache.blocks, host.blocks if host else None, request, prompt_kv
+            )
         except ValueError:  # another model's or dtype's K/V: compute the prompt instead
             _log.warning("prompt K/V of %s does not fit this pool; computing it", request.request_id)
 

@@ -54,6 +54,14 @@ class CachedPrefix(NamedTuple):
     free_tokens: int  # room left in the free device blocks once the prefix is taken
 
 
+class AdoptedBlocks(NamedTuple):
+    """Blocks taken for K/V computed elsewhere (`KVCacheManager.adopt_blocks`): (index of
+    the block in the request, block id) pairs, per tier."""
+
+    device: list[tuple[int, int]]
+    host: list[tuple[int, int]]
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -281,25 +289,40 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def adopt_host_blocks(self, request: Request, num_blocks: int) -> list[tuple[int, int]]:
-        """Host blocks, registered under `request`'s addresses, for its first `num_blocks`
-        full blocks that neither tier caches yet: (block index, host block) pairs for the
-        caller to fill and then `host_pool.free` (leaving them cached). Stops when the host
-        tier has no room; nothing without a host tier or prefix caching."""
-        host = self.host_pool
-        if host is None or self.cache_salt is None:
-            return []
-        adopted = []
+    def adopt_blocks(self, request: Request, num_blocks: int) -> AdoptedBlocks:
+        """Blocks, registered under `request`'s addresses, for its first `num_blocks` full
+        blocks that neither tier caches yet, for the caller to fill and then hand back with
+        `adopted_filled` (they stay cached). Empty device blocks first, so the request
+        finds them where it runs; never a cached device block, whose offload to the host
+        tier is planned only with the next step (it would be overwritten before it is
+        saved); then the host tier's. Stops when neither has room; nothing without
+        prefix caching."""
+        adopted = AdoptedBlocks([], [])
+        if self.cache_salt is None:
+            return adopted
+        device, host = self.device_pool, self.host_pool
         for index, address in enumerate(self._addresses(request, num_blocks)[:num_blocks]):
-            if self.device_pool.lookup(address) is not None or host.lookup(address) is not None:
+            if device.lookup(address) is not None or (host is not None and host.lookup(address) is not None):
                 continue
-            if not host.num_free:
+            if device.num_empty:
+                pool, pairs = device, adopted.device
+            elif host is not None and host.num_free:
+                pool, pairs = host, adopted.host
+            else:
                 break
-            block = host.allocate()
-            host.register(block, address)
-            adopted.append((index, block))
-        host.take_evicted()  # the host tier is the last: what it evicts is gone
+            block = pool.allocate()
+            pool.register(block, address)
+            pairs.append((index, block))
+        if host is not None:
+            host.take_evicted()  # the host tier is the last: what it evicts is gone
         return adopted
+
+    def adopted_filled(self, adopted: AdoptedBlocks) -> None:
+        """The blocks `adopt_blocks` gave hold their K/V: free them, cached (a chain's tail
+        is evicted first)."""
+        self.device_pool.free(block for _, block in reversed(adopted.device))
+        if adopted.host:
+            self.host_pool.free(block for _, block in reversed(adopted.host))
 
     def plan_offloads(self, plan: StepPlan) -> None:
         """Copy the cached device blocks this plan evicted to the host tier, while it has

@@ -7,12 +7,13 @@ in order, into one contiguous slot of the handoff arena (`gpu/kv_transfer.py`), 
 across every layer, before the next step can reuse them. From then on the slot holds
 them, not the pool, until the decode worker confirms its read or the hold times out.
 
-**Placing** (decode side). `place` puts the K/V read from the prefill worker into the
-host tier as cached blocks, under content addresses computed from the request's own
-tokens with this engine's salt. The request is then admitted like any other: the prefix
-cache finds its prompt there and copies it to the device, and only the rest (the last
-partial block and the first token) is computed. A host tier without room, or a prompt
-already cached, simply places fewer blocks: those are computed or found instead.
+**Placing** (decode side). `place` copies the K/V read from the prefill worker straight
+into empty blocks of the device pool, as cached blocks under content addresses computed
+from the request's own tokens with this engine's salt; what finds no empty device block
+goes to the host tier. The request is then admitted like any other: the prefix cache
+finds its prompt (on the device: no copy in the step that admits it), and only the rest
+(the last partial block and the first token) is computed. Pools without room, or a
+prompt already cached, simply place fewer blocks: those are computed or found instead.
 """
 
 from __future__ import annotations
@@ -42,23 +43,34 @@ def stage(kv_cache: KVCacheManager, device_blocks: torch.Tensor, request: Reques
 
 
 @torch.inference_mode()
-def place(kv_cache: KVCacheManager, host_blocks: torch.Tensor | None, request: Request, prompt_kv: torch.Tensor) -> int:
-    """Put `prompt_kv` (the K/V of `request`'s first full blocks) into the host tier as
-    cached blocks; returns how many blocks were written."""
-    if host_blocks is None:
-        return 0
-    expected = (*host_blocks.shape[:2], prompt_kv.shape[2], *host_blocks.shape[3:])
-    if tuple(prompt_kv.shape) != expected or prompt_kv.dtype != host_blocks.dtype:
+def place(
+    kv_cache: KVCacheManager,
+    device_blocks: torch.Tensor,
+    host_blocks: torch.Tensor | None,
+    request: Request,
+    prompt_kv: torch.Tensor,
+) -> int:
+    """Put `prompt_kv` (the K/V of `request`'s first full blocks) into the pools as cached
+    blocks; returns how many blocks were written."""
+    expected = (*device_blocks.shape[:2], prompt_kv.shape[2], *device_blocks.shape[3:])
+    if tuple(prompt_kv.shape) != expected or prompt_kv.dtype != device_blocks.dtype:
         raise ValueError(f"prompt K/V shaped {tuple(prompt_kv.shape)} {prompt_kv.dtype}, this pool's are {expected}")
     num_blocks = min(prompt_kv.shape[2], (request.num_tokens - 1) // kv_cache.block_size)
-    adopted = kv_cache.adopt_host_blocks(request, num_blocks)
-    if adopted:
-        indices = [index for index, _ in adopted]
-        host_ids = torch.tensor([block for _, block in adopted], dtype=torch.long)
-        if indices == list(range(indices[0], indices[0] + len(indices))):  # the usual case: no gather
-            source = prompt_kv.narrow(2, indices[0], len(indices))
-        else:
-            source = prompt_kv.index_select(2, torch.tensor(indices, dtype=torch.long))
-        host_blocks.index_copy_(2, host_ids, source)
-        kv_cache.host_pool.free([block for _, block in reversed(adopted)])  # cached; the tail evicted first
-    return len(adopted)
+    adopted = kv_cache.adopt_blocks(request, num_blocks)
+    _copy_into(device_blocks, adopted.device, prompt_kv)
+    _copy_into(host_blocks, adopted.host, prompt_kv)
+    kv_cache.adopted_filled(adopted)
+    return len(adopted.device) + len(adopted.host)
+
+
+def _copy_into(pool: torch.Tensor | None, pairs: list[tuple[int, int]], prompt_kv: torch.Tensor) -> None:
+    """Block `index` of `prompt_kv` into block `block` of `pool`, for each (index, block)."""
+    if not pairs:
+        return
+    indices = [index for index, _ in pairs]
+    if indices == list(range(indices[0], indices[0] + len(indices))):  # the usual case: no gather
+        source = prompt_kv.narrow(2, indices[0], len(indices))
+    else:
+        source = prompt_kv.index_select(2, torch.tensor(indices, dtype=torch.long))
+    ids = torch.tensor([block for _, block in pairs], dtype=torch.long, device=pool.device)
+    pool.index_copy_(2, ids, source.to(pool.device))
