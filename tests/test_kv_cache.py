@@ -228,20 +228,64 @@ def test_k_v_computed_elsewhere_take_empty_device_blocks_first_then_the_host_tie
     compute(kv, cached, 8)
     kv.free(cached)  # two cached device blocks, two empty ones
     r = request(17)
-    adopted = kv.adopt_blocks(r, 4)
+    adopted = kv.adopt_blocks(r, 4 * BLOCK)
     assert [index for index, _ in adopted.device] == [0, 1] and [index for index, _ in adopted.host] == [2, 3]
     assert kv.device_pool.num_cached == 4 and kv.device_pool.take_evicted() == []
     kv.adopted_filled(adopted)
     assert kv.device_pool.num_free == 4 and kv.host_pool.num_free == 4  # cached, not held
     prefix = kv.find_prefix(r)
     assert [isinstance(entry, int) for entry in prefix.blocks] == [True, True, False, False]
-    assert kv.adopt_blocks(r, 4) == ([], [])  # already cached: nothing to place
+    assert kv.adopt_blocks(r, 4 * BLOCK) == ([], [])  # already cached: nothing to place
 
 
 def test_without_room_fewer_blocks_are_adopted_and_the_rest_is_computed():
     kv = manager(num_blocks=2)
     r = request(17)
-    adopted = kv.adopt_blocks(r, 4)
+    adopted = kv.adopt_blocks(r, 4 * BLOCK)
     assert [index for index, _ in adopted.device] == [0, 1] and adopted.host == []
     kv.adopted_filled(adopted)
     assert kv.find_prefix(r).num_tokens == 2 * BLOCK
+
+
+def test_a_handed_off_prompt_moves_with_its_tail_and_the_decode_side_computes_one_token():
+    """Prefill side: a prompt of 2.5 blocks ends with `handoff`; its tail is cached beside
+    its full blocks, so all three are staged. Decode side: the same prompt and the first
+    token; placed, the whole prompt is a prefix hit and the first token writes into a
+    copy of the tail block."""
+    prefill = manager()
+    r = request(10)
+    compute(prefill, r, 10)
+    prefill.register_prompt_tail(r)
+    tail_block = r.block_ids[2]
+    prefill.free(r)
+    blocks, num_tokens = prefill.cached_prompt_blocks(r)
+    assert num_tokens == 10 and len(blocks) == 3 and blocks[2] == tail_block
+
+    decode = manager()
+    resumed = request(10)
+    resumed.output_token_ids.append(7)  # the first token, published by the prefill worker
+    adopted = decode.adopt_blocks(resumed, 10)
+    assert len(adopted.device) == 3
+    decode.adopted_filled(adopted)
+    decode.start_step()
+    prefix = decode.find_prefix(resumed)
+    assert prefix.num_tokens == 10 and len(prefix.blocks) == 3
+    plan = StepPlan()
+    decode.take_prefix(resumed, prefix, plan)
+    assert decode.stats().device_hit_tokens == 10
+    resumed.num_computed = prefix.num_tokens
+    assert decode.shares_next_block(resumed)
+    assert decode.allocate(resumed, 11, plan)
+    assert plan.copies == [(prefix.blocks[2], resumed.block_ids[2])]  # the tail is never written
+
+
+def test_a_tail_is_found_only_for_exactly_its_tokens():
+    kv = manager()
+    r = request(10)
+    kv.adopted_filled(kv.adopt_blocks(r, 10))
+    longer = request(11)  # its last token is the 11th: it would need a tail of 3 tokens
+    longer.output_token_ids.append(7)
+    assert kv.find_prefix(longer).num_tokens == 2 * BLOCK
+    other = request(10, first=11)  # the same length, other tokens
+    other.output_token_ids.append(7)
+    assert kv.find_prefix(other).num_tokens == 0

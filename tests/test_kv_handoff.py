@@ -2,7 +2,7 @@
 prefill engine computes a prompt, stops after its first token (`handoff`) and stages the
 prompt's full KV blocks in its handoff arena; a decode engine given those K/V and the
 first token continues with exactly the tokens one engine makes alone, computing only
-the prompt's last partial block.
+that token (the prompt's partial last block moves too).
 
 The K/V go from one engine to the other as the tensor the arena holds; moving them
 between processes is `gpu/kv_transfer.py`'s (tests/test_kv_transfer.py), and the
@@ -70,9 +70,9 @@ def test_a_handed_off_prompt_decodes_to_the_tokens_of_one_engine(make_engine):
         assert prefill.tokens[request_id] == expected[request_id][:1]
         staged[request_id] = prefill.engine.take_staged(request_id)
         num_prompt = final.usage.prompt_tokens
-        assert staged[request_id] == num_prompt // BLOCK * BLOCK  # every full block of the prompt
+        assert staged[request_id] == num_prompt  # every block of the prompt, its partial tail too
         kv = arena.view(request_id)
-        assert kv.shape[2] == num_prompt // BLOCK
+        assert kv.shape[2] == -(-num_prompt // BLOCK)
         decode.submit(request_id, prompt, PARAMS, resumed_output_ids=prefill.tokens[request_id], prompt_kv=kv.clone())
         arena.release(request_id)
     decode.drain()

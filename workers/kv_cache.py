@@ -24,6 +24,14 @@ blocks evicted to make room are copied to the host pool while it has room (the p
 swapped-out requests' blocks (never evicted) and cached ones (evicted least recently
 used first).
 
+**Prompt tails.** A prompt handed from a prefill worker to a decode worker
+(`workers/kv_handoff.py`) also moves its last, partial block: it is cached under an
+address of its own (the chain's, then exactly its tokens), on the prefill side when the
+request ends with `handoff` (`register_prompt_tail`) and on the decode side as it is
+placed. `find_prefix` looks for one only after a fully cached chain, for exactly the
+tokens before the request's last, so a decode worker computes just the first token
+after the prompt; that write goes into a copy of the tail block (copy on write, below).
+
 **Copies.** Swaps, offloads and fetches are listed in the plan as (from, to) block
 pairs and made before the step's forward: device to host first (swap-outs, then
 offloads), then host to device (swap-ins, then fetches), so a block evicted and reused
@@ -50,7 +58,7 @@ class CachedPrefix(NamedTuple):
 
     # Block by block: a device block, or an (address, host block) pair to copy back.
     blocks: list[int | tuple[bytes, int]]
-    num_tokens: int  # the tokens those blocks hold
+    num_tokens: int  # the tokens those blocks hold (the last block may be a prompt tail)
     free_tokens: int  # room left in the free device blocks once the prefix is taken
 
 
@@ -215,21 +223,26 @@ class KVCacheManager:
         (that one is always computed, for its logits), and the room it would leave."""
         blocks: list[int | tuple[bytes, int]] = []
         device, host = self.device_pool, self.host_pool
+        num_tokens = 0
         if self.cache_salt is not None:
             num_blocks = (request.num_tokens - 1) // self.block_size
-            for address in self._addresses(request, num_blocks)[:num_blocks]:
+            addresses = self._addresses(request, num_blocks)[:num_blocks]
+            tail = (request.num_tokens - 1) % self.block_size
+            if tail:  # looked up only if the whole chain before it is cached
+                addresses.append(self._tail_address(request, num_blocks * self.block_size + tail))
+            for address in addresses:
                 block = device.lookup(address)
-                if block is not None:
-                    blocks.append(block)
-                    continue
-                host_block = host.lookup(address) if host is not None else None
-                if host_block is None:
-                    break
-                blocks.append((address, host_block))
+                if block is None:
+                    host_block = host.lookup(address) if host is not None else None
+                    if host_block is None:
+                        break
+                    block = (address, host_block)
+                blocks.append(block)
+            num_tokens = min(len(blocks) * self.block_size, request.num_tokens - 1)
         # Once taken, shared cached blocks stop being free, and each host hit takes a new
         # device block to be copied into.
         taken = sum(1 for block in blocks if not isinstance(block, int) or device.holders(block) == 0)
-        return CachedPrefix(blocks, len(blocks) * self.block_size, max(device.num_free - taken, 0) * self.block_size)
+        return CachedPrefix(blocks, num_tokens, max(device.num_free - taken, 0) * self.block_size)
 
     def take_prefix(self, request: Request, prefix: CachedPrefix, plan: StepPlan) -> None:
         """`request` (holding nothing) holds `prefix`'s blocks, host hits copied back (the
@@ -237,8 +250,11 @@ class KVCacheManager:
         on_device = [block for block in prefix.blocks if isinstance(block, int)]
         if self.cache_salt is not None:
             self._queried += request.num_tokens
-            self._device_hits += len(on_device) * self.block_size
-            self._host_hits += (len(prefix.blocks) - len(on_device)) * self.block_size
+            host_hits = (len(prefix.blocks) - len(on_device)) * self.block_size
+            if prefix.blocks and not isinstance(prefix.blocks[-1], int):  # its tail may be partial
+                host_hits -= len(prefix.blocks) * self.block_size - prefix.num_tokens
+            self._host_hits += host_hits
+            self._device_hits += prefix.num_tokens - host_hits
         for block in on_device:  # first, so that no allocation below evicts them
             self.device_pool.share(block)
         request.block_ids = []
@@ -273,25 +289,46 @@ class KVCacheManager:
             addresses.append(block_hash(parent, request.token_slice(start, start + size), self.cache_salt))
         return addresses
 
+    def _tail_address(self, request: Request, num_tokens: int) -> bytes:
+        """The address of the partial block holding `request`'s tokens up to `num_tokens`
+        (not a multiple of the block size) after its full blocks."""
+        full = num_tokens // self.block_size
+        parent = self._addresses(request, full)[full - 1] if full else b""
+        return block_hash(parent, request.token_slice(full * self.block_size, num_tokens), self.cache_salt)
+
     # -- handoffs (disaggregated serving, `workers/kv_handoff.py`) ---------------------
 
-    def cached_prompt_blocks(self, request: Request) -> list[int]:
-        """The device blocks holding `request`'s full prompt blocks, found by their
-        addresses (it has finished: they are cached, not held), up to the first missing."""
+    def register_prompt_tail(self, request: Request) -> None:
+        """Cache the partial last block of `request`'s prompt under its tail address, as
+        it ends with `handoff` (its full blocks are cached already), so it is staged too."""
+        tail = request.num_prompt_tokens % self.block_size
+        index = request.num_prompt_tokens // self.block_size
+        if self.cache_salt is None or not tail or request.num_computed < request.num_prompt_tokens:
+            return
+        if index < len(request.block_ids):
+            self.device_pool.register(request.block_ids[index], self._tail_address(request, request.num_prompt_tokens))
+
+    def cached_prompt_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The device blocks holding `request`'s prompt, found by their addresses (it has
+        finished: they are cached, not held) up to the first missing, and the tokens they
+        hold: its full blocks, then its tail (`register_prompt_tail`)."""
         if self.cache_salt is None:
-            return []
-        num_blocks = request.num_prompt_tokens // self.block_size
+            return [], 0
+        num_prompt = request.num_prompt_tokens
+        addresses = self._addresses(request, num_prompt // self.block_size)[: num_prompt // self.block_size]
+        if num_prompt % self.block_size:
+            addresses.append(self._tail_address(request, num_prompt))
         blocks = []
-        for address in self._addresses(request, num_blocks)[:num_blocks]:
+        for address in addresses:
             block = self.device_pool.lookup(address)
             if block is None:
                 break
             blocks.append(block)
-        return blocks
+        return blocks, min(len(blocks) * self.block_size, num_prompt)
 
-    def adopt_blocks(self, request: Request, num_blocks: int) -> AdoptedBlocks:
-        """Blocks, registered under `request`'s addresses, for its first `num_blocks` full
-        blocks that neither tier caches yet, for the caller to fill and then hand back with
+    def adopt_blocks(self, request: Request, num_tokens: int) -> AdoptedBlocks:
+        """Blocks, registered under `request`'s addresses, for the blocks of its first
+        `num_tokens` tokens (full blocks, then a tail) that neither tier caches yet, for the caller to fill and then hand back with
         `adopted_filled` (they stay cached). Empty device blocks first, so the request
         finds them where it runs; never a cached device block, whose offload to the host
         tier is planned only with the next step (it would be overwritten before it is
@@ -301,7 +338,11 @@ class KVCacheManager:
         if self.cache_salt is None:
             return adopted
         device, host = self.device_pool, self.host_pool
-        for index, address in enumerate(self._addresses(request, num_blocks)[:num_blocks]):
+        num_blocks = num_tokens // self.block_size
+        addresses = self._addresses(request, num_blocks)[:num_blocks]
+        if num_tokens % self.block_size:
+            addresses.append(self._tail_address(request, num_tokens))
+        for index, address in enumerate(addresses):
             if device.lookup(address) is not None or (host is not None and host.lookup(address) is not None):
                 continue
             if device.num_empty:

@@ -169,6 +169,7 @@ class Scheduler:
             elif len(request.output_token_ids) >= request.params.max_tokens:
                 self.finish(request, FinishReason.LENGTH)
             elif request.hands_off:
+                kv_cache.register_prompt_tail(request)  # staged with the full blocks
                 self.finish(request, FinishReason.HANDOFF)
         return took
 
