@@ -328,11 +328,11 @@ class KVCacheManager:
 
     def adopt_blocks(self, request: Request, num_tokens: int) -> AdoptedBlocks:
         """Blocks, registered under `request`'s addresses, for the blocks of its first
-        `num_tokens` tokens (full blocks, then a tail) that neither tier caches yet, for the caller to fill and then hand back with
-        `adopted_filled` (they stay cached). Empty device blocks first, so the request
-        finds them where it runs; never a cached device block, whose offload to the host
-        tier is planned only with the next step (it would be overwritten before it is
-        saved); then the host tier's. Stops when neither has room; nothing without
+        `num_tokens` tokens (full blocks, then a tail) that neither tier caches yet, for
+        the caller to fill and then hand back with `adopted_filled` (they stay cached).
+        Empty device blocks first, so the request finds them where it runs; never a
+        cached device block, whose offload to the host tier is planned only with the next
+        step (it would be overwritten before it is saved); then the host tier's. Stops when neither has room; nothing without
         prefix caching."""
         adopted = AdoptedBlocks([], [])
         if self.cache_salt is None:
