@@ -332,8 +332,8 @@ class KVCacheManager:
         the caller to fill and then hand back with `adopted_filled` (they stay cached).
         Empty device blocks first, so the request finds them where it runs; never a
         cached device block, whose offload to the host tier is planned only with the next
-        step (it would be overwritten before it is saved); then the host tier's. Stops when neither has room; nothing without
-        prefix caching."""
+        step (it would be overwritten before it is saved); then the host tier's. Stops
+        when neither has room; nothing without prefix caching."""
         adopted = AdoptedBlocks([], [])
         if self.cache_salt is None:
             return adopted
