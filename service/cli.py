@@ -346,6 +346,7 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     from redis.exceptions import AuthenticationError
 
     from service.connect import connect
+    from service.ingest import client_name
     from service.metrics import Metrics, start_metrics_server
     from service.structured_logging import configure_logging
     from service.worker import Worker
@@ -370,7 +371,9 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     engine = await on_torch_thread(Engine.from_config, engine_config)  # where it will step
     if stop.is_set():  # told to stop while loading
         return 0
-    client = connect(config.url, block_ms=config.block_ms)  # a cluster client for a redis+cluster:// URL
+    # A cluster client for a redis+cluster:// URL. Its connections carry the consumer's
+    # name, so other workers see at once when this process dies (service/ingest.py).
+    client = connect(config.url, block_ms=config.block_ms, client_name=client_name(config.consumer))
     log.info(
         "worker_started",
         consumer=config.consumer,

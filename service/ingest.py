@@ -12,6 +12,13 @@ Queue semantics:
   a takeover starts then rather than up to a block later (`lease_wait_ms`). After
   Redis was unreachable, a worker takes nothing over for one lease period: every live
   worker was cut off too, and gets that long to renew its own;
+- a worker process whose connections are all gone has died: the kernel closed its
+  sockets. `inflight worker` names its connections after its consumer (`client_name`),
+  and a worker that has seen another's connections and then finds none for
+  `DEAD_GRACE_MS` takes its entries over at once (XCLAIM), without waiting for their
+  leases. A worker that hangs (stopped, or cut off from Redis) keeps its connections
+  and is taken over on its leases; one never seen connected too. Where CLIENT LIST is
+  refused (an ACL, a managed service) or on a Redis Cluster, leases alone decide;
 - the caller asks for at most as many entries as it can take (backpressure), so idle
   workers get the rest;
 - an entry is acked and deleted in one transaction once its final event is published
@@ -32,9 +39,13 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import structlog
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from service.config import RedisConfig
+
+log = structlog.get_logger("inflight.ingest")
 
 # Resets the idle time of the entries this consumer still owns; returns the ids it no
 # longer owns (taken over by another worker, or deleted). One round trip for them all.
@@ -58,11 +69,27 @@ PENDING_SCAN = 1000
 # The shortest wait it makes: an entry whose lease ran out but that cannot be taken yet
 # (too many at once, or during an outage's hold-off) must not turn the wait into a spin.
 MIN_LEASE_WAIT_MS = 50
+# How long a worker seen connected must have no connection before its entries are taken
+# over: longer than a live worker takes to reconnect after a dropped connection.
+DEAD_GRACE_MS = 300
+# While other workers hold entries, a waiting worker looks at least this often for one
+# that died.
+DEAD_LOOK_MS = 250
+CLIENT_NAME_PREFIX = "inflight-worker:"
 
 
-async def lease_wait_ms(redis, streams, group: str, consumer: str, claim_idle_ms: int, block_ms: int) -> int:
+def client_name(consumer: str) -> str:
+    """The connection name of a worker with this consumer name (CLIENT SETNAME takes no
+    spaces or control characters: those become '_')."""
+    return CLIENT_NAME_PREFIX + "".join(c if "!" <= c <= "~" else "_" for c in consumer)
+
+
+async def lease_wait_ms(
+    redis, streams, group: str, consumer: str, claim_idle_ms: int, block_ms: int, look_ms: int | None = None
+) -> int:
     """`block_ms`, or less where an entry of `streams` pending with another consumer
-    reaches `claim_idle_ms` idle sooner: then just past that moment."""
+    reaches `claim_idle_ms` idle sooner: then just past that moment; at most `look_ms`
+    while another consumer holds entries."""
     idlest = -1
     for stream in streams:
         try:
@@ -74,7 +101,7 @@ async def lease_wait_ms(redis, streams, group: str, consumer: str, claim_idle_ms
                 idlest = max(idlest, row["time_since_delivered"])
     if idlest < 0:
         return block_ms
-    return max(MIN_LEASE_WAIT_MS, min(block_ms, claim_idle_ms - idlest + 1))
+    return max(MIN_LEASE_WAIT_MS, min(block_ms, claim_idle_ms - idlest + 1, look_ms or block_ms))
 
 
 @dataclass(frozen=True)
@@ -99,6 +126,10 @@ class LeasedReader:
         self._renew = redis.register_script(RENEW)
         self._own_pending_done = False
         self._takeovers_from = 0.0  # monotonic time; later after an outage
+        # Whether CLIENT LIST tells live workers from dead ones here (see the module doc).
+        self._liveness = not isinstance(redis, RedisCluster)
+        self._seen_connected: set[str] = set()  # other consumers seen with a connection
+        self._gone_since: dict[str, float] = {}  # ... and since when they have none (monotonic)
 
     def outage_seen(self) -> None:
         """Redis was unreachable: hold takeovers back for one lease period."""
@@ -112,11 +143,38 @@ class LeasedReader:
         if not self._taking_over():
             return block_ms
         streams = await self._leased_streams()
-        return await lease_wait_ms(self.redis, streams, self.group, self.consumer, self.claim_idle_ms, block_ms)
+        look_ms = DEAD_LOOK_MS if self._liveness else None
+        return await lease_wait_ms(
+            self.redis, streams, self.group, self.consumer, self.claim_idle_ms, block_ms, look_ms
+        )
 
     async def _leased_streams(self) -> list[str]:
         """The streams whose entries are leased."""
         return [self.stream]
+
+    async def dead_consumers(self, holding: Collection[str]) -> list[str]:
+        """Those of `holding` (other consumers with pending entries) whose process died:
+        seen connected before, and with no connection for `DEAD_GRACE_MS` now."""
+        if not self._liveness or not holding:
+            return []
+        try:
+            names = {_text(client.get("name") or "") for client in await self.redis.client_list()}
+        except ResponseError as error:  # CLIENT LIST refused: leases alone decide
+            log.warning("worker_liveness_unavailable", error=str(error))
+            self._liveness = False
+            return []
+        now, dead = time.monotonic(), []
+        for consumer in holding:
+            if client_name(consumer) in names:
+                self._seen_connected.add(consumer)
+                self._gone_since.pop(consumer, None)
+            elif consumer in self._seen_connected:
+                if now - self._gone_since.setdefault(consumer, now) >= DEAD_GRACE_MS / 1000:
+                    dead.append(consumer)
+        # Forget consumers that hold nothing any more (restarted under new names, or taken over).
+        self._seen_connected &= set(holding)
+        self._gone_since = {c: t for c, t in self._gone_since.items() if c in self._seen_connected}
+        return dead
 
 
 class JobReader(LeasedReader):
@@ -167,7 +225,28 @@ class JobReader(LeasedReader):
             return []
         # Deleted entries come back empty; an id in hand only missed a renewal.
         claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
+        if len(claimed) < count and self._liveness:
+            claimed += await self._from_dead_workers(count - len(claimed), held)
         return await self._with_deliveries(claimed) if claimed else []
+
+    async def _from_dead_workers(self, count: int, held: Collection[str]) -> list[tuple[str, dict]]:
+        """Up to `count` entries of workers that died (`dead_consumers`), before their
+        leases run out."""
+        summary = await self.redis.xpending(self.stream, self.group)
+        holding = [_text(row["name"]) for row in summary.get("consumers") or []]
+        claimed: list[tuple[str, dict]] = []
+        for consumer in await self.dead_consumers([c for c in holding if c != self.consumer]):
+            rows = await self.redis.xpending_range(
+                self.stream, self.group, min="-", max="+", count=count - len(claimed), consumername=consumer
+            )
+            ids = [row["message_id"] for row in rows if _text(row["message_id"]) not in held]
+            if ids:  # not idle that long: it renewed after all, and is not dead
+                entries = await self.redis.xclaim(self.stream, self.group, self.consumer, DEAD_GRACE_MS, ids)
+                claimed += [(entry_id, fields) for entry_id, fields in entries if fields]
+                log.info("dead_worker_taken_over", consumer=consumer, entries=len(entries))
+            if len(claimed) >= count:
+                break
+        return claimed
 
     async def renew(self, entry_ids: Collection[str]) -> list[str]:
         """Keep the leases of `entry_ids`; returns those this consumer no longer owns."""

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from service.config import RedisConfig
-from service.ingest import JobReader
+from service.ingest import JobReader, client_name
 from service.protocol import token_data, token_fields
 from service.publish import Append, ReplyPublisher, owner_key, progress_key
 from workers.api import FinalEvent, FinishReason, Timings, Usage
@@ -143,6 +143,70 @@ def test_a_waiting_worker_takes_a_job_over_when_its_lease_runs_out_not_a_block_l
     taken, claimed, waited = run(main())
     assert [c.entry_id for c in claimed] == [taken.entry_id]
     assert 0.6 <= waited < 1.5
+
+
+async def connect_as(consumer: str):
+    """A worker process's own connections, named as `inflight worker` names them."""
+    client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30, client_name=client_name(consumer))
+    await client.ping()
+    return client
+
+
+def test_a_worker_whose_connections_all_closed_is_taken_over_before_its_lease_runs_out(keys):
+    """Its process died: the kernel closed its sockets. The lease here is a minute; the
+    takeover comes within a second of the close, on the survivor's next looks."""
+
+    async def main():
+        client = await connect()
+        dying_client = await connect_as("dying")
+        dying = reader(dying_client, keys, "dying")
+        await dying.ensure_group()
+        await client.xadd(keys["stream"], {"prompt": "p"})
+        [taken] = await dying.read(1, block_ms=100)
+        live = reader(client, keys, "live")
+        assert await live.read(5, block_ms=100) == []  # seen connected: not taken
+        await dying_client.aclose()  # every connection of that process gone
+        closed = asyncio.get_running_loop().time()
+        claimed = []
+        while not claimed:
+            claimed = await live.read(5, block_ms=5000)
+        waited = asyncio.get_running_loop().time() - closed
+        await client.aclose()
+        return taken, claimed, waited
+
+    taken, claimed, waited = run(main())
+    assert [c.entry_id for c in claimed] == [taken.entry_id] and claimed[0].deliveries == 2
+    assert waited < 2.0  # the grace and a few looks, not the 60 s lease
+
+
+def test_a_hung_worker_and_one_never_seen_connected_wait_for_their_leases(keys):
+    """A stopped worker keeps its connections; a consumer this worker never saw connected
+    (started before it, or not naming its connections) may be alive: both keep their
+    entries until their leases run out."""
+
+    async def main():
+        client = await connect()
+        hung_client = await connect_as("hung")
+        hung, unseen = reader(hung_client, keys, "hung"), reader(client, keys, "unseen")
+        await hung.ensure_group()
+        for _ in range(2):
+            await client.xadd(keys["stream"], {"prompt": "p"})
+        await hung.read(1, block_ms=100)
+        await unseen.read(1, block_ms=100)
+        live = reader(client, keys, "live")
+        taken = []
+        for _ in range(4):  # about a second of looks
+            taken += await live.read(5, block_ms=300)
+        await hung_client.aclose()
+        await client.aclose()
+        return taken
+
+    assert run(main()) == []
+
+
+def test_a_worker_names_its_connections_after_its_consumer_as_redis_allows():
+    assert client_name("gpu-7.pod-3") == "inflight-worker:gpu-7.pod-3"
+    assert client_name("my worker\n") == "inflight-worker:my_worker_"
 
 
 def test_dead_letter_keeps_the_entry_and_why_and_acks_it(keys):
