@@ -13,12 +13,14 @@ Queue semantics:
   Redis was unreachable, a worker takes nothing over for one lease period: every live
   worker was cut off too, and gets that long to renew its own;
 - a worker process whose connections are all gone has died: the kernel closed its
-  sockets. `inflight worker` names its connections after its consumer (`client_name`),
-  and a worker that has seen another's connections and then finds none for
-  `DEAD_GRACE_MS` takes its entries over at once (XCLAIM), without waiting for their
-  leases. A worker that hangs (stopped, or cut off from Redis) keeps its connections
-  and is taken over on its leases; one never seen connected too. Where CLIENT LIST is
-  refused (an ACL, a managed service) or on a Redis Cluster, leases alone decide;
+  sockets. `inflight worker` names its connections after its consumer (`client_name`).
+  When another worker has missed a renewal, a waiting worker looks at the connections
+  (CLIENT LIST; otherwise once a lease period, to learn who is connected), and takes
+  over at once (XCLAIM) the entries of a worker it saw connected before and sees no
+  more, without waiting for their leases. A worker that hangs (stopped, or cut off
+  from Redis) keeps its connections and is taken over on its leases; one never seen
+  connected too. Where CLIENT LIST is refused (an ACL, a managed service) or on a Redis
+  Cluster, leases alone decide;
 - the caller asks for at most as many entries as it can take (backpressure), so idle
   workers get the rest;
 - an entry is acked and deleted in one transaction once its final event is published
@@ -69,9 +71,9 @@ PENDING_SCAN = 1000
 # The shortest wait it makes: an entry whose lease ran out but that cannot be taken yet
 # (too many at once, or during an outage's hold-off) must not turn the wait into a spin.
 MIN_LEASE_WAIT_MS = 50
-# How long a worker seen connected must have no connection before its entries are taken
-# over: longer than a live worker takes to reconnect after a dropped connection.
-DEAD_GRACE_MS = 300
+# An entry idle this much longer than the renewal interval (`claim_idle_ms / 4`) has
+# missed a renewal: its worker may have died.
+RENEWAL_SLACK_MS = 100
 # While other workers hold entries, a waiting worker looks at least this often for one
 # that died.
 DEAD_LOOK_MS = 250
@@ -128,8 +130,8 @@ class LeasedReader:
         self._takeovers_from = 0.0  # monotonic time; later after an outage
         # Whether CLIENT LIST tells live workers from dead ones here (see the module doc).
         self._liveness = not isinstance(redis, RedisCluster)
-        self._seen_connected: set[str] = set()  # other consumers seen with a connection
-        self._gone_since: dict[str, float] = {}  # ... and since when they have none (monotonic)
+        self._seen_connected: set[str] = set()  # other consumers holding entries, seen with a connection
+        self._connections_seen_at = -float("inf")  # monotonic time of the last CLIENT LIST
 
     def outage_seen(self) -> None:
         """Redis was unreachable: hold takeovers back for one lease period."""
@@ -152,10 +154,14 @@ class LeasedReader:
         """The streams whose entries are leased."""
         return [self.stream]
 
-    async def dead_consumers(self, holding: Collection[str]) -> list[str]:
-        """Those of `holding` (other consumers with pending entries) whose process died:
-        seen connected before, and with no connection for `DEAD_GRACE_MS` now."""
-        if not self._liveness or not holding:
+    async def dead_consumers(self, holding: Collection[str], overdue: Collection[str]) -> list[str]:
+        """Those of `overdue` (other consumers that missed a renewal) whose process died:
+        seen connected before, with no connection now. `holding`: every other consumer
+        with pending entries, whose connections are looked at while any is overdue, and
+        otherwise once a lease period."""
+        now = time.monotonic()
+        looking = overdue or now - self._connections_seen_at >= self.claim_idle_ms / 1000
+        if not (self._liveness and holding and looking):
             return []
         try:
             names = {_text(client.get("name") or "") for client in await self.redis.client_list()}
@@ -163,17 +169,11 @@ class LeasedReader:
             log.warning("worker_liveness_unavailable", error=str(error))
             self._liveness = False
             return []
-        now, dead = time.monotonic(), []
-        for consumer in holding:
-            if client_name(consumer) in names:
-                self._seen_connected.add(consumer)
-                self._gone_since.pop(consumer, None)
-            elif consumer in self._seen_connected:
-                if now - self._gone_since.setdefault(consumer, now) >= DEAD_GRACE_MS / 1000:
-                    dead.append(consumer)
-        # Forget consumers that hold nothing any more (restarted under new names, or taken over).
-        self._seen_connected &= set(holding)
-        self._gone_since = {c: t for c, t in self._gone_since.items() if c in self._seen_connected}
+        self._connections_seen_at = now
+        connected = {consumer for consumer in holding if client_name(consumer) in names}
+        dead = [consumer for consumer in overdue if consumer in self._seen_connected and consumer not in connected]
+        # Those gone and holding nothing any more (taken over, or restarted under another name) are forgotten.
+        self._seen_connected = (self._seen_connected & set(holding)) | connected
         return dead
 
 
@@ -232,21 +232,22 @@ class JobReader(LeasedReader):
     async def _from_dead_workers(self, count: int, held: Collection[str]) -> list[tuple[str, dict]]:
         """Up to `count` entries of workers that died (`dead_consumers`), before their
         leases run out."""
-        summary = await self.redis.xpending(self.stream, self.group)
-        holding = [_text(row["name"]) for row in summary.get("consumers") or []]
-        claimed: list[tuple[str, dict]] = []
-        for consumer in await self.dead_consumers([c for c in holding if c != self.consumer]):
-            rows = await self.redis.xpending_range(
-                self.stream, self.group, min="-", max="+", count=count - len(claimed), consumername=consumer
-            )
-            ids = [row["message_id"] for row in rows if _text(row["message_id"]) not in held]
-            if ids:  # not idle that long: it renewed after all, and is not dead
-                entries = await self.redis.xclaim(self.stream, self.group, self.consumer, DEAD_GRACE_MS, ids)
-                claimed += [(entry_id, fields) for entry_id, fields in entries if fields]
-                log.info("dead_worker_taken_over", consumer=consumer, entries=len(entries))
-            if len(claimed) >= count:
-                break
-        return claimed
+        rows = await self.redis.xpending_range(self.stream, self.group, min="-", max="+", count=PENDING_SCAN)
+        missed_ms = self.claim_idle_ms / 4 + RENEWAL_SLACK_MS
+        others = [row for row in rows if _text(row["consumer"]) != self.consumer]
+        overdue = {_text(row["consumer"]) for row in others if row["time_since_delivered"] > missed_ms}
+        dead = await self.dead_consumers({_text(row["consumer"]) for row in others}, overdue)
+        ids = [
+            row["message_id"]
+            for row in others
+            if _text(row["consumer"]) in dead and _text(row["message_id"]) not in held
+        ][:count]
+        if not ids:
+            return []
+        # Only entries still not renewed: a worker that came back keeps its own.
+        claimed = await self.redis.xclaim(self.stream, self.group, self.consumer, int(missed_ms), ids)
+        log.info("dead_worker_taken_over", consumers=dead, entries=len(claimed))
+        return [(entry_id, fields) for entry_id, fields in claimed if fields]
 
     async def renew(self, entry_ids: Collection[str]) -> list[str]:
         """Keep the leases of `entry_ids`; returns those this consumer no longer owns."""

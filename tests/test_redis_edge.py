@@ -153,36 +153,36 @@ async def connect_as(consumer: str):
 
 
 def test_a_worker_whose_connections_all_closed_is_taken_over_before_its_lease_runs_out(keys):
-    """Its process died: the kernel closed its sockets. The lease here is a minute; the
-    takeover comes within a second of the close, on the survivor's next looks."""
+    """Its process died: the kernel closed its sockets. With a lease of 4 s (renewed every
+    second), the takeover comes once a renewal is missed, not when the lease runs out."""
 
     async def main():
         client = await connect()
         dying_client = await connect_as("dying")
-        dying = reader(dying_client, keys, "dying")
+        dying = reader(dying_client, keys, "dying", claim_idle_ms=4000)
         await dying.ensure_group()
         await client.xadd(keys["stream"], {"prompt": "p"})
         [taken] = await dying.read(1, block_ms=100)
-        live = reader(client, keys, "live")
+        delivered = asyncio.get_running_loop().time()
+        live = reader(client, keys, "live", claim_idle_ms=4000)
         assert await live.read(5, block_ms=100) == []  # seen connected: not taken
         await dying_client.aclose()  # every connection of that process gone
-        closed = asyncio.get_running_loop().time()
         claimed = []
         while not claimed:
             claimed = await live.read(5, block_ms=5000)
-        waited = asyncio.get_running_loop().time() - closed
+        waited = asyncio.get_running_loop().time() - delivered
         await client.aclose()
         return taken, claimed, waited
 
     taken, claimed, waited = run(main())
     assert [c.entry_id for c in claimed] == [taken.entry_id] and claimed[0].deliveries == 2
-    assert waited < 2.0  # the grace and a few looks, not the 60 s lease
+    assert 1.1 <= waited < 3.0  # a missed renewal (1 s and a margin), not the 4 s lease
 
 
 def test_a_hung_worker_and_one_never_seen_connected_wait_for_their_leases(keys):
-    """A stopped worker keeps its connections; a consumer this worker never saw connected
-    (started before it, or not naming its connections) may be alive: both keep their
-    entries until their leases run out."""
+    """Both miss their renewals. A stopped worker keeps its connections; a consumer this
+    worker never saw connected (not naming its connections, or gone before it looked)
+    may be alive: both keep their entries until their leases run out."""
 
     async def main():
         client = await connect()
@@ -193,10 +193,12 @@ def test_a_hung_worker_and_one_never_seen_connected_wait_for_their_leases(keys):
             await client.xadd(keys["stream"], {"prompt": "p"})
         await hung.read(1, block_ms=100)
         await unseen.read(1, block_ms=100)
-        live = reader(client, keys, "live")
+        loop = asyncio.get_running_loop()
+        delivered = loop.time()
+        live = reader(client, keys, "live", claim_idle_ms=2000)  # a renewal is missed after 0.6 s
         taken = []
-        for _ in range(4):  # about a second of looks
-            taken += await live.read(5, block_ms=300)
+        while loop.time() - delivered < 1.4:  # looks, until just before the leases run out
+            taken += await live.read(5, block_ms=200)
         await hung_client.aclose()
         await client.aclose()
         return taken
