@@ -222,27 +222,32 @@ class KVCacheManager:
         """`request`'s longest cached prefix, at most the full blocks before its last token
         (that one is always computed, for its logits), and the room it would leave."""
         blocks: list[int | tuple[bytes, int]] = []
-        device, host = self.device_pool, self.host_pool
+        device = self.device_pool
         num_tokens = 0
         if self.cache_salt is not None:
             num_blocks = (request.num_tokens - 1) // self.block_size
-            addresses = self._addresses(request, num_blocks)[:num_blocks]
-            tail = (request.num_tokens - 1) % self.block_size
-            if tail:  # looked up only if the whole chain before it is cached
-                addresses.append(self._tail_address(request, num_blocks * self.block_size + tail))
-            for address in addresses:
-                block = device.lookup(address)
+            for address in self._addresses(request, num_blocks)[:num_blocks]:
+                block = self._lookup(address)
                 if block is None:
-                    host_block = host.lookup(address) if host is not None else None
-                    if host_block is None:
-                        break
-                    block = (address, host_block)
+                    break
                 blocks.append(block)
+            if len(blocks) == num_blocks and (request.num_tokens - 1) % self.block_size:  # a whole chain: its tail?
+                tail = self._lookup(self._tail_address(request, request.num_tokens - 1))
+                if tail is not None:
+                    blocks.append(tail)
             num_tokens = min(len(blocks) * self.block_size, request.num_tokens - 1)
         # Once taken, shared cached blocks stop being free, and each host hit takes a new
         # device block to be copied into.
         taken = sum(1 for block in blocks if not isinstance(block, int) or device.holders(block) == 0)
         return CachedPrefix(blocks, num_tokens, max(device.num_free - taken, 0) * self.block_size)
+
+    def _lookup(self, address: bytes) -> int | tuple[bytes, int] | None:
+        """The device block cached under `address`, else (address, host block), else None."""
+        block = self.device_pool.lookup(address)
+        if block is not None:
+            return block
+        host_block = self.host_pool.lookup(address) if self.host_pool is not None else None
+        return None if host_block is None else (address, host_block)
 
     def take_prefix(self, request: Request, prefix: CachedPrefix, plan: StepPlan) -> None:
         """`request` (holding nothing) holds `prefix`'s blocks, host hits copied back (the
