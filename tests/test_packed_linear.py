@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,7 +16,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from gpu.cpu.fusions import FusedGatedMLP, fused_ops
-from gpu.cpu.packed_linear import PackedLinear, amx_kernel, can_pack, onednn_packs, pack_linears
+from gpu.cpu.packed_linear import (
+    ONEDNN_CACHE_VARIABLES,
+    PackedLinear,
+    amx_kernel,
+    can_pack,
+    onednn_packs,
+    pack_linears,
+)
 
 BF16_PACKS = pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN packs bfloat16 only with AVX-512 here")
 
@@ -104,3 +115,56 @@ def test_bfloat16_is_packed_only_where_onednn_can():
     """On a CPU without the instructions oneDNN's bfloat16 packing needs, the model keeps
     its plain linears (and still serves: see the engine's bfloat16 test)."""
     assert can_pack(nn.Linear(8, 8).to(torch.bfloat16)) == onednn_packs(torch.bfloat16)
+
+
+# Loads a model (which bounds oneDNN's caches), then runs SmolLM2's three linear shapes at
+# each of 300 row counts, as a continuous batcher's steps do; prints the growth of its
+# RSS in MB.
+ROW_COUNTS_PROBE = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from gpu.cpu.packed_linear import PackedLinear
+    from workers.config import ModelConfig
+    from workers.model_loader import load_model
+
+    def rss_mb():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+    load_model(ModelConfig(source="random:tiny-llama", dtype="float32", device="cpu", threads=1))
+    shapes = [(576, 960), (576, 3072), (1536, 576)]
+    linears = [PackedLinear(nn.Linear(inputs, outputs, bias=False)) for inputs, outputs in shapes]
+    with torch.inference_mode():
+        for linear in linears:  # the largest buffers first, so growth is what the caches keep
+            linear(torch.randn(300, linear.in_features))
+        start = rss_mb()
+        for rows in range(1, 301):
+            for linear in linears:
+                linear(torch.randn(rows, linear.in_features))
+    print(rss_mb() - start)
+""")
+
+
+def rss_growth_mb(environment: dict[str, str]) -> float:
+    env = {key: value for key, value in os.environ.items() if key not in ONEDNN_CACHE_VARIABLES}
+    result = subprocess.run(
+        [sys.executable, "-c", ROW_COUNTS_PROBE],
+        env=env | environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return float(result.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not onednn_packs(torch.float32), reason="oneDNN is not available")
+def test_a_loaded_model_keeps_onednn_from_holding_memory_for_every_row_count():
+    """oneDNN and ideep cache a primitive per row count, each with its buffers; a
+    batcher's steps bring a new row count almost every time. With the caches as
+    `load_model` bounds them, memory grows a fraction of what the libraries' defaults let
+    it, and a capacity set in the environment is kept."""
+    bounded = rss_growth_mb({})
+    library_default = rss_growth_mb(dict.fromkeys(ONEDNN_CACHE_VARIABLES, "1024"))
+    assert bounded < library_default / 3, (bounded, library_default)

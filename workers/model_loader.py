@@ -28,6 +28,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from transformers.utils import logging as hf_logging
 
+from gpu.cpu.packed_linear import bound_onednn_caches
 from workers import random_models
 from workers.api import InvalidRequest
 from workers.config import ModelConfig
@@ -70,6 +71,7 @@ def bundled_gguf_path() -> Path:
 
 def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> LoadedModel:
     """Load `config.source` in `config.dtype`, ready for inference (eval mode, no grads)."""
+    bound_onednn_caches()  # before the first oneDNN call
     if config.threads > 0:
         torch.set_num_threads(config.threads)
     dtype = TORCH_DTYPES[config.dtype]

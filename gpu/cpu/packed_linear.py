@@ -14,12 +14,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import torch
 from torch import nn
 
 from gpu.cpu.fusions import FusedGatedMLP
 from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
+
+# oneDNN keeps every primitive it creates, and ideep (PyTorch's wrapper of it) its own
+# cache beside: 1,024 of each by default, each holding buffers sized by its row count. A
+# continuous batcher's steps change their row count almost every step, so both caches
+# fill over half an hour with a gigabyte that is seldom used again. This many keeps the
+# row counts of the moment (docs/benchmarks.md, "Soak").
+ONEDNN_CACHE_CAPACITY = 64
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 # oneDNN packs float32 everywhere, bfloat16 on most x86 CPUs; float16 needs features most lack.
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -30,6 +39,14 @@ _AMX_BLOCK = 32
 # Its epilogues (`kernels/cpu_amx_linear.cpp`): plain; a gated MLP's interleaved halves put
 # back in place; SiLU(gate) x up.
 _PLAIN, _HALVES, _SILU_MUL = 0, 1, 2
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap oneDNN's primitive cache and ideep's at `capacity` entries each. They read
+    their capacity once, at their first use, so this must come before any oneDNN call in
+    the process; a capacity already set in the environment is kept."""
+    for variable in ONEDNN_CACHE_VARIABLES:
+        os.environ.setdefault(variable, str(capacity))
 
 
 class PackedLinear(nn.Module):
