@@ -60,12 +60,21 @@ class Sentinels:
         except Exception:
             return None
 
-    def know_replica(self) -> bool:
-        client = connect_sync(f"redis://127.0.0.1:{self.ports[0]}", socket_timeout=2)
-        try:
-            return bool(client.execute_command("SENTINEL", "REPLICAS", SERVICE))
-        except Exception:
-            return False
+    def ready(self) -> bool:
+        """Every Sentinel knows the replica and the two other Sentinels. Until then a
+        failover may never come: each learns of the others through hellos published on
+        the primary and its replicas, and one that knows neither the replica nor another
+        Sentinel once the primary dies has nowhere to hear of them."""
+        for port in self.ports:
+            client = connect_sync(f"redis://127.0.0.1:{port}", socket_timeout=2)
+            try:
+                replicas = client.execute_command("SENTINEL", "REPLICAS", SERVICE)
+                others = client.execute_command("SENTINEL", "SENTINELS", SERVICE)
+            except Exception:
+                return False
+            if not replicas or len(others) < len(self.ports) - 1:
+                return False
+        return True
 
     def stop(self) -> None:
         for process in self.processes:
@@ -85,7 +94,7 @@ def replicated(tmp_path):
         # Until its first sync is done the replica holds nothing: promoted then, it would lose everything.
         replica_client = connect_sync(f"redis://127.0.0.1:{replica.port}")
         wait_until(lambda: replica_client.info("replication")["master_link_status"] == "up", 30, "the replica's sync")
-        wait_until(sentinels.know_replica, 30, "the Sentinels to find the replica")
+        wait_until(sentinels.ready, 30, "the Sentinels to find the replica and each other")
         yield primary, replica, sentinels
     finally:
         sentinels.stop()
