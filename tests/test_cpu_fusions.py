@@ -168,3 +168,25 @@ def test_the_residual_add_before_a_norm_is_torchs_add_then_the_norm(ops, dtype, 
     got = norm.add_forward(hidden, delta)
     assert torch.equal(hidden, want_sum)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows, width", [(1, 7), (3, 49152), (40, 1003)])  # 40 x 1003 splits over the threads
+def test_row_argmax_picks_what_torchs_max_picks(ops, dtype, rows, width):
+    """The greedy token of each row: the first of equal maxima (bfloat16 logits tie
+    often), wherever the largest value sits, for rows read through a stride; a row
+    masked to -inf but for one token picks it, a row all -inf its first."""
+    torch.manual_seed(0)
+    logits = torch.randn(rows, width + 5).to(dtype)[:, 2 : 2 + width]  # rows `width + 5` apart
+    logits[0, -1] = 50.0  # the largest in the tail past the last full vector
+    logits[-1, :] = logits[-1, 0]  # every value tied: the first
+    assert cpu_fusions.row_argmax(logits) == logits.max(dim=-1).indices.tolist()
+    masked = torch.full((2, width), -torch.inf, dtype=dtype)
+    masked[1, width // 2] = -3.0
+    assert cpu_fusions.row_argmax(masked) == [0, width // 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_row_argmax_picks_the_first_nan_as_torch_does(ops, dtype):
+    rows = torch.tensor([[1.0, 3.0, 2.0] * 9 + [float("nan"), 1.0, float("nan")], [1.0, float("nan")] + [0.0] * 28])
+    assert cpu_fusions.row_argmax(rows.to(dtype)) == rows.max(dim=-1).indices.tolist() == [27, 1]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu.cpu.fusions import row_argmax
 from workers.api import SamplingParams
 
 # How many of the best tokens to rank when looking for a top-p nucleus; rows whose nucleus
@@ -66,10 +67,10 @@ class Sampler:
 
     @staticmethod
     def argmax(logits: torch.Tensor) -> list[int]:
-        """The greedy token of each row (the first of tied maxima, as `argmax` picks).
-        On a CPU torch's `max` over the last dimension runs 2.5× faster than its `argmax`
-        (48 rows of 49,152 logits: 0.6 against 1.5 ms), with the same indices."""
-        return logits.max(dim=-1).indices.tolist()
+        """The greedy token of each row (the first of tied maxima, as `argmax` picks):
+        on a CPU our one-pass kernel, elsewhere torch's `max` over the last dimension,
+        which runs faster than its `argmax` with the same indices."""
+        return row_argmax(logits)
 
 
 def _candidate_rule(params: SamplingParams, vocab_size: int) -> int | str:

@@ -140,6 +140,22 @@ class ProjectionSlice(nn.Module):
         return self._attention.qkv_proj(x)[..., self.start : self.stop]
 
 
+def row_argmax(rows: torch.Tensor) -> list[int]:
+    """The index of each row's largest value (the first of equal ones, or the first NaN),
+    as torch's `max` picks it: on a CPU in one vectorized pass a row (docs/benchmarks.md,
+    "The CPU kernels")."""
+    ops = fused_ops()
+    if ops is None or rows.dtype not in KERNEL_DTYPES or rows.device.type != "cpu" or rows.dim() != 2:
+        return rows.max(dim=-1).indices.tolist()
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    getattr(ops, "argmax" + KERNEL_DTYPES[rows.dtype])(
+        rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr(), torch.get_num_threads()
+    )
+    return out.tolist()
+
+
 def fuse_qkv(attention: nn.Module) -> bool:
     """`attention.qkv_proj` from its three projections, which become slices of it; False
     where they are not three plain linears over the same input."""
@@ -196,6 +212,8 @@ def fused_ops(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
         getattr(library, "add_rms_norm" + suffix).restype = None
         getattr(library, "silu_mul" + suffix).argtypes = (P, I64, P, I64, I, I)
         getattr(library, "silu_mul" + suffix).restype = None
+        getattr(library, "argmax" + suffix).argtypes = (P, I64, I64, I, P, I)
+        getattr(library, "argmax" + suffix).restype = None
     return library
 
 

@@ -40,7 +40,65 @@ void silu_mul_rows(const T* gate_up, int64_t row_stride, T* out, int64_t rows, i
     }
 }
 
+// The index of the largest value in x[0, dim), the first where several are, or of the
+// first NaN where there is one (as torch's `max` picks): one pass for the largest value,
+// a second for its first position (which stops there).
+template <typename T>
+int64_t argmax_row(const T* x, int dim) {
+    float largest = -INFINITY;
+    bool nan = false;
+    int i = 0;
+#if defined(INFLIGHT_AVX2)
+    __m256 lanes = _mm256_set1_ps(-INFINITY);
+    __m256 unordered = _mm256_setzero_ps();
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 v = load8(x + i);
+        lanes = _mm256_max_ps(v, lanes);  // where v is NaN: lanes, so NaNs never enter it
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, lanes);
+    for (float value : lane) largest = value > largest ? value : largest;
+    nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+    for (; i < dim; ++i) {
+        const float value = to_float(x[i]);
+        largest = value > largest ? value : largest;
+        nan = nan || value != value;
+    }
+    i = 0;
+#if defined(INFLIGHT_AVX2)
+    const __m256 target = _mm256_set1_ps(largest);
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 v = load8(x + i);
+        const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < dim; ++i) {
+        const float value = to_float(x[i]);
+        if (nan ? value != value : value == largest) return i;
+    }
+    return 0;  // not reached
+}
+
+template <typename T>
+void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int dim, int64_t* out, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(rows * dim, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) out[r] = argmax_row(x + r * row_stride, dim);
+}
+
 }  // namespace
+
+// out[r] = the index of the largest of x[r, 0:dim] (the first of equal ones, or the
+// first NaN), rows `row_stride` elements apart.
+extern "C" void argmax(const float* x, int64_t row_stride, int64_t rows, int dim, int64_t* out, int num_threads) {
+    argmax_rows(x, row_stride, rows, dim, out, num_threads);
+}
+
+extern "C" void argmax_bf16(const bf16* x, int64_t row_stride, int64_t rows, int dim, int64_t* out, int num_threads) {
+    argmax_rows(x, row_stride, rows, dim, out, num_threads);
+}
 
 // out[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps), rows `x_row_stride` elements apart.
 extern "C" void rms_norm(const float* x, int64_t x_row_stride, const float* weight, float* out, int64_t rows,
