@@ -190,3 +190,27 @@ def test_row_argmax_picks_what_torchs_max_picks(ops, dtype, rows, width):
 def test_row_argmax_picks_the_first_nan_as_torch_does(ops, dtype):
     rows = torch.tensor([[1.0, 3.0, 2.0] * 9 + [float("nan"), 1.0, float("nan")], [1.0, float("nan")] + [0.0] * 28])
     assert cpu_fusions.row_argmax(rows.to(dtype)) == rows.max(dim=-1).indices.tolist() == [27, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens, head_dim", [(1, 64), (5, 20), (300, 64)])  # 20: a half shorter than a vector
+def test_rotary_is_hugging_faces_rounding_for_rounding(ops, dtype, tokens, head_dim):
+    """Queries and keys rotated at their positions, read where they sit in the step's
+    fused q/k/v rows: bit for bit torch's `q * cos + rotate_half(q) * sin` in the
+    activations' dtype (each product rounded, then the sum)."""
+    torch.manual_seed(0)
+    heads, kv_heads, positions = 9, 3, torch.randint(0, 500, (tokens,))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    angles = torch.arange(500.0).unsqueeze(1) * torch.rand(head_dim // 2).repeat(2)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    cos_at, sin_at = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = head_dim // 2
+    rotate_half = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    want = qk * cos_at + rotate_half * sin_at
+    negated_sin = sin.clone()
+    negated_sin[:, :half].neg_()
+    values = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    got = cpu_fusions.Rotary(cos, negated_sin, positions)(qk)
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], values)  # the values left alone

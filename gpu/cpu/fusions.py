@@ -140,6 +140,36 @@ class ProjectionSlice(nn.Module):
         return self._attention.qkv_proj(x)[..., self.start : self.stop]
 
 
+class Rotary:
+    """Hugging Face's `q * cos + rotate_half(q) * sin` for one step's queries and keys at
+    their positions, over tables of cos and sin (`sin`'s first half negated, so that
+    rotate_half is a swap of halves times it). On a CPU one pass in place over each
+    layer's heads; elsewhere torch's operations, rounded as Hugging Face's."""
+
+    def __init__(self, cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor) -> None:
+        on_cpu = cos_table.device.type == "cpu" and cos_table.dtype in KERNEL_DTYPES
+        self.ops = fused_ops() if on_cpu else None
+        if self.ops is not None:
+            self.cos_table, self.sin_table, self.positions = cos_table, sin_table, positions.contiguous()
+        else:  # gathered once for every layer
+            self.cos = cos_table.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim]
+            self.sin = sin_table.index_select(0, positions).unsqueeze(1)
+
+    def __call__(self, heads: torch.Tensor) -> torch.Tensor:
+        """`heads` [T, heads, head_dim] rotated (in place, where the kernel runs)."""
+        tokens, count, head_dim = heads.shape
+        if self.ops is None:
+            rotated = heads * self.cos
+            return rotated.add_(heads.roll(head_dim // 2, dims=-1).mul_(self.sin))
+        if heads.stride(2) != 1 or heads.stride(1) != head_dim:
+            heads = heads.contiguous()
+        getattr(self.ops, "rotary" + KERNEL_DTYPES[heads.dtype])(
+            heads.data_ptr(), heads.stride(0), tokens, count, head_dim, self.cos_table.data_ptr(),
+            self.sin_table.data_ptr(), self.positions.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return heads
+
+
 def row_argmax(rows: torch.Tensor) -> list[int]:
     """The index of each row's largest value (the first of equal ones, or the first NaN),
     as torch's `max` picks it: on a CPU in one vectorized pass a row (docs/benchmarks.md,
@@ -212,6 +242,8 @@ def fused_ops(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
         getattr(library, "add_rms_norm" + suffix).restype = None
         getattr(library, "silu_mul" + suffix).argtypes = (P, I64, P, I64, I, I)
         getattr(library, "silu_mul" + suffix).restype = None
+        getattr(library, "rotary" + suffix).argtypes = (P, I64, I64, I, I, P, P, P, I)
+        getattr(library, "rotary" + suffix).restype = None
         getattr(library, "argmax" + suffix).argtypes = (P, I64, I64, I, P, I)
         getattr(library, "argmax" + suffix).restype = None
     return library

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gpu.attention import PagedBatch, long_tensor
+from gpu.cpu.fusions import Rotary
 
 # Decoder stacks whose layer is exactly: norm, attention (q/k/v projections, rotary,
 # attention, o projection), residual add, norm, MLP, residual add.
@@ -126,10 +127,8 @@ class LeanForward:
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> None:
         """Every decoder layer over `hidden` [T, hidden], in place."""
         num_tokens = hidden.shape[0]
-        cos = self._cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self._sin.index_select(0, positions).unsqueeze(1)
+        rotary = Rotary(self._cos, self._sin, positions)
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        half = head_dim // 2
         attend, metadata = batch.backend.attend, batch.metadata
         query_and_key = (heads + kv_heads) * head_dim
         mlp_out = None  # each layer's MLP output is added to `hidden` by the next layer's norm
@@ -144,11 +143,8 @@ class LeanForward:
                 k = layer.k_proj(x).view(num_tokens, kv_heads, head_dim)
                 v = layer.v_proj(x).view(num_tokens, kv_heads, head_dim)
                 qk = torch.cat((q, k), dim=1)
-            # Hugging Face's q * cos + rotate_half(q) * sin, for queries and keys at once;
-            # rotate_half(x) * sin is x with its halves swapped times sin with its first
-            # half negated (the same products: negation is exact).
-            rotated = qk * cos
-            rotated.add_(qk.roll(half, dims=-1).mul_(sin))
+            # Queries and keys at once (in place: `qk` is not read again).
+            rotated = rotary(qk)
             out = attend(layer.index, rotated[:, :heads], rotated[:, heads:], v, layer.scale, metadata)
             x = layer.add_post_attention_norm(hidden, layer.o_proj(out.view(num_tokens, heads * head_dim)))
             mlp_out = layer.mlp(x)

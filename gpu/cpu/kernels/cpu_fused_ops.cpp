@@ -40,6 +40,52 @@ void silu_mul_rows(const T* gate_up, int64_t row_stride, T* out, int64_t rows, i
     }
 }
 
+// HF's x * cos + rotate_half(x) * sin over each of `heads` heads of one token, in place;
+// `sin` has its first half negated, so rotate_half is a swap of the halves. Each product
+// is rounded to the activations' dtype before the sum, as torch's separate operations
+// round them: no multiply and add fused into one rounding, which -O3 would make of them.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename T>
+void rotary_row(T* x, const T* cos, const T* sin, int heads, int head_dim) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < heads; ++h) {
+        T* first = x + h * head_dim;
+        T* second = first + half;
+        int i = 0;
+#if defined(INFLIGHT_AVX2)
+        for (; i + 8 <= half; i += 8) {
+            const __m256 a = load8(first + i), b = load8(second + i);
+            const __m256 low = _mm256_add_ps(rounded_as8(_mm256_mul_ps(a, load8(cos + i)), first),
+                                             rounded_as8(_mm256_mul_ps(b, load8(sin + i)), first));
+            const __m256 high = _mm256_add_ps(rounded_as8(_mm256_mul_ps(b, load8(cos + half + i)), first),
+                                              rounded_as8(_mm256_mul_ps(a, load8(sin + half + i)), first));
+            store8(first + i, low);
+            store8(second + i, high);
+        }
+#endif
+        for (; i < half; ++i) {
+            const float a = to_float(first[i]), b = to_float(second[i]);
+            const float low = rounded_as(a * to_float(cos[i]), first) + rounded_as(b * to_float(sin[i]), first);
+            const float high =
+                rounded_as(b * to_float(cos[half + i]), first) + rounded_as(a * to_float(sin[half + i]), first);
+            store_float(first + i, low);
+            store_float(second + i, high);
+        }
+    }
+}
+#pragma GCC pop_options
+
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, int64_t rows, int heads, int head_dim, const T* cos_table,
+                 const T* sin_table, const int64_t* positions, int num_threads) {
+#pragma omp parallel for num_threads(threads_for(rows * heads * head_dim, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = positions[r] * head_dim;
+        rotary_row(x + r * row_stride, cos_table + at, sin_table + at, heads, head_dim);
+    }
+}
+
 // The index of the largest value in x[0, dim), the first where several are, or of the
 // first NaN where there is one (as torch's `max` picks): one pass for the largest value,
 // a second for its first position (which stops there).
@@ -89,6 +135,19 @@ void argmax_rows(const T* x, int64_t row_stride, int64_t rows, int dim, int64_t*
 }
 
 }  // namespace
+
+// The rotary embedding of x[r] (`heads` heads of `head_dim`, rows `row_stride` elements
+// apart), in place, at position positions[r] of the [position, head_dim] tables (`sin`'s
+// first half negated).
+extern "C" void rotary(float* x, int64_t row_stride, int64_t rows, int heads, int head_dim, const float* cos_table,
+                       const float* sin_table, const int64_t* positions, int num_threads) {
+    rotary_rows(x, row_stride, rows, heads, head_dim, cos_table, sin_table, positions, num_threads);
+}
+
+extern "C" void rotary_bf16(bf16* x, int64_t row_stride, int64_t rows, int heads, int head_dim, const bf16* cos_table,
+                            const bf16* sin_table, const int64_t* positions, int num_threads) {
+    rotary_rows(x, row_stride, rows, heads, head_dim, cos_table, sin_table, positions, num_threads);
+}
 
 // out[r] = the index of the largest of x[r, 0:dim] (the first of equal ones, or the
 // first NaN), rows `row_stride` elements apart.
