@@ -25,8 +25,8 @@ from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
 # oneDNN keeps every primitive it creates, and ideep (PyTorch's wrapper of it) its own
 # cache beside: 1,024 of each by default, each holding buffers sized by its row count. A
 # continuous batcher's steps change their row count almost every step, so both caches
-# fill over half an hour with a gigabyte that is seldom used again. This many keeps the
-# row counts of the moment (docs/benchmarks.md, "Soak").
+# fill with buffers seldom used again. This many keeps the row counts of the moment
+# (figures in docs/benchmarks.md, "Soak").
 ONEDNN_CACHE_CAPACITY = 64
 ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
