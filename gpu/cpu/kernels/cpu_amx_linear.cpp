@@ -5,7 +5,9 @@
 // each, contiguous). A work item is 32 rows x 32 columns of y, four result tiles summed
 // over the input in steps of 32 (two tiles of x, two of the weight, four products). Items
 // go to threads in column-block order, so a thread keeps its weight blocks in cache while
-// the rows stream past them.
+// the rows stream past them. While it works on one column block, the thread asks for the
+// next one's weight, into L2, a few lines after each step's products: at decode's few rows
+// the weights come from memory, and tile loads left to wait on it idle the tile unit.
 //
 // An epilogue per item: the sums (plus bias) rounded to bfloat16 into y; or, for the gated
 // MLP's gate and up projections packed with their halves interleaved (16 gate columns, then
@@ -37,11 +39,14 @@ constexpr int64_t TILE_ELEMENTS = TILE * BLOCK;  // bfloat16 in one packed tile
 // Tiles 0-3: results; 4-5: rows of x; 6-7: the weight (`cpu_amx.h`).
 
 // The sums of y rows [row, row + 32) x columns [col, col + 32) into `sums` (32 x 32): x's
-// rows `x_stride` apart, the packed weight's column block `weight`. `between(step)` runs
-// after each step's products: vector work (the last item's epilogue) that the core does
-// while the tile unit multiplies.
+// rows `x_stride` apart, the packed weight's column block `weight`. `ahead_lines` lines from
+// `ahead` are prefetched, spread over the steps. `between(step)` runs after each step's
+// products: vector work (the last item's epilogue) that the core does while the tile unit
+// multiplies.
 template <typename Between>
-void item(const bf16* x, int64_t x_stride, const bf16* weight, int64_t k_steps, float* sums, Between between) {
+void item(const bf16* x, int64_t x_stride, const bf16* weight, int64_t k_steps, float* sums, const char* ahead,
+          int64_t ahead_lines, Between between) {
+    const int64_t per_step = (ahead_lines + k_steps - 1) / k_steps;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -55,6 +60,8 @@ void item(const bf16* x, int64_t x_stride, const bf16* weight, int64_t k_steps, 
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        for (int64_t line = k * per_step; line < std::min(ahead_lines, (k + 1) * per_step); ++line)
+            _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
         between(k);
     }
     _tile_stored(0, sums, BLOCK * 4);
@@ -154,7 +161,13 @@ extern "C" int amx_linear(const bf16* x, int64_t m, int64_t k, int64_t x_stride,
             }
             float* into = sums[i & 1];
             const int64_t rows_a_step = (last.rows + k_steps - 1) / k_steps;
+            // The next column block's weight, a share of it during each row block's item.
+            const int64_t block_lines = k_steps * 2 * TILE_ELEMENTS * 2 / 64;
+            const int64_t share = (block_lines + row_blocks - 1) / row_blocks;
+            const char* next_block = (const char*)(packed + (col_block + 1) * k_steps * 2 * TILE_ELEMENTS);
+            const int64_t ahead_lines = col_block + 1 < col_blocks ? std::min(share, block_lines - row_block * share) : 0;
             item(rows_of_x, stride, packed + col_block * k_steps * 2 * TILE_ELEMENTS, k_steps, into,
+                 next_block + 64 * row_block * share, std::max<int64_t>(0, ahead_lines),
                  [&](int64_t step) { finish(step * rows_a_step, (step + 1) * rows_a_step); });
             const int64_t col = col_block * BLOCK;
             last.sums = into;
