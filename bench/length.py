@@ -15,6 +15,12 @@ real lengths (EOS honoured, greedy, capped at `--length-max-tokens`).
 3. The predictor's Kendall τ and mean absolute error against the true lengths of these
    prompts (held out: the conversations of odd index, which training never sees), and
    its cost per prediction.
+4. Deadlines: for each `--length-deadline-policies` policy, a fresh worker, the same
+   prompts at `--length-deadline-load` x capacity, each with a `deadline_ms` a seeded
+   uniform draw of `--length-deadline-slack` seconds after it is sent. Per policy: jobs
+   refused at once (`deadline_unmeetable`, and how soon), accepted, and of those accepted
+   the share that finished by their deadline (finish_reason other than `deadline`). Under
+   fcfs nothing is refused: what the deadlines do without a prediction.
 
 The prompts are sent as text, as producers send them; the worker tokenizes them
 (`encode_prompt`), and the oracle's file is keyed by those ids.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -49,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--length-loads", default="0.5,0.8,0.95", help="shares of the measured capacity")
     group.add_argument("--length-max-tokens", type=int, default=384, help="the reply cap (EOS honoured)")
     group.add_argument("--length-worker-args", default="", help="more flags for every worker, e.g. a running cap")
+    group.add_argument("--length-deadline-policies", default="fcfs,predicted,oracle", help="the deadlines part's")
+    group.add_argument(
+        "--length-deadline-load", type=float, default=0.9, help="the deadlines part's load (0: no deadlines part)"
+    )
+    group.add_argument(
+        "--length-deadline-slack", default="5,60", help="MIN,MAX seconds from a job's send to its deadline (uniform)"
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -117,6 +131,27 @@ def run(args: argparse.Namespace) -> dict:
                 same = sum(r["tokens"] == c["tokens"] for r, c in zip(records, capacity_run["points"][0][0]))
                 figures["same_tokens_as_capacity_run"] = round(same / len(records), 3)
                 report["points"].setdefault(f"load {load}", {})[policy] = figures
+        if args.length_deadline_load > 0:
+            low, high = (float(v) for v in args.length_deadline_slack.split(","))
+            draw = random.Random(args.seed)
+            slacks = [draw.uniform(low, high) for _ in texts]
+            load = args.length_deadline_load
+            deadline_arrivals = poisson(len(texts), load * capacity, args.seed + len(loads))
+            report["deadlines"] = {"load": load, "slack_s": [low, high], "policies": {}}
+            outcomes = {}
+            for policy in [p for p in args.length_deadline_policies.split(",") if p]:
+                flags = ["--length-policy", policy, *extra]
+                flags += ["--length-oracle", str(oracle_file)] if policy == "oracle" else []
+                print(f"bench: length: deadlines, {policy} at load {load}", file=sys.stderr, flush=True)
+                served = _serve(url, args, Path(tmp), f"deadlines-{policy}", flags, texts, [deadline_arrivals], slacks)
+                outcomes[policy], _ = served["points"][0]
+                report["deadlines"]["policies"][policy] = _deadline_figures(outcomes[policy])
+            if "fcfs" in outcomes:  # fcfs runs every job: which refusals it shows needless
+                for policy, records in outcomes.items():
+                    needless = sum(
+                        r["refused"] and c["finish"] != "deadline" for r, c in zip(records, outcomes["fcfs"])
+                    )
+                    report["deadlines"]["policies"][policy]["refused_but_met_under_fcfs"] = needless
     for name, point in report["points"].items():
         if "fcfs" in point:
             for policy in point:
@@ -128,8 +163,11 @@ def _odd(index: int) -> bool:
     return index % 2 == 1
 
 
-def _serve(url: str, args, tmp: Path, name: str, flags: list[str], texts: list[str], points: list[list[float]]) -> dict:
-    """A fresh worker with `flags`; the prompts sent at each point's arrival times in turn."""
+def _serve(
+    url: str, args, tmp: Path, name: str, flags: list[str], texts: list[str], points: list[list[float]], slacks=None
+) -> dict:
+    """A fresh worker with `flags`; the prompts sent at each point's arrival times in turn
+    (with `slacks`, each with a deadline that many seconds after it is sent)."""
     run_id = uuid.uuid4().hex[:8]  # request ids stay unique while their owner keys live
     prefix = f"inflight:bench:length:{run_id}:{name}"
     log_dir = tmp / name
@@ -141,7 +179,8 @@ def _serve(url: str, args, tmp: Path, name: str, flags: list[str], texts: list[s
         served: dict = {"points": [], "preemptions": []}
         for i, arrivals in enumerate(points):
             before = _preemptions(worker)
-            served["points"].append(asyncio.run(_send(url, prefix, f"{run_id}-{name}{i}", texts, arrivals, args)))
+            sent = _send(url, prefix, f"{run_id}-{name}{i}", texts, arrivals, args, slacks)
+            served["points"].append(asyncio.run(sent))
             served["preemptions"].append(_preemptions(worker) - before)
         return served
     finally:
@@ -161,12 +200,17 @@ def _preemptions(worker) -> float:
     return sum(value for (metric, _), value in worker.metrics().items() if metric == "inflight_preemptions_total")
 
 
-async def _send(url: str, prefix: str, tag: str, texts: list[str], arrivals: list[float], args) -> tuple[list, float]:
-    """Each prompt queued at its arrival time; every reply followed to its end. Per request:
-    its tokens and its send, first-token and end times after t0."""
+async def _send(
+    url: str, prefix: str, tag: str, texts: list[str], arrivals: list[float], args, slacks=None
+) -> tuple[list, float]:
+    """Each prompt queued at its arrival time (with `slacks`, a deadline that many seconds
+    later); every reply followed to its end. Per request: its tokens, its send, first-token
+    and end times after t0, its finish reason, and whether it was refused as unmeetable."""
     client = connect(url, socket_timeout=30)
     ids = [f"len-{tag}-{i}" for i in range(len(texts))]
-    records = [{"sent": None, "first": None, "end": None, "tokens": []} for _ in texts]
+    records = [
+        {"sent": None, "first": None, "end": None, "tokens": [], "finish": None, "refused": False} for _ in texts
+    ]
     by_stream = {reply_stream(rid): i for i, rid in enumerate(ids)}
     t0 = time.perf_counter()
 
@@ -174,7 +218,8 @@ async def _send(url: str, prefix: str, tag: str, texts: list[str], arrivals: lis
         for i in sorted(range(len(texts)), key=lambda i: arrivals[i]):
             await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
             records[i]["sent"] = time.perf_counter() - t0
-            payload = job_payload(texts[i], None, ids[i], max_tokens=args.length_max_tokens)
+            deadline_ms = None if slacks is None else int((time.time() + slacks[i]) * 1000)
+            payload = job_payload(texts[i], None, ids[i], max_tokens=args.length_max_tokens, deadline_ms=deadline_ms)
             await client.xadd(f"{prefix}:requests", payload)
 
     async def consumer():
@@ -195,10 +240,12 @@ async def _send(url: str, prefix: str, tag: str, texts: list[str], arrivals: lis
                     if event["type"] == "token":
                         record["first"] = record["first"] or now - t0
                         record["tokens"].extend(event["token_ids"])
-                    elif event["type"] == "error":
+                    elif event["type"] == "error" and not (slacks and event.get("code") == "deadline_unmeetable"):
                         raise RuntimeError(f"length: {ids[by_stream[key]]} failed: {event.get('message')}")
                     else:
                         record["end"] = now - t0
+                        record["refused"] = event["type"] == "error"
+                        record["finish"] = event.get("finish_reason")
                         del last[key]
 
     await asyncio.gather(producer(), consumer())
@@ -206,6 +253,23 @@ async def _send(url: str, prefix: str, tag: str, texts: list[str], arrivals: lis
     await client.delete(*by_stream)
     await client.aclose()
     return records, duration
+
+
+def _deadline_figures(records: list[dict]) -> dict:
+    """Jobs refused as unmeetable (and how soon after their send), accepted, and of those
+    accepted, how many finished by their deadline."""
+    refused = sorted(r["end"] - r["sent"] for r in records if r["refused"])
+    accepted = [r for r in records if not r["refused"]]
+    met = sum(r["finish"] != "deadline" for r in accepted)
+    return {
+        "jobs": len(records),
+        "refused": len(refused),
+        "refused_after_s_p50_max": [round(statistics.median(refused), 3), round(refused[-1], 3)] if refused else None,
+        "accepted": len(accepted),
+        "met": met,
+        "missed": len(accepted) - met,
+        "met_share_of_accepted": round(met / len(accepted), 3) if accepted else None,
+    }
 
 
 def _figures(records: list[dict], duration: float) -> dict:

@@ -250,6 +250,7 @@ SCHEDULER = FlagGroup(
         ),
         Flag("length_bound_s", "the largest queue head start a short predicted output buys"),
         Flag("length_oracle", "with --length-policy oracle: a JSON file of true output lengths (benchmarks)"),
+        Flag("deadline_length_margin", "deadline checks take a job's output as this many times its predicted length"),
     ),
 )
 

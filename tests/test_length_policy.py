@@ -222,6 +222,30 @@ def test_greedy_tokens_are_the_same_under_every_policy(tmp_path):
     assert outputs["oracle"][1][:2] == ["r4", "r0"] != outputs["fcfs"][1][:2]
 
 
+def test_a_deadline_check_takes_the_predicted_length_times_its_margin_at_most_max_tokens():
+    """Under the predicted policy the estimate counts the job's own output as the margin
+    times its prediction, capped at its max_tokens; true lengths (oracle) take no margin."""
+    job = distinct("job", 0, max_tokens=100)
+    predictor = oracle_for([(job, 10)])
+
+    def finish_s(**config) -> float:
+        s = make(predictor, **config)
+        s.observe_step(16, 0.1)  # the step time the estimate runs at
+        s.add(job)
+        return s.predicted_finish_s(job)
+
+    # One step for the 3-token prompt, then one a token.
+    assert finish_s(length_policy="predicted", deadline_length_margin=1) == pytest.approx((1 + 10) * 0.1)
+    assert finish_s(length_policy="predicted") == pytest.approx((1 + 20) * 0.1)  # the default margin, 2
+    assert finish_s(length_policy="predicted", deadline_length_margin=3) == pytest.approx((1 + 30) * 0.1)
+    assert finish_s(length_policy="predicted", deadline_length_margin=50) == pytest.approx((1 + 100) * 0.1)
+    assert finish_s(length_policy="oracle", length_oracle="unused.json", deadline_length_margin=3) == pytest.approx(
+        (1 + 10) * 0.1
+    )
+    with pytest.raises(ValueError, match="deadline_length_margin"):
+        SchedulerConfig(deadline_length_margin=0.5)
+
+
 @pytest.mark.slow
 def test_a_deadline_its_predicted_finish_misses_is_refused_at_once_and_others_run(tmp_path):
     import time

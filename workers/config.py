@@ -141,6 +141,11 @@ class SchedulerConfig:
     # With length_policy "oracle" (read by no other policy): a JSON file of true output lengths by prompt
     # (`workers.length_predictor.OracleLengths`).
     length_oracle: Path | None = None
+    # With length_policy "predicted", a deadline's check (docs/protocol.md, "Deadlines") takes
+    # a job's own output as this many times its predicted length, at most its max_tokens: 1
+    # trusts the prediction; more refuses more jobs at once and lets fewer accepted ones miss
+    # (the trade measured with the bundled model: docs/benchmarks.md, "Deadlines").
+    deadline_length_margin: float = 2.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -160,6 +165,8 @@ class SchedulerConfig:
             raise ValueError(f"length_policy must be one of {LENGTH_POLICIES}, got {self.length_policy!r}")
         if not self.length_bound_s >= 0:
             raise ValueError("length_bound_s must be >= 0")
+        if not self.deadline_length_margin >= 1:
+            raise ValueError("deadline_length_margin must be >= 1")
         if self.length_policy == "oracle" and self.length_oracle is None:
             raise ValueError("length_policy oracle needs length_oracle")
         if self.length_oracle is not None:

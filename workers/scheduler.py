@@ -185,7 +185,8 @@ class Scheduler:
         predictor or a measured step. Steps to wait for a running slot (the queue ahead of
         it, freed at the rate the running requests' predicted remainders free them), to
         compute its prompt (at the prefill budget) and to produce its predicted output (one
-        token a step), at the recent mean step time. It errs short when outputs run past
+        token a step; under the predicted policy times `deadline_length_margin`, at most its
+        max_tokens), at the recent mean step time. It errs short when outputs run past
         their predictions or steps slow down as the batch grows, and long when accepted
         drafts give a request more than one token a step."""
         if self.length_predictor is None or self._step_s is None or request.predicted_output_len is None:
@@ -198,7 +199,10 @@ class Scheduler:
             mean_remaining = sum(r.predicted_remaining for r in self.running) / len(self.running)
             wait_steps = short_of_room * mean_remaining / len(self.running)
         prompt_steps = -(-request.num_prompt_tokens // config.max_prefill_tokens)
-        return (wait_steps + prompt_steps + request.predicted_remaining) * self._step_s
+        own = request.predicted_remaining
+        if config.length_policy == "predicted":  # a prediction's margin; true lengths take none
+            own = min(own * config.deadline_length_margin, request.params.max_tokens - len(request.output_token_ids))
+        return (wait_steps + prompt_steps + own) * self._step_s
 
     def has_unfinished(self) -> bool:
         return bool(self.queue.num_queued or self.running)
