@@ -4,8 +4,8 @@ admission").
 
 Two real `inflight worker --fair-queue` processes on streams of the run's own (on
 `--redis-url`, else an embedded Valkey), each pinned to one core with `taskset -c` and
-`--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds twice
-that many jobs; the rest wait in Redis, where the fair queue orders them), prefix caching
+`--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds an
+eighth more jobs than that; the rest wait in Redis, where the fair queue orders them), prefix caching
 off (the same prompts are sent twice, alone and under load), a long lease. Parts
 (`--tenants-parts`, default all three):
 
@@ -93,7 +93,7 @@ WEIGHTS = FairQueueConfig()  # the workers' charge weights (their defaults)
 FLAGS = {
     "parts": (str, ",".join(PARTS), "parts to run, comma-separated"),
     "cores": (str, "0,1", "the two cores to pin the workers to"),
-    "max-running": (int, 8, "each worker's --max-running-requests (it holds twice as many jobs)"),
+    "max-running": (int, 8, "each worker's --max-running-requests (with fair queueing it holds an eighth more jobs)"),
     "light-jobs": (int, 30, "(a) jobs each light tenant queues at t0"),
     "flood": (int, 10, "(a) the heavy tenant's jobs per light tenant's"),
     "prompt-len": (int, 128, "(a) prompt length in tokens (random ids)"),

@@ -146,6 +146,10 @@ class FairQueueConfig:
     # output token costs a step, a prompt token a share of one).
     charge_prompt_weight: float = 1.0
     charge_output_weight: float = 2.0
+    # A worker about to take jobs first waits, up to this long, while jobs that arrived
+    # on the request stream are still being admitted: a burst is then ordered as a
+    # whole, not in the order its entries happened to be admitted.
+    admission_wait_ms: int = 250
 
     def __post_init__(self) -> None:
         for name in (
@@ -156,6 +160,7 @@ class FairQueueConfig:
             "tenant_tokens_per_s",
             "charge_prompt_weight",
             "charge_output_weight",
+            "admission_wait_ms",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

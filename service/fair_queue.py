@@ -240,6 +240,25 @@ return taken
 """
 )
 
+# KEYS[1]: the request stream. ARGV: a span (ms), a mark (an entry id, or '' at first).
+# Returns the mark to wait for: at first the newest entry that arrived within the span
+# and is still there, not yet admitted; then the same mark while any entry up to it that
+# arrived within the span is still there; '' when there is none. Redis's clock, as the
+# entry ids': older entries (a dead worker's, before their lease runs out) hold nothing.
+ADMITTING = """
+local span, mark = tonumber(ARGV[1]), ARGV[2]
+local now = redis.call('TIME')
+local since = (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000) - span) .. '-0'
+if mark == '' then
+  local newest = redis.call('XREVRANGE', KEYS[1], '+', since, 'COUNT', 1)[1]
+  if newest then return newest[1] end
+  return ''
+end
+if redis.call('XRANGE', KEYS[1], since, mark, 'COUNT', 1)[1] then return mark end
+return ''
+"""
+ADMITTING_POLL_S = 0.01
+
 # KEYS[1]: the request stream. ARGV: pairs of (account, weighted tokens), then the
 # tenants' raw tokens as pairs of (tenant, tokens) after a '--', and now (ms) first.
 CHARGE = (
@@ -310,6 +329,7 @@ class FairQueueReader(LeasedReader):
         self._priority_step_ms = priority_step_s * 1000
         self._tag = "{" + self.stream + "}"
         self._take = redis.register_script(TAKE)
+        self._admitting = redis.register_script(ADMITTING)
         self._where: dict[str, tuple[str, str]] = {}  # origin -> (tenant queue, its entry id)
 
     async def ensure_group(self) -> None:
@@ -365,6 +385,7 @@ class FairQueueReader(LeasedReader):
         return entries
 
     async def _taken(self, count: int, interactive_only: bool = False) -> list[Entry]:
+        await self._await_admission()
         rows = await self._take(
             keys=[self.stream],
             args=[
@@ -382,6 +403,19 @@ class FairQueueReader(LeasedReader):
             fields = dict(zip(flat[::2], flat[1::2]))
             entries += await self._entries(_text(queue), [(entry_id, fields)], (), delivered=False)
         return entries
+
+    async def _await_admission(self) -> None:
+        """Wait, up to `admission_wait_ms`, until the jobs that had arrived when the take
+        began are admitted: the fair order then covers a whole burst, not the part of it
+        admitted first. Arrivals after that do not prolong the wait."""
+        wait_ms = self.fair.admission_wait_ms
+        deadline = time.monotonic() + wait_ms / 1000
+        mark = ""
+        while time.monotonic() < deadline:
+            mark = _text(await self._admitting(keys=[self.stream], args=[wait_ms, mark]))
+            if not mark:
+                return
+            await asyncio.sleep(ADMITTING_POLL_S)
 
     async def _entries(self, queue: str, rows: list, held: Collection[str], delivered: bool) -> list[Entry]:
         """Entries named by their origin, with the bookkeeping fields taken off."""

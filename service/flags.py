@@ -325,6 +325,7 @@ FAIR_QUEUE = FlagGroup(
         Flag("tenant_tokens_per_s", "tokens a tenant may be served per second (0 = no quota)"),
         Flag("charge_prompt_weight", "fair share: a tenant's charge per prompt token"),
         Flag("charge_output_weight", "fair share: a tenant's charge per output token"),
+        Flag("admission_wait_ms", "before taking jobs, wait this long at most for new arrivals to be admitted"),
     ),
 )
 

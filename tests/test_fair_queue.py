@@ -277,3 +277,40 @@ def test_a_worker_may_take_interactive_jobs_only_leaving_batch_jobs_queued(clien
         assert [job.batch for _, job in await queue.take(4)] == [True]
 
     run(main())
+
+
+def test_a_take_waits_for_a_burst_to_be_admitted_and_orders_it_as_a_whole(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True, admission_wait_ms=2000))
+        await queue.admission.reader.ensure_group()
+        for tenant in ["flood"] * 6 + ["light"] * 2:  # one burst, the flood's jobs first
+            await client.xadd(queue.config.requests_stream, {"prompt": "four words of prompt", "tenant": tenant})
+
+        async def admit_slowly():  # one entry at a time, as a busy worker admits
+            for entry in await queue.admission.reader.read(64, 50):
+                await asyncio.sleep(0.02)
+                await queue.admission.admit(entry)
+
+        admitting = asyncio.create_task(admit_slowly())
+        await asyncio.sleep(0.03)  # the first of the flood is admitted: a take could start
+        taken = await queue.take(4)
+        await admitting
+        # Taken after the whole burst was admitted: the light tenant alternates with the
+        # flood rather than waiting behind the jobs that happened to be admitted first.
+        assert [job.tenant for _, job in taken] == ["flood", "light", "flood", "light"]
+
+    run(main())
+
+
+def test_the_wait_for_admission_is_bounded(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True, admission_wait_ms=100))
+        await queue.submit(tenant="a")
+        await queue.admission.reader.ensure_group()
+        # An arrival that no worker admits (its admitting worker stalled) holds a take
+        # back for the wait's length only.
+        await client.xadd(queue.config.requests_stream, {"prompt": "x", "tenant": "b"})
+        taken = await asyncio.wait_for(queue.take(4), timeout=5)
+        assert [job.tenant for _, job in taken] == ["a"]
+
+    run(main())
