@@ -4,8 +4,8 @@ admission").
 
 Two real `inflight worker --fair-queue` processes on streams of the run's own (on
 `--redis-url`, else an embedded Valkey), each pinned to one core with `taskset -c` and
-`--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds an
-eighth more jobs than that; the rest wait in Redis, where the fair queue orders them), prefix caching
+`--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds no
+more jobs than that; the rest wait in Redis, where the fair queue orders them), prefix caching
 off (the same prompts are sent twice, alone and under load), a long lease. Parts
 (`--tenants-parts`, default all three):
 
@@ -32,14 +32,17 @@ off (the same prompts are sent twice, alone and under load), a long lease. Parts
   the share of idle capacity the batch used: batch tokens charged during the interactive
   run / (capacity x its duration - interactive tokens charged), all in weighted tokens.
   The batch backlog left is cancelled.
-- (c) **Overload.** Fresh workers with `--max-queued-jobs` (`--tenants-max-queued-jobs`);
-  `--tenants-overload-jobs` jobs at Poisson arrivals of `--tenants-overload` (2) x
-  capacity. Reported: the share refused (`queue_full`), how fast (from the request entry's
-  id to its dead letter's, both Redis's clock in ms: the dead letter is written just after
-  the error event), the `retry_after_s` they were given, the most jobs seen queued against
-  the cap, the accepted jobs left unfinished `TENANTS_DRAIN_S` after the last arrival
-  (none should be: nothing is left to expire), and the accepted jobs' TTFT p99 against
-  (b)'s interactive load alone (60% of capacity).
+- (c) **Overload.** Fresh workers with `--max-queue-wait-s` (`--tenants-max-queue-wait-s`;
+  by default (b)'s interactive TTFT p99 alone: the wait users see at 60% load is what
+  the shedding keeps under overload) and `--max-queued-jobs` if
+  `--tenants-max-queued-jobs` gives one; `--tenants-overload-jobs` jobs at Poisson
+  arrivals of `--tenants-overload` (2) x capacity. Reported: the share refused
+  (`queue_full`), how fast (from the request entry's id to its dead letter's, both
+  Redis's clock in ms: the dead letter is written just after the error event), the
+  `retry_after_s` they were given, the most jobs seen queued, the accepted jobs left
+  unfinished `TENANTS_DRAIN_S` after the last arrival (none should be: nothing is left to
+  expire), and the accepted jobs' TTFT p99 against (b)'s interactive load alone (60% of
+  capacity).
 
 Workload of (b) and (c): the bench's `--workload` (`--workload sharegpt`: ShareGPT first
 turns, chat-templated, with their real lengths: greedy, EOS honoured, capped by
@@ -86,6 +89,7 @@ SHUTDOWN_GRACE_S = 5
 WARMUP_JOBS, WARMUP_TOKENS = 4, 4
 BATCH_SETTLE_S = 2.0  # after the batch backlog is admitted and served, before the interactive load
 WAIT_LIMIT_S = 900.0  # a wait this long fails the run instead of hanging it
+DEFAULT_QUEUE_WAIT_S = 2.0  # (c)'s --max-queue-wait-s when (b) did not run to give one
 TENANTS_DRAIN_S = 300.0  # (c): accepted jobs not finished this long after the last arrival are left
 WEIGHTS = FairQueueConfig()  # the workers' charge weights (their defaults)
 
@@ -93,7 +97,7 @@ WEIGHTS = FairQueueConfig()  # the workers' charge weights (their defaults)
 FLAGS = {
     "parts": (str, ",".join(PARTS), "parts to run, comma-separated"),
     "cores": (str, "0,1", "the two cores to pin the workers to"),
-    "max-running": (int, 8, "each worker's --max-running-requests (with fair queueing it holds an eighth more jobs)"),
+    "max-running": (int, 8, "each worker's --max-running-requests (with fair queueing it holds no more jobs)"),
     "light-jobs": (int, 30, "(a) jobs each light tenant queues at t0"),
     "flood": (int, 10, "(a) the heavy tenant's jobs per light tenant's"),
     "prompt-len": (int, 128, "(a) prompt length in tokens (random ids)"),
@@ -105,7 +109,8 @@ FLAGS = {
     "batch-jobs": (int, 2000, "(b) batch jobs queued under the interactive load"),
     "overload-jobs": (int, 150, "(c) jobs, Poisson arrivals"),
     "overload": (float, 2.0, "(c) their arrival rate as a multiple of capacity"),
-    "max-queued-jobs": (int, 8, "(c) the workers' --max-queued-jobs"),
+    "max-queue-wait-s": (float, 0.0, "(c) the workers' --max-queue-wait-s; 0: (b)'s TTFT p99 alone, else 2 s"),
+    "max-queued-jobs": (int, 0, "(c) the workers' --max-queued-jobs (0: none)"),
 }
 
 
@@ -389,9 +394,11 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
                 report["capacity"] = capacity
             if "c" in parts:
                 base = report.get("b", {}).get("alone", {}).get("ttft_p99_ms")
-                cap = ["--max-queued-jobs", str(args.tenants_max_queued_jobs)]
-                async with _session(url, client, run_id, "capped", args, cores, Path(logs), prompts, cap) as session:
-                    report["c"] = await _timed(_part_c(session, prompts, capacity, base, args))
+                wait_s = args.tenants_max_queue_wait_s or (round(base / 1000, 2) if base else DEFAULT_QUEUE_WAIT_S)
+                caps = {"max_queue_wait_s": wait_s, "max_queued_jobs": args.tenants_max_queued_jobs}
+                flags = [f"--{name.replace('_', '-')}={value}" for name, value in caps.items() if value]
+                async with _session(url, client, run_id, "capped", args, cores, Path(logs), prompts, flags) as session:
+                    report["c"] = {"caps": caps} | await _timed(_part_c(session, prompts, capacity, base, args))
         finally:
             await client.aclose()
     report["workload"] = {
@@ -405,7 +412,7 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
         "cores": cores,
         "threads_per_worker": 1,
         "max_running_requests": args.tenants_max_running,
-        "jobs_held_per_worker": args.tenants_max_running + max(1, args.tenants_max_running // 8),  # as the worker holds
+        "jobs_held_per_worker": args.tenants_max_running,  # as a fair-queue worker holds
         "charge_prompt_weight": WEIGHTS.charge_prompt_weight,
         "charge_output_weight": WEIGHTS.charge_output_weight,
         "speculative": args.speculation,
@@ -689,7 +696,6 @@ async def _part_c(s: Session, prompts: Prompts, capacity: dict, base_ttft_p99_ms
     figures = latency_figures([j.record() for j in accepted])
     return {
         "rate_per_s": round(rate, 3),
-        "max_queued_jobs": args.tenants_max_queued_jobs,
         "jobs": _accounting(jobs),
         "refused_share": round(len(refused) / len(jobs), 3),
         "refusal_ms": {"p50": _pct(refusal_ms, 50), "p99": _pct(refusal_ms, 99), "max": max(refusal_ms, default=None)},

@@ -136,6 +136,9 @@ class FairQueueConfig:
     # new job is refused at once as queue_full.
     max_queued_jobs: int = 0
     max_queued_tokens: int = 0
+    # Seconds a new interactive job would wait to be taken: the interactive jobs queued
+    # ahead of it times how long each took to clear lately. Over it, queue_full at once.
+    max_queue_wait_s: float = 0.0
     # The same, per tenant.
     tenant_max_queued_jobs: int = 0
     tenant_max_queued_tokens: int = 0
@@ -155,6 +158,7 @@ class FairQueueConfig:
         for name in (
             "max_queued_jobs",
             "max_queued_tokens",
+            "max_queue_wait_s",
             "tenant_max_queued_jobs",
             "tenant_max_queued_tokens",
             "tenant_tokens_per_s",
@@ -169,6 +173,7 @@ class FairQueueConfig:
             for name in (
                 "max_queued_jobs",
                 "max_queued_tokens",
+                "max_queue_wait_s",
                 "tenant_max_queued_jobs",
                 "tenant_max_queued_tokens",
                 "tenant_tokens_per_s",

@@ -36,6 +36,7 @@ log = structlog.get_logger("inflight.fair_queue")
 
 ORIGIN_FIELD = b"inflight:origin"  # the request entry's id, on a tenant queue's entry
 TOKENS_FIELD = b"inflight:tokens"  # its prompt tokens, as admission counted them
+AHEAD_FIELD = b"inflight:ahead"  # the interactive jobs queued when it was admitted
 BATCH_LEVEL = "batch"
 # A refusal's retry_after_s for queue_full: the excess over the drain rate, within these.
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
@@ -48,6 +49,7 @@ QUOTA_BURST_S = 10
 _PRELUDE_LUA = f"""
 local window, retry_min, retry_max, burst = {DRAIN_WINDOW_S}, {RETRY_AFTER_MIN_S}, {RETRY_AFTER_MAX_S}, {QUOTA_BURST_S}
 local origin_field, tokens_field = '{ORIGIN_FIELD.decode()}', '{TOKENS_FIELD.decode()}'
+local ahead_field = '{AHEAD_FIELD.decode()}'
 local priority_min = {PRIORITY_MIN}
 """
 _KEYS_LUA = (
@@ -58,6 +60,21 @@ local backlog_key, served_key = tag .. ':backlog', tag .. ':served'
 local queued_key, tokens_key = tag .. ':queued', tag .. ':queued_tokens'
 local function counter(key, field) return tonumber(redis.call('HGET', key, field) or '0') end
 local function account(level, tenant) if level == 'batch' then return 'batch:' .. tenant end return tenant end
+local function admitted_ms(entry) return tonumber(string.match(entry[1], '^(%d+)')) end
+local function field(entry, name)
+  for i = 1, #entry[2], 2 do if entry[2][i] == name then return entry[2][i + 1] end end
+end
+-- The oldest entry of a tenant queue not yet taken by the group's workers, or nil.
+local function head(queue, group)
+  local last = '0-0'
+  for _, info in ipairs(redis.call('XINFO', 'GROUPS', queue)) do
+    for i = 1, #info, 2 do
+      if info[i] == 'name' and info[i + 1] ~= group then break end
+      if info[i] == 'last-delivered-id' then last = info[i + 1] end
+    end
+  end
+  return redis.call('XRANGE', queue, '(' .. last, '+', 'COUNT', 1)[1]
+end
 local function queues_with_backlog()
   local flat, queues = redis.call('HGETALL', backlog_key), {}
   for i = 1, #flat, 2 do
@@ -73,8 +90,8 @@ end
 
 # KEYS[1]: the request stream. ARGV: group, entry id, tenant, level, prompt tokens, now
 # (ms), max queued jobs, max queued tokens, the tenant's max queued jobs and tokens, its
-# tokens per second (0: no cap). Returns {'admitted'}, {'gone'} (another worker admitted
-# it, or it was deleted) or {code, retry_after_s, message}.
+# tokens per second, the max queue wait (s) (0: no cap). Returns {'admitted'}, {'gone'}
+# (another worker admitted it, or it was deleted) or {code, retry_after_s, message}.
 ADMIT = (
     _KEYS_LUA
     + """
@@ -82,6 +99,7 @@ local group, entry_id, tenant, level = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local tokens, now_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_jobs, max_tokens = tonumber(ARGV[7]), tonumber(ARGV[8])
 local tenant_max_jobs, tenant_max_tokens, rate = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local max_wait_s = tonumber(ARGV[12])
 if #redis.call('XPENDING', KEYS[1], group, entry_id, entry_id, 1) == 0 then return {'gone'} end
 local entry = redis.call('XRANGE', KEYS[1], entry_id, entry_id)[1]
 if not entry then return {'gone'} end
@@ -102,6 +120,33 @@ if max_jobs > 0 and counter(queued_key, '*') + 1 > max_jobs then
 end
 if max_tokens > 0 and counter(tokens_key, '*') + tokens > max_tokens then
   return full('prompt tokens', counter(tokens_key, '*'), max_tokens, 'tokens', tokens)
+end
+local ahead = 0  -- interactive jobs queued
+for _, queue in ipairs(queues_with_backlog()) do
+  if queue.level ~= 'batch' then ahead = ahead + counter(backlog_key, queue.key) end
+end
+if max_wait_s > 0 and level ~= 'batch' and ahead > 0 then
+  -- The wait: a slot for each job ahead and its own, each as long as one took lately
+  -- (the pace, measured as jobs are taken: TAKE), and at least as long as the oldest
+  -- queued job has waited for each of its own so far.
+  local now_s, pace_ms, paced = math.floor(now_ms / 1000), 0, 0
+  for s = now_s - window + 1, now_s do
+    pace_ms = pace_ms + counter(tag .. ':pace:' .. s, 'ms')
+    paced = paced + counter(tag .. ':pace:' .. s, 'jobs')
+  end
+  local pace = paced > 0 and pace_ms / paced or 0
+  for _, queue in ipairs(queues_with_backlog()) do
+    local oldest = queue.level ~= 'batch' and head(queue.key, group)
+    if oldest then
+      pace = math.max(pace, (now_ms - admitted_ms(oldest)) / (tonumber(field(oldest, ahead_field) or '0') + 1))
+    end
+  end
+  local expected_s = (ahead + 1) * pace / 1000
+  if expected_s > max_wait_s then
+    local why = string.format('a wait of %.1f s for the %d jobs queued ahead', expected_s, ahead)
+    return {'queue_full', tostring(math.min(retry_max, math.max(retry_min, expected_s - max_wait_s))),
+            why .. string.format(', over at most %g s', max_wait_s)}
+  end
 end
 if tenant_max_jobs > 0 and counter(queued_key, tenant) + 1 > tenant_max_jobs then
   return full('tenant ' .. tenant .. ' jobs', counter(queued_key, tenant), tenant_max_jobs, 'jobs', 1)
@@ -146,6 +191,7 @@ end
 local fields = entry[2]
 table.insert(fields, origin_field); table.insert(fields, entry_id)
 table.insert(fields, tokens_field); table.insert(fields, tostring(tokens))
+table.insert(fields, ahead_field); table.insert(fields, tostring(level == 'batch' and 0 or ahead))
 redis.call('XADD', queue, '*', unpack(fields))
 redis.call('XACK', KEYS[1], group, entry_id)
 redis.call('XDEL', KEYS[1], entry_id)
@@ -172,16 +218,8 @@ local batch_allowed = ARGV[7] == '1'
 
 -- When the oldest job not yet taken from a queue was admitted (ms), or nil.
 local function head_ms(queue)
-  local last = '0-0'
-  for _, info in ipairs(redis.call('XINFO', 'GROUPS', queue)) do
-    for i = 1, #info, 2 do
-      if info[i] == 'name' and info[i + 1] ~= group then break end
-      if info[i] == 'last-delivered-id' then last = info[i + 1] end
-    end
-  end
-  local next_entry = redis.call('XRANGE', queue, '(' .. last, '+', 'COUNT', 1)[1]
-  if not next_entry then return nil end
-  return tonumber(string.match(next_entry[1], '^(%d+)'))
+  local entry = head(queue, group)
+  return entry and admitted_ms(entry)
 end
 
 local taken = {}
@@ -217,9 +255,16 @@ while #taken < count do
   if not entry then
     redis.call('HSET', backlog_key, chosen.key, 0)
   else
-    local tokens = 0
-    for i = 1, #entry[2], 2 do
-      if entry[2][i] == tokens_field then tokens = tonumber(entry[2][i + 1]) end
+    local tokens = tonumber(field(entry, tokens_field) or '0')
+    local ahead = tonumber(field(entry, ahead_field) or '0')
+    if ahead > 0 then
+      -- The pace: how long a slot took to free for each job ahead of this one and its
+      -- own, measured on jobs that queued behind others (one taken at once tells how
+      -- fast jobs arrive, not how fast workers finish them).
+      local pace = tag .. ':pace:' .. math.floor(now_ms / 1000)
+      redis.call('HINCRBYFLOAT', pace, 'ms', math.max(now_ms - admitted_ms(entry), 0) / (ahead + 1))
+      redis.call('HINCRBY', pace, 'jobs', 1)
+      redis.call('EXPIRE', pace, 120)
     end
     redis.call('HINCRBY', backlog_key, chosen.key, -1)
     for _, field in ipairs({chosen.tenant, '*'}) do
@@ -424,6 +469,7 @@ class FairQueueReader(LeasedReader):
             fields = dict(fields)
             origin = _text(fields.pop(ORIGIN_FIELD, b"") or entry_id)
             fields.pop(TOKENS_FIELD, None)
+            fields.pop(AHEAD_FIELD, None)
             if origin in held:
                 continue
             queue_entry_id = _text(entry_id)
@@ -528,6 +574,7 @@ class Admission:
                 fair.tenant_max_queued_jobs,
                 fair.tenant_max_queued_tokens,
                 fair.tenant_tokens_per_s,
+                fair.max_queue_wait_s,
             ],
         )
         outcome = _text(result[0])

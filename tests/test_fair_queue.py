@@ -194,6 +194,40 @@ def test_over_a_cap_a_job_is_refused_at_once_with_a_time_to_retry(client):
     run(main())
 
 
+def test_a_job_that_would_wait_longer_than_the_cap_is_refused_at_once(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(max_queue_wait_s=1.1))
+        for _ in range(3):  # no job has waited yet: no pace to judge a wait by, none refused
+            await queue.submit(tenant="a")
+        for _ in range(3):  # taken one every 0.3 s: the 2nd waited 0.6 s for two slots (one
+            await asyncio.sleep(0.3)  # job ahead, its own), the 3rd 0.9 s for three: 0.3 s a slot
+            await queue.tenants_taken(1)
+        for _ in range(5):
+            await queue.submit(tenant="b")
+        await queue.submit(tenant="b", batch="true")  # batch jobs wait by design: not capped
+        # Behind none, one (0.6 s for two slots) and two (0.9 s) queued; behind three, refused.
+        queued = await client.hget("{" + queue.config.requests_stream + "}:queued", "b")
+        assert int(queued) == 3 + 1
+        refused = [(job.tenant, job.batch, refusal.code) for job, refusal in queue.refusals]
+        assert refused == [("b", False, "queue_full")] * 2
+        assert all(1 <= refusal.retry_after_s <= 60 for _, refusal in queue.refusals)
+        assert "s for the 3 jobs queued ahead, over at most 1.1 s" in queue.refusals[0][1].message
+
+    run(main())
+
+
+def test_until_a_job_is_taken_the_oldest_queued_job_s_wait_sets_the_pace(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(max_queue_wait_s=1.0))
+        for _ in range(2):  # all workers busy: nothing is taken
+            await queue.submit(tenant="a")
+        await asyncio.sleep(0.6)  # the oldest waited 0.6 s for one slot: a third needs three, 1.8 s
+        await queue.submit(tenant="a")
+        assert [refusal.code for _, refusal in queue.refusals] == ["queue_full"]
+
+    run(main())
+
+
 def test_a_cap_on_queued_prompt_tokens_counts_the_prompts(client):
     async def main():
         queue = Queue(client, FairQueueConfig(tenant_max_queued_tokens=10))
