@@ -192,6 +192,25 @@ def test_an_interactive_prompt_part_way_through_takes_blocks_back_from_a_batch_j
     assert len(job.output_token_ids) == 12
 
 
+def test_an_interactive_prompt_takes_the_prefill_budget_before_a_batch_prompt_part_way_through():
+    s = make(max_prefill_tokens=8, max_prefill_chunk=8)
+    runner = FakeRunner(s)
+    job = batch_job("b0", 40, max_tokens=4)
+    s.add(job)
+    runner.step(s.schedule())  # its first 8 prompt tokens
+    interactive = request("interactive", 6, max_tokens=2, arrival=100.0)
+    s.add(interactive)
+    plan = s.schedule()
+    # The interactive prompt whole, the batch prompt only what the budget has left.
+    assert [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks] == [
+        ("interactive", 0, 6),
+        ("b0", 8, 2),
+    ]
+    runner.step(plan)
+    finish_all(s, runner)
+    assert len(job.output_token_ids) == 4 and len(interactive.output_token_ids) == 2
+
+
 def test_a_batch_job_is_the_victim_whatever_the_priorities():
     s = make(num_blocks=9, host_blocks=16, max_batch_tokens=64)
     runner = FakeRunner(s)

@@ -266,25 +266,40 @@ class Scheduler:
         admitted after its cached prefix) while `max_running_requests` and free blocks
         allow. The queue is strict: if its head cannot start, nothing behind it starts
         either, so a large request cannot be starved by small ones. A request is never
-        swapped back in during the step that swapped it out. An interactive request
-        short of a running slot or of blocks takes them from running batch requests.
+        swapped back in during the step that swapped it out. Interactive prompts come
+        before batch ones (the budget is capacity too): interactive requests part-way
+        through their prompt and the queue's interactive head first, then batch prompts
+        with what is left; an interactive request short of a running slot or of blocks
+        takes them from running batch requests.
         """
         config = self.config
-        num_decodes = len(plan.chunks)
-        budget = min(config.max_prefill_tokens, config.max_batch_tokens - num_decodes)
+        budget = min(config.max_prefill_tokens, config.max_batch_tokens - len(plan.chunks))
+        budget = self._continue_prompts(plan, budget, batch=False)
+        budget = self._start_queued(plan, budget, batch=False)
+        budget = self._continue_prompts(plan, budget, batch=True)
+        self._start_queued(plan, budget, batch=True)
 
-        # Running requests part-way through their prompt take their next chunk.
+    def _continue_prompts(self, plan: StepPlan, budget: int, batch: bool) -> int:
+        """Running requests of the class part-way through their prompt take their next
+        chunk; returns the budget left."""
         for request in list(self.running):  # a copy: batch requests may be preempted meanwhile
             if budget == 0:
                 break
-            if request.status is RequestStatus.RUNNING and not request.is_decoding:
+            if request.batch == batch and request.status is RequestStatus.RUNNING and not request.is_decoding:
                 while self.kv_cache.room(request) == 0 and self._preempt_batch_for(request, plan):
                     pass  # no block to write into: an interactive prompt takes batch requests' blocks
                 budget -= self._add_prefill_chunk(request, budget, plan)
+        return budget
 
-        # The queue's head starts, while it fits.
+    def _start_queued(self, plan: StepPlan, budget: int, batch: bool) -> int:
+        """The queue's head starts while it fits (interactive heads only, unless `batch`);
+        returns the budget left."""
+        config = self.config
+        num_decodes = sum(chunk.is_decode for chunk in plan.chunks)
         while self.queue.num_queued:
             request = self.queue.head()
+            if request.batch and not batch:
+                break  # batch jobs queue behind every interactive one
             if request in plan.preempted:
                 break  # never back in the step that preempted it
             if self._occupied() + 1 + self._num_forking(request) > self._running_limit(request):
@@ -320,6 +335,7 @@ class Scheduler:
                     continue
                 break  # no blocks: keep the queue's order, wait
             budget -= self._add_prefill_chunk(request, budget, plan)
+        return budget
 
     def _admit(self, request: Request, budget: int, plan: StepPlan) -> bool:
         """Start the queue's head (a waiting request) after its longest cached prefix, if
