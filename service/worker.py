@@ -178,9 +178,9 @@ class Worker:
         while not stop.is_set():
             room = self.capacity - len(self.held)
             held_batch = sum(held.batch for held in self.held.values())
-            if room <= 0 and held_batch and self.admission is not None:
+            interactive_room = self.capacity - (len(self.held) - held_batch)
+            if room <= 0 and held_batch and interactive_room > 0 and self.admission is not None:
                 # Full, but partly of batch jobs: interactive jobs never wait behind them.
-                interactive_room = self.capacity - (len(self.held) - held_batch)
                 entries = await _unless_stopped(
                     stop,
                     lambda: self.reader.read(interactive_room, self.config.block_ms, self.held, interactive_only=True),

@@ -150,3 +150,42 @@ def test_a_worker_full_of_batch_jobs_still_takes_an_interactive_job_and_serves_i
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_worker_full_of_interactive_jobs_beside_preempted_batch_ones_waits_without_spinning(make_engine):
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    engine = make_engine(max_running_requests=1)  # holds one job, and interactive ones beyond batch ones
+
+    async def main():
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        worker = Worker(engine, client, config, fair_queue=FairQueueConfig(enabled=True))
+        reads = 0
+        read = worker.reader.read
+
+        async def counted_read(*args, **kwargs):
+            nonlocal reads
+            reads += 1
+            return await read(*args, **kwargs)
+
+        worker.reader.read = counted_read
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        batch = {"id": f"{run}-batch", "prompt": "Hello", "max_tokens": "64", "ignore_eos": "1", "batch": "1"}
+        await client.xadd(config.requests_stream, batch)
+        await stream_reaches(client, f"inflight:out:{{{run}-batch}}", 2)
+        chat = {"id": f"{run}-chat", "prompt": "Hi", "max_tokens": "64", "ignore_eos": "1"}
+        await client.xadd(config.requests_stream, chat)
+        await stream_reaches(client, f"inflight:out:{{{run}-chat}}", 2)
+        # Now it holds its one interactive job and the batch job that gave up its slot:
+        # no room for another job of either class, so it waits for one to end.
+        before = reads
+        await asyncio.sleep(0.5)
+        assert reads - before <= 2
+        for request_id in (f"{run}-chat", f"{run}-batch"):
+            assert (await read_replies(client, f"inflight:out:{{{request_id}}}"))[-1]["type"] == b"done"
+        stop.set()
+        await task
+        await client.aclose()
+
+    asyncio.run(main())
