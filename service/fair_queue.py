@@ -61,7 +61,7 @@ local queued_key, tokens_key = tag .. ':queued', tag .. ':queued_tokens'
 local function counter(key, field) return tonumber(redis.call('HGET', key, field) or '0') end
 local function account(level, tenant) if level == 'batch' then return 'batch:' .. tenant end return tenant end
 local function admitted_ms(entry) return tonumber(string.match(entry[1], '^(%d+)')) end
-local function field(entry, name)
+local function field_of(entry, name)
   for i = 1, #entry[2], 2 do if entry[2][i] == name then return entry[2][i + 1] end end
 end
 -- The oldest entry of a tenant queue not yet taken by the group's workers, or nil.
@@ -121,8 +121,8 @@ end
 if max_tokens > 0 and counter(tokens_key, '*') + tokens > max_tokens then
   return full('prompt tokens', counter(tokens_key, '*'), max_tokens, 'tokens', tokens)
 end
-local ahead = 0  -- interactive jobs queued
-for _, queue in ipairs(queues_with_backlog()) do
+local queues, ahead = queues_with_backlog(), 0  -- and the interactive jobs queued
+for _, queue in ipairs(queues) do
   if queue.level ~= 'batch' then ahead = ahead + counter(backlog_key, queue.key) end
 end
 if max_wait_s > 0 and level ~= 'batch' and ahead > 0 then
@@ -135,10 +135,10 @@ if max_wait_s > 0 and level ~= 'batch' and ahead > 0 then
     paced = paced + counter(tag .. ':pace:' .. s, 'jobs')
   end
   local pace = paced > 0 and pace_ms / paced or 0
-  for _, queue in ipairs(queues_with_backlog()) do
+  for _, queue in ipairs(queues) do
     local oldest = queue.level ~= 'batch' and head(queue.key, group)
     if oldest then
-      pace = math.max(pace, (now_ms - admitted_ms(oldest)) / (tonumber(field(oldest, ahead_field) or '0') + 1))
+      pace = math.max(pace, (now_ms - admitted_ms(oldest)) / (tonumber(field_of(oldest, ahead_field) or '0') + 1))
     end
   end
   local expected_s = (ahead + 1) * pace / 1000
@@ -171,7 +171,7 @@ end
 -- counter among the tenants with queued jobs of the class: idle time earns no credit.
 local batch_class = level == 'batch'
 local was_idle, least = true, nil
-for _, queue in ipairs(queues_with_backlog()) do
+for _, queue in ipairs(queues) do
   if (queue.level == 'batch') == batch_class then
     if queue.tenant == tenant then was_idle = false end
     local served = counter(served_key, account(queue.level, queue.tenant))
@@ -255,8 +255,8 @@ while #taken < count do
   if not entry then
     redis.call('HSET', backlog_key, chosen.key, 0)
   else
-    local tokens = tonumber(field(entry, tokens_field) or '0')
-    local ahead = tonumber(field(entry, ahead_field) or '0')
+    local tokens = tonumber(field_of(entry, tokens_field) or '0')
+    local ahead = tonumber(field_of(entry, ahead_field) or '0')
     if ahead > 0 then
       -- The pace: how long a slot took to free for each job ahead of this one and its
       -- own, measured on jobs that queued behind others (one taken at once tells how
