@@ -40,10 +40,13 @@ def test_a_killed_workers_jobs_resume_on_the_live_worker_within_seconds(fleet, g
         fleet.wait_until_serving(name)
     ids = submit(fleet, 4)
     wait_for(lambda: all(fleet.client.xlen(fleet.reply(r)) >= 3 for r in ids))
-    victims = [r for r in ids if fleet.owner(r) == "a"]
-    assert victims, "both workers should hold jobs"
+    # Each worker reads what has arrived when it looks, so either may hold all four:
+    # the one that holds the first job dies, and the other takes over.
+    dead = fleet.owner(ids[0])
+    live = "b" if dead == "a" else "a"
+    victims = [r for r in ids if fleet.owner(r) == dead]
     published = {r: fleet.client.xlen(fleet.reply(r)) for r in victims}
-    fleet.workers["a"].process.send_signal(signal.SIGKILL)
+    fleet.workers[dead].process.send_signal(signal.SIGKILL)
     killed = time.time()
     resumed = {}
     while len(resumed) < len(victims):
@@ -55,7 +58,7 @@ def test_a_killed_workers_jobs_resume_on_the_live_worker_within_seconds(fleet, g
     wait_for(lambda: all(fleet.events(r) and fleet.events(r)[-1]["type"] == "done" for r in ids))
     for r in ids:
         assert_well_formed(fleet.events(r), greedy_tokens)
-    assert all(fleet.events(r)[-1]["worker"] == "b" for r in victims)
+    assert all(fleet.events(r)[-1]["worker"] == live for r in victims)
     # The lease is claim_idle_ms (2 s); resuming also waits for b's next look and a prefill.
     # The soak benchmark reports the figures; this bound only catches a return to 30 s stalls.
     assert max(resumed.values()) < 10, resumed
