@@ -105,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     systems.add_argument("--static-batch", type=int, default=8, help="batch size of hf_static")
     systems.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="throughput: run the engine and vLLM this many times each, alternating (A B B A ...), "
+        "and report each one's round of median output tok/s",
+    )
+    systems.add_argument(
         "--vllm-python",
         type=Path,
         default=DEFAULT_VLLM_PYTHON,

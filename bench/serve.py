@@ -81,6 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Poisson arrival rates in requests/s, one point each (default: %(default)s)",
     )
     group.add_argument(
+        "--serve-rounds",
+        type=int,
+        default=1,
+        help="run every point this many times per system, the systems alternating (A B B A ...) "
+        "against the machine's drift; each point's figures pool its rounds' requests "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
         "--serve-burst",
         default="on",
         choices=("on", "off"),
@@ -174,11 +182,18 @@ def run(args: argparse.Namespace) -> dict:
     points = rate_points(len(prompts), rates, args.serve_burst == "on", args.seed)
     longest = max(len(r.prompt_ids) + r.output_len for r in workload.requests)
 
+    if args.serve_rounds < 1:
+        raise SystemExit(f"--serve-rounds needs at least 1, got {args.serve_rounds}")
+    # A B B A ...: what the machine's drift does to one system's rounds it does to the other's.
+    order = [system for i in range(args.serve_rounds) for system in (systems if i % 2 == 0 else systems[::-1])]
     results: dict[str, dict] = {}
+    measured: dict[str, list[dict]] = {}  # each system's rounds: {point: (records, duration_s)}
     with signals_as_exit(), tempfile.TemporaryDirectory(prefix="inflight-bench-serve-") as tmp:
-        for system in systems:
+        for round_index, system in enumerate(order):
             label = SERVED_SYSTEMS[system]
-            log_dir = Path(tmp) / label
+            if "error" in results.get(label, {}):
+                continue
+            log_dir = Path(tmp) / f"{label}-{round_index}"
             log_dir.mkdir()
             load_before = os.getloadavg()[0]
             print(f"bench: serve {label}: starting", file=sys.stderr, flush=True)
@@ -190,17 +205,19 @@ def run(args: argparse.Namespace) -> dict:
                 )
             try:
                 with server as settings:
-                    figures = asyncio.run(_measure(settings["url"], prompts, points, args, label))
+                    measured.setdefault(label, []).append(
+                        asyncio.run(_measure(settings["url"], prompts, points, args, label))
+                    )
             except Exception as error:  # one system's failure keeps the other's figures
                 print(f"bench: serve {label} failed: {error}", file=sys.stderr, flush=True)
                 results[label] = {"error": str(error)[-4000:]}
                 continue
             settings.pop("url")
-            results[label] = {
-                "server": settings,
-                "points": figures,
-                "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            }
+            system_results = results.setdefault(label, {"server": settings, "load_average_1m": []})
+            system_results["load_average_1m"].append([round(load_before, 2), round(os.getloadavg()[0], 2)])
+        for label, rounds in measured.items():
+            if "error" not in results[label]:
+                results[label] |= _pooled(rounds, args)
 
     report = {
         "systems": results,
@@ -223,8 +240,34 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def _pooled(rounds: list[dict], args: argparse.Namespace) -> dict:
+    """One system's figures by point over all its rounds (their requests pooled, their
+    durations summed), and each round's own where there were several."""
+    pooled = {
+        "points": {
+            point: summarize_point(
+                [record for measured in rounds for record in measured[point][0]],
+                sum(measured[point][1] for measured in rounds),
+                args.slo_ttft_ms,
+                args.slo_tpot_ms,
+            )
+            for point in rounds[0]
+        }
+    }
+    if len(rounds) > 1:
+        pooled["rounds"] = [
+            {
+                point: summarize_point(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
+                for point, (records, duration_s) in measured.items()
+            }
+            for measured in rounds
+        ]
+    return pooled
+
+
 async def _measure(url: str, prompts: list[Prompt], points: dict, args: argparse.Namespace, label: str) -> dict:
-    """Warm the server up, then send every point's requests at its arrival times: its figures by point."""
+    """Warm the server up, then send every point's requests at its arrival times: the
+    records and duration of each point."""
     async with CompletionsClient(url, args.serve_request_timeout_s) as client:
         warm = Prompt("Hello! How are you today?", 0, WARMUP_TOKENS)
         records = await asyncio.gather(*(client.request(warm, time.perf_counter()) for _ in range(WARMUP_REQUESTS)))
@@ -233,8 +276,7 @@ async def _measure(url: str, prompts: list[Prompt], points: dict, args: argparse
         figures = {}
         for name, arrivals in points.items():
             print(f"bench: serve {label}: {name} ({len(prompts)} requests)", file=sys.stderr, flush=True)
-            records, duration_s = await client.send(prompts, arrivals)
-            figures[name] = summarize_point(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
+            figures[name] = await client.send(prompts, arrivals)
         return figures
 
 

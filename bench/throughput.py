@@ -5,10 +5,12 @@ its own (`bench/children.py`), one after another:
 1. `prepare` loads the model (warming the converted-weights cache, so no measured child
    pays a GGUF conversion) and draws the workload from its tokenizer;
 2. `engine`, then `ceiling` (bare forwards over the engine's recorded step schedule);
-3. `hf_continuous` once per `--hf-batch-tokens` value, the best by output tok/s reported;
-4. `hf_static`; 5. `llamacpp` on the same GGUF (`bench/peer_llamacpp.py`);
-6. `vllm` on the same converted folder (`bench/peer_vllm.py`, its own environment), once
-   per `--vllm-settings` entry (`vllm`: both cores for its engine; `vllm_default`).
+3. `vllm` on the same converted folder (`bench/peer_vllm.py`, its own environment), once
+   per `--vllm-settings` entry (`vllm`: both cores for its engine; `vllm_default`);
+   with `--rounds N`, steps 2 and 3 run N times, alternating A B B A ..., and each system
+   reports its round of median output tok/s;
+4. `hf_continuous` once per `--hf-batch-tokens` value, the best by output tok/s reported;
+5. `hf_static`; 6. `llamacpp` on the same GGUF (`bench/peer_llamacpp.py`).
 A peer that is not installed is skipped, with a line saying so.
 
 `single` is the same comparison on one request (a 100-token prompt, 256 tokens out unless
@@ -61,17 +63,25 @@ def run(args: argparse.Namespace) -> dict:
         children = Children(Path(tmp), args.model, args.dtype, args.weights)
         prepared = children.run("prepare", **{name: getattr(args, name) for name in WORKLOAD_FLAGS})
         workload = Workload.load(children.workload_path)
-        results: dict[str, dict] = {}
+        # The engine and vLLM, each --rounds times, alternating A B B A ... against the drift.
+        compared = {}
         if "engine" in systems:
-            results["engine"] = _engine_figures(children, args.speculation == "on")
+            compared["engine"] = lambda: _engine_figures(children, args.speculation == "on")
+        for setting in vllm_settings if "vllm" in systems else ():
+            compared[VLLM_SETTINGS[setting]] = lambda setting=setting: (
+                figures("vllm", children.run_vllm(args.vllm_python, setting, prepared["model_folder"]))
+                | {"setting": setting}
+            )
+        rounds: dict[str, list[dict]] = {name: [] for name in compared}
+        for i in range(args.rounds):
+            for name in list(compared)[:: 1 if i % 2 == 0 else -1]:
+                rounds[name].append(compared[name]())
+        results = {name: median_round(runs) for name, runs in rounds.items()}
         if "hf_continuous" in systems:
             results["hf_continuous"] = _continuous_figures(children, sweep)
         for peer, params in (("hf_static", {"batch_size": args.static_batch}), ("llamacpp", {})):
             if peer in systems:
                 results[peer] = figures(peer, children.run(peer, **params))
-        for setting in vllm_settings if "vllm" in systems else ():
-            out = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
-            results[VLLM_SETTINGS[setting]] = figures("vllm", out) | {"setting": setting}
 
     settings = {name: getattr(args, name) for name in ("dtype", "weights", "speculation", "scenario")}
     description = workload.describe() | {"model": prepared["model"]} | settings
@@ -121,6 +131,16 @@ def single_stream_workload(args: argparse.Namespace) -> None:
             setattr(args, name, value)
 
 
+def median_round(runs: list[dict]) -> dict:
+    """The round of median output tok/s (the lower of the middle two for an even count),
+    with every round's tok/s where there were several."""
+    ranked = sorted(runs, key=lambda run: run["output_tokens_per_s"])
+    median = ranked[(len(ranked) - 1) // 2]
+    if len(runs) == 1:
+        return median
+    return median | {"rounds_output_tokens_per_s": [run["output_tokens_per_s"] for run in runs]}
+
+
 def figures(system: str, out: dict) -> dict:
     """A child's result as the report has it: `summarize`'s figures and the system's DETAILS."""
     from bench.metrics import summarize
@@ -142,8 +162,8 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[int], list[str]]
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
             raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
-    if args.requests < 1 or args.static_batch < 1:
-        raise SystemExit("--requests and --static-batch must be >= 1")
+    if args.requests < 1 or args.static_batch < 1 or args.rounds < 1:
+        raise SystemExit("--requests, --static-batch and --rounds must be >= 1")
     vllm_settings = [v.strip() for v in args.vllm_settings.split(",") if v.strip()]
     if "vllm" in systems and (not vllm_settings or set(vllm_settings) - set(VLLM_SETTINGS)):
         raise SystemExit(f"--vllm-settings must be a subset of {','.join(VLLM_SETTINGS)}, got {args.vllm_settings!r}")

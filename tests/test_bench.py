@@ -192,6 +192,17 @@ def test_tiny_real_run_writes_json_and_png(tmp_path, capsys):
     assert "engine vs hf_static" in capsys.readouterr().out
 
 
+def test_a_system_run_in_rounds_reports_its_median_round_and_every_rounds_rate():
+    from bench.throughput import median_round
+
+    runs = [{"output_tokens_per_s": rate, "wall_s": 10 / rate} for rate in (500.0, 700.0, 600.0)]
+    median = median_round(runs)
+    assert median["wall_s"] == pytest.approx(10 / 600)  # a whole round's figures, not a blend
+    assert median["rounds_output_tokens_per_s"] == [500.0, 700.0, 600.0]
+    assert median_round(runs[:2])["output_tokens_per_s"] == 500.0  # the lower middle of an even count
+    assert median_round(runs[:1]) == runs[0]
+
+
 def test_help_reads_as_sections_general_workload_systems_then_each_scenario():
     parser = argparse.ArgumentParser(prog="inflight bench")
     add_arguments(parser)

@@ -11,7 +11,7 @@ import pytest
 from bench.arrivals import BURST, poisson, rate_points
 from bench.main import add_arguments, run
 from bench.metrics import RequestRecord
-from bench.serve import HEADLINE, ratios, summarize_point
+from bench.serve import HEADLINE, _pooled, ratios, summarize_point
 
 
 def test_poisson_arrivals_are_seeded_start_at_t0_and_have_the_asked_mean_rate():
@@ -73,6 +73,19 @@ def test_a_one_token_answer_has_no_tpot_and_meets_the_tpot_slo():
     figures = summarize_point([record(0.1, [], 1)], duration_s=1.0, slo_ttft_ms=200, slo_tpot_ms=1)
     assert figures["tpot_mean_ms"] is None and figures["itl_p50_ms"] is None
     assert figures["goodput_share"] == 1.0
+
+
+def test_rounds_pool_their_requests_per_point_and_keep_each_rounds_own_figures():
+    args = argparse.Namespace(slo_ttft_ms=300, slo_tpot_ms=100)
+    first = {"rate_2": ([record(0.1, [0.02], 2)], 1.0)}
+    second = {"rate_2": ([record(0.5, [0.02], 2), record(0.3, [0.02], 2)], 3.0)}
+    pooled = _pooled([first, second], args)
+    point = pooled["points"]["rate_2"]
+    assert (point["requests"], point["output_tokens"]) == (3, 6)
+    assert point["output_tokens_per_s"] == pytest.approx(6 / 4.0)  # the rounds' durations add up
+    assert point["ttft_p50_ms"] == pytest.approx(300)  # over all three requests
+    assert [r["rate_2"]["requests"] for r in pooled["rounds"]] == [1, 2]
+    assert "rounds" not in _pooled([first], args)
 
 
 def test_ratios_divide_inflight_by_vllm_and_leave_missing_figures_out():
