@@ -63,6 +63,11 @@ class RedisConfig:
     # On SIGINT or SIGTERM: stop claiming, give in-flight requests this long to finish,
     # then leave the rest pending (unacked) for other workers to take over and continue.
     shutdown_grace_s: float = 30.0
+    # Most jobs one worker holds, running or queued in its own scheduler; the rest wait
+    # in the stream for any worker. 0: twice max_running_requests (with fair queueing,
+    # max_running_requests, as Redis orders the rest). More lets a length policy order
+    # more of a backlog, and keeps the jobs it holds from the fleet's idle workers.
+    max_held_jobs: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -80,6 +85,8 @@ class RedisConfig:
             raise ValueError("reply_prefixes must be non-empty strings")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if self.max_held_jobs < 0:
+            raise ValueError("max_held_jobs must be >= 0")
         object.__setattr__(self, "embedded_data_dir", Path(self.embedded_data_dir))
 
     @property

@@ -180,6 +180,7 @@ REDIS = FlagGroup(
         Flag("dead_letter_stream", "jobs that could not be served, with their error"),
         Flag("control_stream", "cancellations"),
         Flag("shutdown_grace_s", "on SIGINT/SIGTERM, time to finish in-flight requests before leaving them pending"),
+        Flag("max_held_jobs", "most jobs held at once, running or queued here; 0 = twice the running cap"),
         Flag("claim_idle_ms", "lease: take over entries whose worker stopped renewing them this long ago"),
         Flag("reply_ttl_s", "reply streams expire this long after their last event"),
         Flag("reply_prefixes", "a key prefix reply_to may use", name="--reply-prefix"),

@@ -126,12 +126,13 @@ class Worker:
         self.jobs: dict[str, Job] = {}  # by entry id, while their events flow (for charges and metrics)
         self.cancels = CancelRegistry(config.cancel_ttl_s)
         self.redis = redis
-        # Enough queued work to keep the batcher full, no more. With fair queueing the
-        # order is decided in Redis, so hold no more than runs: a job held beyond that
-        # waits for a running one to end, in this worker's order, not the fleet's; taken
-        # when a slot frees, it misses at most one step.
+        # By default enough queued work to keep the batcher full, no more. With fair
+        # queueing the order is decided in Redis, so hold no more than runs: a job held
+        # beyond that waits for a running one to end, in this worker's order, not the
+        # fleet's; taken when a slot frees, it misses at most one step.
         max_running = engine.config.scheduler.max_running_requests
-        self.capacity = max_running if self.admission is not None else 2 * max_running
+        default_capacity = max_running if self.admission is not None else 2 * max_running
+        self.capacity = config.max_held_jobs or default_capacity
         self.takeover_allowance = engine.config.scheduler.takeover_allowance
         self.held: dict[str, Held] = {}  # by entry id
         self.handoffs = Handoffs(redis, disagg, config.consumer, self.metrics) if self.role != "both" else None

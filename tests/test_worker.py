@@ -4,11 +4,13 @@ on reply streams by the real engine, bad jobs rejected without disturbing the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 import msgpack
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from bench.drive import StepRecorder
 from bench.processes import RedisServer
@@ -413,6 +415,36 @@ def test_a_backlog_longer_than_the_lease_is_served_once_and_leaves_nothing_in_re
     for reply in replies:
         assert [e["type"] for e in reply] == [b"token"] * 6 + [b"done"]
         assert [int(e["seq"]) for e in reply[:-1]] == list(range(6))
+    assert dead == [] and length == 0 and left == []
+
+
+@pytest.mark.parametrize("max_held_jobs, held", [(0, 4), (7, 7)])
+def test_a_worker_holds_twice_its_running_cap_or_max_held_jobs(make_engine, max_held_jobs, held):
+    """The rest of a backlog waits in the stream, for any worker: counted in the group's
+    pending entries while the worker serves ten jobs two at a time."""
+    prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+    config = stream_config(prefix, max_held_jobs=max_held_jobs)
+    engine = make_engine(max_running_requests=2)
+
+    async def scenario(client):
+        ids = [f"{prefix}-{i}" for i in range(10)]
+        for request_id in ids:
+            await client.xadd(
+                config.requests_stream,
+                {"id": request_id, "prompt": "Count: 1, 2,", "max_tokens": "12", "ignore_eos": "true"},
+            )
+        most_pending = 0
+        while await client.exists(*(f"inflight:out:{{{r}}}" for r in ids)) < len(ids) or await client.xlen(
+            config.requests_stream
+        ):
+            with contextlib.suppress(ResponseError):  # the worker creates the group
+                pending = await client.xpending(config.requests_stream, config.group)
+                most_pending = max(most_pending, pending["pending"])
+            await asyncio.sleep(0.01)
+        return most_pending
+
+    most_pending, dead, length, left = run_worker(engine, config, scenario)
+    assert most_pending == held
     assert dead == [] and length == 0 and left == []
 
 
