@@ -284,3 +284,18 @@ def test_a_deadline_its_predicted_finish_misses_is_refused_at_once_and_others_ru
     assert finals["roomy"].finish_reason is FinishReason.LENGTH
     # The observer hears (predicted, actual) of the requests that ran to their end.
     assert (200.0, 200) in [outcome for stats in seen for outcome in stats.length_outcomes]
+
+
+def test_the_shortest_first_bound_simulates_a_batch_of_slots_one_token_a_step():
+    from bench.sjf_bound import fcfs_over_shortest_first, mean_latency
+
+    # One slot, a 10-token and a 1-token request at t0: fcfs ends them at steps 10 and 11,
+    # shortest first at 1 and 11.
+    assert mean_latency([10, 1], [0.0, 0.0], shortest_first=False, slots=1) == 10.5
+    assert mean_latency([10, 1], [0.0, 0.0], shortest_first=True, slots=1) == 6.0
+    # Two slots run both at once, in either order.
+    assert mean_latency([10, 1], [0.0, 0.0], shortest_first=False, slots=2) == 5.5
+    # Shortest first never loses on the mean, and gains more the longer the queue.
+    light = fcfs_over_shortest_first(16, 0.5, 150, 0.59, 384, seed=0)
+    heavy = fcfs_over_shortest_first(16, 1.5, 150, 0.59, 384, seed=0)
+    assert 1.0 <= light < heavy
