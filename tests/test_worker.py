@@ -395,6 +395,16 @@ def run_worker(engine, config, scenario, before=None):
     return asyncio.run(main())
 
 
+async def add_counting_jobs(client, stream: str, prefix: str, count: int, max_tokens: int) -> list[str]:
+    """`count` jobs of `max_tokens` tokens each (EOS ignored) under ids from `prefix`."""
+    ids = [f"{prefix}-{i}" for i in range(count)]
+    for request_id in ids:
+        await client.xadd(
+            stream, {"id": request_id, "prompt": "Count: 1, 2,", "max_tokens": str(max_tokens), "ignore_eos": "true"}
+        )
+    return ids
+
+
 def test_a_backlog_longer_than_the_lease_is_served_once_and_leaves_nothing_in_redis(make_engine):
     """More jobs than the worker holds at once, for longer than `claim_idle_ms`: none is
     mistaken for a dead worker's, every one completes once, and Redis keeps no prompt."""
@@ -403,12 +413,7 @@ def test_a_backlog_longer_than_the_lease_is_served_once_and_leaves_nothing_in_re
     engine = make_engine(max_running_requests=2)  # holds 4 at a time
 
     async def scenario(client):
-        ids = [f"{prefix}-{i}" for i in range(16)]
-        for request_id in ids:
-            await client.xadd(
-                config.requests_stream,
-                {"id": request_id, "prompt": "Count: 1, 2,", "max_tokens": "6", "ignore_eos": "true"},
-            )
+        ids = await add_counting_jobs(client, config.requests_stream, prefix, 16, max_tokens=6)
         return [await read_replies(client, f"inflight:out:{{{request_id}}}") for request_id in ids]
 
     replies, dead, length, left = run_worker(engine, config, scenario)
@@ -427,12 +432,7 @@ def test_a_worker_holds_twice_its_running_cap_or_max_held_jobs(make_engine, max_
     engine = make_engine(max_running_requests=2)
 
     async def scenario(client):
-        ids = [f"{prefix}-{i}" for i in range(10)]
-        for request_id in ids:
-            await client.xadd(
-                config.requests_stream,
-                {"id": request_id, "prompt": "Count: 1, 2,", "max_tokens": "12", "ignore_eos": "true"},
-            )
+        ids = await add_counting_jobs(client, config.requests_stream, prefix, 10, max_tokens=12)
         most_pending = 0
         while await client.exists(*(f"inflight:out:{{{r}}}" for r in ids)) < len(ids) or await client.xlen(
             config.requests_stream
