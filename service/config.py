@@ -143,8 +143,9 @@ class FairQueueConfig:
     # new job is refused at once as queue_full.
     max_queued_jobs: int = 0
     max_queued_tokens: int = 0
-    # Seconds a new interactive job would wait to be taken: the interactive jobs queued
-    # ahead of it times how long each took to clear lately. Over it, queue_full at once.
+    # Seconds a new interactive job would wait to be taken: until the slot it would get
+    # frees, as the workers publish them (service/slot_outlook.py; the jobs queued ahead
+    # take the earlier ones). Over it, queue_full at once.
     max_queue_wait_s: float = 0.0
     # The same, per tenant.
     tenant_max_queued_jobs: int = 0

@@ -75,6 +75,26 @@ local function head(queue, group)
   end
   return redis.call('XRANGE', queue, '(' .. last, '+', 'COUNT', 1)[1]
 end
+-- Every worker's slots (service/slot_outlook.py), when each frees on Redis's clock,
+-- ascending; nil when no worker publishes them.
+local function slot_ends()
+  local outlooks, ends, any = tag .. ':outlooks', {}, false
+  for _, key in ipairs(redis.call('SMEMBERS', outlooks)) do
+    local value = redis.call('GET', key)
+    if value then
+      any = true
+      for time_ms in string.gmatch(value, '%d+') do ends[#ends + 1] = tonumber(time_ms) end
+    else
+      redis.call('SREM', outlooks, key)
+    end
+  end
+  table.sort(ends)
+  return any and ends or nil
+end
+local function redis_now_ms()
+  local clock = redis.call('TIME')
+  return tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+end
 local function queues_with_backlog()
   local flat, queues = redis.call('HGETALL', backlog_key), {}
   for i = 1, #flat, 2 do
@@ -125,10 +145,17 @@ local queues, ahead = queues_with_backlog(), 0  -- and the interactive jobs queu
 for _, queue in ipairs(queues) do
   if queue.level ~= 'batch' then ahead = ahead + counter(backlog_key, queue.key) end
 end
-if max_wait_s > 0 and level ~= 'batch' and ahead > 0 then
-  -- The wait: a slot for each job ahead and its own, each as long as one took lately
-  -- (the pace, measured as jobs are taken: TAKE), and at least as long as the oldest
-  -- queued job has waited for each of its own so far.
+local ends = max_wait_s > 0 and level ~= 'batch' and slot_ends()
+local expected_s = nil
+if ends and #ends > ahead then
+  -- The workers publish when each slot frees: the jobs ahead take the first ones, this
+  -- job the next.
+  expected_s = math.max(0, ends[ahead + 1] - redis_now_ms()) / 1000
+elseif max_wait_s > 0 and level ~= 'batch' and (ahead > 0 or ends) then
+  -- Without them (or with more jobs queued than slots): a slot for each job ahead and
+  -- its own, each as long as one took lately (the pace, measured as jobs are taken:
+  -- TAKE), and at least as long as the oldest queued job has waited for each of its own
+  -- so far.
   local now_s, pace_ms, paced = math.floor(now_ms / 1000), 0, 0
   for s = now_s - window + 1, now_s do
     pace_ms = pace_ms + counter(tag .. ':pace:' .. s, 'ms')
@@ -141,12 +168,13 @@ if max_wait_s > 0 and level ~= 'batch' and ahead > 0 then
       pace = math.max(pace, (now_ms - admitted_ms(oldest)) / (tonumber(field_of(oldest, ahead_field) or '0') + 1))
     end
   end
-  local expected_s = (ahead + 1) * pace / 1000
-  if expected_s > max_wait_s then
-    local why = string.format('a wait of %.1f s for the %d jobs queued ahead', expected_s, ahead)
-    return {'queue_full', tostring(math.min(retry_max, math.max(retry_min, expected_s - max_wait_s))),
-            why .. string.format(', over at most %g s', max_wait_s)}
-  end
+  expected_s = (ahead + 1) * pace / 1000
+  if ends and #ends > 0 then expected_s = math.max(expected_s, (ends[#ends] - redis_now_ms()) / 1000) end
+end
+if expected_s and expected_s > max_wait_s then
+  local why = string.format('a wait of %.1f s for a slot, with %d jobs queued ahead', expected_s, ahead)
+  return {'queue_full', tostring(math.min(retry_max, math.max(retry_min, expected_s - max_wait_s))),
+          why .. string.format(', over at most %g s', max_wait_s)}
 end
 if tenant_max_jobs > 0 and counter(queued_key, tenant) + 1 > tenant_max_jobs then
   return full('tenant ' .. tenant .. ' jobs', counter(queued_key, tenant), tenant_max_jobs, 'jobs', 1)
@@ -280,6 +308,14 @@ while #taken < count do
     redis.call('EXPIRE', drained, 120)
     taken[#taken + 1] = {chosen.key, entry[1], entry[2]}
   end
+end
+-- The taken jobs fill this worker's earliest-freeing slots until it publishes again.
+local outlook = tag .. ':outlook:' .. consumer
+local published = #taken > 0 and redis.call('GET', outlook)
+if published then
+  local ends = {}
+  for time_ms in string.gmatch(published, '%d+') do ends[#ends + 1] = time_ms end
+  redis.call('SET', outlook, table.concat(ends, ',', math.min(#taken + 1, #ends + 1), #ends), 'KEEPTTL')
 end
 return taken
 """

@@ -321,9 +321,7 @@ FAIR_QUEUE = FlagGroup(
         Flag("enabled", "admit jobs into per-tenant queues and take them in fair order", name="--fair-queue"),
         Flag("max_queued_jobs", "admitted jobs not yet taken, over the stream (0 = no cap)"),
         Flag("max_queued_tokens", "their prompt tokens, over the stream (0 = no cap)"),
-        Flag(
-            "max_queue_wait_s", "seconds a new interactive job would wait to be taken, at the recent pace (0 = no cap)"
-        ),
+        Flag("max_queue_wait_s", "seconds a new interactive job would wait for a slot (0 = no cap)"),
         Flag("tenant_max_queued_jobs", "admitted jobs not yet taken, per tenant (0 = no cap)"),
         Flag("tenant_max_queued_tokens", "their prompt tokens, per tenant (0 = no cap)"),
         Flag("tenant_tokens_per_s", "tokens a tenant may be served per second (0 = no quota)"),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -51,6 +52,7 @@ from service.outbox import ReplyOutbox
 from service.protocol import Job, ProtocolError, decode_job
 from service.publish import LeaseLost, ReplyPublisher
 from service.retry import is_transient, retrying
+from service.slot_outlook import SlotOutlook
 from service.structured_logging import bind_request, log_request_finished
 from workers.api import (
     PRIORITY_MAX,
@@ -114,7 +116,7 @@ class Worker:
         self.front = AsyncEngine(engine, self._on_events)
         # With fair queueing (not on a decode worker: handoffs are internal) jobs are
         # admitted from the request stream into tenant queues and taken from there.
-        self.admission = self.charges = None
+        self.admission = self.charges = self.outlook = None
         if fair_queue.enabled and self.role != "decode":
             scheduler = engine.config.scheduler
             priority_step_s = scheduler.priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)
@@ -133,6 +135,8 @@ class Worker:
         max_running = engine.config.scheduler.max_running_requests
         default_capacity = max_running if self.admission is not None else 2 * max_running
         self.capacity = config.max_held_jobs or default_capacity
+        if self.admission is not None and fair_queue.max_queue_wait_s > 0:  # admission judges waits by it
+            self.outlook = SlotOutlook(redis, config.requests_stream, config.consumer, self.capacity)
         self.takeover_allowance = engine.config.scheduler.takeover_allowance
         self.held: dict[str, Held] = {}  # by entry id
         self.handoffs = Handoffs(redis, disagg, config.consumer, self.metrics) if self.role != "both" else None
@@ -158,6 +162,8 @@ class Worker:
             if self.admission is not None:
                 background.append(asyncio.create_task(self._admit(stop), name="admission"))
                 background.append(asyncio.create_task(self.charges.run(), name="charges"))
+            if self.outlook is not None:
+                background.append(asyncio.create_task(self.outlook.run(self.held, stop), name="outlook"))
             if self.handoffs is not None:
                 self.front.engine.handoff_arena = self.handoffs.arena
                 background.append(asyncio.create_task(self._keep_handoffs(), name="handoffs"))
@@ -291,6 +297,8 @@ class Worker:
         finally:
             self.outbox.close(entry.entry_id)
             self.jobs.pop(entry.entry_id, None)
+            if self.outlook is not None:
+                self.outlook.ended(entry.entry_id)
             if self.held[entry.entry_id].submitted:
                 self.front.cancel(entry.entry_id)  # a no-op once it has finished
             if handoff is not None:
@@ -366,6 +374,8 @@ class Worker:
         )
         self.held[entry.entry_id].submitted = True
         self.jobs[entry.entry_id] = job
+        if self.outlook is not None:
+            self.outlook.started(entry.entry_id, job.params.max_tokens * job.params.n, job.batch)
         outcome = await published
         event = outcome.final
         self.metrics.observe_finished(event)
@@ -466,12 +476,15 @@ class Worker:
         tenant (and, with fair queueing, charged to it)."""
         self.outbox.on_events(events)
         output_tokens: dict[tuple[str, bool], int] = defaultdict(int)  # by tenant and class
+        now = time.monotonic()
         for event in events:
             job = self.jobs.get(event.request_id)
             if job is not None and not isinstance(event, FinalEvent):
                 output_tokens[job.tenant, job.batch] += len(event.token_ids)
                 if self.charges is not None:
                     self.charges.output(job, len(event.token_ids))
+                if self.outlook is not None:
+                    self.outlook.produced(event.request_id, len(event.token_ids), now)
         # Once per tenant and class a step, not per event: a step at GPU rates has hundreds.
         for (tenant, batch), num_tokens in output_tokens.items():
             self.metrics.observe_tenant_tokens(tenant, batch, "output", num_tokens)

@@ -12,6 +12,7 @@ tests/test_worker_fair_queue.py drives the whole worker.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -20,6 +21,7 @@ import redis.asyncio as aioredis
 from service.config import FairQueueConfig, RedisConfig
 from service.fair_queue import Admission, Charges, FairQueueReader, Refusal
 from service.protocol import Job, decode_job
+from service.slot_outlook import OUTLOOK_TTL_MS, UNKNOWN_END_S, SlotOutlook
 
 # A priority step's head start, in seconds (a worker's: its aging bound / 20).
 PRIORITY_STEP_S = 0.2
@@ -211,7 +213,7 @@ def test_a_job_that_would_wait_longer_than_the_cap_is_refused_at_once(client):
         refused = [(job.tenant, job.batch, refusal.code) for job, refusal in queue.refusals]
         assert refused == [("b", False, "queue_full")] * 2
         assert all(1 <= refusal.retry_after_s <= 60 for _, refusal in queue.refusals)
-        assert "s for the 3 jobs queued ahead, over at most 1.1 s" in queue.refusals[0][1].message
+        assert "s for a slot, with 3 jobs queued ahead, over at most 1.1 s" in queue.refusals[0][1].message
 
     run(main())
 
@@ -224,6 +226,57 @@ def test_until_a_job_is_taken_the_oldest_queued_job_s_wait_sets_the_pace(client)
         await asyncio.sleep(0.6)  # the oldest waited 0.6 s for one slot: a third needs three, 1.8 s
         await queue.submit(tenant="a")
         assert [refusal.code for _, refusal in queue.refusals] == ["queue_full"]
+
+    run(main())
+
+
+def test_the_slots_workers_publish_decide_the_wait_of_a_job_with_nothing_queued_ahead(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(max_queue_wait_s=1.0))
+        # Worker w1: one slot free, the others' jobs end in 0.59 and 3.95 s at the latest.
+        outlook = SlotOutlook(client, queue.config.requests_stream, "w1", slots=3)
+        outlook.started("long", max_tokens=100, batch=False)
+        outlook.started("longer", max_tokens=100, batch=False)
+        now = time.monotonic()
+        outlook.produced("long", 1, now - 0.4)
+        outlook.produced("long", 40, now)  # 10 ms a token since its first: 59 more take 0.59 s
+        outlook.produced("longer", 1, now - 1.0)
+        outlook.produced("longer", 20, now)  # 50 ms a token: 79 more take 3.95 s
+        assert outlook.ends_s(["long", "longer"], now) == pytest.approx([0.59, 3.95, 0.0])
+        await outlook.publish(["long", "longer"])
+        await queue.submit(tenant="a")  # the free slot: admitted
+        await queue.submit(tenant="a")  # one queued ahead, the 0.59 s slot: admitted
+        await queue.submit(tenant="a")  # two ahead: the 3.95 s slot, refused
+        assert [refusal.code for _, refusal in queue.refusals] == ["queue_full"]
+        assert "s for a slot, with 2 jobs queued ahead, over at most 1 s" in queue.refusals[0][1].message
+        # w1 takes both queued jobs: they fill its free and 0.59 s slots until it publishes again.
+        await queue.take(2)
+        await queue.submit(tenant="a")  # nothing queued ahead, but the next slot frees in 3.95 s
+        assert len(queue.refusals) == 2
+        # A worker that stops publishing drops out: with no slot known, the pace judges as before.
+        await client.delete("{" + queue.config.requests_stream + "}:outlook:w1")
+        await queue.submit(tenant="a")
+        assert len(queue.refusals) == 2
+
+    run(main())
+
+
+def test_a_worker_publishes_a_slot_for_each_held_job_and_each_free_one(client):
+    stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
+    outlook = SlotOutlook(client, stream, "w1", slots=4)
+    outlook.started("batch", max_tokens=50, batch=True)  # an interactive job preempts it: free
+    outlook.started("new", max_tokens=50, batch=False)  # no token yet, and no pace on the worker
+    outlook.started("taken-not-started", max_tokens=50, batch=False)
+    outlook.ended("taken-not-started")  # held, its job ended: not known any more
+    assert outlook.ends_s(["batch", "new", "gone"], time.monotonic()) == [0.0, UNKNOWN_END_S, UNKNOWN_END_S, 0.0]
+
+    async def main():
+        await outlook.publish(["batch", "new"])
+        value = (await client.get("{" + stream + "}:outlook:w1")).decode()
+        ends_ms = [int(end) for end in value.split(",")]
+        assert len(ends_ms) == 4 and ends_ms == sorted(ends_ms)
+        assert ends_ms[-1] - ends_ms[0] == int(UNKNOWN_END_S * 1000)
+        assert 0 < await client.pttl("{" + stream + "}:outlook:w1") <= OUTLOOK_TTL_MS
 
     run(main())
 

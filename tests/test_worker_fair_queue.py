@@ -92,6 +92,37 @@ def test_over_a_cap_jobs_are_refused_at_once_and_the_rest_served(make_engine):
     asyncio.run(main())
 
 
+def test_with_every_slot_busy_for_longer_than_the_wait_cap_a_new_job_is_refused_at_once(make_engine):
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    engine = make_engine(max_running_requests=1)
+
+    async def main():
+        client, stop, task = await serving(engine, config, FairQueueConfig(max_queue_wait_s=0.5))
+        long = {"id": f"{run}-long", "prompt": "Hello", "max_tokens": "1500", "ignore_eos": "1"}
+        await client.xadd(config.requests_stream, long)
+        reply_to = f"inflight:out:{{{run}-long}}"
+        while await client.xlen(reply_to) < 3:  # running, at a pace the worker has measured
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # published
+        # Nothing is queued, but the one slot frees only when the long job ends, seconds away.
+        await client.xadd(config.requests_stream, {"id": f"{run}-next", "prompt": "Hi", "max_tokens": "4"})
+        refused = (await read_replies(client, f"inflight:out:{{{run}-next}}", timeout_s=5))[-1]
+        assert (refused["type"], refused["code"]) == (b"error", b"queue_full")
+        assert b"for a slot, with 0 jobs queued ahead" in refused["message"]
+        # Once the slot is free, a job is admitted and served.
+        await client.xadd(config.control_stream, {"type": "cancel", "id": f"{run}-long"})
+        assert (await read_replies(client, reply_to))[-1]["finish_reason"] == b"cancelled"
+        await asyncio.sleep(0.3)
+        await client.xadd(config.requests_stream, {"id": f"{run}-after", "prompt": "Hi", "max_tokens": "4"})
+        assert (await read_replies(client, f"inflight:out:{{{run}-after}}"))[-1]["type"] == b"done"
+        stop.set()
+        await task
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_bad_entry_fails_at_admission_and_a_queued_job_can_be_cancelled(make_engine):
     run = uuid.uuid4().hex[:8]
     config = stream_config(f"inflight:test:{run}")

@@ -1,0 +1,121 @@
+"""When each of a worker's running slots is predicted to free, published in Redis for the
+fair queue's admission (`--max-queue-wait-s`; docs/protocol.md, "Tenants, batch jobs and
+admission").
+
+A job with nothing queued ahead of it still waits for a slot to free, and how long depends
+on the jobs running: a fleet whose jobs all started a second ago frees nothing for a while.
+So every worker publishes, several times a second, one time per slot: now for a free slot
+(or one held by a batch job, which an interactive job preempts), else when its job is
+predicted to end at the latest, its max_tokens at the pace it has been producing tokens.
+An upper bound: a job that stops early frees its slot sooner, for the next arrival.
+Admission reads every worker's times and judges a new job by the slot it would get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import structlog
+from redis.exceptions import RedisError
+
+log = structlog.get_logger("inflight.slot_outlook")
+
+PUBLISH_INTERVAL_S = 0.1
+# A worker that stopped publishing (dead, or its event loop stalled) drops out after this.
+OUTLOOK_TTL_MS = 2000
+# A slot whose job has no pace yet (no second token anywhere on the worker): not soon.
+UNKNOWN_END_S = 3600.0
+
+# KEYS[1]: the request stream. ARGV: consumer, ttl (ms), then one offset (ms) per slot.
+# Stores the slots' ends on Redis's clock, ascending, comma-separated.
+PUBLISH = """
+local tag = '{' .. KEYS[1] .. '}'
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local ends = {}
+for i = 3, #ARGV do ends[#ends + 1] = now_ms + tonumber(ARGV[i]) end
+table.sort(ends)
+for i, value in ipairs(ends) do ends[i] = string.format('%d', value) end
+local key = tag .. ':outlook:' .. ARGV[1]
+redis.call('SET', key, table.concat(ends, ','), 'PX', ARGV[2])
+redis.call('SADD', tag .. ':outlooks', key)
+return 1
+"""
+
+
+@dataclass
+class _Progress:
+    max_tokens: int  # every choice's
+    batch: bool
+    produced: int = 0
+    first_at: float | None = None  # when its first tokens came
+    first_count: int = 0  # and how many
+
+    def seconds_per_token(self, now: float) -> float | None:
+        if self.first_at is None or self.produced <= self.first_count:
+            return None
+        return (now - self.first_at) / (self.produced - self.first_count)
+
+
+class SlotOutlook:
+    """One worker's slots and when they free; `run` publishes them."""
+
+    def __init__(self, redis, stream: str, consumer: str, slots: int) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.consumer = consumer
+        self.slots = slots
+        self._publish = redis.register_script(PUBLISH)
+        self._jobs: dict[str, _Progress] = {}
+
+    def started(self, key: str, max_tokens: int, batch: bool) -> None:
+        self._jobs[key] = _Progress(max_tokens, batch)
+
+    def produced(self, key: str, num_tokens: int, now: float) -> None:
+        progress = self._jobs.get(key)
+        if progress is None:
+            return
+        if progress.first_at is None:
+            progress.first_at, progress.first_count = now, num_tokens
+        progress.produced += num_tokens
+
+    def ended(self, key: str) -> None:
+        self._jobs.pop(key, None)
+
+    def ends_s(self, held: Collection[str], now: float) -> list[float]:
+        """Seconds until each slot frees: one per held job (a job not started yet: not
+        soon), and now for each slot left."""
+        paces = [p for p in (job.seconds_per_token(now) for job in self._jobs.values()) if p is not None]
+        mean_pace = sum(paces) / len(paces) if paces else None
+        ends = []
+        for key in held:
+            job = self._jobs.get(key)
+            if job is None:
+                ends.append(UNKNOWN_END_S)
+            elif job.batch:
+                ends.append(0.0)
+            else:
+                pace = job.seconds_per_token(now) or mean_pace
+                ends.append(UNKNOWN_END_S if pace is None else max(0, job.max_tokens - job.produced) * pace)
+        return ends + [0.0] * max(0, self.slots - len(held))
+
+    async def publish(self, held: Collection[str]) -> None:
+        offsets_ms = [int(end * 1000) for end in self.ends_s(held, time.monotonic())]
+        await self._publish(keys=[self.stream], args=[self.consumer, OUTLOOK_TTL_MS, *offsets_ms])
+
+    async def run(self, held: Collection[str], stop: asyncio.Event) -> None:
+        """Publish until `stop` is set (a worker winding down takes no more jobs), then
+        withdraw."""
+        while not stop.is_set():
+            try:
+                await self.publish(held)
+            except RedisError as error:  # Redis away: the outlook expires, admission falls back
+                log.debug("outlook_failed", error=str(error))
+            await asyncio.sleep(PUBLISH_INTERVAL_S)
+        try:
+            await self.redis.delete("{" + self.stream + "}:outlook:" + self.consumer)
+        except RedisError:
+            pass
