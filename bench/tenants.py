@@ -5,8 +5,9 @@ admission").
 Two real `inflight worker --fair-queue` processes on streams of the run's own (on
 `--redis-url`, else an embedded Valkey), each pinned to one core with `taskset -c` and
 `--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds no
-more jobs than that; the rest wait in Redis, where the fair queue orders them), prefix caching
-off (the same prompts are sent twice, alone and under load), a long lease. Parts
+more jobs than that; the rest wait in Redis, where the fair queue orders them) and
+`--max-running-batch` from `--tenants-max-running-batch`, prefix caching off (the same
+prompts are sent twice, alone and under load), a long lease. Parts
 (`--tenants-parts`, default all three):
 
 - (a) **Fair share.** Three tenants, all backlogged from t0: `heavy` queues
@@ -98,6 +99,7 @@ FLAGS = {
     "parts": (str, ",".join(PARTS), "parts to run, comma-separated"),
     "cores": (str, "0,1", "the two cores to pin the workers to"),
     "max-running": (int, 8, "each worker's --max-running-requests (with fair queueing it holds no more jobs)"),
+    "max-running-batch": (int, 0, "each worker's --max-running-batch (0: up to --tenants-max-running)"),
     "light-jobs": (int, 30, "(a) jobs each light tenant queues at t0"),
     "flood": (int, 10, "(a) the heavy tenant's jobs per light tenant's"),
     "prompt-len": (int, 128, "(a) prompt length in tokens (random ids)"),
@@ -412,6 +414,7 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
         "cores": cores,
         "threads_per_worker": 1,
         "max_running_requests": args.tenants_max_running,
+        "max_running_batch": args.tenants_max_running_batch,
         "jobs_held_per_worker": args.tenants_max_running,  # as a fair-queue worker holds
         "charge_prompt_weight": WEIGHTS.charge_prompt_weight,
         "charge_output_weight": WEIGHTS.charge_output_weight,
@@ -477,6 +480,8 @@ def _worker(url: str, streams, log_dir: Path, args, consumer: str, core: str, ex
     argv += ["--requests-stream", streams.requests_stream, "--dead-letter-stream", streams.dead_letter_stream]
     argv += ["--control-stream", streams.control_stream, "--threads", "1", "--fair-queue"]
     argv += ["--max-running-requests", str(args.tenants_max_running), "--no-prefix-caching"]
+    if args.tenants_max_running_batch:
+        argv += ["--max-running-batch", str(args.tenants_max_running_batch)]
     argv += ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
     argv += ["--log-format", "json", *(["--no-speculative"] if args.speculation == "off" else []), *extra]
     worker = WorkerProcess(consumer, argv, log_dir)

@@ -235,14 +235,14 @@ return {'admitted'}
 )
 
 # KEYS[1]: the request stream. ARGV: group, consumer, count, now (ms), the head start of
-# one priority step (ms), the prompt weight, whether batch jobs may be taken ('1' or '0').
+# one priority step (ms), the prompt weight, the most batch jobs to take.
 # Returns up to `count` {queue, id, fields}.
 TAKE = (
     _KEYS_LUA
     + """
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local now_ms, step_ms, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local batch_allowed = ARGV[7] == '1'
+local batch_left = tonumber(ARGV[7])
 
 -- When the oldest job not yet taken from a queue was admitted (ms), or nil.
 local function head_ms(queue)
@@ -267,7 +267,7 @@ while #taken < count do
       end
     end
   end
-  if level == nil and not batch_allowed then break end
+  if level == nil and batch_left <= 0 then break end
   level = level or 'batch'
   -- Within it, the tenant served least.
   local chosen, least = nil, nil
@@ -306,6 +306,7 @@ while #taken < count do
     redis.call('HINCRBY', drained, 'jobs', 1)
     redis.call('HINCRBY', drained, 'tokens', tokens)
     redis.call('EXPIRE', drained, 120)
+    if chosen.level == 'batch' then batch_left = batch_left - 1 end
     taken[#taken + 1] = {chosen.key, entry[1], entry[2]}
   end
 end
@@ -417,10 +418,11 @@ class FairQueueReader(LeasedReader):
         await JobReader(self.redis, self.config).ensure_group()
 
     async def read(
-        self, count: int, block_ms: int, held: Collection[str] = (), interactive_only: bool = False
+        self, count: int, block_ms: int, held: Collection[str] = (), max_batch: int | None = None
     ) -> list[Entry]:
-        """As `JobReader.read`; `interactive_only` leaves batch jobs queued (a worker full of
-        batch jobs still takes interactive ones: its engine preempts the batch jobs)."""
+        """As `JobReader.read`, taking `max_batch` batch jobs at most (default: `count`); 0
+        leaves them queued (a worker full of batch jobs still takes interactive ones: its
+        engine preempts the batch jobs)."""
         if count <= 0:
             return []
         if not self._own_pending_done:
@@ -428,11 +430,11 @@ class FairQueueReader(LeasedReader):
             entries = await self._own_pending(held)
             if entries:
                 return entries[:count]
-        if (claimed := await self.takeovers(count, held)) or (taken := await self._taken(count, interactive_only)):
+        if (claimed := await self.takeovers(count, held)) or (taken := await self._taken(count, max_batch)):
             return claimed or taken
         block_ms = await self.lease_wait_ms(block_ms)
         await self.redis.blpop([f"{self._tag}:ready"], timeout=block_ms / 1000)
-        return await self._taken(count, interactive_only)
+        return await self._taken(count, max_batch)
 
     async def _leased_streams(self) -> list[str]:
         return await self._queues()  # the tenant queues: their entries are the leased ones
@@ -465,7 +467,7 @@ class FairQueueReader(LeasedReader):
                 break
         return entries
 
-    async def _taken(self, count: int, interactive_only: bool = False) -> list[Entry]:
+    async def _taken(self, count: int, max_batch: int | None = None) -> list[Entry]:
         await self._await_admission()
         rows = await self._take(
             keys=[self.stream],
@@ -476,7 +478,7 @@ class FairQueueReader(LeasedReader):
                 int(time.time() * 1000),
                 self._priority_step_ms,
                 self.fair.charge_prompt_weight,
-                "0" if interactive_only else "1",
+                count if max_batch is None else max_batch,
             ],
         )
         entries = []
@@ -518,6 +520,11 @@ class FairQueueReader(LeasedReader):
                 deliveries = rows[0]["times_delivered"] if rows else 1
             entries.append(Entry(origin, fields, deliveries))
         return entries
+
+    def took_batch(self, entry_id: str) -> bool:
+        """Whether a job this reader gave out came from a batch queue."""
+        queue = self._where.get(entry_id, ("",))[0]
+        return queue.startswith(f"{self._tag}:q:{BATCH_LEVEL}:")
 
     async def _queues(self) -> list[str]:
         return sorted(_text(queue) for queue in await self.redis.smembers(f"{self._tag}:queues"))

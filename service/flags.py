@@ -243,6 +243,7 @@ SCHEDULER = FlagGroup(
         Flag("max_prefill_chunk", "prompt tokens of one request per step"),
         Flag("max_running_requests", "requests holding KV blocks at once"),
         Flag("takeover_allowance", "running slots beyond those that only taken-over requests use"),
+        Flag("max_running_batch", "batch jobs running at once (0 = up to max_running_requests)"),
         Flag("priority_bound_s", "no request is overtaken by one arriving this much later"),
         Flag(
             "length_policy",

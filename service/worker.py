@@ -77,6 +77,9 @@ T = TypeVar("T")
 WIND_DOWN_S = 1.0
 # How often a lease renewal is tried while Redis is away.
 RENEW_RETRY_S = 0.05
+# How long a worker holding its most batch jobs waits for an interactive one before it
+# looks again (a batch job may have ended meanwhile).
+BATCH_POLL_MS = 100
 
 
 @dataclass
@@ -138,6 +141,7 @@ class Worker:
         if self.admission is not None and fair_queue.max_queue_wait_s > 0:  # admission judges waits by it
             self.outlook = SlotOutlook(redis, config.requests_stream, config.consumer, self.capacity)
         self.takeover_allowance = engine.config.scheduler.takeover_allowance
+        self.max_running_batch = engine.config.scheduler.max_running_batch
         self.held: dict[str, Held] = {}  # by entry id
         self.handoffs = Handoffs(redis, disagg, config.consumer, self.metrics) if self.role != "both" else None
         self._wind_down_until = 0.0  # set when the grace period ends
@@ -186,16 +190,22 @@ class Worker:
             room = self.capacity - len(self.held)
             held_batch = sum(held.batch for held in self.held.values())
             interactive_room = self.capacity - (len(self.held) - held_batch)
-            if room <= 0 and held_batch and interactive_room > 0 and self.admission is not None:
-                # Full, but partly of batch jobs: interactive jobs never wait behind them.
+            fair, cap = self.admission is not None, self.max_running_batch
+            batch_full = 0 < cap <= held_batch
+            if fair and interactive_room > 0 and (room <= 0 < held_batch or batch_full):
+                # Full, but partly of batch jobs (interactive jobs never wait behind them),
+                # or holding as many batch jobs as may run: then one may end any moment.
+                block_ms = min(self.config.block_ms, BATCH_POLL_MS) if batch_full else self.config.block_ms
                 entries = await _unless_stopped(
-                    stop,
-                    lambda: self.reader.read(interactive_room, self.config.block_ms, self.held, interactive_only=True),
+                    stop, lambda: self.reader.read(interactive_room, block_ms, self.held, max_batch=0)
                 )
             elif room <= 0:
                 entries = await self._take_over_when_full(stop)
             else:
-                entries = await _unless_stopped(stop, lambda: self.reader.read(room, self.config.block_ms, self.held))
+                batch_room = {"max_batch": cap - held_batch} if fair and cap else {}
+                entries = await _unless_stopped(
+                    stop, lambda: self.reader.read(room, self.config.block_ms, self.held, **batch_room)
+                )
             if entries:
                 await _unless_stopped(stop, self._catch_up_cancels)
             if stop.is_set():
@@ -247,7 +257,9 @@ class Worker:
 
     def _hold(self, entry: Entry) -> None:
         task = asyncio.create_task(self._handle(entry), name=f"job-{entry.entry_id}")
-        self.held[entry.entry_id] = Held(task)
+        # A batch job counts as one from the start: the fair queue says which queue it came from.
+        batch = self.admission is not None and self.reader.took_batch(entry.entry_id)
+        self.held[entry.entry_id] = Held(task, batch=batch)
         task.add_done_callback(lambda done: self._release(entry.entry_id, done))
 
     def _release(self, entry_id: str, task: asyncio.Task) -> None:

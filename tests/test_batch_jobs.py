@@ -73,6 +73,16 @@ def test_with_free_capacity_a_batch_job_runs_beside_interactive_ones():
     assert len(batch.output_token_ids) == 5
 
 
+def test_no_more_batch_jobs_run_at_once_than_their_cap_and_interactive_ones_fill_the_rest():
+    s = make(max_running_requests=4, max_running_batch=1)
+    batch = [batch_job(f"b{k}", 3, max_tokens=5) for k in range(3)]
+    interactive = [request(f"i{k}", 3, max_tokens=5) for k in range(2)]
+    plans = run(s, [*batch, *interactive])
+    assert max(sum(r.batch for r in {c.request for c in p.chunks}) for p in plans) == 1
+    assert set(start_order(plans[:1])) == {"b0", "i0", "i1"}
+    assert all(len(job.output_token_ids) == 5 for job in batch)  # one after another, all served
+
+
 def test_among_batch_jobs_priority_then_arrival_orders_them():
     s = make(max_running_requests=1)
     priorities = [0, 3, -2, 3, 10, -10, 0]

@@ -357,9 +357,9 @@ def test_a_worker_may_take_interactive_jobs_only_leaving_batch_jobs_queued(clien
     async def main():
         queue = Queue(client, FairQueueConfig(enabled=True))
         await queue.submit(tenant="a", batch="true")
-        assert await queue.reader.read(4, 50, interactive_only=True) == []
+        assert await queue.reader.read(4, 50, max_batch=0) == []
         await queue.submit(tenant="b")
-        entries = await queue.reader.read(4, 50, interactive_only=True)
+        entries = await queue.reader.read(4, 50, max_batch=0)
         assert [decode_job(e.entry_id, e.fields).tenant for e in entries] == ["b"]
         assert [job.batch for _, job in await queue.take(4)] == [True]
 

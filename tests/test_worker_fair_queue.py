@@ -183,6 +183,33 @@ def test_a_worker_full_of_batch_jobs_still_takes_an_interactive_job_and_serves_i
     asyncio.run(main())
 
 
+def test_a_worker_holds_no_more_batch_jobs_than_may_run_and_leaves_the_rest_queued(make_engine):
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    engine = make_engine(max_running_requests=4, max_running_batch=1)
+
+    async def main():
+        client, stop, task = await serving(engine, config, FairQueueConfig(enabled=True))
+        ids = [f"{run}-batch-{i}" for i in range(3)]
+        for request_id in ids:
+            await client.xadd(
+                config.requests_stream,
+                {"id": request_id, "prompt": "Hello", "max_tokens": "32", "ignore_eos": "1", "batch": "1"},
+            )
+        queued_key = "{" + config.requests_stream + "}:queued"
+        while max([await client.xlen(f"inflight:out:{{{request_id}}}") for request_id in ids]) < 2:
+            await asyncio.sleep(0.01)
+        # One runs; the other two wait in the fair queue, for this worker or any other.
+        assert int(await client.hget(queued_key, "*")) == 2
+        for request_id in ids:
+            assert (await read_replies(client, f"inflight:out:{{{request_id}}}"))[-1]["type"] == b"done"
+        stop.set()
+        await task
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_worker_full_of_interactive_jobs_beside_preempted_batch_ones_waits_without_spinning(make_engine):
     run = uuid.uuid4().hex[:8]
     config = stream_config(f"inflight:test:{run}")

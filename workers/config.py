@@ -123,6 +123,11 @@ class SchedulerConfig:
     # (resumed from another worker's published tokens: their streams stalled mid-answer),
     # so such a request never waits behind new work on a saturated worker.
     takeover_allowance: int = 4
+    # Most batch jobs running at once (0: as many as max_running_requests). Where a step's
+    # cost grows with its rows (a CPU core computing in bfloat16), every batch row slows
+    # the interactive rows beside it: fewer batch jobs keep interactive streams faster and
+    # use less of the idle capacity (`inflight bench --scenario tenants`, part b).
+    max_running_batch: int = 0
     # Aging: a request is never overtaken in the queue by one that arrived more than
     # this many seconds after it, whatever their priorities. Within that window each
     # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
@@ -161,6 +166,8 @@ class SchedulerConfig:
             raise ValueError("priority_bound_s must be >= 0")
         if self.takeover_allowance < 0:
             raise ValueError("takeover_allowance must be >= 0")
+        if self.max_running_batch < 0:
+            raise ValueError("max_running_batch must be >= 0")
         if self.length_policy not in LENGTH_POLICIES:
             raise ValueError(f"length_policy must be one of {LENGTH_POLICIES}, got {self.length_policy!r}")
         if not self.length_bound_s >= 0:

@@ -300,6 +300,8 @@ class Scheduler:
             request = self.queue.head()
             if request.batch and not batch:
                 break  # batch jobs queue behind every interactive one
+            if request.batch and self._batch_full():
+                break
             if request in plan.preempted:
                 break  # never back in the step that preempted it
             if self._occupied() + 1 + self._num_forking(request) > self._running_limit(request):
@@ -385,6 +387,10 @@ class Scheduler:
         takeover allowance."""
         allowance = self.config.takeover_allowance if request.takeover and not request.batch else 0
         return self.config.max_running_requests + allowance
+
+    def _batch_full(self) -> bool:
+        cap = self.config.max_running_batch
+        return cap > 0 and sum(r.batch for r in self.running) >= cap
 
     @property
     def _decode_cap(self) -> int:
