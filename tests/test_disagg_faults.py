@@ -349,7 +349,8 @@ def test_a_handoff_whose_kv_expired_is_computed_by_the_decode_worker(drill):
         wait_for_metrics(
             lambda: fleet.metric("p3", HELD) == 0, SHORT_HOLD_S + 5, "p3 freeing the K/V at the hold's end"
         )
-        assert '"handoff_expired"' in fleet.log("p3")
+        # Its log line follows the freeing, through the process's buffered output.
+        wait_until(lambda: '"handoff_expired"' in fleet.log("p3"), 10, "p3 logging the expiry")
         assert not fleet.finished(job.request_id)
     finally:
         resume(fleet, decode)
