@@ -6,7 +6,8 @@ Two real `inflight worker --fair-queue` processes on streams of the run's own (o
 `--redis-url`, else an embedded Valkey), each pinned to one core with `taskset -c` and
 `--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds no
 more jobs than that; the rest wait in Redis, where the fair queue orders them) and
-`--max-running-batch` from `--tenants-max-running-batch`, prefix caching off (the same
+`--max-running-batch` and `--max-batch-prefill-tokens` from `--tenants-max-running-batch`
+and `--tenants-max-batch-prefill-tokens`, prefix caching off (the same
 prompts are sent twice, alone and under load), a long lease. Parts
 (`--tenants-parts`, default all three):
 
@@ -80,6 +81,7 @@ from bench.systems import delete_replies, redis_server, run_streams
 from service.config import FairQueueConfig
 from service.protocol import reply_stream
 from service.sdk import job_payload
+from workers.config import SchedulerConfig
 
 PARTS = ("a", "b", "c")
 WORKERS = (("w0", 0), ("w1", 1))  # consumer name, index of its core in --tenants-cores
@@ -100,6 +102,7 @@ FLAGS = {
     "cores": (str, "0,1", "the two cores to pin the workers to"),
     "max-running": (int, 8, "each worker's --max-running-requests (with fair queueing it holds no more jobs)"),
     "max-running-batch": (int, 0, "each worker's --max-running-batch (0: up to --tenants-max-running)"),
+    "max-batch-prefill-tokens": (int, -1, "each worker's --max-batch-prefill-tokens (-1: the workers' default)"),
     "light-jobs": (int, 30, "(a) jobs each light tenant queues at t0"),
     "flood": (int, 10, "(a) the heavy tenant's jobs per light tenant's"),
     "prompt-len": (int, 128, "(a) prompt length in tokens (random ids)"),
@@ -415,6 +418,11 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
         "threads_per_worker": 1,
         "max_running_requests": args.tenants_max_running,
         "max_running_batch": args.tenants_max_running_batch,
+        "max_batch_prefill_tokens": (
+            args.tenants_max_batch_prefill_tokens
+            if args.tenants_max_batch_prefill_tokens >= 0
+            else SchedulerConfig().max_batch_prefill_tokens
+        ),
         "jobs_held_per_worker": args.tenants_max_running,  # as a fair-queue worker holds
         "charge_prompt_weight": WEIGHTS.charge_prompt_weight,
         "charge_output_weight": WEIGHTS.charge_output_weight,
@@ -482,6 +490,8 @@ def _worker(url: str, streams, log_dir: Path, args, consumer: str, core: str, ex
     argv += ["--max-running-requests", str(args.tenants_max_running), "--no-prefix-caching"]
     if args.tenants_max_running_batch:
         argv += ["--max-running-batch", str(args.tenants_max_running_batch)]
+    if args.tenants_max_batch_prefill_tokens >= 0:
+        argv += ["--max-batch-prefill-tokens", str(args.tenants_max_batch_prefill_tokens)]
     argv += ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
     argv += ["--log-format", "json", *(["--no-speculative"] if args.speculation == "off" else []), *extra]
     worker = WorkerProcess(consumer, argv, log_dir)

@@ -244,6 +244,10 @@ SCHEDULER = FlagGroup(
         Flag("max_running_requests", "requests holding KV blocks at once"),
         Flag("takeover_allowance", "running slots beyond those that only taken-over requests use"),
         Flag("max_running_batch", "batch jobs running at once (0 = up to max_running_requests)"),
+        Flag(
+            "max_batch_prefill_tokens",
+            "batch jobs' prompt tokens in a step with interactive requests (0 = up to max_prefill_tokens)",
+        ),
         Flag("priority_bound_s", "no request is overtaken by one arriving this much later"),
         Flag(
             "length_policy",

@@ -83,6 +83,22 @@ def test_no_more_batch_jobs_run_at_once_than_their_cap_and_interactive_ones_fill
     assert all(len(job.output_token_ids) == 5 for job in batch)  # one after another, all served
 
 
+def test_beside_interactive_requests_a_batch_prompt_takes_small_chunks_and_whole_ones_once_alone():
+    s = make(num_blocks=128, max_running_requests=4, max_batch_prefill_tokens=32)
+    interactive = request("interactive", 3, max_tokens=6)
+    batch = batch_job("batch", 400, max_tokens=2)
+    plans = run(s, [interactive, batch])
+
+    def batch_prompt_tokens(plan) -> int:
+        return sum(c.num_tokens for c in plan.chunks if c.request is batch and c.start < batch.num_prompt_tokens)
+
+    beside = [batch_prompt_tokens(p) for p in plans if any(c.request is interactive for c in p.chunks)]
+    alone = [batch_prompt_tokens(p) for p in plans if all(c.request is batch for c in p.chunks)]
+    assert beside[1:] == [32] * 5  # the first step took the interactive prompt and batch's first 32
+    assert max(alone) == 400 - 32 * 6  # the rest in one chunk, up to max_prefill_chunk
+    assert len(batch.output_token_ids) == 2
+
+
 def test_among_batch_jobs_priority_then_arrival_orders_them():
     s = make(max_running_requests=1)
     priorities = [0, 3, -2, 3, 10, -10, 0]

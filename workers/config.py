@@ -128,6 +128,13 @@ class SchedulerConfig:
     # the interactive rows beside it: fewer batch jobs keep interactive streams faster and
     # use less of the idle capacity (`inflight bench --scenario tenants`, part b).
     max_running_batch: int = 0
+    # Prompt tokens of batch jobs one step may process when it also carries interactive
+    # requests (0: as many as max_prefill_tokens leaves). A batch prompt's long chunk in a
+    # step of interactive decodes is a stall in every one of those streams; smaller chunks
+    # spread the same work thinner, and a batch prompt takes whole chunks again once no
+    # interactive request runs. Where a step's cost barely grows with its prompt tokens (a
+    # GPU), a larger value serves batch prompts sooner at no cost to the streams.
+    max_batch_prefill_tokens: int = 64
     # Aging: a request is never overtaken in the queue by one that arrived more than
     # this many seconds after it, whatever their priorities. Within that window each
     # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
@@ -168,6 +175,8 @@ class SchedulerConfig:
             raise ValueError("takeover_allowance must be >= 0")
         if self.max_running_batch < 0:
             raise ValueError("max_running_batch must be >= 0")
+        if self.max_batch_prefill_tokens < 0:
+            raise ValueError("max_batch_prefill_tokens must be >= 0")
         if self.length_policy not in LENGTH_POLICIES:
             raise ValueError(f"length_policy must be one of {LENGTH_POLICIES}, got {self.length_policy!r}")
         if not self.length_bound_s >= 0:

@@ -269,13 +269,16 @@ class Scheduler:
         swapped back in during the step that swapped it out. Interactive prompts come
         before batch ones (the budget is capacity too): interactive requests part-way
         through their prompt and the queue's interactive head first, then batch prompts
-        with what is left; an interactive request short of a running slot or of blocks
+        with what is left (at most `max_batch_prefill_tokens` in a step that carries
+        interactive requests); an interactive request short of a running slot or of blocks
         takes them from running batch requests.
         """
         config = self.config
         budget = min(config.max_prefill_tokens, config.max_batch_tokens - len(plan.chunks))
         budget = self._continue_prompts(plan, budget, batch=False)
         budget = self._start_queued(plan, budget, batch=False)
+        if config.max_batch_prefill_tokens and any(not chunk.request.batch for chunk in plan.chunks):
+            budget = min(budget, config.max_batch_prefill_tokens)
         budget = self._continue_prompts(plan, budget, batch=True)
         self._start_queued(plan, budget, batch=True)
 
