@@ -7,13 +7,17 @@ on the jobs running: a fleet whose jobs all started a second ago frees nothing f
 So every worker publishes, several times a second, one time per slot: now for a free slot
 (or one held by a batch job, which an interactive job preempts), else when its job is
 predicted to end at the latest, its max_tokens at the pace it has been producing tokens.
-An upper bound: a job that stops early frees its slot sooner, for the next arrival.
+An upper bound: a job that stops early frees its slot sooner, for the next arrival. A job
+with no pace of its own yet (its prompt still computing) takes the pace of the worker's
+other jobs, or of its last finished one. A worker publishes again at once when a job
+starts or ends, so a freed slot is seen free within milliseconds, not a tick later.
 Admission reads every worker's times and judges a new job by the slot it would get.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -24,9 +28,11 @@ from redis.exceptions import RedisError
 log = structlog.get_logger("inflight.slot_outlook")
 
 PUBLISH_INTERVAL_S = 0.1
+# At most this often when jobs start and end in quick succession (a GPU's rates).
+MIN_PUBLISH_GAP_S = 0.005
 # A worker that stopped publishing (dead, or its event loop stalled) drops out after this.
 OUTLOOK_TTL_MS = 2000
-# A slot whose job has no pace yet (no second token anywhere on the worker): not soon.
+# A slot whose job has no pace yet, on a worker that has measured none: not soon.
 UNKNOWN_END_S = 3600.0
 
 # KEYS[1]: the request stream. ARGV: consumer, ttl (ms), then one offset (ms) per slot.
@@ -53,6 +59,7 @@ class _Progress:
     produced: int = 0
     first_at: float | None = None  # when its first tokens came
     first_count: int = 0  # and how many
+    last_at: float | None = None  # when its latest tokens came
 
     def seconds_per_token(self, now: float) -> float | None:
         if self.first_at is None or self.produced <= self.first_count:
@@ -70,9 +77,12 @@ class SlotOutlook:
         self.slots = slots
         self._publish = redis.register_script(PUBLISH)
         self._jobs: dict[str, _Progress] = {}
+        self._last_pace: float | None = None  # seconds a token, of the last job that had one
+        self._changed = asyncio.Event()  # a job started or ended: publish now
 
     def started(self, key: str, max_tokens: int, batch: bool) -> None:
         self._jobs[key] = _Progress(max_tokens, batch)
+        self._changed.set()
 
     def produced(self, key: str, num_tokens: int, now: float) -> None:
         progress = self._jobs.get(key)
@@ -81,15 +91,19 @@ class SlotOutlook:
         if progress.first_at is None:
             progress.first_at, progress.first_count = now, num_tokens
         progress.produced += num_tokens
+        progress.last_at = now
 
     def ended(self, key: str) -> None:
-        self._jobs.pop(key, None)
+        job = self._jobs.pop(key, None)
+        if job is not None and job.last_at is not None:
+            self._last_pace = job.seconds_per_token(job.last_at) or self._last_pace
+        self._changed.set()
 
     def ends_s(self, held: Collection[str], now: float) -> list[float]:
         """Seconds until each slot frees: one per held job (a job not started yet: not
         soon), and now for each slot left."""
         paces = [p for p in (job.seconds_per_token(now) for job in self._jobs.values()) if p is not None]
-        mean_pace = sum(paces) / len(paces) if paces else None
+        mean_pace = sum(paces) / len(paces) if paces else self._last_pace
         ends = []
         for key in held:
             job = self._jobs.get(key)
@@ -97,9 +111,11 @@ class SlotOutlook:
                 ends.append(UNKNOWN_END_S)
             elif job.batch:
                 ends.append(0.0)
+            elif job.produced >= job.max_tokens:
+                ends.append(0.0)  # all made (a burst of accepted drafts may have brought them at once)
             else:
                 pace = job.seconds_per_token(now) or mean_pace
-                ends.append(UNKNOWN_END_S if pace is None else max(0, job.max_tokens - job.produced) * pace)
+                ends.append(UNKNOWN_END_S if pace is None else (job.max_tokens - job.produced) * pace)
         return ends + [0.0] * max(0, self.slots - len(held))
 
     async def publish(self, held: Collection[str]) -> None:
@@ -110,11 +126,14 @@ class SlotOutlook:
         """Publish until `stop` is set (a worker winding down takes no more jobs), then
         withdraw."""
         while not stop.is_set():
+            self._changed.clear()
             try:
                 await self.publish(held)
             except RedisError as error:  # Redis away: the outlook expires, admission falls back
                 log.debug("outlook_failed", error=str(error))
-            await asyncio.sleep(PUBLISH_INTERVAL_S)
+            await asyncio.sleep(MIN_PUBLISH_GAP_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), PUBLISH_INTERVAL_S)
         try:
             await self.redis.delete("{" + self.stream + "}:outlook:" + self.consumer)
         except RedisError:

@@ -264,6 +264,8 @@ class Worker:
 
     def _release(self, entry_id: str, task: asyncio.Task) -> None:
         self.held.pop(entry_id, None)
+        if self.outlook is not None:  # together: a held job the outlook does not know reads as not started
+            self.outlook.ended(entry_id)
         if not task.cancelled() and task.exception() is not None:  # never silently
             log.error("job_task_failed", entry_id=entry_id, exc_info=task.exception())
 
@@ -309,8 +311,6 @@ class Worker:
         finally:
             self.outbox.close(entry.entry_id)
             self.jobs.pop(entry.entry_id, None)
-            if self.outlook is not None:
-                self.outlook.ended(entry.entry_id)
             if self.held[entry.entry_id].submitted:
                 self.front.cancel(entry.entry_id)  # a no-op once it has finished
             if handoff is not None:

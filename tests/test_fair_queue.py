@@ -18,6 +18,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
+from service import slot_outlook
 from service.config import FairQueueConfig, RedisConfig
 from service.fair_queue import Admission, Charges, FairQueueReader, Refusal
 from service.protocol import Job, decode_job
@@ -277,6 +278,46 @@ def test_a_worker_publishes_a_slot_for_each_held_job_and_each_free_one(client):
         assert len(ends_ms) == 4 and ends_ms == sorted(ends_ms)
         assert ends_ms[-1] - ends_ms[0] == int(UNKNOWN_END_S * 1000)
         assert 0 < await client.pttl("{" + stream + "}:outlook:w1") <= OUTLOOK_TTL_MS
+
+    run(main())
+
+
+def test_a_job_with_no_pace_yet_takes_the_workers_and_a_job_all_made_frees_its_slot(client):
+    outlook = SlotOutlook(client, f"inflight:test:{uuid.uuid4().hex[:8]}:requests", "w1", slots=2)
+    now = time.monotonic()
+    outlook.started("done", max_tokens=10, batch=False)
+    outlook.produced("done", 1, now - 1.0)
+    outlook.produced("done", 8, now - 0.2)  # 0.1 s a token
+    outlook.ended("done")
+    outlook.started("new", max_tokens=50, batch=False)  # its prompt still computing
+    outlook.started("burst", max_tokens=4, batch=False)
+    outlook.produced("burst", 4, now)  # every token in one step (accepted drafts): no pace, none left
+    assert outlook.ends_s(["new", "burst"], now) == pytest.approx([5.0, 0.0])
+
+
+def test_a_worker_publishes_at_once_when_a_job_ends(client, monkeypatch):
+    monkeypatch.setattr(slot_outlook, "PUBLISH_INTERVAL_S", 30.0)  # no tick would come in time
+    stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
+    outlook, held = SlotOutlook(client, stream, "w1", slots=1), {"job": None}
+
+    async def main():
+        stop = asyncio.Event()
+        publishing = asyncio.create_task(outlook.run(held, stop))
+        key = "{" + stream + "}:outlook:w1"
+        while await client.get(key) is None:
+            await asyncio.sleep(0.01)
+        assert int(await client.get(key)) > int((await client.time())[0]) * 1000 + 1000  # held, not started
+        del held["job"]
+        outlook.ended("job")
+        for _ in range(500):
+            now_ms = int((await client.time())[0]) * 1000
+            if int(await client.get(key)) <= now_ms + 1000:  # free now
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the freed slot was not published")
+        stop.set()
+        await publishing
 
     run(main())
 
