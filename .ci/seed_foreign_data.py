@@ -9,7 +9,7 @@ behind, under the default key names, and take exactly that out again afterwards.
 STATE is a JSON file where `seed` writes the entry ids it added and which keys, group and
 consumer it created, so `remove` leaves anything that was there before untouched. PORT is
 the Redis on 127.0.0.1 (6379 by default). Speaks RESP over a socket, so it needs nothing
-installed; tests/test_ci_seed.py holds it to this."""
+installed; tests/ops/test_ci_seed.py holds it to this."""
 
 import json
 import os

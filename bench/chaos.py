@@ -11,7 +11,7 @@ One fault at a time, the gaps between them drawn exponentially around
 - `redis_restart`: SIGTERM, then started again on its append-only file;
 - `redis_stall`: the server SIGSTOPped for 5 s: every connection to it stalls, as in a
   network partition.
-A Sentinel failover is drilled on its own (tests/test_sentinel_failover.py).
+A Sentinel failover is drilled on its own (tests/service/test_sentinel_failover.py).
 """
 
 from __future__ import annotations

@@ -29,16 +29,16 @@ cpu_parts() {
   # The emulated kernels' own tests touch no transformers code and run in make test; here
   # only what serves the host's transformers models through them.
   local tests=(
-    tests/test_gpu_kernels.py
-    tests/test_random_models.py
-    tests/test_kernel_emulation.py::test_random_models_on_the_emulated_kernels_generate_the_torch_backends_tokens
+    tests/gpu/test_gpu_kernels.py
+    tests/workers/test_random_models.py
+    tests/gpu/test_kernel_emulation.py::test_random_models_on_the_emulated_kernels_generate_the_torch_backends_tokens
   )
   # NVRTC found and compiling from this environment, on the small source for the H200's
   # sm_90: compiling every instantiation would take the most time of all, and make test
   # does it with the same NVRTC.
   if "$PYTHON" -c 'import cupy' 2>/dev/null; then
-    tests+=(tests/test_cuda_compile.py::test_nvrtc_is_installed
-            "tests/test_cuda_compile.py::test_every_instantiation_compiles[cache_ops.cu-sm_90]")
+    tests+=(tests/gpu/test_cuda_compile.py::test_nvrtc_is_installed
+            "tests/gpu/test_cuda_compile.py::test_every_instantiation_compiles[cache_ops.cu-sm_90]")
   else
     echo "gpu-check --dry-run: no cupy here, so no NVRTC compile"
   fi
@@ -76,7 +76,7 @@ started=$SECONDS
 # A test hung past 150 s ends the run with every thread's stack (pytest-timeout), before
 # the whole run's limit kills it silently.
 timeout 210 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -o timeout=150 --junitxml="$results/pytest.xml" \
-  tests/test_gpu_kernels.py
+  tests/gpu/test_gpu_kernels.py
 pytest_status=$?
 pytest_s=$((SECONDS - started))
 

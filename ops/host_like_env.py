@@ -6,7 +6,7 @@ not installed: it runs from the checkout on PYTHONPATH, as on the host.
 
     python ops/host_like_env.py FOLDER      # prints the new environment's python
 
-Used by ops/gpu-dry-run.sh and tests/test_gpu_check.py.
+Used by ops/gpu-dry-run.sh and tests/ops/test_gpu_check.py.
 """
 
 from __future__ import annotations

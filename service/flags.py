@@ -8,7 +8,7 @@ True is turned off by `--no-<field>`, one that defaults to False on by `--<field
 tuple field takes its flag once per item. A table says only what differs: the help, a
 name of the flag's own (`--redis-url` sets `url`), a unit (`--kv-memory-mb` sets bytes).
 The fields no flag sets are named in `unflagged`, so a new field is given a flag, or left
-out, on purpose (tests/test_flags.py).
+out, on purpose (tests/service/test_flags.py).
 """
 
 from __future__ import annotations

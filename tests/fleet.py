@@ -1,7 +1,7 @@
 """Worker processes on private streams of a real Redis, one server or a cluster: the
-fleet that `tests/test_failover.py` and `tests/test_cluster.py` drive, the job they
-send, and what its reply stream must hold; and the gateways that `tests/test_gateway.py`
-and `tests/test_contract_silences.py` put in front of it."""
+fleet that `tests/service/test_failover.py` and `tests/service/test_cluster.py` drive, the job they
+send, and what its reply stream must hold; and the gateways that `tests/service/test_gateway.py`
+and `tests/service/test_contract_silences.py` put in front of it."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ INT8PACK_MAX_ROWS = {torch.bfloat16: 16, torch.float32: 0}
 QUANTIZABLE_DTYPES = tuple(INT8PACK_MAX_ROWS)
 # Linears `quantize_model` leaves dense, by attribute name. Quantizing SmolLM2's MLP down
 # projections too takes its top-1 agreement with float32 under the quality gate's 97%
-# (tests/test_int8_weights.py; figures in docs/benchmarks.md).
+# (tests/gpu/test_int8_weights.py; figures in docs/benchmarks.md).
 DENSE_LINEARS = frozenset({"down_proj"})
 
 # Dequantized weights, one buffer per (shape, dtype), reused by every call of every linear:

@@ -16,7 +16,7 @@ The arithmetic is Hugging Face's, operation for operation in the model's dtype (
 residual adds, the rotary products and sums, the norms on rows that sample), so in
 float32 it agrees with the Hugging Face forward to rounding and in bfloat16 it
 computes the same roundings. The Hugging Face forward stays the fallback for every
-other model, and the oracle in the tests (`tests/test_lean_forward.py`).
+other model, and the oracle in the tests (`tests/gpu/test_lean_forward.py`).
 
 Build it after every module swap: it keeps each module's bound `forward`. With
 `decode_step` (`gpu.cpu.int4_decode`), the steps that object takes run in one C++ call

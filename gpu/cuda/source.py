@@ -3,7 +3,7 @@ template instantiation (by name expression), with each kernel's parameter list.
 
 This is the one place that turns `gpu/cuda/kernels/*.cu` plus template arguments into what
 gets compiled. The worker's `cupy.RawModule` loading (`gpu/cuda/cupy_kernels.py`), the
-NVRTC compile check (`tests/test_cuda_compile.py`) and the CPU emulation
+NVRTC compile check (`tests/gpu/test_cuda_compile.py`) and the CPU emulation
 (`tests/cuda_emulator/`) all read it, so they build the same kernels.
 """
 

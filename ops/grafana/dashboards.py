@@ -5,10 +5,10 @@ The panels are built with Grafana's own typed builders (grafana-foundation-sdk, 
 dependency), so the JSON has the shape Grafana's dashboard schema expects. Only this
 generator needs them: the worker never imports it, and Grafana reads the committed JSON.
 
-Edit the panels here, never the JSON; `tests/test_dashboards.py` fails when the JSON is
+Edit the panels here, never the JSON; `tests/ops/test_dashboards.py` fails when the JSON is
 stale, holds a field Grafana's typed model does not know, or a panel queries a metric the
 worker does not export, and
-`tests/test_observability.py` runs every query against a real Prometheus scraping a
+`tests/service/test_observability.py` runs every query against a real Prometheus scraping a
 real worker. Queries use `$__rate_interval`, which Grafana fills in from the scrape
 interval.
 """
