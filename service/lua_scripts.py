@@ -23,5 +23,4 @@ def _source(name: str) -> str:
 def lua(name: str, **constants: object) -> str:
     """The text of service/lua/`name`.lua with its `$NAME` placeholders filled in;
     a placeholder left without a value raises KeyError."""
-    source = _source(name)
-    return Template(source).substitute({key: str(value) for key, value in constants.items()}) if constants else source
+    return Template(_source(name)).substitute({key: str(value) for key, value in constants.items()})
