@@ -46,6 +46,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from service.config import RedisConfig
+from service.text import text
 
 log = structlog.get_logger("inflight.ingest")
 
@@ -99,7 +100,7 @@ async def lease_wait_ms(
         except ResponseError:  # no group yet
             continue
         for row in rows:
-            if _text(row["consumer"]) != consumer:
+            if text(row["consumer"]) != consumer:
                 idlest = max(idlest, row["time_since_delivered"])
     if idlest < 0:
         return block_ms
@@ -164,7 +165,7 @@ class LeasedReader:
         if not (self._liveness and holding and looking):
             return []
         try:
-            names = {_text(client.get("name") or "") for client in await self.redis.client_list()}
+            names = {text(client.get("name") or "") for client in await self.redis.client_list()}
         except ResponseError as error:  # CLIENT LIST refused: leases alone decide
             log.warning("worker_liveness_unavailable", error=str(error))
             self._liveness = False
@@ -200,7 +201,7 @@ class JobReader(LeasedReader):
             return []
         if not self._own_pending_done:
             entries = await self._read_group("0", count + len(held), block_ms=None)
-            entries = [(entry_id, fields) for entry_id, fields in entries if _text(entry_id) not in held]
+            entries = [(entry_id, fields) for entry_id, fields in entries if text(entry_id) not in held]
             if len(entries) < count:
                 self._own_pending_done = True  # everything it had is in hand
             if entries:
@@ -209,7 +210,7 @@ class JobReader(LeasedReader):
             return claimed
         block_ms = await self.lease_wait_ms(block_ms)
         # A new entry is on its first delivery: no need to ask Redis.
-        return [Entry(_text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
+        return [Entry(text(entry_id), fields, 1) for entry_id, fields in await self._read_group(">", count, block_ms)]
 
     async def takeovers(self, count: int, held: Collection[str] = ()) -> list[Entry]:
         """Up to `count` entries whose lease ran out (their worker died or hangs), not in `held`."""
@@ -224,7 +225,7 @@ class JobReader(LeasedReader):
                 raise
             return []
         # Deleted entries come back empty; an id in hand only missed a renewal.
-        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and _text(entry_id) not in held]
+        claimed = [(entry_id, fields) for entry_id, fields in claimed if fields and text(entry_id) not in held]
         if len(claimed) < count and self._liveness:
             claimed += await self._from_dead_workers(count - len(claimed), held)
         return await self._with_deliveries(claimed) if claimed else []
@@ -234,13 +235,11 @@ class JobReader(LeasedReader):
         leases run out."""
         rows = await self.redis.xpending_range(self.stream, self.group, min="-", max="+", count=PENDING_SCAN)
         missed_ms = self.claim_idle_ms / 4 + RENEWAL_SLACK_MS
-        others = [row for row in rows if _text(row["consumer"]) != self.consumer]
-        overdue = {_text(row["consumer"]) for row in others if row["time_since_delivered"] > missed_ms}
-        dead = await self.dead_consumers({_text(row["consumer"]) for row in others}, overdue)
+        others = [row for row in rows if text(row["consumer"]) != self.consumer]
+        overdue = {text(row["consumer"]) for row in others if row["time_since_delivered"] > missed_ms}
+        dead = await self.dead_consumers({text(row["consumer"]) for row in others}, overdue)
         ids = [
-            row["message_id"]
-            for row in others
-            if _text(row["consumer"]) in dead and _text(row["message_id"]) not in held
+            row["message_id"] for row in others if text(row["consumer"]) in dead and text(row["message_id"]) not in held
         ][:count]
         if not ids:
             return []
@@ -260,7 +259,7 @@ class JobReader(LeasedReader):
                 raise
             await self.ensure_group()  # a Redis restarted without persistence lost it: keep serving
             return []
-        return [_text(entry_id) for entry_id in lost]
+        return [text(entry_id) for entry_id in lost]
 
     async def ack(self, entry_id: str) -> None:
         """Done with the entry: ack it and delete it, in one transaction."""
@@ -289,7 +288,7 @@ class JobReader(LeasedReader):
         return [(entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries if fields]
 
     async def _with_deliveries(self, entries: list[tuple]) -> list[Entry]:
-        ids = [_text(entry_id) for entry_id, _ in entries]
+        ids = [text(entry_id) for entry_id, _ in entries]
         async with self.redis.pipeline(transaction=False) as pipe:
             for entry_id in ids:  # one round trip for all of them
                 pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
@@ -308,9 +307,5 @@ def dead_letter_record(entry: Entry, stream: str, consumer: str, code: str, mess
         "deliveries": str(entry.deliveries),
         "consumer": consumer,
     }
-    record.update({f"field:{_text(k, errors='replace')}": v for k, v in entry.fields.items()})
+    record.update({f"field:{text(k, errors='replace')}": v for k, v in entry.fields.items()})
     return record
-
-
-def _text(value, errors: str = "strict") -> str:
-    return value.decode(errors=errors) if isinstance(value, bytes) else value
