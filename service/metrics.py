@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from service.fair_queue import CountKeys
+from service import queue_gauges
 from service.protocol import DEFAULT_TENANT
 from workers.api import FinalEvent, FinishReason
 from workers.config import SchedulerConfig
@@ -517,49 +517,26 @@ class Metrics:
         since = self._oldest_waiting_since
         return 0.0 if since is None else max(0.0, time.time() - since)
 
+    def observe_ingest(self, lag: int | None, pending: int, dead_letters: int) -> None:
+        """The consumer group as Redis sees it (service/queue_gauges.py reads it): entries not
+        yet delivered (`lag`: None when Redis cannot tell, and the gauge keeps its last value),
+        delivered and not acked, and the dead-letter stream's length."""
+        if lag is not None:
+            self.ingest_lag.set(lag)
+        self.ingest_pending.set(pending)
+        self.dead_letter_entries.set(dead_letters)
+
     async def poll_ingest(self, redis, stream: str, group: str, dead_letter_stream: str) -> None:
-        """Ask Redis how far behind the consumer group is (one pipelined round trip)."""
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.xinfo_groups(stream)
-            pipe.xpending(stream, group)
-            pipe.xlen(dead_letter_stream)
-            groups, pending, dead = await pipe.execute()
-        for info in groups:
-            name = info["name"]
-            if (name.decode() if isinstance(name, bytes) else name) == group:
-                if info.get("lag") is not None:  # None when Redis cannot tell (entries deleted)
-                    self.ingest_lag.set(info["lag"])
-        self.ingest_pending.set(pending["pending"])
-        self.dead_letter_entries.set(dead)
+        """Deprecated: `service.queue_gauges.poll_ingest`, which this calls."""
+        await queue_gauges.poll_ingest(redis, self, stream, group, dead_letter_stream)
 
     async def poll_fair_queue(self, redis, stream: str) -> None:
-        """Read the fair queue's counts (service/fair_queue.py keeps them, next to `stream`)
-        in one round trip: jobs and prompt tokens queued by tenant, and the backlog of each
-        tenant queue, whose batch queues' add up to the batch backlog."""
-        keys = CountKeys.of(stream)
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.hgetall(keys.queued)
-            pipe.hgetall(keys.queued_tokens)
-            pipe.hgetall(keys.backlog)
-            queued, queued_tokens, backlog = await pipe.execute()
-        self.observe_fair_queue(
-            _tenant_counts(queued),
-            _tenant_counts(queued_tokens),
-            sum(int(count) for queue, count in backlog.items() if _text(queue).startswith(keys.batch_queues)),
-        )
+        """Deprecated: `service.queue_gauges.poll_fair_queue`, which this calls."""
+        await queue_gauges.poll_fair_queue(redis, self, stream)
 
 
 def _job_class(batch: bool) -> str:
     return "batch" if batch else "interactive"
-
-
-def _tenant_counts(counts: dict) -> dict[str, int]:
-    """A fair-queue hash by tenant, less its '*' field (the total)."""
-    return {_text(tenant): int(count) for tenant, count in counts.items() if _text(tenant) != "*"}
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0"):

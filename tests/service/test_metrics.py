@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from service.metrics import MAX_TENANT_LABELS, OTHER_TENANTS, Metrics
+from service.queue_gauges import poll_fair_queue, poll_ingest
 from workers.api import FinalEvent, GenerationRequest, SamplingParams
 
 BLOCK_BYTES = 16 * 46_080  # one 16-token block of SmolLM2-135M in float32 (all layers, K and V)
@@ -200,14 +201,14 @@ def test_ingest_lag_pending_entries_and_dead_letters_come_from_redis():
                 await client.xadd(stream, {"id": str(i)})
             delivered = await client.xreadgroup(group, "c1", {stream: ">"}, count=2)
             await client.xadd(dead, {"code": "invalid_type"})
-            await metrics.poll_ingest(client, stream, group, dead)
+            await poll_ingest(client, metrics, stream, group, dead)
             first = (
                 value(metrics, "inflight_ingest_lag_entries"),
                 value(metrics, "inflight_ingest_pending_entries"),
                 value(metrics, "inflight_dead_letter_stream_entries"),
             )
             await client.xack(stream, group, delivered[0][1][0][0])
-            await metrics.poll_ingest(client, stream, group, dead)
+            await poll_ingest(client, metrics, stream, group, dead)
             second = (value(metrics, "inflight_ingest_lag_entries"), value(metrics, "inflight_ingest_pending_entries"))
             return first, second
         finally:
@@ -254,7 +255,7 @@ def test_fair_queue_counts_come_from_redis_and_a_tenant_no_longer_queued_reads_z
             await client.hset(
                 keys[2], mapping={f"{tag}:q:0:a": 1, f"{tag}:q:batch:a": 1, f"{tag}:q:batch:b": 1, f"{tag}:q:3:b": 0}
             )
-            await metrics.poll_fair_queue(client, stream)
+            await poll_fair_queue(client, metrics, stream)
             first = [
                 value(metrics, "inflight_tenant_queued_requests", tenant="a"),
                 value(metrics, "inflight_tenant_queued_tokens", tenant="b"),
@@ -262,7 +263,7 @@ def test_fair_queue_counts_come_from_redis_and_a_tenant_no_longer_queued_reads_z
             ]
             await client.delete(*keys)
             await client.hset(keys[0], mapping={"*": 1, "a": 1})
-            await metrics.poll_fair_queue(client, stream)
+            await poll_fair_queue(client, metrics, stream)
             return first
         finally:
             await client.delete(*keys)
