@@ -28,6 +28,7 @@ from redis.exceptions import RedisError, ResponseError
 from service.config import MetricsConfig, RedisConfig
 from service.connect import connect_sync
 from service.flags import default_queue_url
+from service.text import text
 
 # A metric every worker serves from its start: the endpoint is inflight's, not another server's.
 WORKER_METRIC = b"inflight_requests_total"
@@ -89,7 +90,7 @@ def check(config: HealthConfig) -> Health:
         problems.append(f"cannot reach Redis: {error}")
         return Health(tuple(problems))
 
-    row = next((row for row in consumers if _text(row["name"]) == config.consumer), None)
+    row = next((row for row in consumers if text(row["name"], errors="replace") == config.consumer), None)
     if row is None:
         problems.append(
             f"consumer {config.consumer} is not in group {config.group} of {config.requests_stream}: "
@@ -172,7 +173,3 @@ def health_config_from_args(args) -> HealthConfig:
         max_idle_s=args.max_idle_s,
         timeout_s=args.timeout_s,
     )
-
-
-def _text(value) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -31,6 +31,7 @@ from service.gateway.auth import TENANT_HEADER, APIKeys
 from service.gateway.batch_lines import ENDPOINTS
 from service.gateway.errors import APIError, bad_request
 from service.gateway.files import FileStore, page_limit, page_of
+from service.text import text
 
 BATCH_PREFIX = "batch_"
 COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one
@@ -179,7 +180,7 @@ class BatchStore:
 
     async def list(self, tenant: str, limit: int, after: str | None) -> tuple[list[dict], bool]:
         """Newest first, as OpenAI lists batches."""
-        ids = [_text(i) for i in await self.redis.zrange(self._index(tenant), 0, -1, desc=True)]
+        ids = [text(i) for i in await self.redis.zrange(self._index(tenant), 0, -1, desc=True)]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         page = []
@@ -203,12 +204,12 @@ class BatchStore:
         return await self.redis.hgetall(self.key(batch_id)) or None
 
     async def active(self) -> list[str]:
-        return [_text(i) for i in await self.redis.smembers(self.active_key)]
+        return [text(i) for i in await self.redis.smembers(self.active_key)]
 
     async def transition(self, batch_id: str, from_: tuple[str, ...], to: str, **fields) -> tuple[bool, str]:
         pairs = [item for name_value in fields.items() for item in name_value]
         moved, status = await self._transition(keys=[self.key(batch_id)], args=[",".join(from_), to, *pairs])
-        return bool(moved), _text(status)
+        return bool(moved), text(status)
 
     async def start(self, batch_id: str, requests: list[str]) -> str:
         """Put the validated requests in place, then start the batch. A driver dying
@@ -219,7 +220,7 @@ class BatchStore:
             for start in range(0, len(requests), CHUNK):
                 pipe.rpush(key, *requests[start : start + CHUNK])
             await pipe.execute()
-        return _text(await self._start(keys=[self.key(batch_id)], args=[len(requests), int(time.time())]))
+        return text(await self._start(keys=[self.key(batch_id)], args=[len(requests), int(time.time())]))
 
     async def request(self, batch_id: str, line: int) -> dict:
         return json.loads(await self.redis.lindex(self.key(batch_id, "requests"), line))
@@ -273,16 +274,16 @@ class BatchStore:
 
 def batch_object(fields: dict[bytes, bytes]) -> dict:
     """The batch as OpenAI's Batch object, from its hash."""
-    text = {k.decode(): v.decode() for k, v in fields.items() if k != b"errors"}
-    obj = json.loads(text["object"])
+    values = {k.decode(): v.decode() for k, v in fields.items() if k != b"errors"}
+    obj = json.loads(values["object"])
     errors = fields.get(b"errors")
     obj.update(
-        status=text["status"],
+        status=values["status"],
         errors={"object": "list", "data": json.loads(errors)} if errors else None,
-        output_file_id=text.get("output_file_id"),
-        error_file_id=text.get("error_file_id"),
-        request_counts={name: int(text.get(name, 0)) for name in ("total", "completed", "failed")},
-        **{name: int(text[name]) if name in text else None for name in TIMESTAMPS},
+        output_file_id=values.get("output_file_id"),
+        error_file_id=values.get("error_file_id"),
+        request_counts={name: int(values.get(name, 0)) for name in ("total", "completed", "failed")},
+        **{name: int(values[name]) if name in values else None for name in TIMESTAMPS},
     )
     return obj
 
@@ -362,7 +363,3 @@ def _metadata(metadata) -> dict | None:
             "metadata",
         )
     return metadata
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value

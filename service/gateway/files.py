@@ -23,6 +23,7 @@ from starlette.routing import Route
 from service.config import GatewayConfig
 from service.gateway.auth import TENANT_HEADER, APIKeys
 from service.gateway.errors import APIError, bad_request
+from service.text import text
 
 FILE_PREFIX = "file-"
 PURPOSES = ("batch", "batch_output")  # what a file may be: uploads are `batch` only
@@ -77,7 +78,7 @@ class FileStore:
     async def get(self, tenant: str, file_id: str) -> dict:
         """The file's object; 404 when there is none, or it is another tenant's."""
         obj, owner = await self.redis.hmget(self._key(file_id), ["object", "tenant"])
-        if obj is None or _text(owner) != tenant:
+        if obj is None or text(owner) != tenant:
             raise not_found(file_id)
         return json.loads(obj)
 
@@ -85,7 +86,7 @@ class FileStore:
         """The file's bytes; None when there is none, or it is another tenant's (any
         tenant's when `tenant` is None: a batch reads its own input)."""
         content, owner = await self.redis.hmget(self._key(file_id), ["content", "tenant"])
-        if content is None or (tenant is not None and _text(owner) != tenant):
+        if content is None or (tenant is not None and text(owner) != tenant):
             return None
         return content
 
@@ -100,7 +101,7 @@ class FileStore:
         """A page of the tenant's files: up to `limit` objects after the file `after`, and
         whether more follow. Files that expired leave the index as the list meets them."""
         index = self._index(tenant)
-        ids = [_text(i) for i in await self.redis.zrange(index, 0, -1, desc=newest_first)]
+        ids = [text(i) for i in await self.redis.zrange(index, 0, -1, desc=newest_first)]
         if after is not None:
             ids = ids[ids.index(after) + 1 :] if after in ids else []
         page: list[dict] = []
@@ -158,10 +159,10 @@ class FilesAPI:
         if len(content) > limit:
             raise _too_large(limit)
         try:
-            text = content.decode()
+            decoded = content.decode()
         except UnicodeDecodeError:
             raise bad_request("the file must be UTF-8 text (JSONL)", "file") from None
-        lines = sum(1 for line in text.split("\n") if line.strip())
+        lines = sum(1 for line in decoded.split("\n") if line.strip())
         if lines > self.config.max_file_lines:
             raise bad_request(f"the file has {lines} lines, over the limit of {self.config.max_file_lines}", "file")
         return JSONResponse(await self.store.put(tenant, filename, purpose, content))
@@ -234,7 +235,3 @@ def _capped(receive, limit: int):
         return message
 
     return receiving
-
-
-def _text(value) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value

@@ -22,6 +22,7 @@ from service.config import GatewayConfig
 from service.gateway.replies import ReplyReader, ReplyTimeout, read_alone
 from service.protocol import reply_stream
 from service.retry import FIRST_DELAY_S, is_transient
+from service.text import text
 
 log = structlog.get_logger("inflight.gateway")
 
@@ -141,18 +142,14 @@ class Queue:
         if isinstance(length, Exception) or not length:
             return Backlog(0, 0.0, time.monotonic())
         group = (
-            next((g for g in groups if _text(g["name"]) == self.config.group), None)
+            next((g for g in groups if text(g["name"]) == self.config.group), None)
             if not isinstance(groups, Exception)
             else None
         )
         pending = group["pending"] if group else 0
-        after = f"({_text(group['last-delivered-id'])}" if group else "-"
+        after = f"({text(group['last-delivered-id'])}" if group else "-"
         oldest = await self.redis.xrange(stream, min=after, count=1)
         if not oldest:
             return Backlog(0, 0.0, time.monotonic())
-        age_s = max(0.0, seconds + micros / 1e6 - stream_id(_text(oldest[0][0]))[0] / 1000)
+        age_s = max(0.0, seconds + micros / 1e6 - stream_id(text(oldest[0][0]))[0] / 1000)
         return Backlog(max(0, length - pending), age_s, time.monotonic())
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
