@@ -46,24 +46,14 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from service.config import RedisConfig
+from service.lua_scripts import lua
 from service.text import text
 
 log = structlog.get_logger("inflight.ingest")
 
 # Resets the idle time of the entries this consumer still owns; returns the ids it no
 # longer owns (taken over by another worker, or deleted). One round trip for them all.
-RENEW = """
-local lost = {}
-for i = 3, #ARGV do
-  local row = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
-  if row and row[2] == ARGV[2] then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  else
-    lost[#lost + 1] = ARGV[i]
-  end
-end
-return lost
-"""
+RENEW = lua("ingest_renew")
 
 
 # Pending entries looked at for the next lease to run out: all of them at any real

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import structlog
 from redis.exceptions import RedisError
 
+from service.lua_scripts import lua
+
 log = structlog.get_logger("inflight.slot_outlook")
 
 PUBLISH_INTERVAL_S = 0.1
@@ -35,21 +37,8 @@ OUTLOOK_TTL_MS = 2000
 # A slot whose job has no pace yet, on a worker that has measured none: not soon.
 UNKNOWN_END_S = 3600.0
 
-# KEYS[1]: the request stream. ARGV: consumer, ttl (ms), then one offset (ms) per slot.
-# Stores the slots' ends on Redis's clock, ascending, comma-separated.
-PUBLISH = """
-local tag = '{' .. KEYS[1] .. '}'
-local clock = redis.call('TIME')
-local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local ends = {}
-for i = 3, #ARGV do ends[#ends + 1] = now_ms + tonumber(ARGV[i]) end
-table.sort(ends)
-for i, value in ipairs(ends) do ends[i] = string.format('%d', value) end
-local key = tag .. ':outlook:' .. ARGV[1]
-redis.call('SET', key, table.concat(ends, ','), 'PX', ARGV[2])
-redis.call('SADD', tag .. ':outlooks', key)
-return 1
-"""
+# The slots' ends, on Redis's clock (service/lua/slot_outlook_publish.lua).
+PUBLISH = lua("slot_outlook_publish")
 
 
 @dataclass

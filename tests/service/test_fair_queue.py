@@ -1,4 +1,4 @@
-"""Fair queueing in Redis (`service/fair_queue.py`; docs/protocol.md, "Tenants, batch jobs
+"""Fair queueing in Redis (`service/fair_queue/`; docs/protocol.md, "Tenants, batch jobs
 and admission"), on a real Redis: admission moves each job into its tenant's queue or
 refuses it over a cap or quota, at once; workers take jobs by level (priority with aging),
 then by the tenant served least, and batch jobs only when no interactive job waits;
