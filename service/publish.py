@@ -37,114 +37,15 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
+from service.lua_scripts import lua
 from service.protocol import done_fields, error_fields, hash_tag
 from service.retry import is_transient
 from workers.api import FinalEvent
 
-# KEYS: reply stream, owner key. ARGV: the job's entry id, the owner value, TTL seconds.
-# Returns {1, entries already there} when the stream is this job's, {0} when not.
-CLAIM = """
-local held = redis.call('GET', KEYS[2])
-if held then
-  if string.sub(held, 1, string.len(ARGV[1]) + 1) ~= ARGV[1] .. ' ' then return {0} end
-elseif redis.call('EXISTS', KEYS[1]) == 1 then
-  if redis.call('TYPE', KEYS[1])['ok'] ~= 'stream' then
-    return redis.error_reply('WRONGTYPE reply_to holds a value that is not a stream')
-  end
-  return {0}
-end
-redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
-if not held then return {1, {}} end
-return {1, redis.call('XRANGE', KEYS[1], '-', '+')}
-"""
-
-# KEYS: the reply stream's progress key. ARGV: token events on the stream now, the job
-# entry's deliveries (this one included), TTL seconds. Returns how many deliveries in a row
-# ended with no new token on the stream. Recorded at takeovers only (a first delivery
-# writes nothing): without a record, the first delivery made progress if the stream holds
-# a token.
-STALLED_DELIVERIES = """
-local events, deliveries = tonumber(ARGV[1]), tonumber(ARGV[2])
-local last = redis.call('HGET', KEYS[1], 'events')
-local stalls = 0
-if last == false then
-  if events == 0 then stalls = deliveries - 1 end
-elseif events <= tonumber(last) then
-  stalls = tonumber(redis.call('HGET', KEYS[1], 'stalls')) + 1
-end
-redis.call('HSET', KEYS[1], 'events', events, 'stalls', stalls)
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-return stalls
-"""
-
-# KEYS: each stream's reply stream and owner key, in pairs. ARGV[1]: msgpack, one entry
-# per stream: {owner value, TTL seconds (0: leave the TTLs), token events as their
-# msgpack `data`, the final event's entry id or "", its field/value pairs, the number of
-# token events written before these, the owner key's TTL}. Each token is written with its readable fields at
-# entry id <seq + 1>-0. Returns per stream: 1 when written (entries already there count
-# as written), 0 when this worker is not the owner, -1 - k when the stream holds only k
-# token events though more were written before (a failover lost them: nothing is
-# written, the writer sends them again), or the error Redis gave for that stream. An
-# owner key that is gone (lost with the writes) is set again. Many streams in one call,
-# each token one msgpack string: packing commands and arguments is most of a publisher's cost.
-FENCED_APPEND = """
-local function failed(added)
-  if type(added) == 'table' and added['err'] and not string.find(added['err'], 'equal or smaller', 1, true) then
-    return added['err']
-  end
-end
-local streams = cmsgpack.unpack(ARGV[1])
-local results = {}
-for s = 1, #streams do
-  local stream, owner, spec = KEYS[2 * s - 1], KEYS[2 * s], streams[s]
-  local result = 1
-  local held, have = redis.call('GET', owner), spec[6]
-  if spec[6] > 0 then  -- written before: check that it is all still there
-    -- A running job's stream holds its token events at ids 1-0 .. k-0 and nothing else,
-    -- and a failover loses a suffix of them, so its length is the k it holds.
-    local length = redis.pcall('XLEN', stream)
-    if type(length) == 'number' then  -- (not a stream: the XADD below says so)
-      have = length
-    end
-    if held == false then  -- the owner key went with the lost writes
-      redis.call('SET', owner, spec[1], 'EX', spec[7])
-      held = spec[1]
-    end
-  end
-  if held ~= spec[1] then
-    result = 0
-  elseif have < spec[6] then
-    result = -1 - have
-  else
-    for _, data in ipairs(spec[3]) do
-      local token = cmsgpack.unpack(data)
-      local id, seq = string.format('%d-0', token['seq'] + 1), string.format('%d', token['seq'])
-      local ids = table.concat(token['token_ids'], ' ')
-      local added
-      if token['index'] then  -- a choice of a request with n > 1
-        added = redis.pcall('XADD', stream, id, 'type', 'token', 'seq', seq,
-          'index', string.format('%d', token['index']),
-          'text', token['text'], 'token_ids', ids, 'data', data)
-      else
-        added = redis.pcall('XADD', stream, id, 'type', 'token', 'seq', seq, 'text', token['text'],
-          'token_ids', ids, 'data', data)
-      end
-      local error = failed(added)
-      if error then result = error; break end
-    end
-    if result == 1 and spec[4] ~= '' then
-      local error = failed(redis.pcall('XADD', stream, spec[4], unpack(spec[5])))
-      if error then result = error end
-    end
-    if result == 1 and spec[2] ~= 0 then
-      redis.call('EXPIRE', stream, spec[2])
-      redis.call('EXPIRE', owner, spec[2])
-    end
-  end
-  results[s] = result
-end
-return results
-"""
+# The scripts, each described at the top of its file in service/lua/.
+CLAIM = lua("publish_claim")
+STALLED_DELIVERIES = lua("publish_stalled_deliveries")
+FENCED_APPEND = lua("publish_fenced_append")
 # Streams per script call: one call holds Redis for its whole length.
 STREAMS_PER_CALL = 128
 

@@ -31,6 +31,7 @@ from service.gateway.auth import TENANT_HEADER, APIKeys
 from service.gateway.batch_lines import ENDPOINTS
 from service.gateway.errors import APIError, bad_request
 from service.gateway.files import FileStore, page_limit, page_of
+from service.lua_scripts import lua
 from service.text import text
 
 BATCH_PREFIX = "batch_"
@@ -46,76 +47,15 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 MAX_BATCH_LIST = 100
 CHUNK = 500  # lines per Redis command when a batch moves many at once
 
-# Move the batch to ARGV[2] if its status is one of ARGV[1] (comma-separated), setting the
-# field/value pairs that follow. Returns {1 if moved, the status it had}.
-TRANSITION = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status then return {0, ''} end
-for from in string.gmatch(ARGV[1], '[^,]+') do
-  if from == status then
-    redis.call('HSET', KEYS[1], 'status', ARGV[2], unpack(ARGV, 3))
-    return {1, status}
-  end
-end
-return {0, status}
-"""
-# Validation passed: the requests are in place. Counts start, and the batch
-# runs, unless it was cancelled meanwhile (then it winds down, every line cancelled).
-START = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'validating' and status ~= 'cancelling' then return status end
-redis.call('HSET', KEYS[1], 'validated', 1, 'total', ARGV[1], 'next', 0, 'completed', 0, 'failed', 0)
-if status == 'validating' then
-  redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[2])
-end
-return redis.call('HGET', KEYS[1], 'status')
-"""
-# The next line to run, now in flight at attempt 0 (KEYS[2]); -1 when none is left or the
-# batch no longer runs. One script, so a line is never claimed twice nor lost.
-CLAIM = """
-if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then return -1 end
-local line = tonumber(redis.call('HGET', KEYS[1], 'next'))
-if line >= tonumber(redis.call('HGET', KEYS[1], 'total')) then return -1 end
-redis.call('HSET', KEYS[1], 'next', line + 1)
-redis.call('HSET', KEYS[2], line, 0)
-return line
-"""
-# Every line not claimed yet, claimed at once (the batch is ending): returns the first.
-CLAIM_REST = """
-local first = tonumber(redis.call('HGET', KEYS[1], 'next'))
-redis.call('HSET', KEYS[1], 'next', redis.call('HGET', KEYS[1], 'total'))
-return first
-"""
-# A line in flight (KEYS[2]) is sent again as attempt ARGV[2] (after a refusal for load).
-RETRY = """
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end
-"""
-# Results, as line/record pairs (a record starts `o` for the output file, `e` for the
-# error file). The first result of a line stands and is counted; a later one (a driver
-# that lost its lease, or a successor) changes nothing. Nothing is recorded once the
-# batch is past running, so its files and counts stay as finalized.
-RECORD = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status ~= 'in_progress' and status ~= 'cancelling' then return 0 end
-local added = 0
-for i = 1, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
-    added = added + 1
-    redis.call('HINCRBY', KEYS[1], string.sub(ARGV[i + 1], 1, 1) == 'o' and 'completed' or 'failed', 1)
-  end
-  redis.call('HDEL', KEYS[3], ARGV[i])
-end
-return added
-"""
-# Lease: take it (SET NX PX), keep it while it is ours, give it back.
-RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return 0
-"""
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+# The scripts, each described at the top of its file in service/lua/.
+TRANSITION = lua("batches_transition")
+START = lua("batches_start")
+CLAIM = lua("batches_claim")
+CLAIM_REST = lua("batches_claim_rest")
+RETRY = lua("batches_retry")
+RECORD = lua("batches_record")
+RENEW = lua("batches_renew")
+RELEASE = lua("batches_release")
 
 
 def not_found(batch_id: str) -> APIError:
