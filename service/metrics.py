@@ -1,4 +1,5 @@
-"""Prometheus metrics of one worker: every definition in one place, and what feeds them.
+"""Prometheus metrics of one worker: what feeds them (their declarations are data, in
+service/metric_specs.py).
 
 Each `Metrics` owns its registry, so several workers can live in one process (tests).
 It is fed from three places, none of which imports prometheus_client:
@@ -10,16 +11,14 @@ It is fed from three places, none of which imports prometheus_client:
   speculative decoding (draft tokens verified and accepted, acceptance per verification);
 - `observe_finished`, `observe_outcome`, `observe_dead_letter`, `observe_tenant_tokens` and
   `observe_refused`, from the worker;
-- `poll_ingest`, from the worker's event loop every `ingest_poll_s`: Redis lag, pending
-  entries and dead letters (a few round trips, never in the model thread); with fair
-  queueing also `poll_fair_queue`: jobs and prompt tokens queued by tenant, the batch backlog.
+- `observe_ingest` and `observe_fair_queue`, from service/queue_gauges.py, which the worker's
+  event loop runs every `ingest_poll_s`: Redis lag, pending entries and dead letters (a few
+  round trips, never in the model thread); with fair queueing also jobs and prompt tokens
+  queued by tenant, the batch backlog.
 
 A tenant label takes the tenant's name for the first `MAX_TENANT_LABELS` tenants a worker
 sees; any later tenant is counted under `OTHER_TENANTS`, so producers naming ever new
 tenants cannot grow the series without bound.
-
-Naming: one prefix (`inflight_`), the unit last (`_seconds`, `_tokens`, `_blocks`,
-`_entries`, `_ratio`; `_total` for counters), no colons.
 """
 
 from __future__ import annotations
@@ -27,346 +26,79 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from service import queue_gauges
+from service.metric_specs import LENGTH_TAU_WINDOW, POOLS, STATES, WORKER_METRICS, build_all
 from service.protocol import DEFAULT_TENANT
 from workers.api import FinalEvent, FinishReason
 from workers.config import SchedulerConfig
 from workers.length_predictor import kendall_tau
 
-if TYPE_CHECKING:  # the engine module pulls in torch; the metrics need only its dataclass
-    from workers.engine import EngineStats
+if TYPE_CHECKING:  # the engine module pulls in torch; the metrics need only its dataclasses
+    from workers.engine import EngineStats, StepRecord
+    from workers.plan import CacheStats, Census
 
-# Latencies from a millisecond to ten minutes: a decode step on a GPU to a long queue.
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-    600.0,
-)
-# Reply writes land within a millisecond on a quiet local Redis; a slow one shows in steps.
-LENGTH_ERROR_BUCKETS = (-4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 4.0)
-LENGTH_TAU_WINDOW = 256
 LENGTH_TAU_EVERY = 16
-PUBLISH_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-# A verification accepts none, some or all of its drafts; 0.5 is the gate's default threshold.
-ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.8, 0.99, 1.0)
-
-# Requests end with a finish reason, or are rejected before reaching the engine (a job
-# that cannot be decoded, delivered too often, or a duplicate id).
-OUTCOMES = tuple(reason.value for reason in FinishReason) + ("rejected",)
-STATES = ("running", "waiting", "swapped")
-POOLS = ("device", "host")
-HANDOFF_OUTCOMES = ("handed_off", "kv_read", "kv_computed", "kv_failed")
 # Tenants (docs/protocol.md, "Tenants, batch jobs and admission").
 MAX_TENANT_LABELS = 100
 OTHER_TENANTS = "(other)"  # no tenant's name: tenant names have no parentheses
-REFUSAL_CODES = ("queue_full", "quota_exceeded")
 
 
 class Metrics:
+    # One attribute per spec of WORKER_METRICS, which `build_all` sets.
+    requests: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    request_duration: Histogram
+    queue_time: Histogram
+    publish_lag: Histogram
+    scheduler_requests: Gauge
+    oldest_waiting: Gauge
+    kv_blocks: Gauge
+    kv_usage: Gauge
+    preemptions: Counter
+    swapped_requests: Counter
+    swapped_blocks: Counter
+    prefix_queried: Counter
+    prefix_hits: Counter
+    prefix_blocks: Gauge
+    prefix_evicted: Counter
+    prefix_offloaded: Counter
+    step_tokens: Histogram
+    step_duration: Histogram
+    step_budget: Histogram
+    speculative_tokens: Counter
+    speculative_acceptance: Histogram
+    length_prediction_error: Histogram
+    length_prediction_tau: Gauge
+    ingest_lag: Gauge
+    ingest_pending: Gauge
+    dead_letter_entries: Gauge
+    dead_letters: Counter
+    tenant_tokens: Counter
+    refused: Counter
+    tenant_queued: Gauge
+    tenant_queued_tokens: Gauge
+    batch_queued: Gauge
+    handoffs: Counter
+    kv_transfer_bytes: Counter
+    kv_transfer_time: Histogram
+    handoff_kv_held: Gauge
+
     def __init__(self, scheduler: SchedulerConfig | None = None) -> None:
-        self.registry = registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.budgets = scheduler or SchedulerConfig()
-
-        # -- requests ------------------------------------------------------------------
-        self.requests = Counter(
-            "inflight_requests",
-            "Requests ended, by outcome (finish reason, or rejected).",
-            ["outcome"],
-            registry=registry,
-        )
-        self.prompt_tokens = Counter("inflight_prompt_tokens", "Prompt tokens of finished requests.", registry=registry)
-        self.generation_tokens = Counter(
-            "inflight_generation_tokens", "Tokens generated by finished requests.", registry=registry
-        )
-        self.time_to_first_token = Histogram(
-            "inflight_time_to_first_token_seconds",
-            "From arrival at the engine to the first token.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.inter_token_latency = Histogram(
-            "inflight_inter_token_latency_seconds",
-            "Between consecutive tokens of a request.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.request_duration = Histogram(
-            "inflight_request_duration_seconds",
-            "End to end: from arrival at the engine to the final event.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.queue_time = Histogram(
-            "inflight_queue_time_seconds",
-            "From arrival to first being scheduled.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.publish_lag = Histogram(
-            "inflight_publish_lag_seconds",
-            "From the end of the step that produced a reply stream's oldest unwritten "
-            "event to its write landing in Redis (one observation per stream and round trip).",
-            buckets=PUBLISH_LAG_BUCKETS,
-            registry=registry,
-        )
-
-        # -- scheduler state (after each step) ----------------------------------------
-        self.scheduler_requests = Gauge(
-            "inflight_scheduler_requests",
-            "Requests in the engine by state (running, waiting, swapped) and priority.",
-            ["state", "priority"],
-            registry=registry,
-        )
-        self.oldest_waiting = Gauge(
-            "inflight_oldest_waiting_age_seconds",
-            "Time since arrival of the longest-waiting queued request; 0 when none waits.",
-            registry=registry,
-        )
-        self.kv_blocks = Gauge(
-            "inflight_kv_cache_blocks",
-            "KV cache blocks by pool (device, host) and state (used, free).",
-            ["pool", "state"],
-            registry=registry,
-        )
-        self.kv_usage = Gauge(
-            "inflight_kv_cache_usage_ratio", "Fraction of the pool's KV blocks in use.", ["pool"], registry=registry
-        )
-        self.preemptions = Counter(
-            "inflight_preemptions",
-            "Running requests preempted, by mode (swap, recompute).",
-            ["mode"],
-            registry=registry,
-        )
-        self.swapped_requests = Counter(
-            "inflight_swapped_requests", "Requests swapped, by direction (out, in).", ["direction"], registry=registry
-        )
-        self.swapped_blocks = Counter(
-            "inflight_swapped_blocks", "KV blocks copied, by direction (out, in).", ["direction"], registry=registry
-        )
-
-        # -- prefix cache (after each step) ---------------------------------------------
-        self.prefix_queried = Counter(
-            "inflight_prefix_cache_queried_tokens",
-            "Tokens of requests admitted with prefix caching on (each admission looks them up).",
-            registry=registry,
-        )
-        self.prefix_hits = Counter(
-            "inflight_prefix_cache_hit_tokens",
-            "Of those, tokens found cached, by tier (device, host: copied back).",
-            ["tier"],
-            registry=registry,
-        )
-        self.prefix_blocks = Gauge(
-            "inflight_prefix_cache_blocks",
-            "KV blocks registered in the prefix cache, by tier (held or free).",
-            ["tier"],
-            registry=registry,
-        )
-        self.prefix_evicted = Counter(
-            "inflight_prefix_cache_evicted_blocks",
-            "Cached blocks dropped from a tier to reuse the block (from the device, maybe offloaded first).",
-            ["tier"],
-            registry=registry,
-        )
-        self.prefix_offloaded = Counter(
-            "inflight_prefix_cache_offloaded_blocks",
-            "Cached blocks evicted from the device and copied to the host tier.",
-            registry=registry,
-        )
-
-        # -- steps ----------------------------------------------------------------------
-        self.step_tokens = Histogram(
-            "inflight_step_tokens",
-            "Tokens in one step's batch, by kind (prefill, decode).",
-            ["kind"],
-            buckets=STEP_TOKEN_BUCKETS,
-            registry=registry,
-        )
-        self.step_duration = Histogram(
-            "inflight_step_duration_seconds",
-            "Wall time of one engine step.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.step_budget = Histogram(
-            "inflight_step_budget_used_ratio",
-            "Fraction of a step's token budget used: batch (prefill + decode), prefill, decode.",
-            ["budget"],
-            buckets=RATIO_BUCKETS,
-            registry=registry,
-        )
-
-        # -- speculative decoding (after each step) ---------------------------------------
-        self.speculative_tokens = Counter(
-            "inflight_speculative_tokens",
-            "Draft tokens verified by speculative decoding, by kind (drafted; accepted, of those).",
-            ["kind"],
-            registry=registry,
-        )
-        self.speculative_acceptance = Histogram(
-            "inflight_speculative_acceptance_ratio",
-            "Accepted / drafted tokens of one request's verification in one step.",
-            buckets=ACCEPTANCE_BUCKETS,
-            registry=registry,
-        )
-
-        # -- output-length prediction (as requests end) ------------------------------------
-        self.length_prediction_error = Histogram(
-            "inflight_length_prediction_log2_ratio",
-            "log2(actual / predicted) output length of each request that ended by a stop or max_tokens "
-            "under a length policy: 0 is exact, 1 twice as long as predicted.",
-            buckets=LENGTH_ERROR_BUCKETS,
-            registry=registry,
-        )
-        self.length_prediction_tau = Gauge(
-            "inflight_length_prediction_tau_ratio",
-            f"Kendall's tau between predicted and actual output lengths over the last {LENGTH_TAU_WINDOW} "
-            "requests that ended (the order the length policy relies on).",
-            registry=registry,
-        )
+        build_all(self, WORKER_METRICS, self.registry)
         self._length_window: collections.deque[tuple[float, int]] = collections.deque(maxlen=LENGTH_TAU_WINDOW)
         self._length_outcomes_since_tau = 0
-
-        # -- Redis ingest -----------------------------------------------------------------
-        self.ingest_lag = Gauge(
-            "inflight_ingest_lag_entries",
-            "Entries in the request stream not yet delivered to the consumer group (XINFO GROUPS lag).",
-            registry=registry,
-        )
-        self.ingest_pending = Gauge(
-            "inflight_ingest_pending_entries",
-            "Entries delivered to the consumer group and not yet acked (XPENDING).",
-            registry=registry,
-        )
-        self.dead_letter_entries = Gauge(
-            "inflight_dead_letter_stream_entries", "Entries in the dead-letter stream.", registry=registry
-        )
-        self.dead_letters = Counter(
-            "inflight_dead_letters",
-            "Entries this worker sent to the dead-letter stream, by code.",
-            ["code"],
-            registry=registry,
-        )
-
-        # -- tenants and batch jobs ---------------------------------------------------------
-        self.tenant_tokens = Counter(
-            "inflight_tenant_tokens",
-            "Tokens this worker served, by tenant, class (interactive, batch) and kind (prompt: counted as "
-            "the request ends; output: as generated).",
-            ["tenant", "class", "kind"],
-            registry=registry,
-        )
-        self.refused = Counter(
-            "inflight_refused_requests",
-            "Jobs this worker refused at admission (--fair-queue), by tenant and code (queue_full, quota_exceeded).",
-            ["tenant", "code"],
-            registry=registry,
-        )
-        # Polled from Redis: the same for every worker of a stream.
-        self.tenant_queued = Gauge(
-            "inflight_tenant_queued_requests",
-            "Jobs admitted into the tenant's queues and not yet taken by a worker (--fair-queue), by tenant.",
-            ["tenant"],
-            registry=registry,
-        )
-        self.tenant_queued_tokens = Gauge(
-            "inflight_tenant_queued_tokens",
-            "Prompt tokens of those jobs, by tenant.",
-            ["tenant"],
-            registry=registry,
-        )
-        self.batch_queued = Gauge(
-            "inflight_batch_queued_requests",
-            "Batch jobs admitted and not yet taken by a worker, all tenants: the batch backlog (--fair-queue).",
-            registry=registry,
-        )
         self._tenant_labels = {DEFAULT_TENANT}  # the tenants with a label of their own
         self._queued_tenants_seen: set[str] = set()
-
-        # -- disaggregated prefill and decode (service/handoff.py) ------------------------
-        self.handoffs = Counter(
-            "inflight_handoff_requests",
-            "Jobs through the handoff: handed_off (prefill side), then kv_read, or kv_computed "
-            "when the prompt's K/V could not be had, or kv_failed when their read failed (decode side).",
-            ["outcome"],
-            registry=registry,
-        )
-        self.kv_transfer_bytes = Counter(
-            "inflight_kv_transfer_bytes",
-            "Bytes of prompt K/V this worker read from prefill workers.",
-            registry=registry,
-        )
-        self.kv_transfer_time = Histogram(
-            "inflight_kv_transfer_seconds",
-            "One prompt's K/V read from a prefill worker, from asking to having them.",
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
-            registry=registry,
-        )
-        self.handoff_kv_held = Gauge(
-            "inflight_handoff_kv_held_bytes",
-            "Handoff memory in use: prompts staged for decode workers (prefill side), or read from "
-            "prefill workers (decode side).",
-            registry=registry,
-        )
-
-        # Every fixed label value exists from the start, so a query sees zeros, not nothing.
-        for outcome in HANDOFF_OUTCOMES:
-            self.handoffs.labels(outcome)
-        for outcome in OUTCOMES:
-            self.requests.labels(outcome)
-        for batch in (False, True):  # the default tenant's, so the batch share reads 0 before any batch job
-            for kind in ("prompt", "output"):
-                self.tenant_tokens.labels(DEFAULT_TENANT, _job_class(batch), kind)
-        for code in REFUSAL_CODES:
-            self.refused.labels(DEFAULT_TENANT, code)
-        self.tenant_queued.labels(DEFAULT_TENANT)  # 0 until a fair-queueing worker reads Redis
-        self.tenant_queued_tokens.labels(DEFAULT_TENANT)
-        for mode in ("swap", "recompute"):
-            self.preemptions.labels(mode)
-        self.dead_letters.labels("deadline_unmeetable")  # the length-prediction row's refusals
-        for direction in ("out", "in"):
-            self.swapped_requests.labels(direction)
-            self.swapped_blocks.labels(direction)
-        for pool in POOLS:
-            self.kv_usage.labels(pool)
-            for state in ("used", "free"):
-                self.kv_blocks.labels(pool, state)
-            self.prefix_hits.labels(pool)
-            self.prefix_blocks.labels(pool)
-            self.prefix_evicted.labels(pool)
-        for kind in ("prefill", "decode"):
-            self.step_tokens.labels(kind)
-        for kind in ("drafted", "accepted"):
-            self.speculative_tokens.labels(kind)
-        for budget in ("batch", "prefill", "decode"):
-            self.step_budget.labels(budget)
         self._priorities_seen: set[tuple[str, int]] = set()
         # The engine reports evictions as running totals; the counters take the difference.
         self._evictions_seen = {pool: 0 for pool in POOLS}
@@ -375,17 +107,6 @@ class Metrics:
         self.oldest_waiting.set_function(self._oldest_waiting_age)
 
     # -- feeds ---------------------------------------------------------------------------
-
-    def _observe_lengths(self, outcomes) -> None:
-        for predicted, actual in outcomes:
-            self.length_prediction_error.observe(math.log2(max(actual, 1) / max(predicted, 1.0)))
-        self._length_window.extend(outcomes)
-        self._length_outcomes_since_tau += len(outcomes)
-        # tau is quadratic in the window: refreshed every few endings, not every step
-        if self._length_outcomes_since_tau >= LENGTH_TAU_EVERY and len(self._length_window) >= 2:
-            predicted, actual = zip(*self._length_window)
-            self.length_prediction_tau.set(kendall_tau(predicted, actual))
-            self._length_outcomes_since_tau = 0
 
     def observe_step(self, stats: EngineStats) -> None:
         """The engine's observer: runs in the stepping thread after each step."""
@@ -397,29 +118,42 @@ class Metrics:
             self.inter_token_latency.observe(seconds)
         if stats.length_outcomes:
             self._observe_lengths(stats.length_outcomes)
-        step = stats.step
-        if step is not None:
-            self.step_tokens.labels("prefill").observe(step.num_prefill_tokens)
-            self.step_tokens.labels("decode").observe(step.num_decode_tokens)
-            self.step_duration.observe(step.step_s)
-            budgets = self.budgets
-            self.step_budget.labels("batch").observe(step.num_tokens / budgets.max_batch_tokens)
-            self.step_budget.labels("prefill").observe(step.num_prefill_tokens / budgets.max_prefill_tokens)
-            self.step_budget.labels("decode").observe(step.num_decode_tokens / budgets.max_decode_tokens)
-            if step.num_preempted:
-                self.preemptions.labels("swap").inc(step.num_swapped_out)
-                self.preemptions.labels("recompute").inc(step.num_preempted - step.num_swapped_out)
-            self.swapped_requests.labels("out").inc(step.num_swapped_out)
-            self.swapped_requests.labels("in").inc(step.num_swapped_in)
-            self.swapped_blocks.labels("out").inc(step.num_blocks_swapped_out)
-            self.swapped_blocks.labels("in").inc(step.num_blocks_swapped_in)
-            if step.num_draft_tokens:
-                self.speculative_tokens.labels("drafted").inc(step.num_draft_tokens)
-                self.speculative_tokens.labels("accepted").inc(step.num_accepted_tokens)
-                for ratio in step.acceptance:
-                    self.speculative_acceptance.observe(ratio)
+        if stats.step is not None:
+            self._observe_batch(stats.step)
+        self._observe_census(stats.census, stats.oldest_waiting_s)
+        for pool, used, total in (
+            ("device", stats.device_blocks_used, stats.device_blocks_total),
+            ("host", stats.host_blocks_used, stats.host_blocks_total),
+        ):
+            self.kv_blocks.labels(pool, "used").set(used)
+            self.kv_blocks.labels(pool, "free").set(total - used)
+            self.kv_usage.labels(pool).set(used / total if total else 0.0)
+        self._observe_prefix_cache(stats.cache)
 
-        census = stats.census
+    def _observe_batch(self, step: StepRecord) -> None:
+        """What one step ran: its batch, time and budget use, preemptions and swaps, drafts."""
+        self.step_tokens.labels("prefill").observe(step.num_prefill_tokens)
+        self.step_tokens.labels("decode").observe(step.num_decode_tokens)
+        self.step_duration.observe(step.step_s)
+        budgets = self.budgets
+        self.step_budget.labels("batch").observe(step.num_tokens / budgets.max_batch_tokens)
+        self.step_budget.labels("prefill").observe(step.num_prefill_tokens / budgets.max_prefill_tokens)
+        self.step_budget.labels("decode").observe(step.num_decode_tokens / budgets.max_decode_tokens)
+        if step.num_preempted:
+            self.preemptions.labels("swap").inc(step.num_swapped_out)
+            self.preemptions.labels("recompute").inc(step.num_preempted - step.num_swapped_out)
+        self.swapped_requests.labels("out").inc(step.num_swapped_out)
+        self.swapped_requests.labels("in").inc(step.num_swapped_in)
+        self.swapped_blocks.labels("out").inc(step.num_blocks_swapped_out)
+        self.swapped_blocks.labels("in").inc(step.num_blocks_swapped_in)
+        if step.num_draft_tokens:
+            self.speculative_tokens.labels("drafted").inc(step.num_draft_tokens)
+            self.speculative_tokens.labels("accepted").inc(step.num_accepted_tokens)
+            for ratio in step.acceptance:
+                self.speculative_acceptance.observe(ratio)
+
+    def _observe_census(self, census: Census, oldest_waiting_s: float) -> None:
+        """Requests in the engine by state and priority, and since when the oldest has waited."""
         now = {
             (state, priority): count
             for state, counts in zip(STATES, (census.running, census.waiting, census.swapped))
@@ -430,17 +164,9 @@ class Metrics:
             self.scheduler_requests.labels(state, str(priority)).set(now.get((state, priority), 0))
         self._priorities_seen |= now.keys()
         waiting = census.oldest_queued_arrival is not None
-        self._oldest_waiting_since = time.time() - stats.oldest_waiting_s if waiting else None
+        self._oldest_waiting_since = time.time() - oldest_waiting_s if waiting else None
 
-        for pool, used, total in (
-            ("device", stats.device_blocks_used, stats.device_blocks_total),
-            ("host", stats.host_blocks_used, stats.host_blocks_total),
-        ):
-            self.kv_blocks.labels(pool, "used").set(used)
-            self.kv_blocks.labels(pool, "free").set(total - used)
-            self.kv_usage.labels(pool).set(used / total if total else 0.0)
-
-        cache = stats.cache
+    def _observe_prefix_cache(self, cache: CacheStats) -> None:
         self.prefix_queried.inc(cache.queried_tokens)
         self.prefix_offloaded.inc(cache.offloaded_blocks)
         for pool, hits, cached, evictions in (
@@ -453,6 +179,17 @@ class Metrics:
             # A total below the last one is a new engine's, counted from 0 (as Prometheus treats a reset).
             self.prefix_evicted.labels(pool).inc(evictions - seen if evictions >= seen else evictions)
             self._evictions_seen[pool] = evictions
+
+    def _observe_lengths(self, outcomes: Sequence[tuple[float, int]]) -> None:
+        for predicted, actual in outcomes:
+            self.length_prediction_error.observe(math.log2(max(actual, 1) / max(predicted, 1.0)))
+        self._length_window.extend(outcomes)
+        self._length_outcomes_since_tau += len(outcomes)
+        # tau is quadratic in the window: refreshed every few endings, not every step
+        if self._length_outcomes_since_tau >= LENGTH_TAU_EVERY and len(self._length_window) >= 2:
+            predicted_lengths, actual_lengths = zip(*self._length_window)
+            self.length_prediction_tau.set(kendall_tau(predicted_lengths, actual_lengths))
+            self._length_outcomes_since_tau = 0
 
     def observe_finished(self, event: FinalEvent) -> None:
         """A request the engine ended (any finish reason, errors included). Its queue,
