@@ -5,6 +5,11 @@ The model step runs in a single worker thread, so the event loop (Redis I/O,
 says: `submit_streamed` gives it a stream (a queue the stepping task fills) to
 iterate; `submit_batched` hands them to `on_events` with the rest of their step's.
 
+The edge knows the engine through this class only: it submits and cancels, learns when a
+request is released (`released`) and when nothing is left unfinished (`idle`), and asks
+for the few things of the engine it needs (the tokenizer, a grammar compiled ahead, the
+prompt tokens a handed-off request staged, where to stage them, a step observer).
+
 That thread is the process's one torch thread: build the engine there too
 (`await on_torch_thread(Engine.from_config, config)`). libgomp keeps an OpenMP team
 for each thread that starts parallel work; once two threads own one, there are more
@@ -18,10 +23,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from workers.api import Event, FinalEvent, GenerationRequest
-from workers.engine import Engine
+from workers.api import Event, FinalEvent, GenerationRequest, InvalidRequest, SamplingParams
+from workers.engine import Engine, EngineStats
+
+if TYPE_CHECKING:
+    from gpu.kv_transfer import HandoffArena
 
 T = TypeVar("T")
 
@@ -41,7 +49,9 @@ class AsyncEngine:
         self.on_events = on_events
         self._queues: dict[str, asyncio.Queue[Event]] = {}
         self._batched: set[str] = set()  # ids queued with `submit_batched` whose final event is not yet handed on
+        self._release_waiters: dict[str, list[asyncio.Future[None]]] = {}  # by batched request id
         self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()  # set by the step loop when the engine has nothing unfinished
         self._loop_task: asyncio.Task | None = None
         self._closing = False
 
@@ -80,6 +90,53 @@ class AsyncEngine:
         its final event to `on_events` (a cancelled one ends at the engine's next step)."""
         return request_id in self._batched
 
+    def released(self, request_id: str) -> asyncio.Future[None]:
+        """Resolved once a request queued with `submit_batched` under `request_id` has
+        handed its final event to `on_events` (its id free again, none of its events
+        still to come); resolved already when none is held. Each call gets a future of
+        its own, so a waiter that gives up cancels only its own."""
+        released = asyncio.get_running_loop().create_future()
+        if request_id in self._batched:
+            self._release_waiters.setdefault(request_id, []).append(released)
+        else:
+            released.set_result(None)
+        return released
+
+    async def idle(self) -> None:
+        """Returns once the engine has nothing unfinished (what was cancelled ends at its
+        next step). Only while the step loop runs (inside `async with`)."""
+        await self._idle.wait()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (to count a prompt's tokens)."""
+        return self.engine.tokenizer
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a constrained request's grammar ahead (or find it cached), off the event
+        loop, so that `submit_batched` does not; a bad one is cached too, and comes as that
+        request's error event."""
+        await asyncio.to_thread(self._compile_quietly, params)
+
+    def _compile_quietly(self, params: SamplingParams) -> None:
+        try:
+            self.engine.grammars.compile(params)
+        except InvalidRequest:
+            pass  # cached: `add_request` reports it as the request's error
+
+    def stage_handoffs_in(self, arena: HandoffArena) -> None:
+        """Disaggregated serving, prefill side: stage the prompt K/V of requests that end
+        with `handoff` in `arena`."""
+        self.engine.handoff_arena = arena  # type: ignore[assignment]  # Engine declares it as None until typed
+
+    def take_staged(self, request_id: str) -> int:
+        """How many prompt tokens a request that ended with `handoff` staged (0: none)."""
+        return self.engine.take_staged(request_id)
+
+    def observe_steps(self, observer: Callable[[EngineStats], None]) -> None:
+        """Call `observer` after every step, on the stepping thread (it must be quick)."""
+        self.engine.observer = observer
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """Submit and yield the events. Leaving early (break, task cancelled) cancels the request."""
         stream = self.submit_streamed(request)
@@ -93,10 +150,15 @@ class AsyncEngine:
 
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
-        self._wakeup.set()
+        self._wake()
 
     def _add(self, request: GenerationRequest) -> None:
         self.engine.add_request(request)
+        self._wake()
+
+    def _wake(self) -> None:
+        """New work (a request, a cancel) for the step loop: not idle until it has looked."""
+        self._idle.clear()
         self._wakeup.set()
 
     async def _step_loop(self) -> None:
@@ -104,6 +166,7 @@ class AsyncEngine:
         while True:
             self._wakeup.clear()
             if not self.engine.has_unfinished():
+                self._idle.set()
                 await self._wakeup.wait()
                 continue
             await loop.run_in_executor(_TORCH_THREAD, self._step_while_busy, loop)
@@ -119,6 +182,7 @@ class AsyncEngine:
 
     def _hand_on(self, events: list[Event]) -> None:
         unrouted = []
+        released = []
         for event in events:
             queue = self._queues.get(event.request_id)
             if queue is not None:
@@ -127,8 +191,13 @@ class AsyncEngine:
                 unrouted.append(event)
                 if isinstance(event, FinalEvent):
                     self._batched.discard(event.request_id)
+                    released.append(event.request_id)
         if unrouted and self.on_events is not None:
             self.on_events(unrouted)
+        for request_id in released:
+            for waiter in self._release_waiters.pop(request_id, ()):
+                if not waiter.done():  # its waiter may have given up
+                    waiter.set_result(None)
 
 
 class RequestStream:

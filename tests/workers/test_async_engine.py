@@ -136,3 +136,29 @@ def test_a_batched_request_is_held_until_its_final_event_is_handed_on(make_engin
         FinishReason.CANCELLED,
         FinishReason.LENGTH,
     ]
+
+
+def test_released_resolves_once_the_final_event_is_handed_on_and_idle_once_nothing_is_left(make_engine):
+    """The edge waits on `released` rather than polling `holds`: at once for an id held by
+    no request, else once the request's final event has reached `on_events`. `idle` comes
+    once the engine has nothing unfinished (a cancel too ends at the next step)."""
+    engine = make_engine()
+    handed_on: list = []
+
+    async def main():
+        async with AsyncEngine(engine, handed_on.extend) as front:
+            assert front.released("job-1").done()
+            front.submit_batched(
+                GenerationRequest("job-1", "Tell me about the moon.", SamplingParams(max_tokens=200, ignore_eos=True))
+            )
+            released = front.released("job-1")
+            await eventually(lambda: any(isinstance(e, TokenEvent) for e in handed_on), 60, "a token")
+            assert not released.done()
+            front.cancel("job-1")
+            await asyncio.wait_for(released, 60)
+            assert isinstance(handed_on[-1], FinalEvent) and not front.holds("job-1")
+            await asyncio.wait_for(front.idle(), 60)
+            assert not engine.has_unfinished()
+
+    asyncio.run(main())
+    assert [e.finish_reason for e in handed_on if isinstance(e, FinalEvent)] == [FinishReason.CANCELLED]
