@@ -16,6 +16,7 @@ from service.fair_queue.scripts import ADMITTING, TAKE
 from service.ingest import Entry, JobReader, LeasedReader, dead_letter_record
 from service.text import text
 
+# While a take waits for a burst to be admitted, it looks again this often.
 ADMITTING_POLL_S = 0.01
 
 
