@@ -3,7 +3,8 @@
 A script names what it needs as `$NAME` placeholders (string.Template): constants known
 only in Python (a key's prefix, a field's name) are filled in when the script is read, so
 the text Redis runs is still one fixed script per process, registered once with
-`redis.register_script`. Lua itself never uses `$`.
+`redis.register_script`. A `$` that Lua itself needs (a pattern's end anchor) is
+written `$$`.
 """
 
 from __future__ import annotations
