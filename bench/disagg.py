@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import random
 import sys
@@ -62,17 +61,14 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
-
+from bench.fleet import Fleet, model_flags, redis_server
+from bench.follow import Follower, Job
 from bench.metrics import inter_token_latencies, percentile
 from bench.processes import WorkerProcess, cpu_seconds
-from bench.servers import signals_as_exit, start_reaper, stop_reaper
-from bench.systems import delete_replies, redis_server, run_streams
-from service.protocol import reply_stream
-from service.sdk import job_payload
+from bench.servers import signals_as_exit
 
 CONFIGURATIONS = ("disagg", "colocated_one", "colocated_two")
 # A configuration's workers: (consumer name, role, index of the core in --disagg-cores, or
@@ -147,25 +143,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@dataclass
-class Job:
-    label: str  # the same in every configuration
-    request_id: str
-    prompt: str
-    max_tokens: int
-    sent: float | None = None  # perf_counter
-    times: list[float] = field(default_factory=list)  # each token's arrival, perf_counter
-    tokens: list[int] = field(default_factory=list)
-    final: dict | None = None
-    last_id: str = "0"
-    handoff_at: float | None = None  # its handoff entry's arrival
-    staged_tokens: int | None = None  # prompt tokens its handoff carried K/V for
-
-    @property
-    def ttft_s(self) -> float:
-        return self.times[0] - self.sent
-
-
 @dataclass(frozen=True)
 class Prompts:
     running: list[str]
@@ -174,110 +151,6 @@ class Prompts:
     warmup: list[str]
     running_max_tokens: int
     source: str
-
-
-class Follower:
-    """Queues jobs and follows their reply streams (and the handoff stream) with one XREAD."""
-
-    def __init__(self, client, requests_stream: str, control_stream: str, handoff_stream: str | None) -> None:
-        self.client = client
-        self.requests_stream = requests_stream
-        self.control_stream = control_stream
-        self.handoff_stream = handoff_stream
-        self.handoff_last = "0"
-        self.jobs: dict[str, Job] = {}  # by request id
-        self.open: dict[str, Job] = {}  # by reply stream
-        self.kv_layouts: list[tuple[int, int]] = []  # (K/V bytes, tokens) of each handoff that carried them
-        self.changed = asyncio.Condition()
-        self.last_event = time.perf_counter()
-        self.reading = True
-
-    async def send(self, jobs: list[Job]) -> float:
-        """Queue the jobs in one round trip; returns when they were sent."""
-        pipe = self.client.pipeline(transaction=False)
-        for job in jobs:
-            self.jobs[job.request_id] = job
-            self.open[reply_stream(job.request_id)] = job
-            payload = job_payload(job.prompt, None, job.request_id, max_tokens=job.max_tokens, ignore_eos=True)
-            pipe.xadd(self.requests_stream, payload)
-        sent = time.perf_counter()
-        await pipe.execute()
-        for job in jobs:
-            job.sent = sent
-        return sent
-
-    async def cancel(self, jobs: list[Job]) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for job in jobs:
-            pipe.xadd(self.control_stream, {"type": "cancel", "id": job.request_id})
-        await pipe.execute()
-
-    async def read(self) -> None:
-        """Until `reading` is cleared (cancelling a blocked XREAD can leave redis-py's
-        connection hanging: each read blocks 50 ms at most instead)."""
-        while self.reading:
-            streams = {key: job.last_id for key, job in self.open.items()}
-            if self.handoff_stream:
-                streams[self.handoff_stream] = self.handoff_last
-            if not streams:  # nothing in flight (a job sent now is followed from the next round)
-                await asyncio.sleep(0.01)
-                continue
-            reply = await self.client.xread(streams, block=50)
-            now = time.perf_counter()
-            for key, entries in reply or []:
-                key = key.decode()
-                if key == self.handoff_stream:
-                    self._handoffs(entries, now)
-                    continue
-                job = self.open[key]
-                for entry_id, fields in entries:
-                    job.last_id = entry_id.decode()
-                    event = msgpack.unpackb(fields[b"data"])
-                    if event["type"] == "token":
-                        job.times.extend([now] * len(event["token_ids"]))
-                        job.tokens.extend(event["token_ids"])
-                    else:
-                        job.final = event
-                        del self.open[key]
-                        break
-            if reply:
-                self.last_event = now
-                async with self.changed:
-                    self.changed.notify_all()
-
-    def _handoffs(self, entries, now: float) -> None:
-        from service.handoff import Handoff
-
-        for entry_id, fields in entries:
-            self.handoff_last = entry_id.decode()
-            handoff = Handoff.of_entry(fields)
-            payload = handoff.job_fields.get(b"payload")
-            job = self.jobs.get(msgpack.unpackb(payload)["id"]) if payload else None
-            if job is not None and job.handoff_at is None:
-                job.handoff_at = now
-                job.staged_tokens = handoff.kv.num_tokens if handoff.kv else 0
-            if handoff.kv is not None and handoff.kv.num_tokens:
-                import torch
-
-                itemsize = getattr(torch, handoff.kv.dtype).itemsize
-                self.kv_layouts.append((math.prod(handoff.kv.shape) * itemsize, handoff.kv.num_tokens))
-
-    async def until(self, condition, what: str, workers: list[WorkerProcess]) -> None:
-        """Wait for `condition()`; fail when a worker died, a job failed or nothing came for a while."""
-        async with self.changed:
-            while not condition():
-                failed = [job for job in self.jobs.values() if job.final and job.final["type"] == "error"]
-                if failed:
-                    raise RuntimeError(f"{failed[0].request_id} failed: {failed[0].final.get('message')}")
-                dead = [w.name for w in workers if not w.alive()]
-                if dead or time.perf_counter() - self.last_event > QUIET_LIMIT_S:
-                    why = f"worker {dead[0]} died" if dead else f"no event for {QUIET_LIMIT_S:.0f} s"
-                    tails = "\n".join(f"--- {w.name}\n{w.log_tail(1500)}" for w in workers)
-                    raise RuntimeError(f"waiting for {what}: {why}\n{tails}")
-                try:
-                    await asyncio.wait_for(self.changed.wait(), timeout=1.0)
-                except TimeoutError:
-                    pass
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -385,12 +258,16 @@ async def _run(args: argparse.Namespace, configs: list[str], cores: list[str], p
                 print(f"bench: disagg: {name}", file=sys.stderr, flush=True)
                 log_dir = Path(logs) / name
                 log_dir.mkdir()
-                results[name], jobs[name] = await _configuration(
-                    name, url, client, run_id, log_dir, args, cores, prompts
+                fleet = Fleet(
+                    log_dir, url, f"inflight:bench:{run_id}:{name}", _worker_flags(args), graceful=True, reap=True
                 )
+                try:
+                    results[name], jobs[name] = await _configuration(name, fleet, client, run_id, args, cores, prompts)
+                finally:
+                    await asyncio.to_thread(fleet.close)
         finally:
             await client.aclose()
-    report = {
+    return {
         "configurations": results,
         "identity": {
             f"{a}_vs_{b}": _identity(jobs[a], jobs[b]) for i, a in enumerate(configs) for b in configs[i + 1 :]
@@ -419,26 +296,31 @@ async def _run(args: argparse.Namespace, configs: list[str], cores: list[str], p
             "cpu_count": os.cpu_count(),
         },
     }
-    return report
+
+
+def _worker_flags(args) -> list[str]:
+    """Every worker's, whatever its role: no speculation, a long lease, handoffs of the
+    running decodes too."""
+    return [*model_flags(args), "--no-speculative", "--claim-idle-ms", str(CLAIM_IDLE_MS),
+            "--shutdown-grace-s", str(SHUTDOWN_GRACE_S), "--handoff-min-prompt-tokens",
+            str(args.disagg_min_prompt_tokens), "--log-format", "json"]  # fmt: skip
 
 
 async def _configuration(
-    name: str, url: str, client, run_id: str, log_dir: Path, args, cores: list[str], prompts: Prompts
+    name: str, fleet: Fleet, client, run_id: str, args, cores: list[str], prompts: Prompts
 ) -> tuple[dict, dict[str, Job]]:
-    prefix = f"inflight:bench:{run_id}:{name}"
-    streams = run_streams(url, prefix)
-    handoff_stream = f"{prefix}:handoffs" if name == "disagg" else None
-    workers = [_worker(url, streams, prefix, log_dir, args, cores, *layout) for layout in LAYOUTS[name]]
+    handoff_stream = f"{fleet.prefix}:handoffs"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    for worker in workers:
-        worker.start()
-    reaper = start_reaper([str(worker.pid) for worker in workers])  # should this process be SIGKILLed
-    follower = Follower(client, streams.requests_stream, streams.control_stream, handoff_stream)
+    for consumer, role, core, threads in LAYOUTS[name]:
+        pinned = cores[core] if core is not None else ",".join(cores)
+        flags = ["--threads", str(threads), "--role", role, "--handoff-stream", handoff_stream]
+        fleet.start(consumer, *flags, cores=pinned)
+    workers = list(fleet.workers.values())
+    follower = Follower(client, fleet, handoff_stream if name == "disagg" else None)
     reader = None
     try:
-        for worker in workers:
-            await asyncio.to_thread(worker.wait_ready)
+        await asyncio.to_thread(fleet.wait_all)
         reader = asyncio.create_task(follower.read(), name="disagg-reader")
 
         def job(label: str, prompt: str, max_tokens: int) -> Job:
@@ -447,35 +329,36 @@ async def _configuration(
         def have(jobs: list[Job], count: Callable[[Job], int]) -> Callable[[], bool]:
             return lambda: all(len(j.times) >= count(j) or j.final for j in jobs)
 
+        async def until(condition, what: str) -> None:
+            await follower.until(condition, what, limit_s=QUIET_LIMIT_S, quiet=True, errors_fail=True)
+
         warm = [job(f"warmup-{i}", text, WARMUP_TOKENS) for i, text in enumerate(prompts.warmup)]
         await follower.send(warm)
-        await follower.until(lambda: all(j.final for j in warm), "the warm-up", workers)
+        await until(lambda: all(j.final for j in warm), "the warm-up")
 
         idle = await _idle_cpu(workers)
         lone = []
         for i, text in enumerate(prompts.lone):
             lone.append(job(f"lone-{i}", text, WARMUP_TOKENS))
             await follower.send(lone[-1:])
-            await follower.until(lambda: lone[-1].final is not None, "a lone prompt", workers)
+            await until(lambda: lone[-1].final is not None, "a lone prompt")
 
         running = [job(f"running-{i}", text, prompts.running_max_tokens) for i, text in enumerate(prompts.running)]
         await follower.send(running)
-        await follower.until(have(running, lambda j: READY_TOKENS), "the running decodes", workers)
+        await until(have(running, lambda j: READY_TOKENS), "the running decodes")
         steady_start = time.perf_counter()
         marks = {j.request_id: len(j.times) for j in running}
-        await follower.until(
-            have(running, lambda j: marks[j.request_id] + args.disagg_steady_tokens), "the steady window", workers
-        )
+        await until(have(running, lambda j: marks[j.request_id] + args.disagg_steady_tokens), "the steady window")
         storm = [job(f"storm-{i}", text, args.disagg_output_len) for i, text in enumerate(prompts.storm)]
         storm_start = await follower.send(storm)
-        await follower.until(have(storm, lambda j: min(2, j.max_tokens)), "the storm's second tokens", workers)
+        await until(have(storm, lambda j: min(2, j.max_tokens)), "the storm's second tokens")
         storm_end = time.perf_counter()
-        await follower.until(lambda: all(j.final for j in storm), "the storm to finish", workers)
+        await until(lambda: all(j.final for j in storm), "the storm to finish")
         await follower.cancel(running)
-        await follower.until(lambda: all(j.final for j in running), "the running decodes' cancels", workers)
+        await until(lambda: all(j.final for j in running), "the running decodes' cancels")
 
         metrics = {worker.name: worker.metrics() for worker in workers}
-        dead = await client.xlen(streams.dead_letter_stream)
+        dead = await client.xlen(fleet.dead)
         figures = {
             "workers": [
                 {
@@ -502,25 +385,6 @@ async def _configuration(
         if reader is not None:
             follower.reading = False
             await asyncio.gather(reader, return_exceptions=True)
-        for worker in workers:
-            await asyncio.to_thread(worker.stop)
-        stop_reaper(reaper)
-        await delete_replies(client, list(follower.jobs))
-        await client.delete(*[key async for key in client.scan_iter(f"{prefix}:*")])
-
-
-def _worker(url: str, streams, prefix: str, log_dir: Path, args, cores: list[str], consumer: str, role: str,
-            core: int | None, threads: int) -> WorkerProcess:  # fmt: skip
-    argv = ["--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
-    argv += ["--requests-stream", streams.requests_stream, "--dead-letter-stream", streams.dead_letter_stream]
-    argv += ["--control-stream", streams.control_stream, "--threads", str(threads), "--no-speculative"]
-    argv += ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
-    argv += ["--role", role, "--handoff-stream", f"{prefix}:handoffs"]
-    argv += ["--handoff-min-prompt-tokens", str(args.disagg_min_prompt_tokens), "--log-format", "json"]
-    worker = WorkerProcess(consumer, argv, log_dir)
-    pinned = cores[core] if core is not None else ",".join(cores)
-    worker.argv = ["taskset", "-c", pinned, *worker.argv]
-    return worker
 
 
 async def _idle_cpu(workers: list[WorkerProcess]) -> dict[str, float]:

@@ -5,6 +5,7 @@ the same consumer name."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,6 +30,25 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_reaper(targets: list[str]) -> subprocess.Popen:
+    """A watcher that SIGKILLs `targets` (pids, or -pgid for a process group) once this
+    process is gone, should it die without its `finally` blocks running (SIGKILL). vLLM's
+    server cannot be relied on for that: during its start it does not act on SIGTERM."""
+    return subprocess.Popen(
+        ["sh", "-c", f"tail --pid={os.getpid()} -f /dev/null; kill -KILL {' '.join(targets)}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop_reaper(reaper: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(reaper.pid, signal.SIGKILL)  # its shell and its tail
+    reaper.wait(timeout=30)
 
 
 class RedisServer:

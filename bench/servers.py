@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import peer_vllm
-from bench.processes import GatewayProcess, RedisServer, WorkerProcess, free_port
+from bench.processes import GatewayProcess, RedisServer, WorkerProcess, free_port, start_reaper, stop_reaper
 from service.config import DEFAULT_MODEL_NAME
 
 VLLM_STOP_WAIT_S = 30.0
@@ -70,25 +70,6 @@ def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len
                "--port": str(port), "--max-model-len": str(max_model_len), "--seed": "0"}  # fmt: skip
     server = [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     return [*server, *(word for option in options.items() for word in option), "--no-enable-prefix-caching"]
-
-
-def start_reaper(targets: list[str]) -> subprocess.Popen:
-    """A watcher that SIGKILLs `targets` (pids, or -pgid for a process group) once this
-    process is gone, should it die without its `finally` blocks running (SIGKILL). vLLM's
-    server cannot be relied on for that: during its start it does not act on SIGTERM."""
-    return subprocess.Popen(
-        ["sh", "-c", f"tail --pid={os.getpid()} -f /dev/null; kill -KILL {' '.join(targets)}"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-
-
-def stop_reaper(reaper: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(reaper.pid, signal.SIGKILL)  # its shell and its tail
-    reaper.wait(timeout=VLLM_STOP_WAIT_S)
 
 
 @contextlib.contextmanager

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import os
 import sys
 import tempfile
@@ -70,17 +69,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
-
 from bench.arrivals import poisson
-from bench.disagg import Follower, Job
-from bench.metrics import RequestRecord, latency_figures, percentile
-from bench.processes import WorkerProcess
-from bench.servers import signals_as_exit, start_reaper, stop_reaper
-from bench.systems import delete_replies, redis_server, run_streams
+from bench.fleet import Fleet, model_flags, redis_server
+from bench.follow import Follower, Job, outcomes
+from bench.metrics import latency_figures, percentile
+from bench.servers import signals_as_exit
 from service.config import FairQueueConfig
-from service.protocol import reply_stream
-from service.sdk import job_payload
 from workers.config import SchedulerConfig
 
 PARTS = ("a", "b", "c")
@@ -123,75 +117,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("tenants scenario (also --redis-url, --workload, --speculation)")
     for name, (kind, default, text) in FLAGS.items():
         group.add_argument(f"--tenants-{name}", type=kind, default=default, help=f"{text} (default: %(default)s)")
-
-
-@dataclass
-class TenantJob(Job):
-    tenant: str = "default"
-    batch: bool = False
-    ignore_eos: bool = True
-    entry_id: str = ""  # the request entry's id: Redis's clock when it was added
-
-    def payload(self) -> dict:
-        return job_payload(
-            self.prompt,
-            None,
-            self.request_id,
-            max_tokens=self.max_tokens,
-            ignore_eos=self.ignore_eos,
-            tenant=self.tenant,
-            batch=self.batch or None,
-        )
-
-    def outcome(self) -> str:
-        """finish_reason, the error's code, or `unfinished`."""
-        if self.final is None:
-            return "unfinished"
-        return self.final.get("finish_reason") or self.final.get("code") or self.final["type"]
-
-    def record(self) -> RequestRecord:
-        """As a caller saw it; the end is the last token's arrival."""
-        times = [t - self.sent for t in self.times]
-        done = self.final is not None and self.final["type"] == "done" and bool(times)
-        return RequestRecord(
-            sent_s=0.0,
-            chunk_times_s=times,
-            end_s=times[-1] if times else None,
-            completion_tokens=len(times),
-            error=None if done else self.outcome(),
-        )
-
-
-class TenantFollower(Follower):
-    """disagg's follower, with each job's own payload; a job sent with `follow=False` is not
-    read live (a backlog of thousands), its final event looked up by `poll`."""
-
-    async def send(self, jobs: list[TenantJob], follow: bool = True) -> float:
-        pipe = self.client.pipeline(transaction=False)
-        for job in jobs:
-            self.jobs[job.request_id] = job
-            if follow:
-                self.open[reply_stream(job.request_id)] = job
-            pipe.xadd(self.requests_stream, job.payload())
-        sent = time.perf_counter()
-        entry_ids = await pipe.execute()
-        for job, entry_id in zip(jobs, entry_ids):
-            job.sent, job.entry_id = sent, entry_id.decode()
-        return sent
-
-    async def poll(self, jobs: list[TenantJob]) -> None:
-        """The last event of each job without a final one yet: its final one, if it came."""
-        missing = [job for job in jobs if job.final is None]
-        if not missing:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for job in missing:
-            pipe.xrevrange(reply_stream(job.request_id), count=1)
-        for job, rows in zip(missing, await pipe.execute()):
-            if rows:
-                event = msgpack.unpackb(rows[0][1][b"data"])
-                if event["type"] != "token":
-                    job.final = event
 
 
 class Counters:
@@ -243,51 +168,28 @@ class Session:
     name: str
     run_id: str
     client: object
-    follower: TenantFollower
+    fleet: Fleet
+    follower: Follower
     counters: Counters
-    workers: list[WorkerProcess]
-    dead_letter_stream: str
 
-    def job(self, label: str, prompt: str, max_tokens: int, **fields) -> TenantJob:
-        return TenantJob(label, f"{self.run_id}-{self.name}-{label}", prompt, max_tokens, **fields)
+    def job(self, label: str, prompt: str, max_tokens: int, **fields) -> Job:
+        return Job(label, f"{self.run_id}-{self.name}-{label}", prompt, max_tokens, **fields)
 
-    async def until(self, condition, what: str, poll: list[TenantJob] = (), required: bool = True) -> bool:
+    async def until(self, condition, what: str, poll: list[Job] = (), required: bool = True) -> bool:
         """Wait for `condition()` (a coroutine function's too), looking up `poll`'s final
         events meanwhile. Fails when a worker died; after WAIT_LIMIT_S (or TENANTS_DRAIN_S
         when not `required`), fails, or returns False when not `required`."""
-        deadline = time.perf_counter() + (WAIT_LIMIT_S if required else TENANTS_DRAIN_S)
-
-        async def met() -> bool:
-            result = condition()
-            return await result if inspect.isawaitable(result) else result
-
-        while not await met():
-            dead = [w.name for w in self.workers if not w.alive()]
-            if dead or time.perf_counter() > deadline:
-                if not dead and not required:
-                    return False
-                why = f"worker {dead[0]} died" if dead else f"still waiting after {WAIT_LIMIT_S:.0f} s"
-                tails = "\n".join(f"--- {w.name}\n{w.log_tail(1500)}" for w in self.workers)
-                raise RuntimeError(f"tenants: waiting for {what}: {why}\n{tails}")
-            if poll:
-                await self.follower.poll(poll)
-            async with self.follower.changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.follower.changed.wait(), POLL_S)
-        return True
-
-    async def send_at(self, jobs: list[TenantJob], arrivals: list[float]) -> float:
-        """Each job at its arrival time (s after the first); returns when the first went."""
-        start = time.perf_counter()
-        for job, at in zip(jobs, arrivals):
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            await self.follower.send([job])
-        return start
+        limit_s = WAIT_LIMIT_S if required else TENANTS_DRAIN_S
+        met = await self.follower.until(condition, f"tenants: {what}", limit_s=limit_s, poll=poll)
+        if met or not required:
+            return met
+        tails = self.fleet.log_tails()
+        raise RuntimeError(f"tenants: waiting for {what}: still waiting after {WAIT_LIMIT_S:.0f} s\n{tails}")
 
     def preemptions(self) -> float:
         return sum(
             value
-            for worker in self.workers
+            for worker in self.fleet.workers.values()
             for (name, _), value in worker.metrics().items()
             if name == "inflight_preemptions_total"
         )
@@ -448,21 +350,16 @@ async def _session(url: str, client, run_id: str, name: str, args, cores: list[s
     """Two fair-queue workers on `name`'s own streams, warmed up; stopped, and every key of
     theirs deleted, on the way out."""
     print(f"bench: tenants: starting the workers ({name})", file=sys.stderr, flush=True)
-    prefix = f"inflight:bench:{run_id}:{name}"
-    streams = run_streams(url, prefix)
     log_dir = logs / name
     log_dir.mkdir()
-    workers = [_worker(url, streams, log_dir, args, consumer, cores[core], extra) for consumer, core in WORKERS]
-    for worker in workers:
-        worker.start()
-    reaper = start_reaper([str(worker.pid) for worker in workers])  # should this process be SIGKILLed
-    follower = TenantFollower(client, streams.requests_stream, streams.control_stream, None)
-    counters = Counters(client, streams.requests_stream)
-    session = Session(name, run_id, client, follower, counters, workers, streams.dead_letter_stream)
+    fleet = Fleet(log_dir, url, f"inflight:bench:{run_id}:{name}", _worker_flags(args, extra), graceful=True, reap=True)
+    for consumer, core in WORKERS:
+        fleet.start(consumer, cores=cores[core])
+    follower = Follower(client, fleet)
+    session = Session(name, run_id, client, fleet, follower, Counters(client, fleet.stream))
     reader = None
     try:
-        for worker in workers:
-            await asyncio.to_thread(worker.wait_ready)
+        await asyncio.to_thread(fleet.wait_all)
         reader = asyncio.create_task(follower.read(), name="tenants-reader")
         for i, text in enumerate(prompts.warmup):  # one at a time: a cap on queued jobs refuses none
             warm = session.job(f"warmup-{i}", text, WARMUP_TOKENS, tenant="warmup")
@@ -473,30 +370,18 @@ async def _session(url: str, client, run_id: str, name: str, args, cores: list[s
         if reader is not None:
             follower.reading = False
             await asyncio.gather(reader, return_exceptions=True)
-        for worker in workers:
-            await asyncio.to_thread(worker.stop)
-        stop_reaper(reaper)
-        await delete_replies(client, list(follower.jobs))
-        for pattern in (f"{prefix}:*", "{" + streams.requests_stream + "}:*"):
-            keys = [key async for key in client.scan_iter(pattern)]
-            if keys:
-                await client.delete(*keys)
+        await asyncio.to_thread(fleet.close)
 
 
-def _worker(url: str, streams, log_dir: Path, args, consumer: str, core: str, extra) -> WorkerProcess:
-    argv = ["--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
-    argv += ["--requests-stream", streams.requests_stream, "--dead-letter-stream", streams.dead_letter_stream]
-    argv += ["--control-stream", streams.control_stream, "--threads", "1", "--fair-queue"]
-    argv += ["--max-running-requests", str(args.tenants_max_running), "--no-prefix-caching"]
+def _worker_flags(args, extra) -> list[str]:
+    flags = [*model_flags(args), "--threads", "1", "--fair-queue", "--no-prefix-caching"]
+    flags += ["--max-running-requests", str(args.tenants_max_running)]
     if args.tenants_max_running_batch:
-        argv += ["--max-running-batch", str(args.tenants_max_running_batch)]
+        flags += ["--max-running-batch", str(args.tenants_max_running_batch)]
     if args.tenants_max_batch_prefill_tokens >= 0:
-        argv += ["--max-batch-prefill-tokens", str(args.tenants_max_batch_prefill_tokens)]
-    argv += ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
-    argv += ["--log-format", "json", *(["--no-speculative"] if args.speculation == "off" else []), *extra]
-    worker = WorkerProcess(consumer, argv, log_dir)
-    worker.argv = ["taskset", "-c", core, *worker.argv]
-    return worker
+        flags += ["--max-batch-prefill-tokens", str(args.tenants_max_batch_prefill_tokens)]
+    flags += ["--claim-idle-ms", str(CLAIM_IDLE_MS), "--shutdown-grace-s", str(SHUTDOWN_GRACE_S)]
+    return [*flags, "--log-format", "json", *(["--no-speculative"] if args.speculation == "off" else []), *extra]
 
 
 # -- (a) fair share ------------------------------------------------------------------------
@@ -540,10 +425,10 @@ async def _part_a(s: Session, prompts: Prompts, args) -> dict:
     }
 
 
-def _tenant(name: str, jobs: list[TenantJob]) -> dict:
+def _tenant(name: str, jobs: list[Job]) -> dict:
     mine = [j for j in jobs if j.tenant == name]
     figures = latency_figures([j.record() for j in mine])
-    return {"jobs": len(mine), "outcomes": _outcomes(mine)} | (
+    return {"jobs": len(mine), "outcomes": outcomes(mine)} | (
         {} if name == "heavy" else {"ttft_p50_ms": figures["ttft_p50_ms"], "ttft_p99_ms": figures["ttft_p99_ms"]}
     )
 
@@ -630,7 +515,7 @@ async def _part_b(s: Session, prompts: Prompts, capacity: dict, args) -> dict:
 
     async def admitted_and_served() -> bool:
         served, _ = await s.counters.read()
-        return await s.client.xlen(s.follower.requests_stream) == 0 and served.get("batch:bulk", 0.0) > 0
+        return await s.client.xlen(s.fleet.stream) == 0 and served.get("batch:bulk", 0.0) > 0
 
     await s.until(admitted_and_served, "the batch backlog to be admitted and served")
     await asyncio.sleep(BATCH_SETTLE_S)
@@ -670,14 +555,14 @@ async def _interactive(s: Session, label: str, prompts: Prompts, arrivals: list[
         for i, (text, n) in enumerate(prompts.interactive)
     ]
     before, _ = await s.counters.read()
-    start = await s.send_at(jobs, arrivals)
+    start = await s.follower.send_at(jobs, arrivals)
     await s.until(lambda: all(j.final for j in jobs), f"({label}) the interactive jobs")
     window = time.perf_counter() - start
     after, _ = await s.counters.read()
     tokens = after.get("interactive", 0.0) - before.get("interactive", 0.0)
     figures = latency_figures([j.record() for j in jobs])
     figures |= {"window_s": round(window, 2), "interactive_weighted_tokens": round(tokens, 1)}
-    figures["outcomes"] = _outcomes(jobs)
+    figures["outcomes"] = outcomes(jobs)
     return {"jobs": jobs, "figures": figures, "window_s": window, "before": before, "after": after,
             "interactive_tokens": tokens}  # fmt: skip
 
@@ -694,14 +579,14 @@ async def _part_c(s: Session, prompts: Prompts, capacity: dict, base_ttft_p99_ms
     ]
     arrivals = poisson(len(jobs), rate, args.seed + 1)
     async with s.counters.sampling(time.perf_counter()) as samples:
-        await s.send_at(jobs, arrivals)
+        await s.follower.send_at(jobs, arrivals)
         await s.until(lambda: all(j.final for j in jobs), "(c)'s jobs", required=False)
     _, queued = await s.counters.read()
 
     sent = {j.entry_id for j in jobs}
     dead = {
         fields[b"entry_id"].decode(): _ms(entry_id)
-        for entry_id, fields in await s.client.xrange(s.dead_letter_stream)
+        for entry_id, fields in await s.client.xrange(s.fleet.dead)
         if fields.get(b"code") == b"queue_full" and fields[b"entry_id"].decode() in sent
     }
     refused = [j for j in jobs if j.outcome() == "queue_full"]
@@ -739,17 +624,13 @@ def _cost(usage: dict) -> float:
     )
 
 
-def _outcomes(jobs: list[TenantJob]) -> dict[str, int]:
-    return dict(Counter(j.outcome() for j in jobs))
-
-
-def _accounting(jobs: list[TenantJob]) -> dict:
+def _accounting(jobs: list[Job]) -> dict:
     """Every job sent, by how it ended: completed (stop, length), cancelled, refused
     (queue_full, quota_exceeded), another error, or unfinished."""
-    outcomes = Counter(j.outcome() for j in jobs)
-    completed = outcomes["stop"] + outcomes["length"]
-    refused = outcomes["queue_full"] + outcomes["quota_exceeded"]
-    cancelled, unfinished = outcomes["cancelled"], outcomes["unfinished"]
+    ended = Counter(j.outcome() for j in jobs)
+    completed = ended["stop"] + ended["length"]
+    refused = ended["queue_full"] + ended["quota_exceeded"]
+    cancelled, unfinished = ended["cancelled"], ended["unfinished"]
     return {
         "sent": len(jobs),
         "completed": completed,

@@ -25,9 +25,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.fleet import Fleet
 from bench.processes import WorkerProcess
 from service.sdk import SyncClient
-from tests.fleet import Fleet
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.fleet import Fleet, assert_well_formed
+from bench.fleet import Fleet, assert_well_formed
 
 pytestmark = pytest.mark.slow
 

@@ -1,78 +1,114 @@
-"""Worker processes on private streams of a real Redis, one server or a cluster: the
-fleet that `tests/service/test_failover.py` and `tests/service/test_cluster.py` drive, the job they
-send, and what its reply stream must hold; and the gateways that `tests/service/test_gateway.py`
-and `tests/service/test_contract_silences.py` put in front of it."""
+"""A fleet: `inflight worker` processes and `inflight gateway`s on private request, control
+and dead-letter streams of one Redis (a server, a cluster or an embedded Valkey), their
+logs in one folder, and one teardown. The load scenarios bring their systems up with it,
+and the tests their workers (tests/service/test_failover.py, test_cluster.py, ...); with
+it come the tests' job (PROMPT, MAX_TOKENS greedy tokens) and what its reply stream must
+hold."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import tempfile
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
 
-from bench.processes import GatewayProcess, WorkerProcess, free_port
+from bench.processes import GatewayProcess, WorkerProcess, free_port, start_reaper, stop_reaper
 from service.connect import connect_sync
 from service.sdk import SyncClient
 
 PROMPT = "List the numbers from 1 to 300, comma separated:"
 MAX_TOKENS = 80
+# The tests' worker: a small KV cache, a few requests at a time. Workers share the
+# machine's cores: one torch thread each, or their OpenMP teams outnumber the cores and
+# every step slows down many times over.
+SMALL_WORKER = ("--kv-memory-mb", "64", "--swap-memory-mb", "16", "--max-running-requests", "4",
+                "--log-format", "json", "--threads", "1")  # fmt: skip
 
 
 class Fleet:
-    """`inflight worker` processes sharing private request, control and dead-letter
-    streams on the Redis at `url` (`redis+cluster://` for a cluster); `client` is a
-    blocking client of the same kind."""
+    """`inflight worker` processes sharing private request, control and dead-letter streams
+    (`prefix:requests`, `:control`, `:dead`) on the Redis at `url` (`redis+cluster://` for a
+    cluster), each started with `worker_flags`; `client` is a blocking client of the same
+    kind. With `graceful`, closing SIGTERMs the workers (else SIGKILL, the tests' quick way);
+    with `reap`, a watcher kills each worker should this process be SIGKILLed (the benches).
+    Closing also deletes the streams, the submitted requests' reply streams and every key
+    under the prefix."""
 
-    def __init__(self, log_dir: Path, url: str = "redis://127.0.0.1:6379") -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        url: str = "redis://127.0.0.1:6379",
+        prefix: str | None = None,
+        worker_flags: tuple[str, ...] | list[str] = SMALL_WORKER,
+        graceful: bool = False,
+        reap: bool = False,
+    ) -> None:
         self.url = url
-        self.prefix = f"inflight:test:{uuid.uuid4().hex[:8]}"
+        self.prefix = prefix or f"inflight:test:{uuid.uuid4().hex[:8]}"
         self.stream, self.dead = f"{self.prefix}:requests", f"{self.prefix}:dead"
         self.control = f"{self.prefix}:control"
         self.client = connect_sync(url, socket_timeout=30)
         self.logs = Path(log_dir)
+        self.worker_flags = list(worker_flags)
+        self.graceful, self.reap = graceful, reap
         self.workers: dict[str, WorkerProcess] = {}
+        self.gateways: dict[str, GatewayProcess] = {}
         self.request_ids: list[str] = []  # submitted: deleted at the end
+        self._reapers = []
         self._issued = 0
 
-    def start(self, name: str) -> WorkerProcess:
-        worker = self.workers.get(name) or WorkerProcess(
-            name,
-            [
-                "--redis-url",
-                self.url,
-                "--requests-stream",
-                self.stream,
-                "--dead-letter-stream",
-                self.dead,
-                "--control-stream",
-                self.control,
-                "--kv-memory-mb",
-                "64",
-                "--swap-memory-mb",
-                "16",
-                "--max-running-requests",
-                "4",
-                "--log-format",
-                "json",
-                # Workers share the machine's cores: one torch thread each, or their OpenMP
-                # teams outnumber the cores and every step slows down many times over.
-                "--threads",
-                "1",
-            ],
-            self.logs,
-        )
-        self.workers[name] = worker
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def stream_flags(self) -> list[str]:
+        return ["--redis-url", self.url, "--requests-stream", self.stream, "--control-stream", self.control]
+
+    def start(self, name: str, *flags: str, cores: str | None = None) -> WorkerProcess:
+        """Worker `name` with the fleet's flags and `flags`, pinned to `cores` (`taskset -c`)
+        if given; started again under the same name and flags if it ran before."""
+        worker = self.workers.get(name)
+        if worker is None:
+            argv = [*self.stream_flags, "--dead-letter-stream", self.dead, *self.worker_flags, *flags]
+            worker = self.workers[name] = WorkerProcess(name, argv, self.logs)
+            if cores is not None:
+                worker.argv = ["taskset", "-c", cores, *worker.argv]
         worker.start()
+        if self.reap:
+            self._reapers.append(start_reaper([str(worker.pid)]))
         return worker
+
+    def gateway(self, name: str, *flags: str, env: dict[str, str] | None = None) -> GatewayProcess:
+        """A gateway in front of the fleet's streams with `flags`, started (not yet ready)."""
+        gateway = self.gateways[name] = GatewayProcess(name, [*self.stream_flags, *flags], self.logs, env)
+        gateway.start()
+        return gateway
 
     def wait_until_serving(self, name: str, timeout_s: float = 120) -> None:
         self.workers[name].wait_ready(timeout_s)
 
+    def wait_all(self, timeout_s: float = 300) -> None:
+        """Every worker serving and every gateway answering."""
+        for worker in self.workers.values():
+            worker.wait_ready(timeout_s)
+        for gateway in self.gateways.values():
+            gateway.wait_ready()
+
     def log(self, name: str) -> str:
         return self.workers[name].log_path.read_text(errors="replace")
+
+    def log_tails(self, chars: int = 1500) -> str:
+        return "\n".join(f"--- {w.name}\n{w.log_tail(chars)}" for w in self.workers.values())
+
+    def dead_workers(self) -> list[str]:
+        return [w.name for w in self.workers.values() if not w.alive()]
 
     @staticmethod
     def reply(request_id: str) -> str:
@@ -107,26 +143,52 @@ class Fleet:
         return [f"{self.prefix}-{i}" for i in range(self._issued - count, self._issued)]
 
     def close(self) -> None:
+        for gateway in self.gateways.values():
+            gateway.stop()
         for worker in self.workers.values():
             if worker.alive():
                 worker.process.send_signal(signal.SIGCONT)  # a paused one too
-                worker.kill()
+                worker.stop() if self.graceful else worker.kill()
+        for reaper in self._reapers:
+            stop_reaper(reaper)
         replies = [self.reply(r) for r in self.request_ids]
-        for key in [self.stream, self.dead, self.control, *replies, *(f"{reply}:owner" for reply in replies)]:
+        keys = [self.stream, self.dead, self.control, *replies, *(f"{reply}:owner" for reply in replies)]
+        for pattern in (f"{self.prefix}:*", "{" + self.stream + "}:*"):  # the fair queue's keys too
+            keys += self.client.scan_iter(pattern)
+        for key in keys:
             self.client.delete(key)  # one key at a time: on a cluster they live in many slots
         self.client.close()
 
 
+@contextlib.contextmanager
+def redis_server(url: str) -> Iterator[str]:
+    """The given server, or an embedded Valkey on a free port for the run."""
+    if url:
+        yield url
+        return
+    from service.embedded import embedded_valkey
+
+    with tempfile.TemporaryDirectory(prefix="inflight-bench-valkey-") as data_dir:
+        with embedded_valkey(free_port(), Path(data_dir)) as embedded:
+            yield embedded
+
+
+def model_flags(args) -> list[str]:
+    """The bench's model and dtype, as worker flags."""
+    return ["--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
+
+
 def greedy_reference(loaded) -> list[int]:
     """The fleet job's greedy tokens from one uninterrupted in-process run."""
-    from tests.conftest import run_to_completion
+    from bench.drive import Driver
     from workers.api import SamplingParams
     from workers.config import CacheConfig, EngineConfig, ModelConfig
     from workers.engine import Engine
 
     engine = Engine(loaded, EngineConfig(model=ModelConfig(), cache=CacheConfig(kv_memory_bytes=64 << 20)))
-    results = run_to_completion(engine, {0: [("ref", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]})
-    return results["ref"][0]
+    driver = Driver(engine, raise_errors=False)
+    driver.drain({0: [("ref", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]})
+    return driver.tokens.get("ref", [])
 
 
 def assert_well_formed(events: list[dict], greedy: list[int]) -> None:
@@ -138,7 +200,7 @@ def assert_well_formed(events: list[dict], greedy: list[int]) -> None:
     assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS
 
 
-@contextmanager
+@contextlib.contextmanager
 def gateways_in_front(fleet: Fleet, logs: Path, gateways: dict[str, GatewayProcess], *idle_flags: str) -> Iterator[str]:
     """`gateways` (on the fleet's streams), plus `idle`, on a stream no worker serves, with
     a backlog limit of 2, a 1.5 s reply timeout and `idle_flags`, and `no_redis`, pointed
