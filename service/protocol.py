@@ -9,6 +9,7 @@ build reply-stream entries.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import msgpack
 
@@ -94,7 +95,7 @@ def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
     """The final event of a request that ended without error (stop, length, cancelled,
     deadline); `worker` names the consumer that finished it."""
     t = event.timings
-    data = {
+    data: dict[str, Any] = {
         "type": "done",
         "finish_reason": event.finish_reason.value,
         "text": event.text,
@@ -102,7 +103,7 @@ def done_fields(event: FinalEvent, worker: str = "") -> dict[str, str | bytes]:
         "timings": {"queue_s": t.queue_s, "first_token_s": t.first_token_s, "total_s": t.total_s},
         "worker": worker,
     }
-    fields = {
+    fields: dict[str, str | bytes] = {
         "type": "done",
         "finish_reason": data["finish_reason"],
         "text": event.text,

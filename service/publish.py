@@ -193,7 +193,8 @@ class ReplyPublisher:
     async def _append_pipelined(self, calls: list[list[int]], appends: Sequence[Append]) -> list:
         async with self.redis.pipeline(transaction=False) as pipe:
             for call in calls:
-                keys, specs = [], []
+                keys: list[str] = []
+                specs: list[tuple] = []
                 for index in call:
                     append = appends[index]
                     keys += (append.reply_to, owner_key(append.reply_to))
