@@ -48,6 +48,8 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class Job:
+    """A request as decoded from its entry: what to run, and where its replies go."""
+
     request_id: str
     prompt: str | list[dict]
     params: SamplingParams
