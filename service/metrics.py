@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -210,7 +211,7 @@ class Metrics:
         self.requests.labels(outcome).inc()
 
     def observe_handoff(self, outcome: str, num_bytes: int = 0, seconds: float | None = None) -> None:
-        """One job through the handoff (`HANDOFF_OUTCOMES`); a read's bytes and time."""
+        """One job through the handoff (`metric_specs.HANDOFF_OUTCOMES`); a read's bytes and time."""
         self.handoffs.labels(outcome).inc()
         if seconds is not None:
             self.kv_transfer_bytes.inc(num_bytes)
@@ -226,6 +227,15 @@ class Metrics:
     def observe_refused(self, tenant: str, code: str) -> None:
         """A job refused at admission: `queue_full` or `quota_exceeded`."""
         self.refused.labels(self._tenant_label(tenant), code).inc()
+
+    def observe_ingest(self, lag: int | None, pending: int, dead_letters: int) -> None:
+        """The consumer group as Redis sees it (service/queue_gauges.py reads it): entries not
+        yet delivered (`lag`: None when Redis cannot tell, and the gauge keeps its last value),
+        delivered and not acked, and the dead-letter stream's length."""
+        if lag is not None:
+            self.ingest_lag.set(lag)
+        self.ingest_pending.set(pending)
+        self.dead_letter_entries.set(dead_letters)
 
     def observe_fair_queue(self, queued: dict[str, int], queued_tokens: dict[str, int], batch_queued: int) -> None:
         """The tenant queues as Redis counts them: jobs and prompt tokens by tenant, batch jobs."""
@@ -254,15 +264,6 @@ class Metrics:
         since = self._oldest_waiting_since
         return 0.0 if since is None else max(0.0, time.time() - since)
 
-    def observe_ingest(self, lag: int | None, pending: int, dead_letters: int) -> None:
-        """The consumer group as Redis sees it (service/queue_gauges.py reads it): entries not
-        yet delivered (`lag`: None when Redis cannot tell, and the gauge keeps its last value),
-        delivered and not acked, and the dead-letter stream's length."""
-        if lag is not None:
-            self.ingest_lag.set(lag)
-        self.ingest_pending.set(pending)
-        self.dead_letter_entries.set(dead_letters)
-
     async def poll_ingest(self, redis, stream: str, group: str, dead_letter_stream: str) -> None:
         """Deprecated: `service.queue_gauges.poll_ingest`, which this calls."""
         await queue_gauges.poll_ingest(redis, self, stream, group, dead_letter_stream)
@@ -276,7 +277,7 @@ def _job_class(batch: bool) -> str:
     return "batch" if batch else "interactive"
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0"):
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> WSGIServer:
     """Serve GET /metrics from a daemon thread (neither the event loop nor the model
     thread ever waits on a scrape). Returns the server; `.shutdown()` stops it."""
     server, _ = start_http_server(port, addr=host, registry=registry)
