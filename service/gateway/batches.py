@@ -118,7 +118,7 @@ class BatchStore:
             raise not_found(batch_id)
         return batch_object(fields)
 
-    async def list(self, tenant: str, limit: int, after: str | None) -> tuple[list[dict], bool]:
+    async def page(self, tenant: str, limit: int, after: str | None) -> tuple[list[dict], bool]:
         """Newest first, as OpenAI lists batches."""
         ids = [text(i) for i in await self.redis.zrange(self._index(tenant), 0, -1, desc=True)]
         if after is not None:
@@ -277,7 +277,7 @@ class BatchesAPI:
 
     async def list(self, request: Request) -> Response:
         limit = page_limit(request.query_params.get("limit"), default=20, most=MAX_BATCH_LIST)
-        batches, more = await self.store.list(self._tenant(request), limit, request.query_params.get("after"))
+        batches, more = await self.store.page(self._tenant(request), limit, request.query_params.get("after"))
         return JSONResponse(page_of(batches, more))
 
     async def retrieve(self, request: Request) -> Response:

@@ -97,7 +97,9 @@ class FileStore:
             pipe.zrem(self._index(tenant), file_id)
             await pipe.execute()
 
-    async def list(self, tenant: str, limit: int, after: str | None, newest_first: bool, purpose: str | None):
+    async def page(
+        self, tenant: str, limit: int, after: str | None, newest_first: bool, purpose: str | None
+    ) -> tuple[list[dict], bool]:
         """A page of the tenant's files: up to `limit` objects after the file `after`, and
         whether more follow. Files that expired leave the index as the list meets them."""
         index = self._index(tenant)
@@ -174,7 +176,7 @@ class FilesAPI:
         if order not in ("asc", "desc"):
             raise bad_request("order must be `asc` or `desc`", "order")
         limit = page_limit(query.get("limit"), default=MAX_LIST_LIMIT, most=MAX_LIST_LIMIT)
-        files, more = await self.store.list(tenant, limit, query.get("after"), order == "desc", query.get("purpose"))
+        files, more = await self.store.page(tenant, limit, query.get("after"), order == "desc", query.get("purpose"))
         return JSONResponse(page_of(files, more))
 
     async def retrieve(self, request: Request) -> Response:
