@@ -33,9 +33,11 @@ from workers.api import FinishReason
 from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.draft_planner import DraftPlanner
+from workers.finish_forecast import steps_to_finish
 from workers.kv_cache import KVCacheManager
 from workers.length_predictor import LengthPredictor, OracleLengths, head_start_s
 from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
+from workers.preemption import recompute_victim, swap_victim
 from workers.request import Request, RequestStatus
 from workers.request_queue import QUEUED, RequestQueue
 from workers.speculative import Proposer
@@ -181,28 +183,13 @@ class Scheduler:
         self._step_s = seconds if self._step_s is None else self._step_s + STEP_TIME_WEIGHT * (seconds - self._step_s)
 
     def predicted_finish_s(self, request: Request) -> float | None:
-        """Seconds until queued `request` is predicted to finish, or None without a length
-        predictor or a measured step. Steps to wait for a running slot (the queue ahead of
-        it, freed at the rate the running requests' predicted remainders free them), to
-        compute its prompt (at the prefill budget) and to produce its predicted output (one
-        token a step; under the predicted policy times `deadline_length_margin`, at most its
-        max_tokens), at the recent mean step time. It errs short when outputs run past
-        their predictions or steps slow down as the batch grows, and long when accepted
-        drafts give a request more than one token a step."""
+        """Seconds until queued `request` is predicted to finish (`workers/finish_forecast.py`),
+        at the recent mean step time; None without a length predictor or a measured step."""
         if self.length_predictor is None or self._step_s is None or request.predicted_output_len is None:
             return None
-        config = self.config
-        ahead = self.queue.num_ahead(request)
-        short_of_room = ahead + 1 - (config.max_running_requests - self._occupied())
-        wait_steps = 0.0
-        if short_of_room > 0 and self.running:
-            mean_remaining = sum(r.predicted_remaining for r in self.running) / len(self.running)
-            wait_steps = short_of_room * mean_remaining / len(self.running)
-        prompt_steps = -(-request.num_prompt_tokens // config.max_prefill_tokens)
-        own = request.predicted_remaining
-        if config.length_policy == "predicted":  # a prediction's margin; true lengths take none
-            own = min(own * config.deadline_length_margin, request.params.max_tokens - len(request.output_token_ids))
-        return (wait_steps + prompt_steps + own) * self._step_s
+        free_slots = self.config.max_running_requests - self._occupied()
+        steps = steps_to_finish(request, self.config, self.queue.num_ahead(request), free_slots, self.running)
+        return steps * self._step_s
 
     def has_unfinished(self) -> bool:
         return bool(self.queue.num_queued or self.running)
@@ -432,30 +419,15 @@ class Scheduler:
         return True
 
     def _preempt_one(self, plan: StepPlan) -> Request:
-        """Preempt a running request and return it; it goes back to the queue under its
-        original key, keeping its place. Batch requests are always the first victims.
-
-        - Swapped out, when the host tier has room: the victim is the request with the
-          lowest priority, and among those the one that has run the most steps since it
-          last started (so long generations take turns with memory and short requests keep
-          flowing), then the latest in queue order; under a length policy, the one with
-          the longest predicted remainder instead of the most steps. Its progress is kept.
-        - Else recomputed (prompt plus the tokens it produced, when it runs again): the
-          victim is the lowest priority, then the latest in queue order. Taking the last
-          in queue order means the first always progresses, so recomputation cannot
-          livelock.
-        """
-        if self.length_predictor is None:
-            victim = max(
-                self.running, key=lambda r: (r.batch, -r.priority, self._step - r.running_since_step, r.queue_key)
-            )
-        else:
-            victim = max(self.running, key=lambda r: (r.batch, -r.priority, r.predicted_remaining, r.queue_key))
+        """Preempt a running request (the victim `workers/preemption.py` picks) and return
+        it; it goes back to the queue under its original key, keeping its place: swapped
+        out when the host tier has room, else to be recomputed."""
+        victim = swap_victim(self.running, self._step, by_predicted_length=self.length_predictor is not None)
         if self.kv_cache.swap_out(victim, plan):
             self._remove_running(victim, plan)
             self.queue.push(victim, RequestStatus.SWAPPED)
             return victim
-        victim = max(self.running, key=lambda r: (r.batch, -r.priority, r.queue_key))
+        victim = recompute_victim(self.running)
         self._remove_running(victim, plan)
         victim.num_computed = 0  # recompute prompt + outputs when it runs again
         self.queue.push(victim, RequestStatus.WAITING)
