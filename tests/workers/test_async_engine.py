@@ -110,8 +110,9 @@ def test_streamed_and_batched_requests_differ_only_in_where_their_events_go(make
 
 
 def test_a_batched_request_is_held_until_its_final_event_is_handed_on(make_engine):
-    """A worker that lost a job and claims it back waits on `holds`: the old request's
-    id is taken, and its events would reach the new stream, until its final event is out."""
+    """A worker that lost a job and claims it back waits for `released` (`holds` says the
+    same): the old request's id is taken, and its events would reach the new stream, until
+    its final event is out."""
     engine = make_engine()
     handed_on: list = []
 
