@@ -23,6 +23,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from bench.fleet import BACKPRESSURE_OFF, Fleet
 from bench.http_client import ServerSentEvents
 from bench.processes import GatewayProcess
 from service.config import DEFAULT_MODEL_NAME
@@ -55,22 +56,12 @@ class HttpStream:
 class Gateways:
     """Two gateways on the soak's Redis; a streamed request goes to one of those up."""
 
-    def __init__(self, url: str, log_dir, rng: random.Random, ttl_s: int) -> None:
-        argv = ["--redis-url", url, "--reply-timeout-s", "120", "--max-queue-age-s", "0", "--max-queue-depth", "0"]
-        argv += ["--stream-ttl-s", str(ttl_s)]  # resumable as long as the workers keep reply streams
-        self.processes = [GatewayProcess(name, argv, log_dir) for name in ("g1", "g2")]
+    def __init__(self, fleet: Fleet, rng: random.Random, ttl_s: int) -> None:
+        flags = ["--reply-timeout-s", "120", *BACKPRESSURE_OFF]
+        flags += ["--stream-ttl-s", str(ttl_s)]  # resumable as long as the workers keep reply streams
+        self.processes = [fleet.gateway(name, *flags) for name in ("g1", "g2")]
         self.rng = rng
         self.streams: list[HttpStream] = []
-
-    def start(self) -> None:
-        for gateway in self.processes:
-            gateway.start()
-        for gateway in self.processes:
-            gateway.wait_ready()
-
-    def stop(self) -> None:
-        for gateway in self.processes:
-            gateway.stop()
 
     async def kill_one(self) -> str:
         gateway = self.rng.choice(self.processes)

@@ -66,8 +66,9 @@ from pathlib import Path
 
 from bench.fleet import Fleet, model_flags, redis_server
 from bench.follow import Follower, Job
-from bench.metrics import inter_token_latencies, percentile
+from bench.metrics import inter_token_latencies, metric_total, percentile_or_none
 from bench.processes import WorkerProcess, cpu_seconds
+from bench.scenario import D, Scenario, add_flags
 from bench.servers import signals_as_exit
 
 CONFIGURATIONS = ("disagg", "colocated_one", "colocated_two")
@@ -93,54 +94,19 @@ IDLE_SAMPLE_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("disagg scenario (also --redis-url, --workload)")
-    group.add_argument(
-        "--disagg-configs",
-        default=",".join(CONFIGURATIONS),
-        help="configurations to run, comma-separated (default: %(default)s)",
-    )
-    group.add_argument(
-        "--disagg-running", type=int, default=16, help="decodes running when the storm arrives (default: %(default)s)"
-    )
-    group.add_argument(
-        "--disagg-running-prompt-len",
-        type=int,
-        default=64,
-        help="the running decodes' prompt length in tokens (default: %(default)s)",
-    )
-    group.add_argument(
-        "--disagg-storm", type=int, default=8, help="long prompts arriving at once (default: %(default)s)"
-    )
-    group.add_argument(
-        "--disagg-prompt-len",
-        type=int,
-        default=1000,
-        help="the storm's (and lone) prompt length in tokens (default: %(default)s)",
-    )
-    group.add_argument(
-        "--disagg-output-len", type=int, default=128, help="the storm's output length in tokens (default: %(default)s)"
-    )
-    group.add_argument(
-        "--disagg-steady-tokens",
-        type=int,
-        default=32,
-        help="tokens each running decode makes in the steady window before the storm (default: %(default)s)",
-    )
-    group.add_argument(
-        "--disagg-lone",
-        type=int,
-        default=3,
-        help="long prompts sent one at a time on idle workers, for the handoff's TTFT overhead (default: %(default)s)",
-    )
-    group.add_argument(
-        "--disagg-min-prompt-tokens",
-        type=int,
-        default=32,
-        help="the workers' --handoff-min-prompt-tokens (default: %(default)s, below the running prompts)",
-    )
-    group.add_argument(
-        "--disagg-cores", default="0,1", help="the two cores to pin the workers to (default: %(default)s)"
-    )
+    add_flags(parser, "disagg scenario (also --redis-url, --workload)", {
+        "--disagg-configs": (",".join(CONFIGURATIONS), "configurations to run, comma-separated" + D),
+        "--disagg-running": (16, "decodes running when the storm arrives" + D),
+        "--disagg-running-prompt-len": (64, "the running decodes' prompt length in tokens" + D),
+        "--disagg-storm": (8, "long prompts arriving at once" + D),
+        "--disagg-prompt-len": (1000, "the storm's (and lone) prompt length in tokens" + D),
+        "--disagg-output-len": (128, "the storm's output length in tokens" + D),
+        "--disagg-steady-tokens": (32, "tokens each running decode makes in the steady window before the storm" + D),
+        "--disagg-lone": (3, "long prompts sent one at a time on idle workers, for the handoff's TTFT overhead" + D),
+        "--disagg-min-prompt-tokens": (
+            32, "the workers' --handoff-min-prompt-tokens (default: %(default)s, below the running prompts)"),
+        "--disagg-cores": ("0,1", "the two cores to pin the workers to" + D),
+    })  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -397,10 +363,6 @@ async def _idle_cpu(workers: list[WorkerProcess]) -> dict[str, float]:
     return {w.name: round((cpu_seconds(w.pid) - before[w.name]) / elapsed, 3) for w in workers}
 
 
-def _p(values: list[float], q: float) -> float | None:
-    return percentile(values, q) if values else None
-
-
 def _lone(lone: list[Job]) -> dict:
     ttfts = [j.ttft_s for j in lone]
     gaps = [j.times[1] - j.times[0] for j in lone if len(j.times) > 1]
@@ -410,9 +372,9 @@ def _lone(lone: list[Job]) -> dict:
         "prompt_tokens": [j.final.get("usage", {}).get("prompt_tokens") for j in lone],
         "staged_tokens": [j.staged_tokens for j in lone],  # prompt tokens whose K/V its handoff carried (P/D)
         "ttft_s": ttfts,
-        "ttft_p50_s": _p(ttfts, 50),
-        "second_token_gap_p50_s": _p(gaps, 50),
-        "handoff_to_second_token_p50_s": _p(handoffs, 50),
+        "ttft_p50_s": percentile_or_none(ttfts, 50),
+        "second_token_gap_p50_s": percentile_or_none(gaps, 50),
+        "handoff_to_second_token_p50_s": percentile_or_none(handoffs, 50),
     }
 
 
@@ -425,14 +387,16 @@ def _storm(running: list[Job], storm: list[Job], steady_start: float, storm_star
             elif storm_start < t <= storm_end:
                 during.append(gap)
     ttfts = [j.ttft_s for j in storm]
-    steady_p50, during_p99 = _p(steady, 50), _p(during, 99)
+    steady_p50, during_p99 = percentile_or_none(steady, 50), percentile_or_none(during, 99)
     return {
-        "ttft_p50_s": _p(ttfts, 50),
-        "ttft_p99_s": _p(ttfts, 99),
-        "prompt_tokens_p50": _p([j.final["usage"]["prompt_tokens"] for j in storm if "usage" in j.final], 50),
+        "ttft_p50_s": percentile_or_none(ttfts, 50),
+        "ttft_p99_s": percentile_or_none(ttfts, 99),
+        "prompt_tokens_p50": percentile_or_none(
+            [j.final["usage"]["prompt_tokens"] for j in storm if "usage" in j.final], 50
+        ),
         "window_s": storm_end - storm_start,
         "itl_p50_steady_s": steady_p50,
-        "itl_p50_storm_s": _p(during, 50),
+        "itl_p50_storm_s": percentile_or_none(during, 50),
         "itl_p99_storm_s": during_p99,
         "itl_max_storm_s": max(during) if during else None,
         "storm_p99_over_steady_p50": during_p99 / steady_p50 if during_p99 and steady_p50 else None,
@@ -458,7 +422,7 @@ def _kv_transfer(metrics: dict | None, layouts: list[tuple[int, int]]) -> dict |
         return None
 
     def total(name: str) -> float:
-        return sum(value for (metric, _), value in metrics.items() if metric == name)
+        return metric_total(metrics, name)
 
     num_bytes, seconds = total("inflight_kv_transfer_bytes_total"), total("inflight_kv_transfer_seconds_sum")
     reads = int(total("inflight_kv_transfer_seconds_count"))
@@ -524,3 +488,6 @@ def chart_panels(report: dict) -> list[tuple]:
         bars = {name: c[section][key] for name, c in configs.items() if c[section][key] is not None}
         panels.append((title, bars, fmt))
     return panels
+
+
+SCENARIO = Scenario("disagg", run, add_arguments, chart_panels=chart_panels)

@@ -175,11 +175,6 @@ def kv_bytes(model, tokens: int) -> int:
     return KVShape.of(model.config).bytes_per_token(model.dtype) * tokens
 
 
-def range_flag(group, flag: str, default: list[int], help: str | None = None) -> None:
-    """A scenario's `MIN MAX` length flag (inclusive)."""
-    group.add_argument(flag, type=int, nargs=2, default=default, metavar=("MIN", "MAX"), help=help)
-
-
 def on_fresh_engines(loaded, args, configs: dict[str, dict], measure: Callable) -> dict[str, dict]:
     """`measure(name, engine)` for each named set of `bench_engine` fields, on a fresh engine
     each, the last one's memory dropped before the next is built."""

@@ -42,6 +42,7 @@ import uvloop
 
 from bench.metrics import percentile
 from bench.processes import RedisClusterServers, RedisServer, cpu_seconds
+from bench.scenario import Scenario, add_flags
 from bench.systems import run_streams
 from service.connect import connect
 from service.metrics import Metrics
@@ -55,16 +56,13 @@ from workers.config import EngineConfig, SchedulerConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("edge scenario")
-    group.add_argument("--edge-streams", default="64,256,1024", help="concurrent streams per row (comma-separated)")
-    group.add_argument("--edge-step-ms", type=float, default=5.0, help="stub step time; 0 = as fast as possible")
-    group.add_argument("--edge-tokens", type=int, default=200, help="tokens per job")
-    group.add_argument("--edge-cluster", action="store_true", help="on a private 3-master Redis Cluster")
-    group.add_argument(
-        "--edge-baseline",
-        action="store_true",
-        help="also run each row with per-event round trips (the publishing this replaced)",
-    )
+    add_flags(parser, "edge scenario", {
+        "--edge-streams": ("64,256,1024", "concurrent streams per row (comma-separated)"),
+        "--edge-step-ms": (5.0, "stub step time; 0 = as fast as possible"),
+        "--edge-tokens": (200, "tokens per job"),
+        "--edge-cluster": (False, "on a private 3-master Redis Cluster"),
+        "--edge-baseline": (False, "also run each row with per-event round trips (the publishing this replaced)"),
+    })  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -315,3 +313,6 @@ class PerEventOutbox(ReplyOutbox):
                 future.set_result(Published(event, seq, None))
                 return
             seq += 1
+
+
+SCENARIO = Scenario("edge", run, add_arguments)

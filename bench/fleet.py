@@ -27,6 +27,9 @@ MAX_TOKENS = 80
 # every step slows down many times over.
 SMALL_WORKER = ("--kv-memory-mb", "64", "--swap-memory-mb", "16", "--max-running-requests", "4",
                 "--log-format", "json", "--threads", "1")  # fmt: skip
+# A gateway that refuses nothing (no queue depth or age bound): a refused request would be
+# a failure in the bench, and vLLM, the peer, queues whatever arrives.
+BACKPRESSURE_OFF = ("--max-queue-depth", "0", "--max-queue-age-s", "0")
 
 
 class Fleet:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 
+from bench.fleet import BACKPRESSURE_OFF
 from bench.paired import paired_runs, paired_workload
-from bench.servers import open_gateway
+from bench.scenario import Scenario
 from bench.systems import ThroughGateway, ThroughRedis, private_worker
 from bench.workload import prompt_vocabulary
 from workers.config import ModelConfig
@@ -54,18 +55,12 @@ async def _run(args: argparse.Namespace) -> dict:
     # Both paths share the worker: with prefix caching, only the first round would compute
     # its prompts, and the path it belongs to would look slow.
     async with private_worker(args.redis_url, args, "--no-prefix-caching") as run:
-        streams = ["--requests-stream", f"{run.prefix}:requests", "--control-stream", f"{run.prefix}:control"]
-        gateway = open_gateway("bench", run.url, 300, run.log_dir, *streams)
-        gateway.start()
-        try:
-            gateway.wait_ready()
-            async with ThroughGateway(gateway.url, run.client) as through_gateway:
-                paths = {"redis": ThroughRedis(run.client, run.prefix), "gateway": through_gateway}
-                meters = {"gateway": gateway.cpu_seconds}
-                runs = await paired_runs(paths, prompts, short, args.gateway_rounds, run.run_id, meters)
-        finally:
-            gateway.stop()
-
+        gateway = run.fleet.gateway("bench", "--reply-timeout-s", "300", *BACKPRESSURE_OFF)
+        gateway.wait_ready()
+        async with ThroughGateway(gateway.url, run.client) as through_gateway:
+            paths = {"redis": ThroughRedis(run.client, run.fleet), "gateway": through_gateway}
+            meters = {"gateway": gateway.cpu_seconds}
+            runs = await paired_runs(paths, prompts, short, args.gateway_rounds, run.run_id, meters)
     streamed = runs.output_tokens("gateway")
     gateway_cpu_s = runs.metered["gateway"]
     return runs.figures("redis", "gateway") | {
@@ -74,3 +69,6 @@ async def _run(args: argparse.Namespace) -> dict:
         "streamed_tokens": streamed,
         "workload": workload.describe(),
     }
+
+
+SCENARIO = Scenario("gateway", run, add_arguments)

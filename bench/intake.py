@@ -26,6 +26,7 @@ from pathlib import Path
 import msgpack
 
 from bench.processes import RedisServer, cpu_seconds
+from bench.scenario import Scenario
 from bench.systems import run_streams
 from service.connect import connect
 from service.ingest import JobReader
@@ -103,3 +104,6 @@ async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
         "batch": args.intake_batch,
         "renewals_per_job": args.intake_renewals,
     }
+
+
+SCENARIO = Scenario("intake", run, add_arguments)

@@ -42,7 +42,9 @@ from pathlib import Path
 import msgpack
 
 from bench.arrivals import at_t0, poisson
-from bench.systems import bench_worker, redis_server
+from bench.fleet import Fleet, model_flags, redis_server
+from bench.metrics import metric_total
+from bench.scenario import Scenario, add_flags
 from service.connect import connect
 from service.protocol import reply_stream
 from service.sdk import job_payload
@@ -51,18 +53,15 @@ QUIET_LIMIT_S = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("length scenario (also --requests, --seed, --dtype)")
-    group.add_argument("--length-policies", default="fcfs,predicted,oracle")
-    group.add_argument("--length-loads", default="0.5,0.8,0.95", help="shares of the measured capacity")
-    group.add_argument("--length-max-tokens", type=int, default=384, help="the reply cap (EOS honoured)")
-    group.add_argument("--length-worker-args", default="", help="more flags for every worker, e.g. a running cap")
-    group.add_argument("--length-deadline-policies", default="fcfs,predicted,oracle", help="the deadlines part's")
-    group.add_argument(
-        "--length-deadline-load", type=float, default=0.9, help="the deadlines part's load (0: no deadlines part)"
-    )
-    group.add_argument(
-        "--length-deadline-slack", default="5,60", help="MIN,MAX seconds from a job's send to its deadline (uniform)"
-    )
+    add_flags(parser, "length scenario (also --requests, --seed, --dtype)", {
+        "--length-policies": ("fcfs,predicted,oracle", None),
+        "--length-loads": ("0.5,0.8,0.95", "shares of the measured capacity"),
+        "--length-max-tokens": (384, "the reply cap (EOS honoured)"),
+        "--length-worker-args": ("", "more flags for every worker, e.g. a running cap"),
+        "--length-deadline-policies": ("fcfs,predicted,oracle", "the deadlines part's"),
+        "--length-deadline-load": (0.9, "the deadlines part's load (0: no deadlines part)"),
+        "--length-deadline-slack": ("5,60", "MIN,MAX seconds from a job's send to its deadline (uniform)"),
+    })  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -172,9 +171,8 @@ def _serve(
     prefix = f"inflight:bench:length:{run_id}:{name}"
     log_dir = tmp / name
     log_dir.mkdir()
-    worker = bench_worker(url, prefix, args, log_dir, *flags)
-    worker.start()
-    try:
+    with Fleet(log_dir, url, prefix, [*model_flags(args), *flags], graceful=True) as fleet:
+        worker = fleet.start("bench")
         worker.wait_ready()
         served: dict = {"points": [], "preemptions": []}
         for i, arrivals in enumerate(points):
@@ -183,21 +181,10 @@ def _serve(
             served["points"].append(asyncio.run(sent))
             served["preemptions"].append(_preemptions(worker) - before)
         return served
-    finally:
-        worker.stop()
-        asyncio.run(_delete_streams(url, prefix))
-
-
-async def _delete_streams(url: str, prefix: str) -> None:
-    client = connect(url, socket_timeout=30)
-    keys = [key async for key in client.scan_iter(f"{prefix}:*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 def _preemptions(worker) -> float:
-    return sum(value for (metric, _), value in worker.metrics().items() if metric == "inflight_preemptions_total")
+    return metric_total(worker.metrics(), "inflight_preemptions_total")
 
 
 async def _send(
@@ -282,3 +269,6 @@ def _figures(records: list[dict], duration: float) -> dict:
         "longest_wait_s": round(max(ttft), 2),
         "duration_s": round(duration, 1),
     }
+
+
+SCENARIO = Scenario("length", run, add_arguments)

@@ -29,6 +29,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
+def percentile_or_none(values: list[float], q: float, digits: int | None = None) -> float | None:
+    """`percentile`, None when there are no values; rounded to `digits` if given."""
+    if not values:
+        return None
+    value = percentile(values, q)
+    return value if digits is None else round(value, digits)
+
+
+def metric_total(metrics: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels`, in a process's
+    /metrics as `{(name, sorted labels): value}` (`WorkerProcess.metrics`)."""
+    return sum(v for (metric, has), v in metrics.items() if metric == name and labels.items() <= dict(has).items())
+
+
 def inter_token_latencies(token_times: list[float]) -> list[float]:
     """Gaps between consecutive tokens of one request."""
     return [b - a for a, b in zip(token_times, token_times[1:])]

@@ -33,9 +33,10 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.drive import bench_engine, kv_bytes, range_flag
+from bench.drive import bench_engine, kv_bytes
 from bench.metrics import percentile
 from bench.overhead_text import TEXT
+from bench.scenario import Scenario, add_flags, with_model
 from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 from workers.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from workers.detokenizer import IncrementalDetokenizer
@@ -45,11 +46,12 @@ PHASES = ("scheduling", "metadata", "sampling", "detokenization", "events", "oth
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("overhead scenario")
-    group.add_argument("--overhead-sizes", default="64,256,1024", help="decoding requests, comma-separated")
-    group.add_argument("--overhead-steps", type=int, default=200, help="steps measured at each size")
-    range_flag(group, "--overhead-prompt-len", [256, 768])
-    range_flag(group, "--overhead-output-len", [128, 512])
+    add_flags(parser, "overhead scenario", {
+        "--overhead-sizes": ("64,256,1024", "decoding requests, comma-separated"),
+        "--overhead-steps": (200, "steps measured at each size"),
+        "--overhead-prompt-len": ([256, 768], None),
+        "--overhead-output-len": ([128, 512], None),
+    })  # fmt: skip
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -277,3 +279,6 @@ def _cuda_backend_metadata_only(kv_cache):
 class NoLaunches:
     def launch(self, *_):
         raise RuntimeError("the overhead scenario's stub forward launches no kernels")
+
+
+SCENARIO = Scenario("overhead", with_model(run), add_arguments)

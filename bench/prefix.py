@@ -22,9 +22,10 @@ import random
 import tempfile
 from pathlib import Path
 
-from bench.drive import Driver, kv_bytes, on_fresh_engines, random_prompts, range_flag
+from bench.drive import Driver, kv_bytes, on_fresh_engines, random_prompts
 from bench.metrics import percentile, summarize
 from bench.report import system_panel
+from bench.scenario import Scenario, add_flags, with_model
 from workers.api import SamplingParams
 from workers.block_pool import blocks_needed
 from workers.config import CacheConfig
@@ -33,37 +34,25 @@ WORKLOADS = ("shared", "multi_turn", "n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("prefix scenario")
-    group.add_argument(
-        "--prefix-workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {','.join(WORKLOADS)}"
-    )
-    group.add_argument("--prefix-requests", type=int, default=64, help="shared: requests, all at t0")
-    group.add_argument("--prefix-shared-len", type=int, default=1024, help="shared: tokens of the shared prefix")
-    range_flag(group, "--prefix-suffix-len", [32, 128], "shared: each request's own suffix")
-    range_flag(group, "--prefix-output-len", [32, 64], "shared: output tokens")
-    group.add_argument(
-        "--prefix-hf-batch-tokens",
-        type=int,
-        default=1024,
-        help="shared: max_batch_tokens of the transformers peer (the best of `inflight bench`'s sweep)",
-    )
-    group.add_argument("--prefix-conversations", type=int, default=16, help="multi_turn: conversations")
-    group.add_argument("--prefix-turns", type=int, default=4, help="multi_turn: turns per conversation")
-    group.add_argument(
-        "--prefix-first-len", type=int, default=256, help="multi_turn: tokens of each conversation's first message"
-    )
-    group.add_argument("--prefix-message-len", type=int, default=64, help="multi_turn: tokens of each later message")
-    group.add_argument("--prefix-turn-output-len", type=int, default=64, help="multi_turn: output tokens per turn")
-    group.add_argument(
-        "--prefix-pool-fraction",
-        type=float,
-        default=0.25,
-        help="multi_turn: the device KV pool holds this share of all final histories",
-    )
-    group.add_argument("--prefix-n", type=int, default=8, help="n: samples per prompt")
-    group.add_argument("--prefix-n-prompts", type=int, default=8, help="n: prompts")
-    group.add_argument("--prefix-n-prompt-len", type=int, default=512, help="n: tokens per prompt")
-    group.add_argument("--prefix-n-output-len", type=int, default=64, help="n: output tokens per sample")
+    add_flags(parser, "prefix scenario", {
+        "--prefix-workloads": (",".join(WORKLOADS), f"comma-separated subset of {','.join(WORKLOADS)}"),
+        "--prefix-requests": (64, "shared: requests, all at t0"),
+        "--prefix-shared-len": (1024, "shared: tokens of the shared prefix"),
+        "--prefix-suffix-len": ([32, 128], "shared: each request's own suffix"),
+        "--prefix-output-len": ([32, 64], "shared: output tokens"),
+        "--prefix-hf-batch-tokens": (
+            1024, "shared: max_batch_tokens of the transformers peer (the best of `inflight bench`'s sweep)"),
+        "--prefix-conversations": (16, "multi_turn: conversations"),
+        "--prefix-turns": (4, "multi_turn: turns per conversation"),
+        "--prefix-first-len": (256, "multi_turn: tokens of each conversation's first message"),
+        "--prefix-message-len": (64, "multi_turn: tokens of each later message"),
+        "--prefix-turn-output-len": (64, "multi_turn: output tokens per turn"),
+        "--prefix-pool-fraction": (0.25, "multi_turn: the device KV pool holds this share of all final histories"),
+        "--prefix-n": (8, "n: samples per prompt"),
+        "--prefix-n-prompts": (8, "n: prompts"),
+        "--prefix-n-prompt-len": (512, "n: tokens per prompt"),
+        "--prefix-n-output-len": (64, "n: output tokens per sample"),
+    })  # fmt: skip
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -353,3 +342,6 @@ def chart_panels(report: dict) -> list[tuple]:
         title = f"n={report['n']['n']}: output tok/s (higher is better)"
         panels.append(system_panel(title, systems, "output_tokens_per_s", "{:.1f}"))
     return panels
+
+
+SCENARIO = Scenario("prefix", with_model(run), add_arguments, chart_panels=chart_panels)

@@ -15,26 +15,18 @@ import random
 from bench.arrivals import ArrivalQueue, bursts
 from bench.drive import Driver, bench_engine, random_prompts
 from bench.metrics import percentile
+from bench.scenario import D, Scenario, add_flags, with_model
 from workers.api import PRIORITY_MAX, PRIORITY_MIN
 from workers.config import SchedulerConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("priority scenario")
-    group.add_argument("--priority-low", type=int, default=1000, help="low-priority requests queued at t0")
-    group.add_argument("--priority-high", type=int, default=40, help="high-priority requests arriving afterwards")
-    group.add_argument(
-        "--priority-high-every",
-        type=float,
-        default=1.0,
-        help="seconds between high-priority arrivals (the first at that offset)",
-    )
-    group.add_argument(
-        "--priority-bound",
-        type=float,
-        default=SchedulerConfig().priority_bound_s,
-        help="the scheduler's priority_bound_s (default: %(default)s)",
-    )
+    add_flags(parser, "priority scenario", {
+        "--priority-low": (1000, "low-priority requests queued at t0"),
+        "--priority-high": (40, "high-priority requests arriving afterwards"),
+        "--priority-high-every": (1.0, "seconds between high-priority arrivals (the first at that offset)"),
+        "--priority-bound": (SchedulerConfig().priority_bound_s, "the scheduler's priority_bound_s" + D),
+    })  # fmt: skip
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -77,3 +69,6 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
         "wall_s": drive.now(),
         "steps": drive.num_steps,
     }
+
+
+SCENARIO = Scenario("priority", with_model(run), add_arguments)

@@ -12,6 +12,7 @@ import argparse
 import time
 
 from bench.metrics import percentile
+from bench.scenario import Scenario
 from workers.api import PRIORITY_MAX, PRIORITY_MIN, SamplingParams
 from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig
@@ -65,3 +66,6 @@ def run(args: argparse.Namespace) -> dict:
 def _advance(scheduler: Scheduler, plan: StepPlan) -> None:
     """What the engine does after the forward: a token for every chunk that samples."""
     scheduler.update_from_output(plan, [7 for chunk in plan.chunks if chunk.samples])
+
+
+SCENARIO = Scenario("scheduler", run, add_arguments)

@@ -58,6 +58,7 @@ from pathlib import Path
 from bench.arrivals import BURST, rate_points
 from bench.http_client import CompletionsClient, Prompt
 from bench.metrics import RequestRecord, latency_figures
+from bench.scenario import D, Scenario, add_flags
 from bench.servers import inflight_server, signals_as_exit, vllm_server
 from bench.workload import WORKLOAD_FLAGS, draw_workload
 
@@ -74,49 +75,19 @@ WARMUP_TOKENS = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("serve scenario (also --systems engine,vllm, --vllm-python)")
-    group.add_argument(
-        "--serve-rates",
-        default="2,4",
-        help="Poisson arrival rates in requests/s, one point each (default: %(default)s)",
-    )
-    group.add_argument(
-        "--serve-rounds",
-        type=int,
-        default=1,
-        help="run every point this many times per system, the systems alternating (A B B A ...) "
-        "against the machine's drift; each point's figures pool its rounds' requests "
-        "(default: %(default)s)",
-    )
-    group.add_argument(
-        "--serve-burst",
-        default="on",
-        choices=("on", "off"),
-        help="one more point with every request at t0 (default: %(default)s)",
-    )
-    group.add_argument(
-        "--slo-ttft-ms", type=float, default=1000.0, help="goodput's time-to-first-token bound (default: %(default)s)"
-    )
-    group.add_argument(
-        "--slo-tpot-ms", type=float, default=100.0, help="goodput's time-per-output-token bound (default: %(default)s)"
-    )
-    group.add_argument(
-        "--serve-request-timeout-s",
-        type=float,
-        default=600.0,
-        help="a request silent this long fails (default: %(default)s)",
-    )
-    group.add_argument(
-        "--serve-worker-args",
-        default="",
-        help='more `inflight worker` flags for inflight\'s worker, as one string (e.g. "--max-prefill-tokens 512")',
-    )
-    group.add_argument(
-        "--vllm-start-timeout-s",
-        type=float,
-        default=900.0,
-        help="wait this long for vLLM's /health (its first start compiles; default: %(default)s)",
-    )
+    add_flags(parser, "serve scenario (also --systems engine,vllm, --vllm-python)", {
+        "--serve-rates": ("2,4", "Poisson arrival rates in requests/s, one point each" + D),
+        "--serve-rounds": (1, "run every point this many times per system, the systems alternating (A B B A ...) "
+                              "against the machine's drift; each point's figures pool its rounds' requests" + D),
+        "--serve-burst": ("on", "one more point with every request at t0" + D, ("on", "off")),
+        "--slo-ttft-ms": (1000.0, "goodput's time-to-first-token bound" + D),
+        "--slo-tpot-ms": (100.0, "goodput's time-per-output-token bound" + D),
+        "--serve-request-timeout-s": (600.0, "a request silent this long fails" + D),
+        "--serve-worker-args": (
+            "", 'more `inflight worker` flags for inflight\'s worker, as one string (e.g. "--max-prefill-tokens 512")'),
+        "--vllm-start-timeout-s": (
+            900.0, "wait this long for vLLM's /health (its first start compiles; default: %(default)s)"),
+    })  # fmt: skip
 
 
 def summarize_point(records: list[RequestRecord], duration_s: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
@@ -316,3 +287,6 @@ def _model_folder(args: argparse.Namespace) -> str:
     if gguf_source(config.source) is not None and not Path(folder).is_dir():
         load_model(config)  # writes the converted folder
     return folder
+
+
+SCENARIO = Scenario("serve", run, add_arguments, chart_panels=chart_panels)

@@ -1,8 +1,8 @@
 """The systems as servers, each a context that starts it, yields its URL and settings, and
 stops it on the way out (on an error, and on SIGTERM/SIGHUP inside `signals_as_exit`):
 
-- `inflight_server`: a private redis-server, one `inflight worker` and one `inflight
-  gateway`, the gateway's backpressure off;
+- `inflight_server`: a private redis-server and a fleet (`bench/fleet.py`) of one
+  `inflight worker` and one `inflight gateway`, the gateway's backpressure off;
 - `vllm_server`: vLLM's OpenAI server (`.venv-vllm`, `make vllm-peer`) in a session of its
   own, so that its whole process group (API server, EngineCore, workers) is killed at the
   end; should the bench be SIGKILLed, a watcher process (`start_reaper`) kills the group.
@@ -25,7 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import peer_vllm
-from bench.processes import GatewayProcess, RedisServer, WorkerProcess, free_port, start_reaper, stop_reaper
+from bench.fleet import BACKPRESSURE_OFF, Fleet
+from bench.processes import RedisServer, free_port, start_reaper, stop_reaper
 from service.config import DEFAULT_MODEL_NAME
 
 VLLM_STOP_WAIT_S = 30.0
@@ -40,29 +41,18 @@ def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: fl
         worker_argv += ["--no-speculative"] if args.speculation == "off" else []
         worker_argv += ["--model", args.model] if args.model else []
         worker_argv += shlex.split(args.serve_worker_args)
-        worker = WorkerProcess("serve", worker_argv, log_dir)
-        gateway = open_gateway("serve", redis.url, args.serve_request_timeout_s, log_dir)
-        reaper = None
-        try:
-            worker.start()
-            gateway.start()
-            reaper = start_reaper([str(redis.process.pid), str(worker.pid), str(gateway.process.pid)])
-            worker.wait_ready(start_timeout_s)
-            gateway.wait_ready()
-            yield {"url": gateway.url, "worker_argv": worker_argv}
-        finally:
-            gateway.stop()
-            worker.stop()
-            if reaper is not None:
+        reaper = start_reaper([str(redis.process.pid)])
+        # The default streams (inflight:requests, ...), as a deployment's.
+        with Fleet(log_dir, redis.url, "inflight", worker_argv[2:], graceful=True, reap=True) as fleet:
+            try:
+                worker = fleet.start("serve")
+                timeout = ("--reply-timeout-s", str(args.serve_request_timeout_s))
+                gateway = fleet.gateway("serve", *timeout, *BACKPRESSURE_OFF)
+                worker.wait_ready(start_timeout_s)
+                gateway.wait_ready()
+                yield {"url": gateway.url, "worker_argv": worker_argv}
+            finally:
                 stop_reaper(reaper)
-
-
-def open_gateway(name: str, redis_url: str, reply_timeout_s: float, log_dir: Path, *extra: str) -> GatewayProcess:
-    """A gateway that refuses nothing (no queue depth or age bound): a refused request would
-    be a failure in the bench, and vLLM, the peer, queues whatever arrives."""
-    backpressure_off = ["--max-queue-depth", "0", "--max-queue-age-s", "0"]
-    argv = ["--redis-url", redis_url, "--reply-timeout-s", str(reply_timeout_s), *backpressure_off, *extra]
-    return GatewayProcess(name, argv, log_dir)
 
 
 def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len: int) -> list[str]:

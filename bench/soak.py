@@ -32,7 +32,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import tempfile
 import time
 from collections import Counter
@@ -43,8 +42,10 @@ import msgpack
 from redis.exceptions import ResponseError
 
 from bench.chaos import FAULTS, REDIS_STALL_S, STOP_S, Gateways, completion_body, pause
-from bench.metrics import percentile
+from bench.fleet import Fleet, model_flags
+from bench.metrics import metric_total, percentile_or_none
 from bench.processes import RedisServer, WorkerProcess
+from bench.scenario import Scenario
 from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
@@ -118,36 +119,27 @@ def run(args: argparse.Namespace) -> dict:
 
 
 async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
-    with RedisServer(tmp / "redis") as server:
-        workers = [WorkerProcess(name, _worker_argv(server.url, args), tmp) for name in ("w1", "w2")]
-        gateways = None
-        if args.soak_chaos:
-            gateways = Gateways(server.url, tmp, random.Random(args.seed), args.soak_reply_ttl_s)
+    # The default streams (inflight:requests, ...), as a deployment's.
+    with (
+        RedisServer(tmp / "redis") as server,
+        Fleet(tmp, server.url, "inflight", _worker_flags(args), graceful=True) as fleet,
+    ):
+        workers = [fleet.start(name) for name in ("w1", "w2")]
+        gateways = Gateways(fleet, random.Random(args.seed), args.soak_reply_ttl_s) if args.soak_chaos else None
         client = connect(server.url, socket_timeout=10)
         try:
-            for worker in workers:
-                worker.start()
-            if gateways is not None:
-                await asyncio.to_thread(gateways.start)
-            for worker in workers:  # loading side by side
-                await asyncio.to_thread(worker.wait_ready)
+            await asyncio.to_thread(fleet.wait_all)  # the workers loading side by side
             return await _Soak(client, server, workers, args, gateways).run(duration)
         finally:
-            for worker in workers:
-                if worker.alive():  # one paused by the chaos too
-                    worker.process.send_signal(signal.SIGCONT)
-                worker.stop()
-            if gateways is not None:
-                gateways.stop()
             await client.aclose()
 
 
-def _worker_argv(url: str, args: argparse.Namespace) -> list[str]:
+def _worker_flags(args: argparse.Namespace) -> list[str]:
     threads = max(1, (os.cpu_count() or 2) // 2)  # two workers share the machine
     # Reply streams and remembered cancels expire within the run, so Redis's memory can be read after.
     ttl = str(args.soak_reply_ttl_s)
     return [
-        "--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else []),
+        *model_flags(args),
         "--kv-memory-mb", str(args.soak_kv_memory_mb), "--swap-memory-mb", "64", "--max-running-requests", "8",
         "--threads", str(threads), "--ingest-poll-s", "1", "--reply-ttl-s", ttl, "--cancel-ttl-s", ttl,
     ]  # fmt: skip
@@ -507,8 +499,8 @@ class _Soak:
         return {
             "streams": len(waits),
             "not_resumed": len(waits) - len(resumed),
-            "next_token_p50_s": percentile(resumed, 50) if resumed else None,
-            "next_token_p99_s": percentile(resumed, 99) if resumed else None,
+            "next_token_p50_s": percentile_or_none(resumed, 50),
+            "next_token_p99_s": percentile_or_none(resumed, 99),
             "next_token_max_s": max(resumed) if resumed else None,
             "per_stream": per_stream,
             "worker_restart_s": self.chaos.get("worker_restart_s"),
@@ -670,15 +662,9 @@ def format_table(figures: dict) -> str:
 
 def _engine_state(metrics: dict) -> dict:
     """KV blocks in use (both pools) and requests in the engine, from a worker's /metrics."""
-
-    def total(name: str, **labels) -> int:
-        return int(
-            sum(v for (metric, has), v in metrics.items() if metric == name and labels.items() <= dict(has).items())
-        )
-
     return {
-        "kv_blocks_used": total("inflight_kv_cache_blocks", state="used"),
-        "requests_in_engine": total("inflight_scheduler_requests"),
+        "kv_blocks_used": int(metric_total(metrics, "inflight_kv_cache_blocks", state="used")),
+        "requests_in_engine": int(metric_total(metrics, "inflight_scheduler_requests")),
     }
 
 
@@ -693,3 +679,6 @@ def _entry(entry_id: str) -> tuple[int, int]:
 
 async def _sleep_until(moment: float) -> None:
     await asyncio.sleep(max(0.0, moment - time.monotonic()))
+
+
+SCENARIO = Scenario("soak", run, add_arguments)

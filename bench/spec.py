@@ -31,6 +31,7 @@ from collections import Counter
 
 from bench.arrivals import ArrivalQueue
 from bench.drive import Driver, StepRecorder, bench_engine, random_prompts
+from bench.scenario import D, Scenario, add_flags, with_model
 from workers.config import SpeculativeConfig
 from workers.model_loader import encode_prompt
 
@@ -65,31 +66,16 @@ COPY_PROMPTS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("spec scenario")
-    group.add_argument(
-        "--spec-workloads",
-        default="copy,default",
-        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: %(default)s)",
-    )
     count = len(COPY_PROMPTS)
-    group.add_argument("--spec-copy-requests", type=int, default=count, help=f"copy: requests (at most {count})")
-    group.add_argument(
-        "--spec-concurrency",
-        default="1,8",
-        help="copy: comma-separated concurrencies (1: one request at a time; n: n at t0)",
-    )
-    group.add_argument("--spec-max-tokens", type=int, default=160, help="copy: max_tokens of each request")
-    group.add_argument(
-        "--spec-sharegpt-concurrency",
-        default="1,8,64",
-        help="sharegpt: comma-separated concurrencies (n requests at a time)",
-    )
-    group.add_argument(
-        "--spec-max-draft-tokens",
-        type=int,
-        default=SpeculativeConfig.max_draft_tokens,
-        help="drafts a request verifies per step, at most (K)",
-    )
+    add_flags(parser, "spec scenario", {
+        "--spec-workloads": ("copy,default", f"comma-separated subset of {','.join(WORKLOADS)}" + D),
+        "--spec-copy-requests": (count, f"copy: requests (at most {count})"),
+        "--spec-concurrency": ("1,8", "copy: comma-separated concurrencies (1: one request at a time; n: n at t0)"),
+        "--spec-max-tokens": (160, "copy: max_tokens of each request"),
+        "--spec-sharegpt-concurrency": ("1,8,64", "sharegpt: comma-separated concurrencies (n requests at a time)"),
+        "--spec-max-draft-tokens": (
+            SpeculativeConfig.max_draft_tokens, "drafts a request verifies per step, at most (K)"),
+    })  # fmt: skip
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -218,3 +204,6 @@ def copied_fraction(prompts: list[list[int]], outputs: list[list[int]], n: int =
             copied += tuple(tokens[i : i + n]) in grams
         total += len(output)
     return copied / max(1, total)
+
+
+SCENARIO = Scenario("spec", with_model(run), add_arguments)

@@ -15,23 +15,21 @@ import argparse
 import gc
 import random
 
-from bench.drive import Driver, bench_engine, random_prompts, range_flag
+from bench.drive import Driver, bench_engine, random_prompts
 from bench.metrics import inter_token_latencies, percentile
+from bench.scenario import Scenario, add_flags, with_model
 from workers.config import SchedulerConfig, SpeculativeConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("storm scenario")
-    group.add_argument("--storm-running", type=int, default=16, help="long generations running before the burst")
-    group.add_argument("--storm-burst", type=int, default=32, help="requests in the burst")
-    range_flag(group, "--storm-prompt-len", [200, 800], "burst prompt lengths")
-    group.add_argument("--storm-output-len", type=int, default=16, help="burst output length")
-    group.add_argument(
-        "--storm-prefill-tokens",
-        type=int,
-        default=16,
-        help="max_prefill_tokens with budgets on (default: %(default)s, a latency-first setting)",
-    )
+    add_flags(parser, "storm scenario", {
+        "--storm-running": (16, "long generations running before the burst"),
+        "--storm-burst": (32, "requests in the burst"),
+        "--storm-prompt-len": ([200, 800], "burst prompt lengths"),
+        "--storm-output-len": (16, "burst output length"),
+        "--storm-prefill-tokens": (
+            16, "max_prefill_tokens with budgets on (default: %(default)s, a latency-first setting)"),
+    })  # fmt: skip
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -131,3 +129,6 @@ def _cancel_all(drive: Driver) -> None:
     for request_id in drive.token_times:
         drive.engine.cancel(request_id)
     drive.drain()
+
+
+SCENARIO = Scenario("storm", with_model(run), add_arguments)

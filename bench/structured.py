@@ -24,6 +24,7 @@ import time
 from bench.drive import Driver, StepRecorder, bench_engine, on_fresh_engines, random_prompts
 from bench.metrics import percentile
 from bench.overhead import PhaseClock
+from bench.scenario import D, Scenario, add_flags, with_model
 from bench.schemas import generate_schemas
 from workers.api import FinishReason, SamplingParams
 from workers.config import CacheConfig
@@ -64,20 +65,12 @@ CHOICES = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("structured scenario")
-    group.add_argument(
-        "--structured-rounds",
-        type=int,
-        default=2,
-        help="runs of each of unconstrained and constrained, alternating (default: %(default)s)",
-    )
-    group.add_argument("--structured-schemas", type=int, default=300, help="generated schemas (compile, validity)")
-    group.add_argument(
-        "--structured-validity",
-        action="store_true",
-        help="also decode every schema greedy and at temperature 1.0, and validate (slow)",
-    )
-    group.add_argument("--structured-max-tokens", type=int, default=192, help="validity: max_tokens per output")
+    add_flags(parser, "structured scenario", {
+        "--structured-rounds": (2, "runs of each of unconstrained and constrained, alternating" + D),
+        "--structured-schemas": (300, "generated schemas (compile, validity)"),
+        "--structured-validity": (False, "also decode every schema greedy and at temperature 1.0, and validate (slow)"),
+        "--structured-max-tokens": (192, "validity: max_tokens per output"),
+    })  # fmt: skip
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -202,3 +195,6 @@ def _satisfies(shape: dict, text: str, jsonschema) -> bool:
         return text in shape["choice"]
     except (ValueError, jsonschema.ValidationError):
         return False
+
+
+SCENARIO = Scenario("structured", with_model(run), add_arguments)

@@ -11,21 +11,19 @@ from __future__ import annotations
 import argparse
 import random
 
-from bench.drive import Driver, StepRecorder, kv_bytes, on_fresh_engines, random_prompts, range_flag
+from bench.drive import Driver, StepRecorder, kv_bytes, on_fresh_engines, random_prompts
+from bench.scenario import Scenario, add_flags, with_model
 from workers.config import CacheConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("swap scenario")
-    group.add_argument("--swap-requests", type=int, default=24, help="requests, all arriving at t0")
-    range_flag(group, "--swap-prompt-len", [64, 256])
-    range_flag(group, "--swap-output-len", [64, 192])
-    group.add_argument(
-        "--swap-pool-blocks",
-        type=int,
-        default=160,
-        help="device KV blocks of the small pool (default: %(default)s, about a third of the load)",
-    )
+    add_flags(parser, "swap scenario", {
+        "--swap-requests": (24, "requests, all arriving at t0"),
+        "--swap-prompt-len": ([64, 256], None),
+        "--swap-output-len": ([64, 192], None),
+        "--swap-pool-blocks": (
+            160, "device KV blocks of the small pool (default: %(default)s, about a third of the load)"),
+    })  # fmt: skip
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -67,3 +65,6 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     report["swap_vs_large_pool"] = report["small_pool_swap"]["output_tokens_per_s"] / large
     report["recompute_vs_large_pool"] = report["small_pool_recompute"]["output_tokens_per_s"] / large
     return report
+
+
+SCENARIO = Scenario("swap", with_model(run), add_arguments)

@@ -8,7 +8,7 @@ arrival times in seconds after t0, every request sent at t0, greedy with EOS ign
 - `ThroughGateway`: one streamed `POST /v1/completions` per request (`bench/http_client.py`).
 
 `private_worker` brings up what the Redis and gateway paths go through: a Redis server and
-a worker on streams of the run's own.
+a worker on streams of the run's own (`bench/fleet.py`).
 """
 
 from __future__ import annotations
@@ -16,22 +16,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import socket
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgpack
-
 from bench.arrivals import at_t0
+from bench.fleet import Fleet, model_flags, redis_server
+from bench.follow import Follower, Job
 from bench.http_client import CompletionsClient, Prompt, token_times
-from bench.processes import WorkerProcess
 from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
-from service.sdk import job_payload
 from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 
 # A worker that stopped answering (or a job dead-lettered) fails the run instead of hanging it.
@@ -66,42 +63,24 @@ class InProcess:
 
 
 class ThroughRedis:
-    def __init__(self, client, prefix: str) -> None:
-        self.client = client
-        self.requests_stream = f"{prefix}:requests"
+    def __init__(self, client, fleet: Fleet) -> None:
+        self.client, self.fleet = client, fleet
 
     async def generate(self, prompts: dict[str, tuple[str, int]]) -> dict[str, list[float]]:
         """Queue every job in one round trip at t0; follow all reply streams with one XREAD."""
-        pipe = self.client.pipeline(transaction=False)
-        for rid, (text, n) in prompts.items():
-            pipe.xadd(self.requests_stream, job_payload(text, None, rid, max_tokens=n, ignore_eos=True))
-        t0 = time.perf_counter()
-        await pipe.execute()
-        times: dict[str, list[float]] = {rid: [] for rid in prompts}
-        last = {reply_stream(rid): "0" for rid in prompts}
-        owner = {reply_stream(rid): rid for rid in prompts}
-        quiet_since = time.perf_counter()
-        while last:
-            reply = await self.client.xread(last, block=5000)
-            if not reply and time.perf_counter() - quiet_since > QUIET_LIMIT_S:
-                raise RuntimeError(
-                    f"through Redis, no reply for {QUIET_LIMIT_S:.0f} s (see {self.requests_stream}'s dead letters)"
-                )
-            quiet_since = time.perf_counter()
-            now = time.perf_counter() - t0
-            for key, entries in reply or []:
-                key = key.decode()
-                for entry_id, fields in entries:
-                    last[key] = entry_id
-                    event = msgpack.unpackb(fields[b"data"])
-                    if event["type"] == "token":
-                        times[owner[key]].extend([now] * len(event["token_ids"]))
-                    elif event["type"] == "error":
-                        raise RuntimeError(f"through Redis, {owner[key]} failed: {event['message']}")
-                    else:
-                        del last[key]
+        follower = Follower(self.client, self.fleet)
+        jobs = [Job(rid, rid, text, n) for rid, (text, n) in prompts.items()]
+        reader = asyncio.create_task(follower.read())
+        try:
+            t0 = await follower.send(jobs)
+            await follower.until(
+                lambda: all(j.final for j in jobs), "through Redis", limit_s=QUIET_LIMIT_S, quiet=True, errors_fail=True
+            )
+        finally:
+            follower.reading = False
+            await reader
         await delete_replies(self.client, list(prompts))
-        return times
+        return {job.label: [t - t0 for t in job.times] for job in jobs}
 
 
 class ThroughGateway:
@@ -136,11 +115,9 @@ async def delete_replies(client, request_ids: list[str]) -> None:
 
 @dataclass(frozen=True)
 class PrivateWorker:
-    url: str  # the Redis server's
-    client: object  # a redis.asyncio client of it
+    fleet: Fleet  # one worker, `bench`, on the run's own streams
+    client: object  # a redis.asyncio client of the fleet's server
     run_id: str  # request ids are unique while their reply streams live
-    prefix: str  # of the run's streams and keys
-    log_dir: Path
 
 
 @contextlib.asynccontextmanager
@@ -150,45 +127,18 @@ async def private_worker(redis_url: str, args: argparse.Namespace, *worker_flags
     with redis_server(redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-") as logs:
         client = connect(url, socket_timeout=30)
         run_id = uuid.uuid4().hex[:8]
-        run = PrivateWorker(url, client, run_id, f"inflight:bench:{run_id}", Path(logs))
-        worker = bench_worker(url, run.prefix, args, run.log_dir, *worker_flags)
-        worker.start()
-        try:
-            yield run
-        finally:
-            worker.stop()
-            await client.delete(*[key async for key in client.scan_iter(f"{run.prefix}:*")])
-            await client.aclose()
-
-
-def bench_worker(url: str, prefix: str, args: argparse.Namespace, log_dir: Path, *extra: str) -> WorkerProcess:
-    """An `inflight worker` process on `prefix`'s private streams, with the bench's model and dtype."""
-    streams = run_streams(url, prefix)
-    argv = ["--redis-url", url, "--dtype", args.dtype, *(["--model", args.model] if args.model else [])]
-    argv += ["--requests-stream", streams.requests_stream, "--dead-letter-stream", streams.dead_letter_stream]
-    argv += ["--control-stream", streams.control_stream]
-    return WorkerProcess("bench", [*argv, *extra], log_dir)
-
-
-@contextlib.contextmanager
-def redis_server(url: str):
-    """The given server, or an embedded Valkey on a free port for the run."""
-    if url:
-        yield url
-        return
-    from service.embedded import embedded_valkey
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="inflight-bench-valkey-") as data_dir:
-        with embedded_valkey(port, Path(data_dir)) as embedded:
-            yield embedded
+        flags = [*model_flags(args), *worker_flags]
+        with Fleet(Path(logs), url, f"inflight:bench:{run_id}", flags, graceful=True) as fleet:
+            fleet.start("bench")
+            try:
+                yield PrivateWorker(fleet, client, run_id)
+            finally:
+                await client.aclose()
 
 
 def run_streams(url: str, prefix: str, **settings) -> RedisConfig:
     """A RedisConfig on `prefix`'s own request, control and dead-letter streams (the ones
-    `bench_worker`'s worker serves)."""
+    a fleet on `prefix` serves)."""
     return RedisConfig(
         url=url,
         requests_stream=f"{prefix}:requests",

@@ -72,7 +72,8 @@ from pathlib import Path
 from bench.arrivals import poisson
 from bench.fleet import Fleet, model_flags, redis_server
 from bench.follow import Follower, Job, outcomes
-from bench.metrics import latency_figures, percentile
+from bench.metrics import latency_figures, metric_total, percentile_or_none
+from bench.scenario import Scenario
 from bench.servers import signals_as_exit
 from service.config import FairQueueConfig
 from workers.config import SchedulerConfig
@@ -187,12 +188,7 @@ class Session:
         raise RuntimeError(f"tenants: waiting for {what}: still waiting after {WAIT_LIMIT_S:.0f} s\n{tails}")
 
     def preemptions(self) -> float:
-        return sum(
-            value
-            for worker in self.fleet.workers.values()
-            for (name, _), value in worker.metrics().items()
-            if name == "inflight_preemptions_total"
-        )
+        return sum(metric_total(w.metrics(), "inflight_preemptions_total") for w in self.fleet.workers.values())
 
 
 @dataclass(frozen=True)
@@ -598,8 +594,12 @@ async def _part_c(s: Session, prompts: Prompts, capacity: dict, base_ttft_p99_ms
         "rate_per_s": round(rate, 3),
         "jobs": _accounting(jobs),
         "refused_share": round(len(refused) / len(jobs), 3),
-        "refusal_ms": {"p50": _pct(refusal_ms, 50), "p99": _pct(refusal_ms, 99), "max": max(refusal_ms, default=None)},
-        "retry_after_s": {"p50": _pct(retry, 50), "max": max(retry, default=None)},
+        "refusal_ms": {
+            "p50": percentile_or_none(refusal_ms, 50, 3),
+            "p99": percentile_or_none(refusal_ms, 99, 3),
+            "max": max(refusal_ms, default=None),
+        },
+        "retry_after_s": {"p50": percentile_or_none(retry, 50, 3), "max": max(retry, default=None)},
         "dead_letters_queue_full": len(dead),
         "max_queued_seen": max((q.get("*", 0) for _, _, q in samples), default=0),
         "queued_at_end": queued.get("*", 0),
@@ -641,10 +641,6 @@ def _accounting(jobs: list[Job]) -> dict:
     }
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return round(percentile(values, q), 3) if values else None
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -653,3 +649,6 @@ def _ms(entry_id: str | bytes) -> int:
     """A stream entry id's time part: Redis's clock when it was added, in ms."""
     entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(entry_id.partition("-")[0])
+
+
+SCENARIO = Scenario("tenants", run, add_arguments)

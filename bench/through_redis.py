@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from bench.paired import paired_runs, paired_workload
+from bench.scenario import Scenario
 from bench.systems import InProcess, ThroughRedis, private_worker
 from bench.workload import prompt_vocabulary
 from service.config import RedisConfig
@@ -62,6 +63,9 @@ async def _run(args: argparse.Namespace) -> dict:
     loaded, engine, vocab_ids = await on_torch_thread(_load, args)
     workload, prompts, short = paired_workload(args, loaded.tokenizer, vocab_ids, args.ttft_pairs)
     async with private_worker(args.redis_url, args) as run, AsyncEngine(engine) as front:
-        paths = {"inprocess": InProcess(front), "redis": ThroughRedis(run.client, run.prefix)}
+        paths = {"inprocess": InProcess(front), "redis": ThroughRedis(run.client, run.fleet)}
         runs = await paired_runs(paths, prompts, short, args.redis_rounds, run.run_id)
     return runs.figures("inprocess", "redis") | {"workload": workload.describe()}
+
+
+SCENARIO = Scenario("redis", run, add_arguments)

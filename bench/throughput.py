@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from bench.children import REPO_ROOT, Children
+from bench.scenario import Scenario
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp", "vllm")
 DEFAULT_PNG = Path("bench-results/bench.png")
@@ -197,3 +198,7 @@ def _continuous_figures(children: Children, sweep: list[int]) -> dict:
         "timing": "per-token timestamps taken by transformers' generation thread (record_timestamps=True)",
         "sweep": {str(n): run for n, run in runs.items()},
     }
+
+
+THROUGHPUT = Scenario("throughput", run, own_report=True)
+SINGLE = Scenario("single", run, own_report=True)

@@ -1,0 +1,75 @@
+"""A scenario of `inflight bench`: its flags, and a run that brings its systems up (a fleet,
+`bench/fleet.py`; the engine in process; a peer), drives its workload's arrivals through
+them and returns its figures; and, for some, the chart of those figures.
+
+Each scenario module declares its `SCENARIO`; the registry names where each one lives and
+imports it when asked. A scenario whose module needs a package that is missing (the Redis
+scenarios need redis, which a GPU host's stock image lacks) is still listed: its flags are
+absent, and asking for it says what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    run: Callable[[argparse.Namespace], dict]  # the figures
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None  # its own --help group
+    chart_panels: Callable[[dict], list[tuple]] | None = None  # (title, bars, format) per panel
+    own_report: bool = False  # writes its report itself (throughput, single), else the harness does
+
+
+D = " (default: %(default)s)"  # a flag's help that shows its default ends with this
+
+
+def add_flags(parser: argparse.ArgumentParser, title: str, flags: dict[str, tuple]):
+    """A `--help` group of flags, each `--name: (default, help[, choices])`, typed by its
+    default: False is a switch, a [MIN, MAX] list a length range (inclusive)."""
+    group = parser.add_argument_group(title)
+    for name, (default, text, *choices) in flags.items():
+        choices = choices[0] if choices else None
+        if isinstance(default, bool):
+            group.add_argument(name, action="store_true", help=text)
+        elif isinstance(default, list):
+            group.add_argument(name, type=int, nargs=2, default=default, metavar=("MIN", "MAX"), help=text)
+        else:
+            group.add_argument(name, type=type(default), default=default, help=text, choices=choices)
+    return group
+
+
+def with_model(run: Callable) -> Callable[[argparse.Namespace], dict]:
+    """`run(loaded, args, vocab_ids)` as a scenario's run: the bench's model loaded in this
+    process, and the token ids its random prompts draw from."""
+
+    def loaded_run(args: argparse.Namespace) -> dict:
+        from bench.workload import prompt_vocabulary
+        from workers.config import ModelConfig
+        from workers.model_loader import load_model
+
+        loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))
+        return run(loaded, args, prompt_vocabulary(loaded.tokenizer, loaded.model.config.vocab_size))
+
+    return loaded_run
+
+
+# Every scenario, in the order `--help` lists their flags: where its SCENARIO is declared.
+REGISTRY = {
+    "throughput": "bench.throughput:THROUGHPUT", "single": "bench.throughput:SINGLE",
+    "storm": "bench.storm", "priority": "bench.priority", "swap": "bench.swap", "prefix": "bench.prefix",
+    "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis", "edge": "bench.edge", "soak": "bench.soak",
+    "intake": "bench.intake", "overhead": "bench.overhead", "gateway": "bench.gateway",
+    "structured": "bench.structured", "spec": "bench.spec", "serve": "bench.serve", "length": "bench.length",
+    "disagg": "bench.disagg", "tenants": "bench.tenants",
+}  # fmt: skip
+
+
+def scenario(name: str) -> Scenario:
+    """The scenario registered as `name`; an ImportError names a package it needs that is missing."""
+    module, _, attribute = REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), attribute or "SCENARIO")
