@@ -31,6 +31,8 @@ import asyncio
 import gc
 import time
 from collections import defaultdict
+from collections.abc import Coroutine
+from typing import Any
 
 import structlog
 
@@ -122,21 +124,21 @@ class Worker:
         # Made when the worker starts, with the parts it has then (a benchmark may swap
         # the outbox in between).
         return JobRunner(
-            self.config,
-            self.role,
-            self.intake,
-            self.settling,
-            self.publisher,
-            self.outbox,
-            self.front,
-            self.cancels,
-            self.metrics,
-            self.held,
-            self.jobs,
-            self.log_prompts,
+            config=self.config,
+            role=self.role,
+            intake=self.intake,
+            settling=self.settling,
+            publisher=self.publisher,
+            outbox=self.outbox,
+            front=self.front,
+            cancels=self.cancels,
+            metrics=self.metrics,
+            held=self.held,
+            jobs=self.jobs,
+            log_prompts=self.log_prompts,
         )
 
-    def _background(self, stop: asyncio.Event) -> dict:
+    def _background(self, stop: asyncio.Event) -> dict[str, Coroutine[Any, Any, None]]:
         """The tasks beside the jobs, by name."""
         return {
             "outbox": self.outbox.run(),
