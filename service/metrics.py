@@ -32,16 +32,15 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from service import queue_gauges
 from service.metric_specs import LENGTH_TAU_WINDOW, POOLS, STATES, WORKER_METRICS, build_all
 from service.protocol import DEFAULT_TENANT
 from workers.api import FinalEvent, FinishReason
 from workers.config import SchedulerConfig
 from workers.length_predictor import kendall_tau
 
-if TYPE_CHECKING:  # the engine module pulls in torch; the metrics need only its dataclasses
-    from workers.engine import EngineStats, StepRecord
+if TYPE_CHECKING:  # the step stats pull in torch; the metrics need only their dataclasses
     from workers.plan import CacheStats, Census
+    from workers.step_stats import EngineStats, StepRecord
 
 LENGTH_TAU_EVERY = 16
 # Tenants (docs/protocol.md, "Tenants, batch jobs and admission").
@@ -263,14 +262,6 @@ class Metrics:
     def _oldest_waiting_age(self) -> float:
         since = self._oldest_waiting_since
         return 0.0 if since is None else max(0.0, time.time() - since)
-
-    async def poll_ingest(self, redis, stream: str, group: str, dead_letter_stream: str) -> None:
-        """Deprecated: `service.queue_gauges.poll_ingest`, which this calls."""
-        await queue_gauges.poll_ingest(redis, self, stream, group, dead_letter_stream)
-
-    async def poll_fair_queue(self, redis, stream: str) -> None:
-        """Deprecated: `service.queue_gauges.poll_fair_queue`, which this calls."""
-        await queue_gauges.poll_fair_queue(redis, self, stream)
 
 
 def _job_class(batch: bool) -> str:
