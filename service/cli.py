@@ -15,18 +15,17 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 from service.config import RedisConfig, WorkerConfig
 from service.flags import (
     add_engine_arguments,
     add_gateway_arguments,
     add_worker_arguments,
-    default_queue_url,
     engine_config_from_args,
     gateway_config_from_args,
     worker_config_from_args,
 )
+from service.submit_command import add_submit_arguments, run_submit
 
 # The worker's exit status: 0 when it drained everything it held.
 EXIT_CREDENTIALS = 2  # Redis refused the credentials
@@ -43,6 +42,37 @@ SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(argv).parse_args(argv)
+    if args.command == "demo":
+        return asyncio.run(_demo(args))
+    if args.command == "worker":
+        import uvloop
+
+        return uvloop.run(_worker(args))
+    if args.command == "submit":
+        return run_submit(args)
+    if args.command == "health":
+        return _health(args)
+    if args.command == "gateway":
+        import uvloop
+
+        from service.gateway.server import serve
+
+        return uvloop.run(serve(gateway_config_from_args(args)))
+    if args.command == "train-length-predictor":
+        from bench.length_training import run as train_length_predictor
+
+        train_length_predictor(args)
+        return 0
+    from bench.main import run as run_bench
+
+    run_bench(args)
+    return 0
+
+
+def _parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The command line: one subcommand each, the bench's and the trainer's flags only
+    when `argv` names them."""
     parser = argparse.ArgumentParser(
         prog="inflight", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -57,47 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     worker = commands.add_parser("worker", help="serve jobs from a Redis stream until SIGTERM")
     add_worker_arguments(worker)
 
-    submit = commands.add_parser("submit", help="send a prompt through Redis and stream the answer")
-    submit.add_argument("prompt", help="the text; sent as a chat message unless --raw")
-    submit.add_argument("--raw", action="store_true", help="send the text as a plain prompt, not a chat message")
-    submit.add_argument("--max-tokens", type=int, default=64)
-    submit.add_argument("--temperature", type=float, default=0.0)
-    submit.add_argument("--priority", type=int, default=0, help="-10..10, higher first")
-    submit.add_argument(
-        "--tenant",
-        type=_tenant_name,
-        help="who the job is for: fair share, caps and quotas count per tenant (default: default)",
-    )
-    submit.add_argument(
-        "--batch", action="store_true", help="a batch job: it runs only on capacity interactive jobs leave free"
-    )
-    submit.add_argument(
-        "--logprobs",
-        type=int,
-        metavar="K",
-        default=None,
-        help="after the answer, list each token's log probability and its K most likely alternatives (0..20) on stderr",
-    )
-    shape = submit.add_mutually_exclusive_group()
-    shape.add_argument(
-        "--json-schema", type=Path, metavar="FILE", help="the answer is JSON valid under this JSON schema file"
-    )
-    shape.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
-    shape.add_argument("--regex", help="the answer fully matches this regular expression")
-    shape.add_argument("--choice", action="append", help="the answer is exactly one of these strings (repeatable)")
-    submit.add_argument(
-        "--redis-url",
-        default=default_queue_url(),
-        help="default: $REDIS_URL, else the embedded server's address (%(default)s)",
-    )
-    submit.add_argument("--requests-stream", default=RedisConfig().requests_stream)
-    submit.add_argument(
-        "--timeout-s",
-        type=float,
-        default=60.0,
-        help="give up when no reply arrives for this long, e.g. no worker is running; "
-        "0 waits forever (default: %(default)s)",
-    )
+    add_submit_arguments(commands.add_parser("submit", help="send a prompt through Redis and stream the answer"))
 
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
     # Only for `inflight bench`: the benchmarks import torch (seconds), which the other
@@ -126,33 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.length_training import add_arguments as add_training_arguments
 
         add_training_arguments(trainer)
-
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        return asyncio.run(_demo(args))
-    if args.command == "worker":
-        import uvloop
-
-        return uvloop.run(_worker(args))
-    if args.command == "submit":
-        return _submit(args)
-    if args.command == "health":
-        return _health(args)
-    if args.command == "gateway":
-        import uvloop
-
-        from service.gateway.server import serve
-
-        return uvloop.run(serve(gateway_config_from_args(args)))
-    if args.command == "train-length-predictor":
-        from bench.length_training import run as train_length_predictor
-
-        train_length_predictor(args)
-        return 0
-    from bench.main import run as run_bench
-
-    run_bench(args)
-    return 0
+    return parser
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -194,98 +158,6 @@ async def _demo(args: argparse.Namespace) -> int:
                 else:
                     print(event.text, end="", flush=True)
     return 0
-
-
-def _output_shape(args: argparse.Namespace) -> dict:
-    """The job's structured-output field, from `--json-schema`, `--json-object`, `--regex` or `--choice`."""
-    import json
-
-    if args.json_schema is not None:
-        try:
-            return {"json_schema": json.loads(args.json_schema.read_text())}
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{args.json_schema} is not JSON: {error}") from None
-    if args.json_object:
-        return {"json_object": True}
-    if args.regex is not None:
-        return {"regex": args.regex}
-    if args.choice:
-        return {"choice": args.choice}
-    return {}
-
-
-def _tenant_name(text: str) -> str:
-    """--tenant's value, checked as a worker checks it (a usage error, not a dead letter)."""
-    from service.protocol import TENANT_PATTERN
-
-    if not TENANT_PATTERN.fullmatch(text):
-        raise argparse.ArgumentTypeError("must be 1-64 characters of letters, digits and _ . @ -")
-    return text
-
-
-def _submit(args: argparse.Namespace) -> int:
-    from service.sdk import InflightError, SyncClient
-
-    text = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
-    try:
-        shape = _output_shape(args)
-    except (OSError, ValueError) as error:
-        print(f"inflight submit: {error}", file=sys.stderr)
-        return 1
-    if args.logprobs is not None:
-        shape.update(logprobs=True, top_logprobs=args.logprobs)
-    streaming = False  # whether the answer so far left the cursor mid-line
-    tokens = []
-    try:
-        with SyncClient(
-            args.redis_url, requests_stream=args.requests_stream, reply_timeout_s=args.timeout_s or None
-        ) as client:
-            for event in client.generate(
-                **text,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                priority=args.priority,
-                tenant=args.tenant,
-                batch=args.batch or None,  # left out unless asked: the job reads as before
-                **shape,
-            ):
-                if event["type"] == "token":
-                    print(event["text"], end="", flush=True)
-                    streaming = True
-                    tokens.append(event)
-                elif event["type"] == "done":
-                    usage, timings = event["usage"], event["timings"]
-                    first = timings["first_token_s"]
-                    print(event["text"])
-                    if args.logprobs is not None:
-                        print(_logprob_table(tokens), file=sys.stderr)
-                    print(
-                        f"({event['finish_reason']}: {usage['completion_tokens']} tokens, first token "
-                        f"{'-' if first is None else f'{first * 1000:.0f} ms'}, total {timings['total_s']:.2f} s)",
-                        file=sys.stderr,
-                    )
-                else:
-                    retry = f" (retry after {event['retry_after_s']:g} s)" if "retry_after_s" in event else ""
-                    print(f"error {event['code']}: {event['message']}{retry}", file=sys.stderr)
-                    return 1
-    except InflightError as error:  # one line, not a traceback: the server went away or no worker answers
-        if streaming:
-            print(flush=True)
-        print(f"inflight submit: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
-
-
-def _logprob_table(tokens: list[dict]) -> str:
-    """One line a token: its text, log probability, and the alternatives asked for."""
-    lines = []
-    for event in tokens:
-        tops = "  ".join(f"{top['token']!r} {top['logprob']:.2f}" for top in event.get("top_logprobs", ()))
-        lines.append(f"{event['token']!r:>16} {event['logprob']:8.3f}" + (f"   | {tops}" if tops else ""))
-    return "\n".join(lines)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -374,18 +246,7 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     # A cluster client for a redis+cluster:// URL. Its connections carry the consumer's
     # name, so other workers see at once when this process dies (service/ingest.py).
     client = connect(config.url, block_ms=config.block_ms, client_name=client_name(config.consumer))
-    log.info(
-        "worker_started",
-        consumer=config.consumer,
-        role=worker_config.disagg.role,
-        stream=config.requests_stream if worker_config.disagg.role != "decode" else worker_config.disagg.handoff_stream,
-        redis=_redacted(config.url),
-        embedded=embedded,
-        metrics_port=metrics_config.port or None,
-        kv_blocks=engine.allocator.num_blocks,
-    )
-    if embedded:
-        print(_how_to_submit(config), file=sys.stderr, flush=True)
+    _log_started(log, worker_config, embedded, engine.allocator.num_blocks)
     left: list[str] = []
     try:
         worker = Worker(
@@ -411,6 +272,23 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
             server.shutdown()
         log.info("worker_stopped", consumer=config.consumer, drained=not left, pending=left)
     return EXIT_PENDING_LEFT if left else 0
+
+
+def _log_started(log, worker_config: WorkerConfig, embedded: bool, kv_blocks: int) -> None:
+    """The `worker_started` line; with the embedded server, how to submit to it too."""
+    config, disagg = worker_config.redis, worker_config.disagg
+    log.info(
+        "worker_started",
+        consumer=config.consumer,
+        role=disagg.role,
+        stream=config.requests_stream if disagg.role != "decode" else disagg.handoff_stream,
+        redis=_redacted(config.url),
+        embedded=embedded,
+        metrics_port=worker_config.metrics.port or None,
+        kv_blocks=kv_blocks,
+    )
+    if embedded:
+        print(_how_to_submit(config), file=sys.stderr, flush=True)
 
 
 def _stop_on_signals(log, grace_s: float) -> asyncio.Event:
