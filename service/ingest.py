@@ -102,6 +102,9 @@ class Entry:
     entry_id: str
     fields: dict  # bytes -> bytes, as Redis returns them
     deliveries: int  # how many times it has been delivered, this delivery included
+    # The prompt's token ids when the fair queue's admission tokenized it already
+    # (service/fair_queue/keys.py, PROMPT_IDS_FIELD); None: the engine tokenizes it.
+    prompt_ids: list[int] | None = None
 
 
 class LeasedReader:

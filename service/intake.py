@@ -26,7 +26,7 @@ from typing import Any
 
 from service import queue_gauges
 from service.config import DisaggConfig, FairQueueConfig, RedisConfig
-from service.fair_queue import Admission, Charges, FairQueueReader, Refusal
+from service.fair_queue import Admissible, Admission, Charges, FairQueueReader, Refusal
 from service.held import HeldEntries
 from service.ingest import Entry, JobReader
 from service.metrics import Metrics
@@ -201,9 +201,10 @@ class FairQueueIntake(StreamIntake):
     async def close(self) -> None:
         await asyncio.wait([asyncio.create_task(self.charges.flush())], timeout=1.0)
 
-    async def _admissible(self, entry: Entry) -> tuple[Job, int] | None:
-        """The entry's job and its prompt tokens; or None, when it was refused for what it
-        is (its producer told, the entry dead-lettered), as any worker would on reading it."""
+    async def _admissible(self, entry: Entry) -> Admissible | None:
+        """The entry's job and its prompt's token ids; or None, when it was refused for
+        what it is (its producer told, the entry dead-lettered), as any worker would on
+        reading it."""
         try:
             job = decode_job(entry.entry_id, entry.fields, self.config.reply_prefixes)
         except ProtocolError as error:
@@ -212,10 +213,11 @@ class FairQueueIntake(StreamIntake):
             await self.refusals.reject(entry, rejection)
             return None
         try:  # off the event loop: a long prompt takes a while
-            prompt_tokens = len(await asyncio.to_thread(encode_prompt, self.front.tokenizer, job.prompt))
-        except InvalidRequest:
-            prompt_tokens = 0  # the engine refuses it when it is served, with this request's error
-        return job, prompt_tokens
+            prompt_ids = await asyncio.to_thread(encode_prompt, self.front.tokenizer, job.prompt)
+        except InvalidRequest:  # the engine refuses it when it is served, with this request's error
+            return Admissible(job, 0)
+        # None when empty: the engine then says why of the prompt itself.
+        return Admissible(job, len(prompt_ids), prompt_ids or None)
 
     async def _refuse(self, entry: Entry, job: Job, refusal: Refusal) -> None:
         self.metrics.observe_outcome("rejected")

@@ -184,7 +184,7 @@ class JobRunner:
             await self.front.compile_grammar(job.params)
         request = GenerationRequest(
             entry.entry_id,
-            job.prompt,
+            entry.prompt_ids or job.prompt,  # tokenized at admission, with the fair queue
             job.params,
             job.priority,
             deadline,

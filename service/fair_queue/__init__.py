@@ -17,9 +17,19 @@ the request stream's hash slot (`{<requests stream>}:...`, keys.py), so each scr
 atomic, on a Redis Cluster too. The scripts are service/lua/fair_queue_*.lua (scripts.py).
 """
 
-from service.fair_queue.admission import Admission, Refusal
+from service.fair_queue.admission import Admissible, Admission, Refusal
 from service.fair_queue.charges import Charges
 from service.fair_queue.keys import BATCH_LEVEL, CountKeys, account_of, level_of
 from service.fair_queue.reader import FairQueueReader
 
-__all__ = ["BATCH_LEVEL", "Admission", "Charges", "CountKeys", "FairQueueReader", "Refusal", "account_of", "level_of"]
+__all__ = [
+    "BATCH_LEVEL",
+    "Admissible",
+    "Admission",
+    "Charges",
+    "CountKeys",
+    "FairQueueReader",
+    "Refusal",
+    "account_of",
+    "level_of",
+]

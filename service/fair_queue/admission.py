@@ -7,11 +7,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgpack
+
 from service.config import FairQueueConfig, RedisConfig
 from service.fair_queue.keys import level_of
 from service.fair_queue.scripts import ADMIT
 from service.ingest import Entry, JobReader
+from service.protocol import Job
 from service.text import text
+
+
+@dataclass(frozen=True)
+class Admissible:
+    """A job admission may queue: its prompt's tokens as counted, and their ids when it
+    was tokenized (they travel with the job, so it is tokenized once)."""
+
+    job: Job
+    prompt_tokens: int
+    prompt_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -24,8 +37,8 @@ class Refusal:
 class Admission:
     """Moves each new request-stream entry into its tenant's queue, or refuses it.
 
-    `check(entry)` decodes an entry and counts its prompt tokens, or raises what the
-    worker turns into the entry's error (a `ProtocolError`, or an engine's refusal);
+    `check(entry)` decodes an entry and tokenizes its prompt (an `Admissible`), or
+    returns None when the worker refused it for what it is (its producer told);
     `refuse(entry, job, refusal)` tells the producer and dead-letters the entry.
     """
 
@@ -56,7 +69,8 @@ class Admission:
         checked = await self._check(entry)
         if checked is None:
             return  # refused for what it is: the worker has told the producer
-        job, prompt_tokens = checked
+        job = checked.job
+        prompt_ids = msgpack.packb(checked.prompt_ids) if checked.prompt_ids else b""
         fair = self.fair
         result = await self._admit(
             keys=[self.config.requests_stream],
@@ -65,7 +79,7 @@ class Admission:
                 entry.entry_id,
                 job.tenant,
                 level_of(job),
-                prompt_tokens,
+                checked.prompt_tokens,
                 int(time.time() * 1000),
                 fair.max_queued_jobs,
                 fair.max_queued_tokens,
@@ -73,6 +87,7 @@ class Admission:
                 fair.tenant_max_queued_tokens,
                 fair.tenant_tokens_per_s,
                 fair.max_queue_wait_s,
+                prompt_ids,
             ],
         )
         outcome = text(result[0])

@@ -9,6 +9,9 @@ from service.protocol import Job
 ORIGIN_FIELD = b"inflight:origin"  # the request entry's id, on a tenant queue's entry
 TOKENS_FIELD = b"inflight:tokens"  # its prompt tokens, as admission counted them
 AHEAD_FIELD = b"inflight:ahead"  # the interactive jobs queued when it was admitted
+# The prompt's token ids (msgpack), as admission tokenized them: the worker that takes the
+# job hands them to the engine, so a prompt is tokenized once in the fleet.
+PROMPT_IDS_FIELD = b"inflight:prompt_ids"
 BATCH_LEVEL = "batch"
 
 

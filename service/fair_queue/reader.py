@@ -8,10 +8,11 @@ import time
 from collections import defaultdict
 from collections.abc import Collection
 
+import msgpack
 from redis.exceptions import ResponseError
 
 from service.config import FairQueueConfig, RedisConfig
-from service.fair_queue.keys import AHEAD_FIELD, BATCH_LEVEL, ORIGIN_FIELD, TOKENS_FIELD, tag_of
+from service.fair_queue.keys import AHEAD_FIELD, BATCH_LEVEL, ORIGIN_FIELD, PROMPT_IDS_FIELD, TOKENS_FIELD, tag_of
 from service.fair_queue.scripts import ADMITTING, TAKE
 from service.ingest import Entry, JobReader, LeasedReader, dead_letter_record
 from service.text import text
@@ -131,6 +132,7 @@ class FairQueueReader(LeasedReader):
             origin = text(fields.pop(ORIGIN_FIELD, b"") or entry_id)
             fields.pop(TOKENS_FIELD, None)
             fields.pop(AHEAD_FIELD, None)
+            packed_ids = fields.pop(PROMPT_IDS_FIELD, None)
             if origin in held:
                 continue
             queue_entry_id = text(entry_id)
@@ -141,7 +143,8 @@ class FairQueueReader(LeasedReader):
                     queue, self.group, min=queue_entry_id, max=queue_entry_id, count=1
                 )
                 deliveries = rows[0]["times_delivered"] if rows else 1
-            entries.append(Entry(origin, fields, deliveries))
+            prompt_ids = msgpack.unpackb(packed_ids) if packed_ids else None
+            entries.append(Entry(origin, fields, deliveries, prompt_ids))
         return entries
 
     def took_batch(self, entry_id: str) -> bool:

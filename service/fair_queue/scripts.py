@@ -6,7 +6,7 @@ constants below, the bookkeeping keys from the request stream's name, and helper
 
 from __future__ import annotations
 
-from service.fair_queue.keys import AHEAD_FIELD, ORIGIN_FIELD, TOKENS_FIELD
+from service.fair_queue.keys import AHEAD_FIELD, ORIGIN_FIELD, PROMPT_IDS_FIELD, TOKENS_FIELD
 from service.lua_scripts import lua
 from workers.api import PRIORITY_MIN
 
@@ -28,6 +28,7 @@ def _with_keys(name: str) -> str:
         ORIGIN_FIELD=ORIGIN_FIELD.decode(),
         TOKENS_FIELD=TOKENS_FIELD.decode(),
         AHEAD_FIELD=AHEAD_FIELD.decode(),
+        PROMPT_IDS_FIELD=PROMPT_IDS_FIELD.decode(),
         PRIORITY_MIN=PRIORITY_MIN,
     )
     return shared + lua(name)

@@ -3,13 +3,15 @@
 -- it into its tenant's queue at its level. Runs after fair_queue_keys.lua.
 -- KEYS[1]: the request stream. ARGV: group, entry id, tenant, level, prompt tokens, now
 -- (ms), max queued jobs, max queued tokens, the tenant's max queued jobs and tokens, its
--- tokens per second, the max queue wait (s) (0: no cap). Returns {'admitted'}, {'gone'}
+-- tokens per second, the max queue wait (s) (0: no cap), the prompt's token ids (msgpack;
+-- empty: not tokenized). Returns {'admitted'}, {'gone'}
 -- (another worker admitted it, or it was deleted) or {code, retry_after_s, message}.
 local group, entry_id, tenant, level = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local tokens, now_ms = tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_jobs, max_tokens = tonumber(ARGV[7]), tonumber(ARGV[8])
 local tenant_max_jobs, tenant_max_tokens, rate = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
 local max_wait_s = tonumber(ARGV[12])
+local prompt_ids = ARGV[13]
 if #redis.call('XPENDING', KEYS[1], group, entry_id, entry_id, 1) == 0 then return {'gone'} end
 local entry = redis.call('XRANGE', KEYS[1], entry_id, entry_id)[1]
 if not entry then return {'gone'} end
@@ -110,6 +112,7 @@ local fields = entry[2]
 table.insert(fields, origin_field); table.insert(fields, entry_id)
 table.insert(fields, tokens_field); table.insert(fields, tostring(tokens))
 table.insert(fields, ahead_field); table.insert(fields, tostring(level == 'batch' and 0 or ahead))
+if prompt_ids ~= '' then table.insert(fields, prompt_ids_field); table.insert(fields, prompt_ids) end
 redis.call('XADD', queue, '*', unpack(fields))
 redis.call('XACK', KEYS[1], group, entry_id)
 redis.call('XDEL', KEYS[1], entry_id)

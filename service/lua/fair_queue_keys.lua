@@ -5,7 +5,7 @@
 -- slot outlooks. No ARGV of its own. (A `$$` of Lua is doubled: string.Template reads it.)
 local window, retry_min, retry_max, burst = $DRAIN_WINDOW_S, $RETRY_AFTER_MIN_S, $RETRY_AFTER_MAX_S, $QUOTA_BURST_S
 local origin_field, tokens_field = '$ORIGIN_FIELD', '$TOKENS_FIELD'
-local ahead_field = '$AHEAD_FIELD'
+local ahead_field, prompt_ids_field = '$AHEAD_FIELD', '$PROMPT_IDS_FIELD'
 local priority_min = $PRIORITY_MIN
 local tag = '{' .. KEYS[1] .. '}'
 local backlog_key, served_key = tag .. ':backlog', tag .. ':served'

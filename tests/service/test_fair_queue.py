@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 
 from service import slot_outlook
 from service.config import FairQueueConfig, RedisConfig
-from service.fair_queue import Admission, Charges, FairQueueReader, Refusal
+from service.fair_queue import Admissible, Admission, Charges, FairQueueReader, Refusal
 from service.protocol import Job, decode_job
 from service.slot_outlook import OUTLOOK_TTL_MS, UNKNOWN_END_S, SlotOutlook
 
@@ -53,7 +53,8 @@ class Queue:
 
     async def _check(self, entry):
         job = decode_job(entry.entry_id, entry.fields)
-        return job, len(job.prompt.split())
+        words = job.prompt.split()  # a word a token, its length the token's id
+        return Admissible(job, len(words), [len(word) for word in words])
 
     async def _refuse(self, entry, job, refusal) -> None:
         self.refusals.append((job, refusal))
@@ -103,6 +104,18 @@ def test_an_admitted_job_leaves_the_request_stream_and_keeps_its_entry_id(client
         ((taken_id, job),) = await queue.take()
         assert (taken_id, job.request_id, job.tenant) == (entry_id, "job-1", "acme")
         await queue.reader.ack(taken_id)
+
+    run(main())
+
+
+def test_a_taken_job_brings_the_token_ids_its_admission_made_so_its_prompt_is_tokenized_once(client):
+    async def main():
+        queue = Queue(client, FairQueueConfig(enabled=True))
+        await queue.submit("a prompt of six short words", id="job-ids")
+        (entry,) = await queue.reader.read(1, 50)
+        assert entry.prompt_ids == [1, 6, 2, 3, 5, 5]
+        assert not any(name.startswith(b"inflight:") for name in entry.fields)  # the job's own fields only
+        await queue.reader.ack(entry.entry_id)
 
     run(main())
 

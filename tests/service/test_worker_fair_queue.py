@@ -247,3 +247,37 @@ def test_a_worker_full_of_interactive_jobs_beside_preempted_batch_ones_waits_wit
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_fair_queue_worker_serves_the_prompt_admission_tokenized_token_for_token(make_engine):
+    """Admission tokenizes each prompt, and the token ids travel with the job to the
+    worker that takes it: the answer is the one a worker without fair queueing gives from
+    the text (greedy), for a raw prompt and a chat job alike."""
+    run = uuid.uuid4().hex[:8]
+    jobs = {
+        "raw": {"prompt": "The capital of France is", "max_tokens": "8", "temperature": "0"},
+        "chat": {
+            "messages": '[{"role": "user", "content": "Name three colours."}]',
+            "max_tokens": "8",
+            "temperature": "0",
+        },
+    }
+
+    async def answers(fair: FairQueueConfig, name: str) -> dict[str, list[bytes]]:
+        config = stream_config(f"inflight:test:{run}:{name}")
+        client, stop, task = await serving(make_engine(), config, fair)
+        for kind, fields in jobs.items():
+            await client.xadd(config.requests_stream, {"id": f"{run}-{name}-{kind}", **fields})
+        replies = {kind: await read_replies(client, f"inflight:out:{{{run}-{name}-{kind}}}") for kind in jobs}
+        stop.set()
+        assert await task == []
+        await client.aclose()
+        return {kind: [e["token_ids"] for e in events if e["type"] == b"token"] for kind, events in replies.items()}
+
+    async def main():
+        plain = await answers(FairQueueConfig(), "plain")
+        fair = await answers(FairQueueConfig(enabled=True), "fair")
+        assert all(len(tokens) == 8 for tokens in plain.values())
+        assert fair == plain
+
+    asyncio.run(main())
