@@ -28,11 +28,13 @@ class Job:
     tenant: str | None = None
     batch: bool = False
     ignore_eos: bool = True
+    slack_s: float | None = None  # its deadline: this long after it is sent
     sent: float | None = None  # perf_counter
     entry_id: str = ""  # the request entry's id: Redis's clock when it was added
     times: list[float] = field(default_factory=list)  # each token's arrival, perf_counter
     tokens: list[int] = field(default_factory=list)
     final: dict | None = None
+    ended: float | None = None  # its final event's arrival, perf_counter
     last_id: str = "0"
     handoff_at: float | None = None  # its handoff entry's arrival
     staged_tokens: int | None = None  # prompt tokens its handoff carried K/V for
@@ -42,8 +44,9 @@ class Job:
         return self.times[0] - self.sent
 
     def payload(self) -> dict:
-        return job_payload(self.prompt, None, self.request_id, max_tokens=self.max_tokens,
-                           ignore_eos=self.ignore_eos, tenant=self.tenant, batch=self.batch or None)  # fmt: skip
+        deadline_ms = None if self.slack_s is None else int((time.time() + self.slack_s) * 1000)
+        return job_payload(self.prompt, None, self.request_id, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                           tenant=self.tenant, batch=self.batch or None, deadline_ms=deadline_ms)  # fmt: skip
 
     def outcome(self) -> str:
         """finish_reason, the error's code, or `unfinished`."""
@@ -134,7 +137,7 @@ class Follower:
                         job.times.extend([now] * len(event["token_ids"]))
                         job.tokens.extend(event["token_ids"])
                     else:
-                        job.final = event
+                        job.final, job.ended = event, now
                         del self.open[key]
                         break
             if reply:

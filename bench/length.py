@@ -39,15 +39,12 @@ import time
 import uuid
 from pathlib import Path
 
-import msgpack
-
 from bench.arrivals import at_t0, poisson
 from bench.fleet import Fleet, model_flags, redis_server
+from bench.follow import Follower, Job
 from bench.metrics import metric_total
 from bench.scenario import Scenario, add_flags
 from service.connect import connect
-from service.protocol import reply_stream
-from service.sdk import job_payload
 
 QUIET_LIMIT_S = 120.0
 
@@ -168,77 +165,51 @@ def _serve(
     """A fresh worker with `flags`; the prompts sent at each point's arrival times in turn
     (with `slacks`, each with a deadline that many seconds after it is sent)."""
     run_id = uuid.uuid4().hex[:8]  # request ids stay unique while their owner keys live
-    prefix = f"inflight:bench:length:{run_id}:{name}"
     log_dir = tmp / name
     log_dir.mkdir()
-    with Fleet(log_dir, url, prefix, [*model_flags(args), *flags], graceful=True) as fleet:
+    flags = [*model_flags(args), *flags]
+    with Fleet(log_dir, url, f"inflight:bench:length:{run_id}:{name}", flags, graceful=True) as fleet:
         worker = fleet.start("bench")
         worker.wait_ready()
         served: dict = {"points": [], "preemptions": []}
         for i, arrivals in enumerate(points):
-            before = _preemptions(worker)
-            sent = _send(url, prefix, f"{run_id}-{name}{i}", texts, arrivals, args, slacks)
-            served["points"].append(asyncio.run(sent))
-            served["preemptions"].append(_preemptions(worker) - before)
+            before = metric_total(worker.metrics(), "inflight_preemptions_total")
+            served["points"].append(asyncio.run(_send(fleet, f"{run_id}-{name}{i}", texts, arrivals, args, slacks)))
+            served["preemptions"].append(metric_total(worker.metrics(), "inflight_preemptions_total") - before)
         return served
 
 
-def _preemptions(worker) -> float:
-    return metric_total(worker.metrics(), "inflight_preemptions_total")
-
-
 async def _send(
-    url: str, prefix: str, tag: str, texts: list[str], arrivals: list[float], args, slacks=None
+    fleet: Fleet, tag: str, texts: list[str], arrivals: list[float], args, slacks=None
 ) -> tuple[list, float]:
     """Each prompt queued at its arrival time (with `slacks`, a deadline that many seconds
     later); every reply followed to its end. Per request: its tokens, its send, first-token
     and end times after t0, its finish reason, and whether it was refused as unmeetable."""
-    client = connect(url, socket_timeout=30)
-    ids = [f"len-{tag}-{i}" for i in range(len(texts))]
-    records = [
-        {"sent": None, "first": None, "end": None, "tokens": [], "finish": None, "refused": False} for _ in texts
-    ]
-    by_stream = {reply_stream(rid): i for i, rid in enumerate(ids)}
-    t0 = time.perf_counter()
-
-    async def producer():
-        for i in sorted(range(len(texts)), key=lambda i: arrivals[i]):
-            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-            records[i]["sent"] = time.perf_counter() - t0
-            deadline_ms = None if slacks is None else int((time.time() + slacks[i]) * 1000)
-            payload = job_payload(texts[i], None, ids[i], max_tokens=args.length_max_tokens, deadline_ms=deadline_ms)
-            await client.xadd(f"{prefix}:requests", payload)
-
-    async def consumer():
-        last = {stream: "0" for stream in by_stream}
-        quiet_since = time.perf_counter()
-        while last:
-            reply = await client.xread(last, block=2000)
-            now = time.perf_counter()
-            if not reply and now - quiet_since > QUIET_LIMIT_S:
-                raise RuntimeError(f"length: no reply for {QUIET_LIMIT_S:.0f} s")
-            quiet_since = now
-            for key, entries in reply or []:
-                key = key.decode()
-                record = records[by_stream[key]]
-                for entry_id, fields in entries:
-                    last[key] = entry_id
-                    event = msgpack.unpackb(fields[b"data"])
-                    if event["type"] == "token":
-                        record["first"] = record["first"] or now - t0
-                        record["tokens"].extend(event["token_ids"])
-                    elif event["type"] == "error" and not (slacks and event.get("code") == "deadline_unmeetable"):
-                        raise RuntimeError(f"length: {ids[by_stream[key]]} failed: {event.get('message')}")
-                    else:
-                        record["end"] = now - t0
-                        record["refused"] = event["type"] == "error"
-                        record["finish"] = event.get("finish_reason")
-                        del last[key]
-
-    await asyncio.gather(producer(), consumer())
+    client = connect(fleet.url, socket_timeout=30)
+    follower = Follower(client, fleet)
+    jobs = [
+        Job(f"len-{tag}-{i}", f"len-{tag}-{i}", text, args.length_max_tokens, ignore_eos=False,
+            slack_s=None if slacks is None else slacks[i])
+        for i, text in enumerate(texts)
+    ]  # fmt: skip
+    order = sorted(range(len(jobs)), key=lambda i: arrivals[i])
+    reader = asyncio.create_task(follower.read())
+    try:
+        t0 = await follower.send_at([jobs[i] for i in order], [arrivals[i] for i in order])
+        await follower.until(lambda: all(j.final for j in jobs), "length's replies", limit_s=QUIET_LIMIT_S, quiet=True)
+    finally:
+        follower.reading = False
+        await reader
+        await client.aclose()
     duration = time.perf_counter() - t0
-    await client.delete(*by_stream)
-    await client.aclose()
+    for job in jobs:
+        if job.final["type"] == "error" and not (slacks and job.final.get("code") == "deadline_unmeetable"):
+            raise RuntimeError(f"length: {job.request_id} failed: {job.final.get('message')}")
+    records = [
+        {"sent": j.sent - t0, "first": j.times[0] - t0 if j.times else None, "end": j.ended - t0, "tokens": j.tokens,
+         "finish": j.final.get("finish_reason"), "refused": j.final["type"] == "error"}
+        for j in jobs
+    ]  # fmt: skip
     return records, duration
 
 
