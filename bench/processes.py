@@ -142,38 +142,24 @@ class RedisServer:
         self.kill()
 
     def _answers(self) -> bool:
-        login = () if self.password is None else (_command("AUTH", self.username or "default", self.password),)
         try:
-            with self._connect() as connection:
-                connection.sendall(b"".join(login) + _command("PING"))
-                replies = b""
-                while replies.count(b"\r\n") < len(login) + 1:
-                    chunk = connection.recv(256)
-                    if not chunk:
-                        return False
-                    replies += chunk
-                return replies.split(b"\r\n")[len(login)].startswith(b"+PONG")  # -LOADING while it reads its file
+            return self.info("PING").startswith(b"+PONG")  # -LOADING while it reads its file
         except OSError:
             return False
 
     def info(self, *command: str) -> bytes:
-        """The raw reply to one command whose answer is a bulk string (INFO, CLUSTER INFO),
-        logged in as the readiness check is."""
+        """The raw reply to one command, logged in as the readiness check is: a bulk string's
+        payload (INFO, CLUSTER INFO), else its status or error line."""
         login = () if self.password is None else (_command("AUTH", self.username or "default", self.password),)
         with self._connect() as connection:
             connection.sendall(b"".join(login) + _command(*command))
             reply = b""
             while True:
-                lines = reply.split(b"\r\n")
-                answer = lines[len(login) :]
-                if (
-                    len(answer) >= 2
-                    and answer[0].startswith(b"$")
-                    and len(b"\r\n".join(answer[1:])) >= int(answer[0][1:])
-                ):
-                    return b"\r\n".join(answer[1:])
-                if answer and answer[0].startswith(b"-"):
+                answer = reply.split(b"\r\n")[len(login) :]
+                if len(answer) >= 2 and answer[0][:1] in (b"+", b"-"):
                     return answer[0]
+                if len(answer) >= 2 and answer[0][:1] == b"$" and len(b"\r\n".join(answer[1:])) >= int(answer[0][1:]):
+                    return b"\r\n".join(answer[1:])
                 chunk = connection.recv(4096)
                 if not chunk:
                     return reply
