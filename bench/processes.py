@@ -285,56 +285,29 @@ def _command(*parts: str) -> bytes:
     return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in encoded)
 
 
-class WorkerProcess:
-    """`python -m service.cli worker` under a fixed consumer name, logging to a file."""
+class ServiceProcess:
+    """`python -m service.cli COMMAND` under a name, logging to `log_dir/COMMAND-NAME.log`;
+    it may be stopped or killed and started again with the same flags. `env` adds to the
+    environment (e.g. INFLIGHT_API_KEYS)."""
 
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+    STOP_WAIT_S = 30.0  # after SIGTERM, before SIGKILL
+
+    def __init__(self, command: str, name: str, argv: list[str], log_dir: Path, env: dict | None = None) -> None:
         self.name = name
-        self.metrics_port = free_port()
-        self.argv = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "worker",
-            "--consumer",
-            name,
-            "--metrics-port",
-            str(self.metrics_port),
-            "--metrics-host",
-            "127.0.0.1",
-            *argv,
-        ]
-        self.log_path = Path(log_dir) / f"worker-{name}.log"
+        self.argv = [sys.executable, "-m", "service.cli", command, *argv]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = Path(log_dir) / f"{command}-{name}.log"
         self.process: subprocess.Popen | None = None
-        self.starts = 0
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def start(self) -> None:
-        self.starts += 1
         with open(self.log_path, "a") as log:
-            log.write(f"--- start {self.starts}\n")
-            log.flush()
             self.process = subprocess.Popen(
-                self.argv,
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env
             )
-
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until this start has logged `worker_started` (model loaded, serving)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            this_start = self.log_path.read_text(errors="replace").rsplit(f"--- start {self.starts}\n", 1)[-1]
-            if '"worker_started"' in this_start:
-                return
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.name} did not start:\n{self.log_tail()}")
-            time.sleep(0.1)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -347,9 +320,44 @@ class WorkerProcess:
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=60)
+                self.process.wait(timeout=self.STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.process.pid)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+
+class WorkerProcess(ServiceProcess):
+    """`inflight worker` under a fixed consumer name (its restarts too), /metrics on a free port."""
+
+    STOP_WAIT_S = 60.0
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+        self.metrics_port = free_port()
+        metrics = ["--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1"]
+        super().__init__("worker", name, ["--consumer", name, *metrics, *argv], log_dir)
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        with open(self.log_path, "a") as log:
+            log.write(f"--- start {self.starts}\n")  # what wait_ready reads after
+        super().start()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until this start has logged `worker_started` (model loaded, serving)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            this_start = self.log_path.read_text(errors="replace").rsplit(f"--- start {self.starts}\n", 1)[-1]
+            if '"worker_started"' in this_start:
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {self.name} did not start:\n{self.log_tail()}")
+            time.sleep(0.1)
 
     def rss_kb(self) -> int:
         """VmRSS from /proc: what the process holds in memory now."""
@@ -370,43 +378,18 @@ class WorkerProcess:
             for sample in family.samples
         }
 
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
 
-
-class GatewayProcess:
-    """`python -m service.cli gateway` on a free port, logging JSON lines to a file;
-    `env` adds to the environment (e.g. INFLIGHT_API_KEYS)."""
+class GatewayProcess(ServiceProcess):
+    """`inflight gateway` on a free port, logging JSON lines."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
         self.port = free_port()
-        self.argv = [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "gateway",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--log-format",
-            "json",
-            *argv,
-        ]
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.log_path = Path(log_dir) / f"gateway-{name}.log"
-        self.process: subprocess.Popen | None = None
+        flags = ["--host", "127.0.0.1", "--port", str(self.port), "--log-format", "json"]
+        super().__init__("gateway", name, [*flags, *argv], log_dir, env)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen(
-                self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env
-            )
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until it answers HTTP (its /health may say Redis is down: that is an answer too)."""
@@ -420,17 +403,5 @@ class GatewayProcess:
             except OSError:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway {self.name} did not start:\n{self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"gateway {self.name} did not start:\n{self.log_tail()}")
             time.sleep(0.05)
-
-    def cpu_seconds(self) -> float:
-        return cpu_seconds(self.process.pid)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=30)
