@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -113,7 +113,7 @@ class BlockTables:
         width = -(-max(map(CONTEXT_LEN, sequences), default=0) // block_size)
         return self._table[rows, :width]
 
-    def _add(self, ids: list[int]) -> _Row:
+    def _add(self, ids: Sequence[int]) -> _Row:
         if not self._free:
             old = self._table
             self._table = np.zeros((2 * old.shape[0], old.shape[1]), old.dtype)
@@ -137,15 +137,21 @@ class BlockTables:
 
 @dataclass
 class _Row:
-    ids: list[int]
+    ids: Sequence[int]
     index: int
     copied: int
+
+
+class KernelLauncher(Protocol):
+    """What launches the CUDA kernels: `CupyKernels` on a GPU, or the tests' emulation."""
+
+    def launch(self, instance: Any, grid: tuple[int, ...], block: int, args: list) -> None: ...
 
 
 class AttentionBackend(ABC):
     # The CUDA kernels' launcher (`CupyKernels`, or the tests' emulation) when this
     # backend runs them; the host KV pool then swaps blocks with the same kernels.
-    kernels = None
+    kernels: KernelLauncher | None = None
 
     def __init__(self, kv_cache: PagedKVCache) -> None:
         self.kv_cache = kv_cache

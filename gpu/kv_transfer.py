@@ -22,8 +22,12 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the `disagg` extra: imported where it is used
+    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
 # Host memory; a GPU deployment registers and reads "VRAM" through the same calls.
 MEMORY_TYPE = "DRAM"
@@ -64,7 +68,7 @@ class KVTransferAgent:
         # Strict: the event loop thread may poll notifications while the torch thread reads.
         config = nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.name = name
-        self._agent = _quiet_nixl_agent(name, config)
+        self._agent: nixl_agent | None = _quiet_nixl_agent(name, config)
         self._registrations: list[tuple[torch.Tensor, object]] = []
         # Keyed by the metadata itself: a peer that registers more memory publishes new
         # metadata under the same name, which must be loaded again.
@@ -73,14 +77,20 @@ class KVTransferAgent:
     @property
     def metadata(self) -> bytes:
         """What a peer passes to `connect` to read from this agent."""
-        return self._agent.get_agent_metadata()
+        return self._live.get_agent_metadata()
+
+    @property
+    def _live(self) -> nixl_agent:
+        if self._agent is None:
+            raise RuntimeError(f"the KV transfer agent {self.name} is closed")
+        return self._agent
 
     def register(self, tensor: torch.Tensor) -> None:
         """Make a contiguous CPU tensor's memory readable by peers (and a read's destination)."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("only a contiguous CPU tensor can be registered")
         region = [(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0, "")]
-        descriptors = self._agent.register_memory(region, MEMORY_TYPE)
+        descriptors = self._live.register_memory(region, MEMORY_TYPE)
         self._registrations.append((tensor, descriptors))  # the tensor must outlive its registration
 
     def connect(self, peer_metadata: bytes) -> str:
@@ -88,7 +98,8 @@ class KVTransferAgent:
         name = self._peer_names.get(peer_metadata)
         if name is None:
             try:
-                name = self._agent.add_remote_agent(peer_metadata).decode()
+                # The binding hands back bytes, though nixl annotates the name as str.
+                name = self._live.add_remote_agent(peer_metadata).decode()  # type: ignore[attr-defined]
             except Exception as error:
                 raise TransferFailed(f"bad peer metadata: {error}") from error
             self._peer_names = {md: peer for md, peer in self._peer_names.items() if peer != name}
@@ -109,10 +120,11 @@ class KVTransferAgent:
         if into.device.type != "cpu" or not into.is_contiguous() or num_bytes == 0:
             raise ValueError("a read goes into a non-empty contiguous CPU tensor")
         # One descriptor: splitting a large read into several in one transfer was no faster.
-        local = self._agent.get_xfer_descs([(into.data_ptr(), num_bytes, 0)], MEMORY_TYPE)
-        remote = self._agent.get_xfer_descs([(remote_address, num_bytes, 0)], MEMORY_TYPE)
+        agent = self._live
+        local = agent.get_xfer_descs([(into.data_ptr(), num_bytes, 0)], MEMORY_TYPE)
+        remote = agent.get_xfer_descs([(remote_address, num_bytes, 0)], MEMORY_TYPE)
         try:
-            handle = self._agent.initialize_xfer("READ", local, remote, peer, notify)
+            handle = agent.initialize_xfer("READ", local, remote, peer, notify)
         except Exception as error:  # NIXL_ERR_NOT_FOUND: either side's range is not registered
             raise TransferFailed(f"cannot read {num_bytes} bytes at {remote_address:#x} from {peer!r}") from error
         try:
@@ -121,7 +133,7 @@ class KVTransferAgent:
             raise TransferFailed(f"read of {num_bytes} bytes from {peer!r} failed: {error}") from error
         finally:
             try:
-                self._agent.release_xfer_handle(handle)  # cancels a transfer still running
+                agent.release_xfer_handle(handle)  # cancels a transfer still running
             except Exception:
                 pass  # NIXL keeps a handle it could not release and retries when the agent goes
         if state == "PROC":
@@ -129,51 +141,53 @@ class KVTransferAgent:
         if state != "DONE":
             raise TransferFailed(f"read of {num_bytes} bytes from {peer!r} failed")
 
-    def _wait(self, handle: object, deadline: float) -> str:
+    def _wait(self, handle: nixl_xfer_handle, deadline: float) -> str:
         """The transfer's state once it is no longer in progress, or at the deadline."""
-        state = self._agent.transfer(handle)
+        state = self._live.transfer(handle)
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(_POLL_S)
-            state = self._agent.check_xfer_state(handle)
+            state = self._live.check_xfer_state(handle)
         return state
 
     def notify(self, peer: str, message: bytes) -> None:
         """Send a peer a message outside any transfer (e.g. a confirmation)."""
         try:
-            self._agent.send_notif(peer, message)
+            self._live.send_notif(peer, message)
         except Exception as error:
             raise TransferFailed(f"cannot notify {peer!r}") from error
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """(peer name, message) for each message received since the last call."""
-        received = self._agent.get_new_notifs()
+        received = self._live.get_new_notifs()
         return [(peer, message) for peer, messages in received.items() for message in messages]
 
     def close(self) -> None:
         """Forget the peers, deregister the memory and drop the agent (its threads and sockets go with it)."""
-        if self._agent is None:
+        agent = self._agent
+        if agent is None:
             return
         for name in set(self._peer_names.values()):
-            self._agent.remove_remote_agent(name)
+            agent.remove_remote_agent(name)
         self._peer_names.clear()
         for _, descriptors in self._registrations:
-            self._agent.deregister_memory(descriptors)
+            agent.deregister_memory(descriptors)
         self._registrations.clear()
         self._agent = None
 
 
-def _quiet_nixl_agent(name: str, config: object) -> object:
+def _quiet_nixl_agent(name: str, config: nixl_agent_config) -> nixl_agent:
     """A `nixl_agent` whose progress thread blocks while idle.
 
     The wrapper builds its binding config itself and sets `pthrDelay = 0`; it exposes no
     parameter for it, so the binding's config class is swapped, for this construction only,
     for one that keeps `_PROGRESS_TIMEOUT_US`.
     """
-    from nixl_cu12 import _api, nixl_agent
+    from nixl_cu12 import _api
+    from nixl_cu12 import nixl_agent as make_agent
 
     binding_config = _api.nixlBind.nixlAgentConfig
 
-    class PatientConfig(binding_config):
+    class PatientConfig(_api.nixlBind.nixlAgentConfig):
         @property
         def pthrDelay(self) -> int:
             return binding_config.pthrDelay.__get__(self)
@@ -185,7 +199,7 @@ def _quiet_nixl_agent(name: str, config: object) -> object:
     with _agent_construction:
         _api.nixlBind.nixlAgentConfig = PatientConfig
         try:
-            return nixl_agent(name, config)
+            return make_agent(name, config)
         finally:
             _api.nixlBind.nixlAgentConfig = binding_config
 

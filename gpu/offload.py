@@ -51,7 +51,8 @@ class HostKVPool:
         if self.kernels is not None:
             self._swap_with_kernel(swap_out, swap_in)
             return
-        if not self.on_cuda:
+        stream = self.stream  # None off CUDA
+        if stream is None:
             if swap_out:
                 device_ids, host_ids = _ids(swap_out, device_blocks.device)
                 self.blocks.index_copy_(2, host_ids, device_blocks.index_select(2, device_ids))
@@ -61,31 +62,32 @@ class HostKVPool:
             return
 
         compute = torch.cuda.current_stream(device_blocks.device)
-        self.stream.wait_stream(compute)  # the blocks going out were written by earlier steps
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(compute)  # the blocks going out were written by earlier steps
+        with torch.cuda.stream(stream):
             if swap_out:
                 device_ids, host_ids = _ids(swap_out, device_blocks.device)
                 staged = device_blocks.index_select(2, device_ids).to("cpu", non_blocking=True)
-                self.stream.synchronize()  # the host scatter below reads what just arrived
+                stream.synchronize()  # the host scatter below reads what just arrived
                 self.blocks.index_copy_(2, host_ids.cpu(), staged)
             if swap_in:
                 host_ids, device_ids = _ids(swap_in, device_blocks.device)
                 staged = self.blocks.index_select(2, host_ids.cpu()).pin_memory()
                 device_blocks.index_copy_(2, device_ids, staged.to(device_blocks.device, non_blocking=True))
-        compute.wait_stream(self.stream)  # the forward reads the swapped-in blocks
+        compute.wait_stream(stream)  # the forward reads the swapped-in blocks
 
     def _swap_with_kernel(self, swap_out, swap_in) -> None:
         device_blocks = self.device_cache.blocks
-        if not self.on_cuda:
+        stream = self.stream  # None off CUDA
+        if stream is None:
             self._copy_blocks(self.blocks, device_blocks, swap_out)
             self._copy_blocks(device_blocks, self.blocks, swap_in)
             return
         compute = torch.cuda.current_stream(device_blocks.device)
-        self.stream.wait_stream(compute)  # the blocks going out were written by earlier steps
-        with torch.cuda.stream(self.stream):
+        stream.wait_stream(compute)  # the blocks going out were written by earlier steps
+        with torch.cuda.stream(stream):
             self._copy_blocks(self.blocks, device_blocks, swap_out)
             self._copy_blocks(device_blocks, self.blocks, swap_in)
-        compute.wait_stream(self.stream)  # the forward reads the swapped-in blocks
+        compute.wait_stream(stream)  # the forward reads the swapped-in blocks
 
     def _copy_blocks(self, dst: torch.Tensor, src: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
         """One launch: block pair[0] of `src` to block pair[1] of `dst`, in every layer's K and V."""

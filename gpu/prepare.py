@@ -21,6 +21,7 @@ from gpu.backends import select_backend
 from gpu.cpu.lean_forward import LeanForward
 from gpu.cpu.prepare import cpu_forward, swap_modules_for_cpu
 from gpu.cuda.graphs import DecodeGraphs, decode_graphs
+from gpu.hf_module import HFModule
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
 
@@ -50,7 +51,7 @@ class PreparedModel:
 
 
 def prepare_model(
-    model: nn.Module,
+    model: HFModule,
     options: DeviceOptions,
     backend_class: Callable[[PagedKVCache], AttentionBackend] | None = None,
 ) -> PreparedModel:

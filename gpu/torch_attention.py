@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ class PrefillSlice:
 @dataclass
 class TorchMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    decodes: object  # what the backend's `prepare_decodes` built (DecodeGroups here)
+    # What the backend's `prepare_decodes` built: DecodeGroups here, each subclass its own.
+    decodes: Any
     prefills: list[PrefillSlice]
 
 
@@ -75,8 +77,8 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq.context_len).unsqueeze(0) <= query_pos
                 prefills.append(PrefillSlice(rows, blocks.to(self.device), seq.context_len, mask.to(self.device)))
         assert len(slots) == num_tokens
-        slots = torch.from_numpy(np.array(slots, dtype=np.int64)).to(self.device)
-        return TorchMetadata(slots, self.prepare_decodes(decodes), prefills)
+        slot_tensor = torch.from_numpy(np.array(slots, dtype=np.int64)).to(self.device)
+        return TorchMetadata(slot_tensor, self.prepare_decodes(decodes), prefills)
 
     def prepare_decodes(self, decodes: list[SequenceSlice]):
         """The decode tokens' index tensors (what `attend_decodes` takes)."""
@@ -92,8 +94,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._attend_prefills(out, query, key, value, key_pool, value_pool, scale, metadata.prefills)
         return out
 
-    def attend_decodes(self, out, query, key_pool, value_pool, scale, groups: list[DecodeGroup]) -> None:
-        """Fill the decode tokens' rows of `out`."""
+    def attend_decodes(self, out, query, key_pool, value_pool, scale, groups: Any) -> None:
+        """Fill the decode tokens' rows of `out`; `groups` is what `prepare_decodes` built
+        (a list of DecodeGroups here; a subclass takes its own)."""
         num_heads, num_kv_heads, head_dim = query.shape[1], key_pool.shape[1], query.shape[2]
         for group in groups:
             batch = group.token_index.numel()

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
+from gpu.hf_module import HFModule
 
 RMS_NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"}
 GATED_MLPS = {"LlamaMLP", "Qwen2MLP", "MistralMLP"}
@@ -48,7 +49,7 @@ KERNEL_DTYPES = {torch.float32: "", torch.bfloat16: "_bf16"}
 
 
 class FusedRMSNorm(nn.Module):
-    def __init__(self, norm: nn.Module) -> None:
+    def __init__(self, norm: HFModule) -> None:
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.variance_epsilon
@@ -98,11 +99,12 @@ class FusedRMSNorm(nn.Module):
 
 
 class FusedGatedMLP(nn.Module):
-    def __init__(self, mlp: nn.Module) -> None:
+    def __init__(self, mlp: HFModule) -> None:
         super().__init__()
         gate, up = mlp.gate_proj, mlp.up_proj
         self.intermediate_size = gate.out_features
-        self.gate_up_proj = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
+        # An nn.Linear here; `pack_linears` may swap in a packed one (with `silu_mul` on AMX).
+        self.gate_up_proj: HFModule = nn.Linear(gate.in_features, 2 * gate.out_features, bias=gate.bias is not None,
                                       device=gate.weight.device, dtype=gate.weight.dtype)  # fmt: skip
         with torch.no_grad():
             self.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight]))
@@ -131,7 +133,9 @@ class ProjectionSlice(nn.Module):
     """Columns [start, stop) of the attention's fused `qkv_proj`: what `q_proj`, `k_proj` or
     `v_proj` computed. The attention is held without registering it (it is the parent)."""
 
-    def __init__(self, attention: nn.Module, start: int, stop: int) -> None:
+    _attention: HFModule
+
+    def __init__(self, attention: HFModule, start: int, stop: int) -> None:
         super().__init__()
         object.__setattr__(self, "_attention", attention)
         self.start, self.stop = start, stop
@@ -186,11 +190,12 @@ def row_argmax(rows: torch.Tensor) -> list[int]:
     return out.tolist()
 
 
-def fuse_qkv(attention: nn.Module) -> bool:
+def fuse_qkv(attention: HFModule) -> bool:
     """`attention.qkv_proj` from its three projections, which become slices of it; False
     where they are not three plain linears over the same input."""
-    projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-    if not all(type(p) is nn.Linear for p in projections):
+    found = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+    projections = [p for p in found if type(p) is nn.Linear]
+    if len(projections) != len(found):
         return False
     if len({p.in_features for p in projections}) != 1 or len({p.bias is None for p in projections}) != 1:
         return False
@@ -249,5 +254,5 @@ def fused_ops(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None:
     return library
 
 
-def _is_silu(activation: nn.Module) -> bool:
+def _is_silu(activation: object) -> bool:
     return isinstance(activation, nn.SiLU) or type(activation).__name__ == "SiLUActivation"

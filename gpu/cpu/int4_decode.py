@@ -25,13 +25,13 @@ import functools
 
 import numpy as np
 import torch
-from torch import nn
 
 from gpu.cpu.attention import CpuAttentionBackend
 from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm
 from gpu.cpu.int4_linear import Int4Linear
 from gpu.cpu.int8_linear import Int8Linear
 from gpu.cpu.native_build import CPU_CXX_FLAGS, try_load_cpu_library
+from gpu.hf_module import HFModule
 from gpu.torch_attention import TorchMetadata
 
 # Tokens a step may have to run here. The C++ matmul's cost grows with every token (a dot
@@ -61,11 +61,11 @@ def decode_library(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None
     return library
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
+def _layers(model: HFModule) -> list[HFModule]:
     return list(model.model.layers[: model.config.num_hidden_layers])
 
 
-def _layer_pointers(layer: nn.Module, key_pool: torch.Tensor, value_pool: torch.Tensor) -> list[int] | None:
+def _layer_pointers(layer: HFModule, key_pool: torch.Tensor, value_pool: torch.Tensor) -> list[int] | None:
     """The 16 addresses the C++ stack takes for one layer, or None if a module is not one it runs."""
     attention, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -86,7 +86,7 @@ class Int4DecodeStep:
     """A decode step of `model` as one call, for the steps `takes` accepts: logits from token embeddings."""
 
     def __init__(
-        self, model: nn.Module, backend: CpuAttentionBackend, library: ctypes.CDLL, pointers: list[int]
+        self, model: HFModule, backend: CpuAttentionBackend, library: ctypes.CDLL, pointers: list[int]
     ) -> None:
         config, layers = model.config, _layers(model)
         attention = layers[0].self_attn
@@ -107,7 +107,7 @@ class Int4DecodeStep:
             raise ValueError("the int4 decode stack does not take this model's shapes")
 
     @classmethod
-    def build(cls, model: nn.Module, backend, library: ctypes.CDLL | None = None) -> Int4DecodeStep | None:
+    def build(cls, model: HFModule, backend, library: ctypes.CDLL | None = None) -> Int4DecodeStep | None:
         """The step over `model`'s int4 layers, int8 head and `backend`'s cache, or None where
         it does not apply; `library` None is `decode_library()`, built for this CPU."""
         if not isinstance(backend, CpuAttentionBackend) or backend.kv_cache.blocks.dtype != torch.bfloat16:

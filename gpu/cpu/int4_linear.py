@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu.int8_linear import Int8Linear, quantize_linears, scratch_buffer
+from gpu.hf_module import HFModule
 
 GROUP_SIZE = 32
 # Rows the int4 kernel takes; more unpack and run dense. The kernel's cost grows with every
@@ -153,7 +154,7 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def quantize_model(model: nn.Module) -> int:
+def quantize_model(model: HFModule) -> int:
     """int4 weights for every linear of a causal LM's layers that the kernel's blocking
     fits, and int8 per output channel for the LM head, as llama.cpp's Q4_1 files hold
     Q8_0 for it (a tied embedding table stays dense for the lookups). Returns how many

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu.packed_linear import onednn_packs
+from gpu.hf_module import HFModule
 
 # The most rows a call runs on `_weight_int8pack_mm`; more rows dequantize and run dense.
 # The int8 kernel's cost grows with every row while the dequantized matmul's is mostly a
@@ -132,7 +133,7 @@ def quantize_linears(
     return replaced
 
 
-def quantize_model(model: nn.Module) -> int:
+def quantize_model(model: HFModule) -> int:
     """int8 weights for a Hugging Face causal LM's layers: every linear except the LM head
     (logits keep the dense model's precision) and those named in `DENSE_LINEARS`."""
     return quantize_linears(model, skip=(model.get_output_embeddings(),), skip_names=DENSE_LINEARS)

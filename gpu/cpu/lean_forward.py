@@ -32,6 +32,7 @@ from torch import nn
 
 from gpu.attention import PagedBatch, long_tensor
 from gpu.cpu.fusions import Rotary
+from gpu.hf_module import HFModule
 
 # Decoder stacks whose layer is exactly: norm, attention (q/k/v projections, rotary,
 # attention, o projection), residual add, norm, MLP, residual add.
@@ -58,7 +59,7 @@ def lean_forward_applies(model: nn.Module) -> bool:
 class _Layer:
     """One decoder layer's bound module calls and constants."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: HFModule) -> None:
         attention = layer.self_attn
         self.index = attention.layer_idx
         self.scale = attention.scaling
@@ -74,7 +75,7 @@ class _Layer:
         self.mlp = layer.mlp.forward
 
 
-def _add_norm(norm: nn.Module):
+def _add_norm(norm: HFModule):
     """`hidden += delta; return norm(hidden)`: in one pass where the norm offers it
     (`gpu.cpu.fusions.FusedRMSNorm.add_forward`)."""
     fused = getattr(norm, "add_forward", None)
@@ -85,7 +86,7 @@ def _add_norm(norm: nn.Module):
 
 
 class LeanForward:
-    def __init__(self, model: nn.Module, decode_step=None) -> None:
+    def __init__(self, model: HFModule, decode_step=None) -> None:
         if not lean_forward_applies(model):
             raise ValueError(f"the lean forward does not cover {type(model).__name__}")
         self.model = model

@@ -71,7 +71,9 @@ class PackedLinear(nn.Module):
                 weight = interleave_halves(weight)
                 self.bias = None if self.bias is None else interleave_halves(self.bias)
             self.packed_weight = torch.empty_like(weight)
-            amx_kernel().amx_pack_weight(weight.contiguous().data_ptr(), *weight.shape, self.packed_weight.data_ptr())
+            _loaded_amx_kernel().amx_pack_weight(
+                weight.contiguous().data_ptr(), *weight.shape, self.packed_weight.data_ptr()
+            )
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _ROWS_HINT)
 
@@ -92,7 +94,7 @@ class PackedLinear(nn.Module):
             rows = rows.contiguous()
         out = torch.empty(rows.shape[0], width, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.data_ptr()
-        status = amx_kernel().amx_linear(
+        status = _loaded_amx_kernel().amx_linear(
             rows.data_ptr(), rows.shape[0], self.in_features, rows.stride(0),
             self.packed_weight.data_ptr(), self.out_features, bias, out.data_ptr(), width, epilogue,
             torch.get_num_threads(),
@@ -126,6 +128,14 @@ def amx_kernel() -> ctypes.CDLL | None:
     library.amx_linear.argtypes = (p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int, ctypes.c_int)
     library.amx_linear.restype = ctypes.c_int
     return library if library.amx_linear_ready() else None
+
+
+def _loaded_amx_kernel() -> ctypes.CDLL:
+    """The AMX kernel, which `amx_applies` found before any weight was packed for it."""
+    kernel = amx_kernel()
+    if kernel is None:
+        raise RuntimeError("the AMX kernel is not loaded")
+    return kernel
 
 
 def amx_applies(weight: torch.Tensor) -> bool:

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu.attention import CONTEXT_LEN, QUERY_LEN, QUERY_START, AttentionBackend, BlockTables, SequenceSlice
+from gpu.attention import (
+    CONTEXT_LEN,
+    QUERY_LEN,
+    QUERY_START,
+    AttentionBackend,
+    BlockTables,
+    KernelLauncher,
+    SequenceSlice,
+)
 from gpu.cuda import source as cuda_source
 from gpu.kv_cache import PagedKVCache
 
@@ -66,7 +74,11 @@ class KernelMetadata:
 
 
 class CupyAttentionBackend(AttentionBackend):
-    def __init__(self, kv_cache: PagedKVCache, kernels=None, partition_size: int | None = None) -> None:
+    kernels: KernelLauncher
+
+    def __init__(
+        self, kv_cache: PagedKVCache, kernels: KernelLauncher | None = None, partition_size: int | None = None
+    ) -> None:
         """`kernels` defaults to the GPU's (`CupyKernels`); `partition_size` (tokens per
         decode partition) defaults to a size that gives every SM a few blocks."""
         super().__init__(kv_cache)
@@ -168,7 +180,10 @@ class CupyAttentionBackend(AttentionBackend):
         decode = metadata.decode
         if decode is not None:
             num_seqs, parts = decode.query_rows.numel(), decode.num_partitions
-            partial_out = partial_max = partial_sum = 0  # unused with a single partition
+            # Unused with a single partition: the kernel takes 0 for each.
+            partial_out: torch.Tensor | int = 0
+            partial_max: torch.Tensor | int = 0
+            partial_sum: torch.Tensor | int = 0
             if parts > 1:
                 partial_out = torch.empty(
                     (num_seqs, num_heads, parts, head_dim), dtype=torch.float32, device=out.device

@@ -131,12 +131,13 @@ class StaticDecodeInputs:
         longs[:, n:bucket] = np.array([[0], [0], [PAD_SLOT]])
         ints[n:bucket] = 1
         tables[n:bucket, 0] = PAD_BLOCK
-        on_cuda = self._copied is not None
+        copied = self._copied  # an event on CUDA, None elsewhere
+        on_cuda = copied is not None
         self._long.copy_(self._host_long, non_blocking=on_cuda)
         end = self.max_batch + bucket * self.max_blocks  # context lengths and the bucket's tables
         self._int[:end].copy_(self._host_int[:end], non_blocking=on_cuda)
-        if on_cuda:
-            self._copied.record(torch.cuda.current_stream(self.device))
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(self.device))
 
     def metadata(self, bucket: int, partition_size: int, num_partitions: int) -> KernelMetadata:
         """The kernels' metadata over the first `bucket` rows of the buffers."""
@@ -200,6 +201,8 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """The logits of `sample_rows` (rows of the batch, as the eager forward keeps them)."""
         bucket = bucket_for(len(sequences), self.buckets)
+        if bucket is None:  # a batch `applies` turns down
+            raise ValueError(f"no decode graph holds {len(sequences)} sequences")
         key = self.key(bucket, max(seq.context_len for seq in sequences))
         graph = self._graphs.get(key) or self._build(key)
         self.inputs.fill(token_ids, positions, sequences, bucket)

@@ -57,7 +57,8 @@ class Kernel:
 
     @classmethod
     def of(cls, name: str, source: str, params: str) -> Kernel:
-        return cls(name, source, tuple(tuple(p.split(":")) for p in params.split()))
+        pairs = (param.partition(":") for param in params.split())
+        return cls(name, source, tuple((param, kind) for param, _, kind in pairs))
 
 
 DECODE = Kernel.of("paged_decode_attention", "paged_attention.cu", _DECODE_PARAMS)
