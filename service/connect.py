@@ -24,6 +24,7 @@ and the SDK's error translation treat a cluster as they treat one server.
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
@@ -94,7 +95,7 @@ def _sentinel_parts(url: str, kwargs: dict) -> tuple[list[tuple[str, int]], str,
     path = [segment for segment in parts.path.split("/") if segment]
     if not path or len(path) > 2:
         raise ValueError("a Sentinel URL names its primary: redis+sentinel://host:26379,.../mymaster[/db]")
-    options = {key: value for key, value in parse_qsl(parts.query)}
+    options: dict[str, Any] = {key: value for key, value in parse_qsl(parts.query)}
     options.update(kwargs)
     if parts.username:
         options["username"] = unquote(parts.username)

@@ -166,8 +166,9 @@ class Handoffs:
         """The prompt's K/V, read from the prefill worker into this worker's arena under
         `slot_id` (released with `done`); None when they cannot be had: the prompt is
         computed instead."""
+        kv, agent = handoff.kv, self.agent
         try:
-            into = await self._read(handoff, slot_id) if handoff.kv is not None and self.agent is not None else None
+            into = await self._read(kv, agent, slot_id) if kv is not None and agent is not None else None
         except TransferFailed as error:
             log.warning("kv_transfer_failed", entry_id=handoff.origin, error=str(error))
             self.arena.release(slot_id)
@@ -177,11 +178,10 @@ class Handoffs:
             self.metrics.observe_handoff("kv_computed")
         return into
 
-    async def _read(self, handoff: Handoff, slot_id: str) -> torch.Tensor | None:
-        kv = handoff.kv
+    async def _read(self, kv: StagedKV, agent: KVTransferAgent, slot_id: str) -> torch.Tensor | None:
         if time.time() > kv.expires_at - READ_MARGIN_S:
             return None
-        peer = await self._peer(kv.agent)
+        peer = await self._peer(agent, kv.agent)
         if peer is None:
             return None
         dtype = getattr(torch, str(kv.dtype), None)
@@ -191,7 +191,7 @@ class Handoffs:
         if into is None:
             return None
         started = time.perf_counter()
-        await asyncio.to_thread(self.agent.read, peer, kv.address, into)
+        await asyncio.to_thread(agent.read, peer, kv.address, into)
         self.metrics.observe_handoff("kv_read", kv.num_bytes, time.perf_counter() - started)
         return into
 
@@ -203,22 +203,24 @@ class Handoffs:
     async def confirm(self, handoff: Handoff) -> None:
         """The job ended on this worker: the prefill worker may free the prompt's K/V. Never
         sent for a job this worker lost or left: its successor may still read them."""
-        peer = await self._peer(handoff.kv.agent) if handoff.kv is not None and self.agent is not None else None
-        if peer is not None:
+        kv, agent = handoff.kv, self.agent
+        peer = await self._peer(agent, kv.agent) if kv is not None and agent is not None else None
+        if peer is not None and agent is not None:
             try:
-                self.agent.notify(peer, handoff.origin.encode())
+                agent.notify(peer, handoff.origin.encode())
             except TransferFailed as error:  # the prefill worker frees it when the hold runs out
                 log.warning("handoff_confirm_failed", entry_id=handoff.origin, error=str(error))
 
-    async def _peer(self, agent: str) -> str | None:
-        """A prefill worker's agent, connected once; None when it is gone or unreachable."""
+    async def _peer(self, transfer: KVTransferAgent, agent: str) -> str | None:
+        """A prefill worker's agent, connected once through `transfer` (this worker's);
+        None when it is gone or unreachable."""
         peer = self._peers.get(agent)
         if peer is None:
             metadata = await self.redis.get(self.agent_key(agent))
             if metadata is None:  # that prefill worker is gone
                 return None
             try:
-                peer = self._peers[agent] = self.agent.connect(metadata)
+                peer = self._peers[agent] = transfer.connect(metadata)
             except TransferFailed as error:
                 log.warning("kv_peer_unreachable", agent=agent, error=str(error))
                 return None

@@ -160,7 +160,7 @@ class ReplyOutbox:
             )
             written = stream.gap_at if stream.gap_at is not None else stream.first_seq + len(stream.landed)
             append = Append(stream.reply_to, stream.entry_id, stream.waiting, stream.final_waiting, refresh, written)
-            batch.append((stream, stream.oldest, stream.final is not None))
+            batch.append((stream, stream.oldest, stream.final))
             appends.append(append)
             stream.waiting, stream.final_waiting = [], None
         if not batch:
@@ -168,10 +168,10 @@ class ReplyOutbox:
         to_write = [append for append in appends if append.tokens or append.final]
         replies = await retrying(lambda: self.publisher.append(to_write)) if to_write else []
         landed = time.monotonic()
-        replies = iter(replies)
+        each_reply = iter(replies)
         for (stream, oldest, final), append in zip(batch, appends):
             writes = bool(append.tokens or append.final)
-            reply = next(replies) if writes else True
+            reply = next(each_reply) if writes else True
             if stream.result.done():
                 continue  # closed while the pipeline was in flight
             if isinstance(reply, Gap):
@@ -183,10 +183,10 @@ class ReplyOutbox:
                     self.observe_lag(landed - oldest)
                 if append.refresh_ttl:
                     stream.refreshed_at = landed
-                if final:
+                if final is not None:
                     text = None if stream.text is None else "".join(stream.text)
                     num_tokens = stream.seq
-                    stream.result.set_result(Published(stream.final, num_tokens, text))
+                    stream.result.set_result(Published(final, num_tokens, text))
             elif reply is False:
                 self._fail(stream, LeaseLost(stream.reply_to))
             else:

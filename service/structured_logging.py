@@ -18,6 +18,7 @@ import sys
 from typing import TextIO
 
 import structlog
+from structlog.typing import Processor
 
 from service.config import LoggingConfig
 from workers.api import FinalEvent
@@ -30,7 +31,7 @@ def configure_logging(config: LoggingConfig, stream: TextIO | None = None) -> No
         structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer(colors=_is_terminal(stream))
     )
     level = logging.getLevelNamesMapping()[config.level.upper()]
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -85,7 +85,8 @@ class Gateway:
         handlers = {APIError: _api_error, HTTPException: _http_error}
         return Starlette(
             routes=routes,
-            exception_handlers=handlers,
+            # Starlette types a handler as taking any Exception; each of ours takes the class it is keyed by.
+            exception_handlers=handlers,  # type: ignore[arg-type]
             lifespan=self._lifespan,
             middleware=[Middleware(_Measured, metrics=self.metrics)],
         )
@@ -104,7 +105,7 @@ class Gateway:
             for cancelling in list(self._cancelling):  # stopping: jobs in their grace run on, to be resumed elsewhere
                 cancelling.cancel()
                 await asyncio.wait((cancelling,))
-            if reading is not None:
+            if reader is not None and reading is not None:
                 await reader.close(reading)
             with contextlib.suppress(asyncio.TimeoutError, OSError):
                 await asyncio.wait_for(self.redis.aclose(), timeout=2)
@@ -184,7 +185,7 @@ class Gateway:
         grace_s = self.config.resume_grace_s if taken is not None else 0
 
         async def cancel() -> None:
-            if grace_s:
+            if grace_s and taken is not None:  # a grace only for a stream that can be taken up
                 await asyncio.sleep(grace_s)
                 with contextlib.suppress(RedisError):
                     if await self.cards.taken_since(request_id, taken):

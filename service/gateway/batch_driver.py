@@ -147,7 +147,8 @@ class BatchRun:
         content = await self.files.content(None, self.object["input_file_id"])
         if content is None:
             gone = {"code": "file_not_found", "message": "the input file is gone", "param": None, "line": None}
-            requests, errors = [], [gone]
+            requests: list[str] = []
+            errors: list[dict] = [gone]
         else:
             # Off the event loop: a large file takes a while to read.
             requests, errors = await asyncio.to_thread(batch_lines.check_input, content, self.object["endpoint"])
@@ -166,12 +167,19 @@ class BatchRun:
 
     # -- running -----------------------------------------------------------------------------
 
+    async def _fields(self) -> dict[bytes, bytes]:
+        """The batch's hash, which outlives its driver."""
+        fields = await self.store.fields(self.batch_id)
+        if fields is None:
+            raise RuntimeError(f"batch {self.batch_id} is gone")
+        return fields
+
     async def _run_lines(self) -> None:
         for line, attempt in (await self.store.in_flight(self.batch_id)).items():  # a predecessor's
             self._start(line, attempt)
         while True:
             stop_if_cancelled()
-            fields = await self.store.fields(self.batch_id)
+            fields = await self._fields()
             status = fields[b"status"].decode()
             counts = {name: int(fields[name.encode()]) for name in ("total", "completed", "failed")}
             all_recorded = counts["completed"] + counts["failed"] >= counts["total"]
@@ -185,10 +193,10 @@ class BatchRun:
                 await self._end(EXPIRED, "expired")
                 return
             while len(self.tasks) < self.config.batch_max_outstanding:
-                line = await self.store.claim(self.batch_id)
-                if line is None:
+                claimed = await self.store.claim(self.batch_id)
+                if claimed is None:
                     break
-                self._start(line, 0)
+                self._start(claimed, 0)
             if self.tasks:
                 await asyncio.wait(
                     list(self.tasks.values()), timeout=self.config.batch_poll_s, return_when=asyncio.FIRST_COMPLETED
@@ -316,7 +324,7 @@ class BatchRun:
         for line, attempt in in_flight.items():
             await self.queue.cancel(f"{self.batch_id}-{line}-{attempt}")
         await asyncio.gather(*(self._settle(line, attempt, code) for line, attempt in in_flight.items()))
-        total = int((await self.store.fields(self.batch_id))[b"total"])
+        total = int((await self._fields())[b"total"])
         for first in range(first_unqueued, total, CHUNK):
             requests = await self.store.requests(self.batch_id, first, min(first + CHUNK, total) - 1)
             await self._record(
@@ -333,10 +341,12 @@ class BatchRun:
         request = await self.store.request(self.batch_id, line)
         job_id = f"{self.batch_id}-{line}-{attempt}"
         final, tokens = await self._follow(job_id, self.config.reply_timeout_s)
-        stopped = final is None or (
-            final["type"] == "done" and any(c["finish_reason"] == "cancelled" for c in choices_of(final))
+        cancelled = (
+            final is not None
+            and final["type"] == "done"
+            and any(c["finish_reason"] == "cancelled" for c in choices_of(final))
         )
-        if stopped or (final["type"] == "error" and final["code"] in LOAD_CODES):
+        if final is None or cancelled or (final["type"] == "error" and final["code"] in LOAD_CODES):
             record = "e" + batch_lines.ended(self.batch_id, line, request["custom_id"], code)
         else:
             record = self._result(line, request["custom_id"], self._read(request), job_id, final, tokens)
@@ -346,7 +356,7 @@ class BatchRun:
         """Write the output and error files (in input order), then end the batch. Done
         again from the start by a successor, over the same file ids."""
         results = await self.store.results(self.batch_id)
-        lines = {"o": [], "e": []}
+        lines: dict[str, list[str]] = {"o": [], "e": []}
         for line in sorted(results):
             record = results[line].decode()
             lines[record[0]].append(record[1:])

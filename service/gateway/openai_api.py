@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -153,7 +155,9 @@ def parse(kind: str, body, default_max_tokens: int) -> Parsed:
         raise bad_request("stream must be true or false", "stream")
     include_usage = _stream_options(body.get("stream_options"), stream)
 
-    job = {"messages": _messages(body.get("messages"))} if kind == CHAT else {"prompt": _prompt(body.get("prompt"))}
+    job: dict[str, Any] = (
+        {"messages": _messages(body.get("messages"))} if kind == CHAT else {"prompt": _prompt(body.get("prompt"))}
+    )
     max_tokens = body.get("max_completion_tokens") if kind == CHAT else None
     max_tokens = body.get("max_tokens") if max_tokens is None else max_tokens
     job["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
@@ -291,7 +295,9 @@ class Renderer:
     def with_logprobs(self) -> bool:
         return bool(self.parsed.job.get("logprobs"))
 
-    def chunk(self, index: int, text: str, finish_reason: str | None = None, tokens: list[dict] = ()) -> bytes | None:
+    def chunk(
+        self, index: int, text: str, finish_reason: str | None = None, tokens: Sequence[dict] = ()
+    ) -> bytes | None:
         """One SSE event carrying a choice's text delta and, when asked for, its tokens'
         log probabilities (None when there is nothing to say)."""
         logprobs = self.logprobs(index, tokens) if self.with_logprobs and tokens else None
@@ -319,7 +325,9 @@ class Renderer:
     def ending(self, done: dict) -> list[bytes]:
         """The last events of a stream: each choice's held-back text and finish reason,
         the usage when asked for, and `[DONE]`."""
-        events = [self.chunk(c["index"], c["text"], c["finish_reason"]) for c in choices_of(done)]
+        # A choice's last chunk carries its finish reason, so it always says something.
+        chunks = (self.chunk(c["index"], c["text"], c["finish_reason"]) for c in choices_of(done))
+        events = [chunk for chunk in chunks if chunk is not None]
         if self.parsed.include_usage:
             events.append(
                 self._event(
@@ -350,7 +358,7 @@ class Renderer:
             "usage": usage_of(done),
         }
 
-    def logprobs(self, index: int, tokens: list[dict]) -> dict:
+    def logprobs(self, index: int, tokens: Sequence[dict]) -> dict:
         """Token events' log probabilities in the API's shape: chat's `content` list, or
         the completions API's parallel lists (offsets count characters of the text)."""
         if self.chat:

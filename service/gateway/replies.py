@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import structlog
 from redis.exceptions import RedisError
@@ -65,7 +65,7 @@ class ReplyReader:
         self._blocked = False  # a read is waiting in Redis
         self._rung = False  # the doorbell rang for the read now waiting
 
-    async def entries(self, key: str, timeout_s: float) -> AsyncIterator[Entries]:
+    async def entries(self, key: str, timeout_s: float) -> AsyncGenerator[Entries, None]:
         """The stream's entries as they land, in batches, until the caller stops; a batch
         does not come within `timeout_s` of the last → ReplyTimeout."""
         follower = self._following[key] = _Follower()
@@ -159,7 +159,7 @@ class ReplyReader:
         self._following.clear()
 
 
-async def read_alone(redis, key: str, timeout_s: float) -> AsyncIterator[Entries]:
+async def read_alone(redis, key: str, timeout_s: float) -> AsyncGenerator[Entries, None]:
     """One stream's entries in batches, read by blocking XREADs of its own."""
     last: bytes | str = "0"
     heard = time.monotonic()
