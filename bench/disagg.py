@@ -56,15 +56,12 @@ import asyncio
 import os
 import random
 import sys
-import tempfile
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from bench.fleet import Fleet, model_flags, redis_server
+from bench.fleet import BenchRun, Fleet, bench_run, model_flags
 from bench.follow import Follower, Job
 from bench.metrics import inter_token_latencies, metric_total, percentile_or_none
 from bench.processes import WorkerProcess, cpu_seconds
@@ -212,27 +209,16 @@ def _sharegpt_texts(tokenizer, count: int, length: int, room: int, seed: int) ->
 
 
 async def _run(args: argparse.Namespace, configs: list[str], cores: list[str], prompts: Prompts) -> dict:
-    from service.connect import connect
-
     results: dict[str, dict] = {}
     jobs: dict[str, dict[str, Job]] = {}
-    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-disagg-") as logs:
-        client = connect(url, socket_timeout=60)
-        run_id = uuid.uuid4().hex[:8]
-        try:
-            for name in configs:
-                print(f"bench: disagg: {name}", file=sys.stderr, flush=True)
-                log_dir = Path(logs) / name
-                log_dir.mkdir()
-                fleet = Fleet(
-                    log_dir, url, f"inflight:bench:{run_id}:{name}", _worker_flags(args), graceful=True, reap=True
-                )
-                try:
-                    results[name], jobs[name] = await _configuration(name, fleet, client, run_id, args, cores, prompts)
-                finally:
-                    await asyncio.to_thread(fleet.close)
-        finally:
-            await client.aclose()
+    async with bench_run(args.redis_url, "disagg") as run:
+        for name in configs:
+            print(f"bench: disagg: {name}", file=sys.stderr, flush=True)
+            fleet = run.fleet(name, _worker_flags(args))
+            try:
+                results[name], jobs[name] = await _configuration(name, fleet, run, args, cores, prompts)
+            finally:
+                await asyncio.to_thread(fleet.close)
     return {
         "configurations": results,
         "identity": {
@@ -273,8 +259,9 @@ def _worker_flags(args) -> list[str]:
 
 
 async def _configuration(
-    name: str, fleet: Fleet, client, run_id: str, args, cores: list[str], prompts: Prompts
+    name: str, fleet: Fleet, run: BenchRun, args, cores: list[str], prompts: Prompts
 ) -> tuple[dict, dict[str, Job]]:
+    client = run.client
     handoff_stream = f"{fleet.prefix}:handoffs"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -290,7 +277,7 @@ async def _configuration(
         reader = asyncio.create_task(follower.read(), name="disagg-reader")
 
         def job(label: str, prompt: str, max_tokens: int) -> Job:
-            return Job(label, f"{run_id}-{name}-{label}", prompt, max_tokens)
+            return Job(label, f"{run.run_id}-{name}-{label}", prompt, max_tokens)
 
         def have(jobs: list[Job], count: Callable[[Job], int]) -> Callable[[], bool]:
             return lambda: all(len(j.times) >= count(j) or j.final for j in jobs)

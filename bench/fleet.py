@@ -11,7 +11,8 @@ import contextlib
 import signal
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -174,6 +175,37 @@ def redis_server(url: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="inflight-bench-valkey-") as data_dir:
         with embedded_valkey(free_port(), Path(data_dir)) as embedded:
             yield embedded
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """A load scenario's Redis (`--redis-url`, else an embedded Valkey), an asyncio client
+    of it, an id that keeps its request ids and keys apart, and a folder for its logs."""
+
+    url: str
+    client: object  # redis.asyncio
+    run_id: str
+    logs: Path
+
+    def fleet(self, name: str, worker_flags: list[str], reap: bool = True) -> Fleet:
+        """A fleet on streams of `name`'s own, its logs in a folder of their own; its
+        workers stop gracefully (and are reaped should this process be SIGKILLed)."""
+        log_dir = self.logs / name
+        log_dir.mkdir()
+        prefix = f"inflight:bench:{self.run_id}:{name}"
+        return Fleet(log_dir, self.url, prefix, worker_flags, graceful=True, reap=reap)
+
+
+@contextlib.asynccontextmanager
+async def bench_run(redis_url: str, name: str, socket_timeout: float = 60) -> AsyncIterator[BenchRun]:
+    from service.connect import connect
+
+    with redis_server(redis_url) as url, tempfile.TemporaryDirectory(prefix=f"inflight-bench-{name}-") as logs:
+        client = connect(url, socket_timeout=socket_timeout)
+        try:
+            yield BenchRun(url, client, uuid.uuid4().hex[:8], Path(logs))
+        finally:
+            await client.aclose()
 
 
 def model_flags(args) -> list[str]:

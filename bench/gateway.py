@@ -54,11 +54,11 @@ async def _run(args: argparse.Namespace) -> dict:
 
     # Both paths share the worker: with prefix caching, only the first round would compute
     # its prompts, and the path it belongs to would look slow.
-    async with private_worker(args.redis_url, args, "--no-prefix-caching") as run:
-        gateway = run.fleet.gateway("bench", "--reply-timeout-s", "300", *BACKPRESSURE_OFF)
+    async with private_worker(args.redis_url, args, "--no-prefix-caching") as (run, fleet):
+        gateway = fleet.gateway("bench", "--reply-timeout-s", "300", *BACKPRESSURE_OFF)
         gateway.wait_ready()
         async with ThroughGateway(gateway.url, run.client) as through_gateway:
-            paths = {"redis": ThroughRedis(run.client, run.fleet), "gateway": through_gateway}
+            paths = {"redis": ThroughRedis(run.client, fleet), "gateway": through_gateway}
             meters = {"gateway": gateway.cpu_seconds}
             runs = await paired_runs(paths, prompts, short, args.gateway_rounds, run.run_id, meters)
     streamed = runs.output_tokens("gateway")

@@ -16,18 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import tempfile
 import time
-import uuid
-from dataclasses import dataclass
-from pathlib import Path
 
 from bench.arrivals import at_t0
-from bench.fleet import Fleet, model_flags, redis_server
+from bench.fleet import Fleet, bench_run, model_flags
 from bench.follow import Follower, Job
 from bench.http_client import CompletionsClient, Prompt, token_times
 from service.config import RedisConfig
-from service.connect import connect
 from service.protocol import reply_stream
 from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 
@@ -113,27 +108,15 @@ async def delete_replies(client, request_ids: list[str]) -> None:
     await client.delete(*streams, *[f"{stream}:owner" for stream in streams])
 
 
-@dataclass(frozen=True)
-class PrivateWorker:
-    fleet: Fleet  # one worker, `bench`, on the run's own streams
-    client: object  # a redis.asyncio client of the fleet's server
-    run_id: str  # request ids are unique while their reply streams live
-
-
 @contextlib.asynccontextmanager
 async def private_worker(redis_url: str, args: argparse.Namespace, *worker_flags: str):
-    """A worker on streams of this run's own (on `redis_url`, else an embedded Valkey);
-    on the way out the worker stops and the run's keys are deleted."""
-    with redis_server(redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-") as logs:
-        client = connect(url, socket_timeout=30)
-        run_id = uuid.uuid4().hex[:8]
-        flags = [*model_flags(args), *worker_flags]
-        with Fleet(Path(logs), url, f"inflight:bench:{run_id}", flags, graceful=True) as fleet:
+    """A worker, `bench`, on streams of this run's own (on `redis_url`, else an embedded
+    Valkey): yields the run (its `client`, `run_id`) and its fleet; on the way out the
+    worker stops and the run's keys are deleted."""
+    async with bench_run(redis_url, "worker", socket_timeout=30) as run:
+        with run.fleet("worker", [*model_flags(args), *worker_flags], reap=False) as fleet:
             fleet.start("bench")
-            try:
-                yield PrivateWorker(fleet, client, run_id)
-            finally:
-                await client.aclose()
+            yield run, fleet
 
 
 def run_streams(url: str, prefix: str, **settings) -> RedisConfig:

@@ -62,15 +62,12 @@ import asyncio
 import contextlib
 import os
 import sys
-import tempfile
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.arrivals import poisson
-from bench.fleet import Fleet, model_flags, redis_server
+from bench.fleet import BenchRun, Fleet, bench_run, model_flags
 from bench.follow import Follower, Job, outcomes
 from bench.metrics import latency_figures, metric_total, percentile_or_none
 from bench.scenario import Scenario
@@ -271,39 +268,32 @@ def _prompts(args: argparse.Namespace, parts: list[str]) -> Prompts:
 
 
 async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], prompts: Prompts) -> dict:
-    from service.connect import connect
-
     report: dict = {"parts": parts}
-    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-tenants-") as logs:
-        client = connect(url, socket_timeout=60)
-        run_id = uuid.uuid4().hex[:8]
-        try:
-            capacity = None
-            if args.tenants_capacity_rps > 0:  # weighted tokens/s: from (b)'s jobs, if it runs
-                capacity = {
-                    "requests_per_s": args.tenants_capacity_rps,
-                    "weighted_tokens_per_s": None,
-                    "source": "flag",
-                }
-            if "a" in parts or "b" in parts or ("c" in parts and capacity is None):
-                async with _session(url, client, run_id, "main", args, cores, Path(logs), prompts) as session:
-                    if "a" in parts:
-                        report["a"] = await _timed(_part_a(session, prompts, args))
-                    if capacity is None and ("b" in parts or "c" in parts):
-                        capacity = await _capacity(session, prompts)
-                    if "b" in parts:
-                        report["b"] = await _timed(_part_b(session, prompts, capacity, args))
-            if capacity is not None:
-                report["capacity"] = capacity
-            if "c" in parts:
-                base = report.get("b", {}).get("alone", {}).get("ttft_p99_ms")
-                wait_s = args.tenants_max_queue_wait_s or (round(base / 1000, 2) if base else DEFAULT_QUEUE_WAIT_S)
-                caps = {"max_queue_wait_s": wait_s, "max_queued_jobs": args.tenants_max_queued_jobs}
-                flags = [f"--{name.replace('_', '-')}={value}" for name, value in caps.items() if value]
-                async with _session(url, client, run_id, "capped", args, cores, Path(logs), prompts, flags) as session:
-                    report["c"] = {"caps": caps} | await _timed(_part_c(session, prompts, capacity, base, args))
-        finally:
-            await client.aclose()
+    async with bench_run(args.redis_url, "tenants") as run:
+        capacity = None
+        if args.tenants_capacity_rps > 0:  # weighted tokens/s: from (b)'s jobs, if it runs
+            capacity = {
+                "requests_per_s": args.tenants_capacity_rps,
+                "weighted_tokens_per_s": None,
+                "source": "flag",
+            }
+        if "a" in parts or "b" in parts or ("c" in parts and capacity is None):
+            async with _session(run, "main", args, cores, prompts) as session:
+                if "a" in parts:
+                    report["a"] = await _timed(_part_a(session, prompts, args))
+                if capacity is None and ("b" in parts or "c" in parts):
+                    capacity = await _capacity(session, prompts)
+                if "b" in parts:
+                    report["b"] = await _timed(_part_b(session, prompts, capacity, args))
+        if capacity is not None:
+            report["capacity"] = capacity
+        if "c" in parts:
+            base = report.get("b", {}).get("alone", {}).get("ttft_p99_ms")
+            wait_s = args.tenants_max_queue_wait_s or (round(base / 1000, 2) if base else DEFAULT_QUEUE_WAIT_S)
+            caps = {"max_queue_wait_s": wait_s, "max_queued_jobs": args.tenants_max_queued_jobs}
+            flags = [f"--{name.replace('_', '-')}={value}" for name, value in caps.items() if value]
+            async with _session(run, "capped", args, cores, prompts, flags) as session:
+                report["c"] = {"caps": caps} | await _timed(_part_c(session, prompts, capacity, base, args))
     report["workload"] = {
         "a": f"{args.tenants_prompt_len} prompt tokens (random ids), {args.tenants_output_len} out, EOS ignored",
         "b_c": prompts.source + (", EOS ignored" if prompts.ignore_eos else ", EOS honoured"),
@@ -341,18 +331,15 @@ async def _timed(part) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def _session(url: str, client, run_id: str, name: str, args, cores: list[str], logs: Path, prompts: Prompts,
-                   extra: list[str] = ()):  # fmt: skip
+async def _session(run: BenchRun, name: str, args, cores: list[str], prompts: Prompts, extra: list[str] = ()):
     """Two fair-queue workers on `name`'s own streams, warmed up; stopped, and every key of
     theirs deleted, on the way out."""
     print(f"bench: tenants: starting the workers ({name})", file=sys.stderr, flush=True)
-    log_dir = logs / name
-    log_dir.mkdir()
-    fleet = Fleet(log_dir, url, f"inflight:bench:{run_id}:{name}", _worker_flags(args, extra), graceful=True, reap=True)
+    fleet = run.fleet(name, _worker_flags(args, extra))
     for consumer, core in WORKERS:
         fleet.start(consumer, cores=cores[core])
-    follower = Follower(client, fleet)
-    session = Session(name, run_id, client, fleet, follower, Counters(client, fleet.stream))
+    follower = Follower(run.client, fleet)
+    session = Session(name, run.run_id, run.client, fleet, follower, Counters(run.client, fleet.stream))
     reader = None
     try:
         await asyncio.to_thread(fleet.wait_all)

@@ -62,8 +62,8 @@ async def _run(args: argparse.Namespace) -> dict:
 
     loaded, engine, vocab_ids = await on_torch_thread(_load, args)
     workload, prompts, short = paired_workload(args, loaded.tokenizer, vocab_ids, args.ttft_pairs)
-    async with private_worker(args.redis_url, args) as run, AsyncEngine(engine) as front:
-        paths = {"inprocess": InProcess(front), "redis": ThroughRedis(run.client, run.fleet)}
+    async with private_worker(args.redis_url, args) as (run, fleet), AsyncEngine(engine) as front:
+        paths = {"inprocess": InProcess(front), "redis": ThroughRedis(run.client, fleet)}
         runs = await paired_runs(paths, prompts, short, args.redis_rounds, run.run_id)
     return runs.figures("inprocess", "redis") | {"workload": workload.describe()}
 
