@@ -44,7 +44,8 @@ class BlockPool:
         self._address: list[bytes | None] = [None] * num_blocks
         self._by_address: dict[bytes, int] = {}
         self._empty: deque[int] = deque(range(num_blocks))  # free, nothing worth keeping
-        self._cached: OrderedDict[int, None] = OrderedDict()  # free, registered; least recent first
+        # Free, registered blocks and their addresses; least recent first.
+        self._cached: OrderedDict[int, bytes] = OrderedDict()
         self.evicted: list[tuple[bytes, int]] = []  # (address, block) evicted, for the caller to take
         self.num_evictions = 0
 
@@ -79,8 +80,7 @@ class BlockPool:
         if self._empty:
             block_id = self._empty.popleft()
         elif self._cached:
-            block_id, _ = self._cached.popitem(last=False)
-            address = self._address[block_id]
+            block_id, address = self._cached.popitem(last=False)
             del self._by_address[address]
             self._address[block_id] = None
             self.evicted.append((address, block_id))
@@ -97,10 +97,11 @@ class BlockPool:
                 raise ValueError(f"block {block_id} freed twice or never allocated")
             self._holders[block_id] -= 1
             if self._holders[block_id] == 0:
-                if self._address[block_id] is None:
+                address = self._address[block_id]
+                if address is None:
                     self._empty.append(block_id)
                 else:
-                    self._cached[block_id] = None  # most recently freed last
+                    self._cached[block_id] = address  # most recently freed last
 
     def lookup(self, address: bytes) -> int | None:
         return self._by_address.get(address)

@@ -65,28 +65,27 @@ class DraftPlanner:
         wanted = []  # (chunk's place in the plan, request, most drafts)
         for place, chunk in enumerate(plan.chunks):
             request = chunk.request
-            gate = request.draft_gate
-            if chunk.is_decode and gate is not None:
+            gate, history = request.draft_gate, request.history  # both set by `enroll`
+            if chunk.is_decode and gate is not None and history is not None:
                 # The drafts and the token after them must fit in max_tokens.
                 k = min(gate.draft_length(step), request.params.max_tokens - len(request.output_token_ids) - 1)
                 if share is not None:
                     k = drafts_worth(gate.per_token.estimate(overall), share, k)
                 if k > 0:
-                    wanted.append((place, request, k))
+                    wanted.append((place, request, history, k))
         if not wanted:
             return
         wanted.sort(key=lambda entry: entry[1].queue_key)
         del wanted[room:]  # each takes a token at least
         histories = []
-        for _, request, _ in wanted:
-            history = request.history
+        for _, request, history, _ in wanted:
             if len(history.tokens) < request.num_tokens:
                 history.tokens.extend(request.token_slice(len(history.tokens), request.num_tokens))
             histories.append(history)
-        proposals = self.proposer.propose(histories, [k for _, _, k in wanted])
-        for (place, request, k), draft in zip(wanted, proposals):
+        proposals = self.proposer.propose(histories, [k for *_, k in wanted])
+        for (place, request, _, k), proposal in zip(wanted, proposals):
             fits = self.kv_cache.room(request, keep_free=num_running) - 1  # after the decode token
-            draft = tuple(draft[: min(k, room, fits)])
+            draft = tuple(proposal[: min(k, room, fits)])
             if not draft:
                 continue
             self.kv_cache.allocate(request, request.num_computed + 1 + len(draft), plan)
@@ -110,7 +109,8 @@ class DraftPlanner:
         end = chunk.start + 1 + len(kept)
         self.kv_cache.register_full_blocks(request, chunk.start, end)
         request.num_computed = end
-        request.draft_gate.record(step, len(chunk.drafts), accepted)
+        if request.draft_gate is not None:  # it drafted, so it is enrolled
+            request.draft_gate.record(step, len(chunk.drafts), accepted)
         self.acceptance.record(len(chunk.drafts), accepted)
         if stop is not None:
             return False

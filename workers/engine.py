@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers import kv_handoff
@@ -147,8 +148,9 @@ class Engine:
             return
         state = self.outputs.new_request(choices)
         going = [choice.request for choice in state.choices if choice.end is None]
-        if not going:  # a takeover of a request whose every choice had ended
-            self._post(FailRequest(self.outputs.request_final(state, state.choices[-1].end.finish_reason)))
+        last_end = state.choices[-1].end
+        if not going and last_end is not None:  # a takeover of a request whose every choice had ended
+            self._post(FailRequest(self.outputs.request_final(state, last_end.finish_reason)))
             return
         state.lead, *forks = going
         state.lead.forks = forks
@@ -285,9 +287,11 @@ class Engine:
             self.scheduler.swaps_done(plan, copied)
         return output
 
-    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
+    def _sample(self, logits: torch.Tensor | None, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int]]:
         """A token for each sampling chunk, and how many of its drafts were accepted (the
         token follows them). `logits` has a row for each chunk and for each of its drafts."""
+        if logits is None:  # the runner returns none only for a plan without chunks
+            raise RuntimeError("a step with sampling chunks returned no logits")
         if not any(chunk.drafts for chunk in chunks):
             return self._sample_rows(logits, [c.request for c in chunks]), [0] * len(chunks)
         firsts, row = [], 0
@@ -314,15 +318,14 @@ class Engine:
         choices = [self.outputs.choice(r) for r in sampling]
         wanting = [row for row, r in enumerate(sampling) if r.params.wants_logprobs]
         logprobs = log_probs(logits, wanting) if wanting else None
-        constrained = [row for row, choice in enumerate(choices) if choice.grammar is not None]
+        row_grammars = {row: choice.grammar for row, choice in enumerate(choices) if choice.grammar is not None}
+        constrained = list(row_grammars)
         if constrained:
-            self.grammars.apply(logits, constrained, [choices[row].grammar for row in constrained])
+            self.grammars.apply(logits, constrained, list(row_grammars.values()))
         token_ids = self.sampler.sample(logits, [r.params for r in sampling], [c.generator for c in choices])
         if constrained:
-            self.grammars.advance(
-                [choices[row].grammar for row in constrained], [token_ids[row] for row in constrained]
-            )
-        if wanting:
+            self.grammars.advance(list(row_grammars.values()), [token_ids[row] for row in constrained])
+        if logprobs is not None:  # some rows want them
             values = token_logprobs(
                 logprobs, [token_ids[row] for row in wanting], [sampling[row].params.top_logprobs for row in wanting]
             )
@@ -385,8 +388,11 @@ class Engine:
             self._known_ids.discard(request_id)
 
 
-def _embeddings(loaded: LoadedModel):
-    return loaded.model.get_input_embeddings().weight.detach().float().cpu().numpy()
+def _embeddings(loaded: LoadedModel) -> np.ndarray:
+    weight = loaded.model.get_input_embeddings().weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{loaded.name}: the input embeddings hold no weight tensor")
+    return weight.detach().float().cpu().numpy()
 
 
 def _eos_token_ids(loaded: LoadedModel) -> frozenset[int]:

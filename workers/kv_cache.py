@@ -172,8 +172,15 @@ class KVCacheManager:
         """Free every block `request` holds, on the device and in the host tier."""
         self.release(request)
         if request.host_block_ids:
-            self.host_pool.free(request.host_block_ids)
+            self._host.free(request.host_block_ids)
             request.host_block_ids = []
+
+    @property
+    def _host(self) -> BlockPool:
+        """The host tier, on the paths that run only with one (host blocks are held)."""
+        if self.host_pool is None:
+            raise RuntimeError("no host tier")
+        return self.host_pool
 
     # -- swaps -----------------------------------------------------------------------
 
@@ -204,17 +211,16 @@ class KVCacheManager:
         """The runner has made the plan's copies (or failed to: `copied` False): the host
         blocks they read or wrote are free again. Blocks whose copy may have failed lose
         their content address."""
-        host = self.host_pool
         if not copied:
             for _, device_block in plan.fetch:
                 self.device_pool.unregister(device_block)
             for _, host_block in plan.offload:
-                host.unregister(host_block)
+                self._host.unregister(host_block)
         # A fetch lists a chain head first: free it last block first (as `release` does), so
         # the host tier evicts its tail first. Offloads are already in eviction order.
         for pairs, host_side in ((plan.swap_in, 0), (plan.fetch[::-1], 0), (plan.offload, 1)):
             if pairs:
-                host.free([pair[host_side] for pair in pairs])
+                self._host.free([pair[host_side] for pair in pairs])
 
     # -- the prefix cache ------------------------------------------------------------
 
@@ -269,7 +275,7 @@ class KVCacheManager:
                 continue
             address, host_block = entry
             device_block = self.device_pool.allocate()
-            self.host_pool.share(host_block)  # held until the copy is made
+            self._host.share(host_block)  # held until the copy is made
             self.device_pool.register(device_block, address)
             plan.fetch.append((host_block, device_block))
             request.block_ids.append(device_block)
@@ -283,6 +289,13 @@ class KVCacheManager:
             for index in range(first, last):
                 self.device_pool.register(request.block_ids[index], addresses[index])
 
+    @property
+    def _salt(self) -> bytes:
+        """The cache salt, on the paths that run only with prefix caching on."""
+        if self.cache_salt is None:
+            raise RuntimeError("prefix caching is off")
+        return self.cache_salt
+
     def _addresses(self, request: Request, num_blocks: int) -> list[bytes]:
         """`request`'s content addresses, computed up to its first `num_blocks` blocks (all
         full); the list may hold more."""
@@ -291,7 +304,7 @@ class KVCacheManager:
         while len(addresses) < num_blocks:
             start = len(addresses) * size
             parent = addresses[-1] if addresses else b""
-            addresses.append(block_hash(parent, request.token_slice(start, start + size), self.cache_salt))
+            addresses.append(block_hash(parent, request.token_slice(start, start + size), self._salt))
         return addresses
 
     def _tail_address(self, request: Request, num_tokens: int) -> bytes:
@@ -299,7 +312,7 @@ class KVCacheManager:
         (not a multiple of the block size) after its full blocks."""
         full = num_tokens // self.block_size
         parent = self._addresses(request, full)[full - 1] if full else b""
-        return block_hash(parent, request.token_slice(full * self.block_size, num_tokens), self.cache_salt)
+        return block_hash(parent, request.token_slice(full * self.block_size, num_tokens), self._salt)
 
     # -- handoffs (disaggregated serving, `workers/kv_handoff.py`) ---------------------
 
@@ -368,7 +381,7 @@ class KVCacheManager:
         is evicted first)."""
         self.device_pool.free(block for _, block in reversed(adopted.device))
         if adopted.host:
-            self.host_pool.free(block for _, block in reversed(adopted.host))
+            self._host.free(block for _, block in reversed(adopted.host))
 
     def plan_offloads(self, plan: StepPlan) -> None:
         """Copy the cached device blocks this plan evicted to the host tier, while it has

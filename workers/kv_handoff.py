@@ -71,6 +71,8 @@ def _copy_into(pool: torch.Tensor | None, pairs: list[tuple[int, int]], prompt_k
     """Block `index` of `prompt_kv` into block `block` of `pool`, for each (index, block)."""
     if not pairs:
         return
+    if pool is None:
+        raise ValueError("blocks to fill in a pool that does not exist")
     indices = [index for index, _ in pairs]
     if indices == list(range(indices[0], indices[0] + len(indices))):  # the usual case: no gather
         source = prompt_kv.narrow(2, indices[0], len(indices))

@@ -166,8 +166,9 @@ def policy_predictor(
 ) -> LengthPredictor | OracleLengths | None:
     """What orders the queue under `scheduler.length_policy` (None: first come, first
     served); `embeddings` gives the model's input embeddings [vocab, hidden] as float32."""
-    if scheduler.length_policy == "oracle":
-        return OracleLengths.load(scheduler.length_oracle)
+    oracle = scheduler.length_oracle  # given with the oracle policy (SchedulerConfig checks)
+    if scheduler.length_policy == "oracle" and oracle is not None:
+        return OracleLengths.load(oracle)
     if scheduler.length_policy == "predicted" and model_name(model) is not None:
         return load_predictor(model, embeddings())
     return None

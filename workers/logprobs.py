@@ -25,8 +25,8 @@ def token_logprobs(
     k = max(tops, default=0)
     if not k:
         return [(value, ()) for value in chosen]
-    values, ids = logprobs.topk(k, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    best_values, best_ids = logprobs.topk(k, dim=-1)
+    values, ids = best_values.tolist(), best_ids.tolist()
     return [
         (value, tuple(zip(ids[row][:top], values[row][:top]))) for row, (value, top) in enumerate(zip(chosen, tops))
     ]

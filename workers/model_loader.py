@@ -20,12 +20,13 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import jinja2
 import safetensors.torch
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from gpu.cpu.packed_linear import bound_onednn_caches
@@ -254,8 +255,12 @@ def _convert_gguf(gguf: Path, dtype_name: str, folder: Path) -> None:
 def _load_folder(source: str, dtype: torch.dtype, attn_implementation: str):
     """A Hugging Face model folder or hub id (our GGUF caches are such folders)."""
     with _progress_bars():
-        model, info = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+        # With output_loading_info the call returns (model, info); its annotation says the model alone.
+        model, info = cast(
+            "tuple[PreTrainedModel, dict[str, list[str]]]",
+            AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=attn_implementation, output_loading_info=True
+            ),
         )
     # transformers only warns and fills missing weights with random values: refuse instead.
     if info["missing_keys"]:

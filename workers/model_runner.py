@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention import AttentionBackend, PagedBatch, SequenceSlice, long_tensor
+from gpu.offload import HostKVPool
 from gpu.prepare import DeviceOptions, prepare_model
 from workers.config import CacheConfig, ModelConfig
 from workers.plan import StepPlan
@@ -60,6 +61,12 @@ class ModelRunner:
     def num_host_blocks(self) -> int:
         return self.host_pool.num_blocks if self.host_pool else 0
 
+    def _host_pool(self) -> HostKVPool:
+        """The host pool, for the copies the scheduler plans only with one."""
+        if self.host_pool is None:
+            raise RuntimeError("copies to or from the host planned without a host pool")
+        return self.host_pool
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         started = time.perf_counter()
@@ -67,11 +74,11 @@ class ModelRunner:
         # is overwritten; then copies on write; then host to device.
         copies_out, copies_in = plan.copies_out, plan.copies_in
         if copies_out:
-            self.host_pool.swap(copies_out, ())
+            self._host_pool().swap(copies_out, ())
         if plan.copies:
             self.kv_cache.copy_blocks(plan.copies)
         if copies_in:
-            self.host_pool.swap((), copies_in)
+            self._host_pool().swap((), copies_in)
         swap_s = time.perf_counter() - started
         if not plan.chunks:
             return StepOutput(None, 0.0, swap_s)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,7 +50,8 @@ class RequestState:
     to the scheduler. Its final event is made when the last choice ends."""
 
     choices: list[ChoiceState]
-    lead: Request | None = None  # the choice that computes the prompt; the others fork from it
+    # The choice that computes the prompt, the others fork from it: set as the engine queues it.
+    lead: Request = field(init=False, repr=False)
 
 
 # The ends that say how long an output really is (not cut short by a cancel or a deadline).
@@ -160,10 +161,13 @@ class OutputProcessor:
         """The final event of a request whose choices have all ended (`reason`: why the
         last one did); the request is forgotten."""
         requests = [choice.request for choice in state.choices]
+        ends = tuple(choice.end for choice in state.choices if choice.end is not None)
+        if len(ends) != len(state.choices):
+            raise ValueError(f"request {requests[0].request_id} has a choice that has not ended")
         self.forget(requests[0].request_id)
-        if len(state.choices) == 1:
-            return final_event(requests, reason, state.choices[0].end.text, error, error_code)
-        return final_event(requests, reason, "", error, error_code, tuple(choice.end for choice in state.choices))
+        if len(ends) == 1:
+            return final_event(requests, reason, ends[0].text, error, error_code)
+        return final_event(requests, reason, "", error, error_code, ends)
 
     def forget(self, request_id: str) -> None:
         self.live.pop(request_id, None)
@@ -179,12 +183,15 @@ class OutputProcessor:
     def _choice_ended(self, request: Request) -> list[Event]:
         """A choice the scheduler has retired; its request's final event if it was the last."""
         state = self.live[request.request_id]
-        _end_choice(state.choices[request.index], request.finish_reason)
+        reason = request.finish_reason
+        if reason is None:
+            raise ValueError(f"choice {request.index} of {request.request_id} is not finished")
+        _end_choice(state.choices[request.index], reason)
         if request.predicted_output_len is not None and request.finish_reason in _NATURAL_ENDS:
             self.length_outcomes.append((request.predicted_output_len, len(request.output_token_ids)))
         if any(choice.end is None for choice in state.choices):
             return []
-        return [self.request_final(state, request.finish_reason)]
+        return [self.request_final(state, reason)]
 
 
 def final_event(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -39,14 +40,14 @@ CHAT_TEMPLATE = (
 )
 
 # Small enough to run on a CPU in tests, with head_dims the CUDA kernels cover.
-_TINY = dict(
+_TINY: dict[str, Any] = dict(
     vocab_size=1024,
     hidden_size=256,
     intermediate_size=512,
     num_hidden_layers=2,
     max_position_embeddings=1024,
 )
-_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_IDS: dict[str, Any] = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": lambda: LlamaConfig(**_TINY, **_IDS, num_attention_heads=4, num_key_value_heads=2),
@@ -65,7 +66,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         num_hidden_layers=30,
         num_attention_heads=9,
         num_key_value_heads=3,
-        rope_theta=100000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         max_position_embeddings=8192,
@@ -79,7 +80,7 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        rope_theta=500000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         max_position_embeddings=8192,

@@ -58,7 +58,7 @@ class Sampler:
                 groups[_candidate_rule(p, vocab_size), alone].append(row)
 
         for (rule, alone), rows in groups.items():
-            generator = generators[alone] if alone is not None else self._shared_generator
+            generator = (generators[alone] if alone is not None else None) or self._shared_generator
             group_params = [params[row] for row in rows]
             chosen = _sample_group(logits[rows], group_params, rule, generator)
             for row, token in zip(rows, chosen.tolist()):
@@ -95,7 +95,7 @@ def _sample_group(
         return _sample_nucleus(scaled, top_p, generator)
     # Top-k on the raw logits: dividing by the temperature first can flush tiny values to
     # zero and tie them with tokens outside the k best. The distribution is renormalized over these.
-    values, token_ids = logits.float().topk(rule, dim=-1)
+    values, token_ids = logits.float().topk(int(rule), dim=-1)
     return _draw(_nucleus_weights(values / temperature[:, None], top_p), token_ids, generator)
 
 

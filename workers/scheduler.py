@@ -160,7 +160,7 @@ class Scheduler:
                 continue
             token_id, accepted = next(sampled)
             took.append(request)
-            if chunk.drafts and not self.drafts.settle(chunk, accepted, self._step):
+            if chunk.drafts and self.drafts is not None and not self.drafts.settle(chunk, accepted, self._step):
                 self.finish(request, FinishReason.STOP)  # an accepted draft was a stop token
                 continue
             if request.forks:

@@ -107,7 +107,10 @@ class Grammars:
     def compile(self, params: SamplingParams) -> llguidance.LLMatcher:
         """The cached matcher of `params`' constraint, compiled on first use; raises
         `InvalidGrammar` (that too is cached)."""
-        kind, text = grammar_source(params)
+        source = grammar_source(params)
+        if source is None:
+            raise ValueError("the request has no constraint to compile")
+        kind, text = source
         with self._lock:
             compiled = self._cache.get((kind, text))
             if compiled is None:

@@ -11,12 +11,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from workers.api import GenerationRequest, InvalidRequest, Prompt, SamplingParams, validate_priority
 from workers.block_pool import blocks_needed
 from workers.model_loader import encode_prompt
 from workers.request import Request
 from workers.structured import Grammars
+
+if TYPE_CHECKING:  # typing_extensions comes with torch; only the type checker reads it here
+    from typing_extensions import TypeIs
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class RequestValidator:
         # The engine's clock is perf_counter: carry the deadline over to it.
         local_deadline = None if deadline is None else arrival + (deadline - time.time())
         stop_ids = frozenset(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+        min_handoff = request.handoff_min_prompt_tokens  # given whenever `hands_off`
+        hands_off = request.hands_off and min_handoff is not None and len(prompt_ids) >= min_handoff
         return [
             Request(
                 request.request_id,
@@ -77,7 +83,7 @@ class RequestValidator:
                 output_token_ids=output_ids,
                 stop_token_ids=stop_ids,
                 index=index,
-                hands_off=request.hands_off and len(prompt_ids) >= request.handoff_min_prompt_tokens,
+                hands_off=hands_off,
             )
             for index, output_ids in enumerate(resumed)
         ]
@@ -91,16 +97,14 @@ class RequestValidator:
             if not prompt:
                 raise InvalidRequest("prompt is empty")
             prompt_ids = encode_prompt(self.tokenizer, prompt)
-        elif (
-            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
+        elif not isinstance(prompt, list) or not prompt:
+            raise InvalidRequest("prompt must be a non-empty string, chat message list or token id list")
+        elif _is_token_ids(prompt):
             if not all(0 <= t < limits.vocab_size for t in prompt):
                 raise InvalidRequest(f"prompt token ids must be in [0, {limits.vocab_size})")
             prompt_ids = list(prompt)
-        elif isinstance(prompt, list) and prompt:
-            prompt_ids = encode_prompt(self.tokenizer, prompt)
         else:
-            raise InvalidRequest("prompt must be a non-empty string, chat message list or token id list")
+            prompt_ids = encode_prompt(self.tokenizer, prompt)
         if not prompt_ids:
             raise InvalidRequest("prompt is empty after tokenization")
         if len(prompt_ids) >= limits.max_context:
@@ -141,3 +145,8 @@ class RequestValidator:
             if len(ids) > params.max_tokens:
                 raise InvalidRequest(f"{len(ids)} resumed output tokens leave none of max_tokens ({params.max_tokens})")
         return [list(ids) for ids in per_choice]
+
+
+def _is_token_ids(prompt: list[dict] | list[int]) -> TypeIs[list[int]]:
+    """A non-empty list of token ids (ints; a bool is none)."""
+    return bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
