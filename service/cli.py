@@ -144,7 +144,7 @@ async def _demo(args: argparse.Namespace) -> int:
             for i, (_, prompt) in enumerate(prompts)
         ]
         for (kind, prompt), stream in zip(prompts, streams):
-            shown = prompt[-1]["content"] if kind == "chat" else prompt
+            shown = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # text, or the chat's last message
             print(f"\n\033[1m[{kind}] {shown}\033[0m")
             async for event in stream:
                 if isinstance(event, FinalEvent):
@@ -177,8 +177,8 @@ def _missing_gpu(device: str) -> str | None:
         return None
     import torch
 
-    index = device.partition(":")[2]
-    index = int(index) if index.isdigit() else 0
+    suffix = device.partition(":")[2]
+    index = int(suffix) if suffix.isdigit() else 0
     found = torch.cuda.device_count()
     if index < found:
         return None

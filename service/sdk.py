@@ -171,7 +171,8 @@ class Client(_Settings):
 
     async def events(self, request_id: str, reply_to: str | None = None) -> AsyncIterator[dict]:
         """The request's events in order, ending with its done or error event."""
-        key, last, quiet = reply_to or reply_stream(request_id), "0", self._quiet_limit(request_id)
+        key, quiet = reply_to or reply_stream(request_id), self._quiet_limit(request_id)
+        last: str | bytes = "0"  # from the stream's start, then after the last entry read
         while True:
             with _translated(self.address):
                 reply = await self.redis.xread({key: last}, block=quiet.next_block_ms())
@@ -222,7 +223,8 @@ class SyncClient(_Settings):
         return request_id
 
     def events(self, request_id: str, reply_to: str | None = None) -> Iterator[dict]:
-        key, last, quiet = reply_to or reply_stream(request_id), "0", self._quiet_limit(request_id)
+        key, quiet = reply_to or reply_stream(request_id), self._quiet_limit(request_id)
+        last: str | bytes = "0"  # from the stream's start, then after the last entry read
         while True:
             with _translated(self.address):
                 reply = self.redis.xread({key: last}, block=quiet.next_block_ms())
