@@ -23,6 +23,7 @@ demo: $(INSTALLED)
 test: $(INSTALLED) $(NODE_EXAMPLE)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PYTHON) -m pytest -n auto --dist loadfile
 
 bench: $(INSTALLED)
