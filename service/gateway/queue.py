@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import msgpack
@@ -77,7 +77,7 @@ class Queue:
                 delay *= 2
         log.warning("cancel_not_sent", request_id=request_id)
 
-    async def replies(self, request_id: str, timeout_s: float | None = None) -> AsyncIterator[list[dict]]:
+    async def replies(self, request_id: str, timeout_s: float | None = None) -> AsyncGenerator[list[dict], None]:
         """The job's events in order, in batches as they land; the last batch ends with
         its done or error event. Silent for `timeout_s` (default `reply_timeout_s`; a
         batch job may wait longer) -> ReplyTimeout."""
