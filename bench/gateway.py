@@ -1,14 +1,6 @@
-"""`inflight bench --scenario gateway`: the bench's workload streamed through the
-OpenAI-compatible gateway by concurrent HTTP clients, against the same jobs sent straight
-to Redis, as paired runs (`bench/paired.py`).
-
-One `inflight worker` (prefix caching off, so every round does the same work) and one
-`inflight gateway` on private streams. Straight to Redis is the `redis` scenario's path;
-through the gateway, every request is its own streamed `POST /v1/completions`, all sent
-at t0, each token stamped as its SSE event arrives. `gateway_cpu_ms_per_1000_tokens` is
-the gateway's CPU (user + system, from /proc) over the workload rounds per 1,000 tokens
-streamed: what one more hop costs the machine.
-"""
+"""`inflight bench --scenario gateway`: the bench's workload streamed through `inflight
+gateway` by concurrent HTTP clients against the same jobs straight to Redis, as paired runs
+(`bench/paired.py`); docs/benchmarks.md, "Through the gateway"."""
 
 from __future__ import annotations
 
@@ -16,26 +8,17 @@ import argparse
 
 from bench.fleet import BACKPRESSURE_OFF
 from bench.paired import paired_runs, paired_workload
-from bench.scenario import Scenario
+from bench.scenario import D, Scenario, add_flags
 from bench.systems import ThroughGateway, ThroughRedis, private_worker
 from bench.workload import prompt_vocabulary
 from workers.config import ModelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("gateway scenario (also --redis-url)")
-    group.add_argument(
-        "--gateway-rounds",
-        type=int,
-        default=2,
-        help="Redis/gateway pairs of the workload, in ABBA order (default: %(default)s)",
-    )
-    group.add_argument(
-        "--gateway-ttft-pairs",
-        type=int,
-        default=24,
-        help="short prompts sent one at a time down each path for the TTFT overhead (default: %(default)s)",
-    )
+    add_flags(parser, "gateway scenario (also --redis-url)", {
+        "--gateway-rounds": (2, "Redis/gateway pairs of the workload, in ABBA order" + D),
+        "--gateway-ttft-pairs": (24, "short prompts sent one at a time down each path for the TTFT overhead" + D),
+    })  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -59,12 +42,13 @@ async def _run(args: argparse.Namespace) -> dict:
         gateway.wait_ready()
         async with ThroughGateway(gateway.url, run.client) as through_gateway:
             paths = {"redis": ThroughRedis(run.client, fleet), "gateway": through_gateway}
-            meters = {"gateway": gateway.cpu_seconds}
+            meters = {"gateway": gateway.cpu_seconds}  # user + system, from /proc
             runs = await paired_runs(paths, prompts, short, args.gateway_rounds, run.run_id, meters)
     streamed = runs.output_tokens("gateway")
     gateway_cpu_s = runs.metered["gateway"]
     return runs.figures("redis", "gateway") | {
         "gateway_cpu_s": gateway_cpu_s,
+        # What one more hop costs the machine.
         "gateway_cpu_ms_per_1000_tokens": gateway_cpu_s * 1e6 / streamed,
         "streamed_tokens": streamed,
         "workload": workload.describe(),

@@ -1,19 +1,13 @@
-"""`inflight bench --scenario redis`: the bench's workload through Redis end to end, against
-the same workload in-process, as paired runs (`bench/paired.py`).
-
-Through Redis: an `inflight worker` process on private streams; this process queues every
-job at t0 and follows all reply streams with one XREAD, stamping each token as it arrives.
-In-process: the same engine settings behind the `AsyncEngine` front the worker uses (built
-on its torch thread, as the worker builds it), each token stamped as its event comes out.
-The TTFT overhead is Redis minus in-process. The paths are `bench/systems.py`'s.
-"""
+"""`inflight bench --scenario redis`: the bench's workload through an `inflight worker`
+process against the same engine in-process behind the `AsyncEngine` front, as paired runs
+(`bench/paired.py`, paths from `bench/systems.py`); docs/benchmarks.md, "Through Redis"."""
 
 from __future__ import annotations
 
 import argparse
 
 from bench.paired import paired_runs, paired_workload
-from bench.scenario import Scenario
+from bench.scenario import D, Scenario, add_flags
 from bench.systems import InProcess, ThroughRedis, private_worker
 from bench.workload import prompt_vocabulary
 from service.config import RedisConfig
@@ -21,24 +15,12 @@ from workers.config import ModelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("redis scenario")
-    group.add_argument(
-        "--redis-url",
-        default=RedisConfig().url,
-        help="the server to go through (default: $REDIS_URL, else an embedded Valkey on a free port)",
-    )
-    group.add_argument(
-        "--redis-rounds",
-        type=int,
-        default=2,
-        help="in-process/Redis pairs of the workload, in ABBA order (default: %(default)s)",
-    )
-    group.add_argument(
-        "--ttft-pairs",
-        type=int,
-        default=24,
-        help="short prompts sent one at a time down each path for the TTFT overhead (default: %(default)s)",
-    )
+    add_flags(parser, "redis scenario", {
+        "--redis-url": (RedisConfig().url,
+                        "the server to go through (default: $REDIS_URL, else an embedded Valkey on a free port)"),
+        "--redis-rounds": (2, "in-process/Redis pairs of the workload, in ABBA order" + D),
+        "--ttft-pairs": (24, "short prompts sent one at a time down each path for the TTFT overhead" + D),
+    })  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -48,7 +30,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _load(args: argparse.Namespace):
-    """The model, the engine and the prompt vocabulary, built on the torch thread as in the worker."""
+    """The model, its engine and the prompt vocabulary, built on the torch thread as in the worker."""
     from bench.drive import bench_engine
     from workers.model_loader import load_model
 
