@@ -1,17 +1,7 @@
-"""`inflight bench --scenario intake`: how many jobs per second one Redis shard can take in.
-
-The request, control and dead-letter streams are one key each, so on a Redis Cluster all
-job intake goes through the shard that holds them. Against a private `redis-server` this
-issues each job's request-stream commands and nothing else (no model, no reply streams):
-the producer's XADD (a chat job of about 200 bytes); the worker's reads through the real
-`JobReader` (XAUTOCLAIM, XREADGROUP of up to `--intake-batch` entries, then the XRANGE of
-the control stream); `--intake-renewals` lease renewals (a running job is renewed every
-`claim_idle_ms / 4`, 0.5 s by default); the ack (XACK and XDEL in one transaction).
-
-The Python client is usually the bottleneck, not Redis, so the figure that sizes a shard
-is Redis's own CPU time per job (utime + stime from /proc): one core's worth of it,
-`1 / cpu_per_job`, is what the shard can take.
-"""
+"""`inflight bench --scenario intake`: how many jobs per second one Redis shard takes in: each
+job's request-stream commands alone (the XADD; reads through the real `JobReader` and the
+control stream's XRANGE; lease renewals; the ack) against a private `redis-server`. The client
+is the bottleneck, so Redis's own CPU per job sizes a shard (docs/benchmarks.md, "Intake")."""
 
 from __future__ import annotations
 
@@ -26,33 +16,30 @@ from pathlib import Path
 import msgpack
 
 from bench.processes import RedisServer, cpu_seconds
-from bench.scenario import Scenario
+from bench.scenario import D, Scenario, add_flags
 from bench.systems import run_streams
 from service.connect import connect
 from service.ingest import JobReader
 
-# --intake-NAME: default, help (every one an int).
-FLAGS = {
-    "jobs": (20000, "jobs to take in"),
-    "producers": (4, "producer tasks"),
-    "workers": (4, "worker readers"),
-    "batch": (8, "entries one worker read asks for"),
-    "renewals": (4, "lease renewals per job: its run time / 0.5 s"),
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("intake scenario")
-    for name, (default, text) in FLAGS.items():
-        group.add_argument(f"--intake-{name}", type=int, default=default, help=f"{text} (default: %(default)s)")
+    add_flags(parser, "intake scenario", {
+        "--intake-jobs": (20000, "jobs to take in" + D),
+        "--intake-producers": (4, "producer tasks" + D),
+        "--intake-workers": (4, "worker readers" + D),
+        "--intake-batch": (8, "entries one worker read asks for" + D),
+        "--intake-renewals": (4, "lease renewals per job: its run time / 0.5 s" + D),
+    })  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
     import uvloop
 
-    with tempfile.TemporaryDirectory(prefix="inflight-intake-") as tmp:
-        with RedisServer(Path(tmp), appendonly=False) as server:
-            return uvloop.run(_run(args, server))
+    with (
+        tempfile.TemporaryDirectory(prefix="inflight-intake-") as tmp,
+        RedisServer(Path(tmp), appendonly=False) as server,
+    ):
+        return uvloop.run(_run(args, server))
 
 
 async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
