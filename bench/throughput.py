@@ -1,21 +1,11 @@
-"""`inflight bench` (`--scenario throughput`, the default): the engine and its peers on
-one seeded workload, every request at t0, in one run, each system in a child process of
-its own (`bench/children.py`), one after another:
-
-1. `prepare` loads the model (warming the converted-weights cache, so no measured child
-   pays a GGUF conversion) and draws the workload from its tokenizer;
-2. `engine`, then `ceiling` (bare forwards over the engine's recorded step schedule);
-3. `vllm` on the same converted folder (`bench/peer_vllm.py`, its own environment), once
-   per `--vllm-settings` entry (`vllm`: both cores for its engine; `vllm_default`);
-   with `--rounds N`, steps 2 and 3 run N times, alternating A B B A ..., and each system
-   reports its round of median output tok/s;
-4. `hf_continuous` once per `--hf-batch-tokens` value, the best by output tok/s reported;
-5. `hf_static`; 6. `llamacpp` on the same GGUF (`bench/peer_llamacpp.py`).
-A peer that is not installed is skipped, with a line saying so.
-
-`single` is the same comparison on one request (a 100-token prompt, 256 tokens out unless
-`--prompt-len`/`--output-len` say otherwise): what one user with one chat open gets, read
-as the time between tokens (ITL p50).
+"""`inflight bench` (`--scenario throughput`, the default): the engine and its peers on one
+seeded workload, every request at t0, each system in a child process of its own
+(`bench/children.py`), one after another: `prepare` (loads the model, draws the workload),
+`engine` then `ceiling` (bare forwards over the engine's step schedule), `vllm` once per
+`--vllm-settings` entry (the engine and vLLM `--rounds` times, A B B A ..., each reporting its
+median round), `hf_continuous` once per `--hf-batch-tokens` value (the best reported),
+`hf_static`, `llamacpp`. A peer that is not installed is skipped, with a line saying so.
+`single`: the same on one request (docs/benchmarks.md, "One request").
 """
 
 from __future__ import annotations
@@ -28,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from bench.children import REPO_ROOT, Children
+from bench.metrics import summarize
 from bench.scenario import Scenario
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp", "vllm")
@@ -144,8 +135,6 @@ def median_round(runs: list[dict]) -> dict:
 
 def figures(system: str, out: dict) -> dict:
     """A child's result as the report has it: `summarize`'s figures and the system's DETAILS."""
-    from bench.metrics import summarize
-
     keys = DETAILS[system] if system == "vllm" else f"{DETAILS[system]} {HOST}"
     return summarize(out["token_times"], out["peak_rss_mb"]) | {key: out[key] for key in keys.split()}
 
@@ -188,8 +177,6 @@ def _engine_figures(children: Children, speculation: bool) -> dict:
 
 def _continuous_figures(children: Children, sweep: list[int]) -> dict:
     """One child per max_batch_tokens value; the best by output tok/s, with the whole sweep."""
-    from bench.metrics import summarize
-
     outs = {n: children.run("hf_continuous", max_batch_tokens=n) for n in sweep}
     runs = {n: summarize(out["token_times"], out["peak_rss_mb"]) for n, out in outs.items()}
     best = max(runs, key=lambda n: runs[n]["output_tokens_per_s"])
