@@ -1,34 +1,18 @@
-"""`inflight bench --scenario edge`: the Redis edge alone, at GPU token rates.
-
-A stub engine (no model math) runs behind the real worker (`service.worker.Worker`:
-claims, leases, the outbox, fenced writes, acks) against a private redis-server. Each step
-every request it holds takes one token, at a fixed step time (`--edge-step-ms`; 0 steps
-as fast as it can). The steps keep a fixed schedule, as an open-loop load generator does
-(step n ends n step times after the first began), so a sleep that wakes late does not
-lower the rate offered. Each row: `streams` jobs of `--edge-tokens` tokens, all queued
-at once, the worker holding them all.
-
-Per row:
-- `events_per_s`: token events landed per second, first step to last ack;
-  `sustained_events_per_s` the same between the round trips that land the first 10% and
-  the first 90% of them; `offered_events_per_s` what the stub made per second;
-- `publish_lag_p50_ms` / `p99`: from a step's end to its events landing (the outbox's
-  own measure, one sample per stream and round trip);
-- `worker_cpu_ms_per_1k_events` (this process: worker, stub engine, event loop) and
-  `redis_cpu_ms_per_1k_events` (redis-server);
-- `redis_bytes_per_token`: Redis memory the finished reply streams hold, per token event;
-- `streams_per_round_trip`: how many streams' events one round trip carried, on average.
-
-`--edge-cluster` runs the rows on a private 3-master Redis Cluster; `--edge-baseline`
-adds them for the publishing this replaced: every event its own awaited round trip, one
-task per stream.
-"""
+"""`inflight bench --scenario edge`: the Redis edge alone, at GPU token rates: a stub engine
+(no model math; each step every request it holds takes one token) behind the real worker
+(`service.worker.Worker`) against a private redis-server. The steps keep a fixed schedule,
+as an open-loop load generator does, so a sleep that wakes late does not lower the rate
+offered. Each row: `streams` jobs of `--edge-tokens` tokens, all queued at once; with
+`--edge-baseline` also per event (the publishing this replaced). docs/benchmarks.md, "The
+edge at GPU token rates"."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import functools
+import itertools
 import logging
 import re
 import tempfile
@@ -65,11 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    with _warnings_only():  # a log line per job would be part of the cost measured
-        return _run(args)
-
-
 @contextlib.contextmanager
 def _warnings_only():
     """structlog drops lines below warning, and is as it was afterwards (tests share it)."""
@@ -81,24 +60,26 @@ def _warnings_only():
         structlog.configure(**before)
 
 
-def _run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict:
     streams = [int(n) for n in args.edge_streams.split(",") if n.strip()]
+    publishings = ("per_step", "per_event") if args.edge_baseline else ("per_step",)
+    redis = RedisClusterServers if args.edge_cluster else functools.partial(RedisServer, appendonly=False)
     rows = []
     with (
+        _warnings_only(),  # a log line per job would be part of the cost measured
         tempfile.TemporaryDirectory(prefix="inflight-edge-") as data,
-        RedisClusterServers(Path(data)) if args.edge_cluster else RedisServer(Path(data), appendonly=False) as servers,
+        redis(Path(data)) as servers,
     ):
-        for publishing in ("per_step", "per_event") if args.edge_baseline else ("per_step",):
-            for count in streams:
-                row = uvloop.run(_row(servers, count, args.edge_tokens, args.edge_step_ms / 1000, publishing))
-                print(
-                    f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s landed "
-                    f"({row['sustained_events_per_s'] or 0:,.0f} sustained, "
-                    f"{row['offered_events_per_s']:,.0f} made), lag p50 "
-                    f"{row['publish_lag_p50_ms']:.2f} ms p99 {row['publish_lag_p99_ms']:.2f} ms",
-                    flush=True,
-                )
-                rows.append(row)
+        for publishing, count in itertools.product(publishings, streams):
+            row = uvloop.run(_row(servers, count, args.edge_tokens, args.edge_step_ms / 1000, publishing))
+            print(
+                f"edge {publishing:9} {count:5} streams: {row['events_per_s']:9,.0f} events/s landed "
+                f"({row['sustained_events_per_s'] or 0:,.0f} sustained, "
+                f"{row['offered_events_per_s']:,.0f} made), lag p50 "
+                f"{row['publish_lag_p50_ms']:.2f} ms p99 {row['publish_lag_p99_ms']:.2f} ms",
+                flush=True,
+            )
+            rows.append(row)
     return {
         "step_ms": args.edge_step_ms,
         "tokens_per_job": args.edge_tokens,
@@ -116,8 +97,7 @@ async def _row(servers, count: int, tokens: int, step_s: float, publishing: str)
     memory_before = _used_memory(nodes)
     engine = StubEngine(count, step_s)
     lags: list[float] = []
-    metrics = Metrics(engine.config.scheduler)
-    worker = Worker(engine, client, config, metrics, ingest_poll_s=3600)
+    worker = Worker(engine, client, config, Metrics(engine.config.scheduler), ingest_poll_s=3600)
     if publishing == "per_event":
         worker.outbox = PerEventOutbox(worker.publisher)
         worker.front.on_events = worker.outbox.on_events
@@ -155,24 +135,23 @@ async def _row(servers, count: int, tokens: int, step_s: float, publishing: str)
         "publishing": publishing,
         "streams": count,
         "events": events,
-        "offered_events_per_s": engine.made / (engine.last_step_at - engine.first_step_at),
-        "events_per_s": events / elapsed,
+        "offered_events_per_s": engine.made / (engine.last_step_at - engine.first_step_at),  # what the stub made
+        "events_per_s": events / elapsed,  # landed, first step to last ack
         "sustained_events_per_s": _middle_rate(landed),
+        # From a step's end to its events landing: the outbox's own measure, per stream and round trip.
         "publish_lag_p50_ms": percentile(lags, 50) * 1000,
         "publish_lag_p99_ms": percentile(lags, 99) * 1000,
         "streams_per_round_trip": sum(streams_written) / len(streams_written),
         "steps": engine.steps,
-        "worker_cpu_ms_per_1k_events": cpu / events * 1e6,
+        "worker_cpu_ms_per_1k_events": cpu / events * 1e6,  # this process: worker, stub engine, event loop
         "redis_cpu_ms_per_1k_events": redis_cpu / events * 1e6,
-        "redis_bytes_per_token": (memory_after - memory_before) / (events + count),
+        "redis_bytes_per_token": (memory_after - memory_before) / (events + count),  # finished reply streams
     }
 
 
 def _middle_rate(landed: list[tuple[float, int]]) -> float | None:
-    """Token events landed per second in the steady state, without the start (jobs still
-    arriving) and the end (jobs finishing): from the round trip just before 10% of them
-    had landed to the one that brought the total to 90%. None when one round trip
-    carried all that."""
+    """Token events landed per second without the start and the end: from the round trip just
+    before 10% of them had landed to the one that brought 90%; None if one carried all that."""
     total = sum(count for _, count in landed)
     marks, so_far = [], 0
     for when, count in landed:
@@ -184,12 +163,10 @@ def _middle_rate(landed: list[tuple[float, int]]) -> float | None:
 
 
 def _redis_cpu_s(nodes) -> float:
-    """User plus system CPU seconds of the redis-server processes."""
     return sum(cpu_seconds(node.process.pid) for node in nodes)
 
 
 def _used_memory(nodes) -> int:
-    """INFO's used_memory, summed over the redis-servers."""
     return sum(int(re.search(rb"^used_memory:(\d+)", node.info("INFO", "memory"), re.M)[1]) for node in nodes)
 
 
@@ -229,8 +206,7 @@ class StubEngine:
 
     def step(self) -> list:
         with self._lock:
-            for request_id, wanted in self._added:
-                self._running[request_id] = [0, wanted]
+            self._running.update((request_id, [0, wanted]) for request_id, wanted in self._added)
             self._added.clear()
             cancelled, self._cancelled = self._cancelled, set()
         started = time.perf_counter()
@@ -239,26 +215,19 @@ class StubEngine:
         self._step_ends += self.step_s
         self.steps += 1
         events = []
-        for request_id in list(self._running):
-            made, wanted = self._running[request_id]
-            if request_id in cancelled:
+        for request_id, (made, wanted) in list(self._running.items()):
+            if request_id not in cancelled:
+                events.append(TokenEvent(request_id, (made % 1000,), "x"))
+                self.made += 1
+                made = self._running[request_id][0] = made + 1
+            if request_id in cancelled or made == wanted:
                 del self._running[request_id]
-                events.append(_final(request_id, FinishReason.CANCELLED, made))
-                continue
-            events.append(TokenEvent(request_id, (made % 1000,), "x"))
-            self.made += 1
-            self._running[request_id][0] = made = made + 1
-            if made == wanted:
-                del self._running[request_id]
-                events.append(_final(request_id, FinishReason.LENGTH, made))
+                reason = FinishReason.CANCELLED if request_id in cancelled else FinishReason.LENGTH
+                events.append(FinalEvent(request_id, reason, Usage(1, made), Timings(0.0, 0.0, 0.0, (0.0,) * made)))
         if self.step_s:
             time.sleep(max(0.0, self._step_ends - time.perf_counter()))
         self.last_step_at = time.perf_counter()
         return events
-
-
-def _final(request_id: str, reason: FinishReason, tokens: int) -> FinalEvent:
-    return FinalEvent(request_id, reason, Usage(1, tokens), Timings(0.0, 0.0, 0.0, (0.0,) * tokens))
 
 
 class PerEventOutbox(ReplyOutbox):
