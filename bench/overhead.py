@@ -1,18 +1,12 @@
-"""`inflight bench --scenario overhead`: the host's time per step, with no model math.
+"""`inflight bench --scenario overhead`: the host's time per step, with no model math
+(docs/benchmarks.md, "Host overhead per step"): the real engine behind a stub forward over a
+one-layer copy of the bundled model, whose 256 logit columns stand for the most frequent tokens
+of a fixed text (`bench/overhead_text.py`), so the detokenizers see text as a model writes it.
 
-On a GPU a small model's forward takes a few milliseconds, so the host's work around it
-caps tokens/s. Here it runs on the CPU: the real engine, scheduler, sampler, detokenizer
-(the bundled model's tokenizer) and the CUDA backend's `prepare`, behind a stub forward
-with no math over a one-layer copy of the bundled model (only the KV pool's size depends
-on it). The stub's logits span 256 columns (the sampler's argmax, device work on a GPU,
-costs next to nothing), each standing for one of the 256 most frequent tokens of a fixed
-English text (`bench/overhead_text.py`), so the detokenizers see text as a model writes it.
-
-At each size (64, 256, 1,024 decoding requests) requests keep arriving as others finish,
-so steps carry chunked prefills too. After a warm-up that fills the batch, per step:
-`total` (wall) and `total_cpu` (the stepping thread's CPU time, which other processes do
-not stretch), from steps run as they are; then, from as many steps with each phase timed
-by a wrapper (its own small cost lands in the phases, not the totals), `timed_total` and
+Per step, after a warm-up that fills the batch: `total` (wall) and `total_cpu` (the stepping
+thread's CPU time, which other processes do not stretch) from steps run as they are; then,
+from as many steps with each phase timed by a wrapper (its cost lands in the phases, not the
+totals), `timed_total` and
 - scheduling: `Scheduler.schedule`, `update_from_output` and the deadline sweep;
 - metadata: the runner's batch (token ids, positions, slices) and the backend's `prepare`;
 - sampling: `Sampler.sample`;
@@ -69,6 +63,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
 
 
 def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -> dict:
+    from gpu.cuda.attention import CupyAttentionBackend
+
     prompt_range, output_range = args.overhead_prompt_len, args.overhead_output_len
     longest = prompt_range[1] + output_range[1]
     scheduler = SchedulerConfig(
@@ -82,11 +78,12 @@ def measure(loaded, args: argparse.Namespace, vocab_ids: list[int], size: int) -
         speculative=SpeculativeConfig(enabled=False),  # the stub forward gives one row of logits per request
     )
     runner = engine.runner
-    runner.backend = _cuda_backend_metadata_only(runner.kv_cache)
+    runner.backend = CupyAttentionBackend(runner.kv_cache, kernels=NoLaunches())  # for its `prepare` alone
     stub = StubForward(size + 8, args.seed)
     runner.model = stub
-    # Every request is greedy: the sampler's argmax picks each token.
-    engine.sampler.argmax = _as_text_tokens(engine.sampler.argmax, common_token_ids(loaded.tokenizer))
+    # Every request is greedy: the sampler's argmax picks each column, read as the text token it stands for.
+    argmax, text_tokens = engine.sampler.argmax, common_token_ids(loaded.tokenizer)
+    engine.sampler.argmax = lambda logits: [text_tokens[column] for column in argmax(logits)]
 
     rng = random.Random(args.seed)
     made = 0
@@ -250,15 +247,6 @@ def common_token_ids(tokenizer) -> list[int]:
     return common
 
 
-def _as_text_tokens(argmax, token_ids: list[int]):
-    """`argmax`, with each column it picks read as the text token it stands for."""
-
-    def argmax_text_tokens(logits) -> list[int]:
-        return [token_ids[column] for column in argmax(logits)]
-
-    return argmax_text_tokens
-
-
 def _one_layer_copy(model):
     from transformers import AutoModelForCausalLM
 
@@ -269,14 +257,9 @@ def _one_layer_copy(model):
     return small.to_empty(device="cpu").to(model.dtype).eval()
 
 
-def _cuda_backend_metadata_only(kv_cache):
-    """The CUDA backend, for its `prepare` alone: the stub forward never attends."""
-    from gpu.cuda.attention import CupyAttentionBackend
-
-    return CupyAttentionBackend(kv_cache, kernels=NoLaunches())
-
-
 class NoLaunches:
+    """The CUDA backend's kernels: the stub forward never attends."""
+
     def launch(self, *_):
         raise RuntimeError("the overhead scenario's stub forward launches no kernels")
 
