@@ -1,58 +1,13 @@
-"""`inflight bench --scenario tenants`: fair queueing between tenants, batch jobs on idle
-capacity, and refusal under overload (issue 38; docs/protocol.md, "Tenants, batch jobs and
-admission").
+"""`inflight bench --scenario tenants`: fair queueing between tenants (a), batch jobs on
+idle capacity (b) and refusal under overload (c), on two `inflight worker --fair-queue`
+processes pinned to a core each (issue 38; the parts and their figures: docs/benchmarks.md,
+"Tenants"; the fair queue: docs/protocol.md, "Tenants, batch jobs and admission").
 
-Two real `inflight worker --fair-queue` processes on streams of the run's own (on
-`--redis-url`, else an embedded Valkey), each pinned to one core with `taskset -c` and
-`--threads 1`, `--max-running-requests` from `--tenants-max-running` (a worker holds no
-more jobs than that; the rest wait in Redis, where the fair queue orders them) and
-`--max-running-batch` and `--max-batch-prefill-tokens` from `--tenants-max-running-batch`
-and `--tenants-max-batch-prefill-tokens`, prefix caching off (the same
-prompts are sent twice, alone and under load), a long lease. Parts
-(`--tenants-parts`, default all three):
-
-- (a) **Fair share.** Three tenants, all backlogged from t0: `heavy` queues
-  `--tenants-flood` (10) times as many jobs as each of `light-1` and `light-2`
-  (`--tenants-light-jobs` each), ahead of them. Fixed lengths (`--tenants-prompt-len`
-  tokens of random ids, `--tenants-output-len` tokens out, EOS ignored), so every job
-  costs the same. Every 0.5 s this process reads the workers' charges
-  (`{<stream>}:served`) and who has jobs queued (`{<stream>}:queued`); the gap is
-  max |served_i - served_j| over the tenants backlogged at that sample, against VTC's
-  bound as issue 38 states it: 2 x the weighted cost of one request (prompt weight x its
-  prompt tokens + output weight x its max_tokens; the workers' default weights, 1 and 2).
-  Also each tenant's share of the service while all three were backlogged. Once the
-  light tenants are done the flood's remaining jobs are cancelled. Then the light jobs
-  again, at t0, as one tenant alone: the light tenants' TTFT p50/p99 under the flood
-  against alone.
-- (b) **Batch jobs on idle capacity.** Capacity first (unless `--tenants-capacity-rps`
-  gives it): `--tenants-capacity-jobs` jobs at t0; requests finished per second until the
-  last one started, and the weighted tokens charged per second over the same time (the
-  rest are cancelled). Then `--tenants-interactive-jobs` interactive jobs at Poisson
-  arrivals of `--tenants-interactive-load` (0.6) x capacity, alone; then
-  `--tenants-batch-jobs` batch jobs queued at once, and the same interactive arrivals
-  over them. Reported: interactive TTFT and TPOT with the batch backlog against alone, and
-  the share of idle capacity the batch used: batch tokens charged during the interactive
-  run / (capacity x its duration - interactive tokens charged), all in weighted tokens.
-  The batch backlog left is cancelled.
-- (c) **Overload.** Fresh workers with `--max-queue-wait-s` (`--tenants-max-queue-wait-s`;
-  by default (b)'s interactive TTFT p99 alone: the wait users see at 60% load is what
-  the shedding keeps under overload) and `--max-queued-jobs` if
-  `--tenants-max-queued-jobs` gives one; `--tenants-overload-jobs` jobs at Poisson
-  arrivals of `--tenants-overload` (2) x capacity. Reported: the share refused
-  (`queue_full`), how fast (from the request entry's id to its dead letter's, both
-  Redis's clock in ms: the dead letter is written just after the error event), the
-  `retry_after_s` they were given, the most jobs seen queued, the accepted jobs left
-  unfinished `TENANTS_DRAIN_S` after the last arrival (none should be: nothing is left to
-  expire), and the accepted jobs' TTFT p99 against (b)'s interactive load alone (60% of
-  capacity).
-
-Workload of (b) and (c): the bench's `--workload` (`--workload sharegpt`: ShareGPT first
-turns, chat-templated, with their real lengths: greedy, EOS honoured, capped by
-`--sharegpt-max-output`; `random`: random token ids of `--prompt-len`, `--output-len`
-tokens out, EOS ignored), disjoint requests for the probe, the interactive load, the batch
-backlog and the overload. Every job is greedy and goes out as text. Weighted tokens are
-the fair queue's own measure of service (prompt tokens charged when a job is taken, output
-tokens as they are made). This process and Redis share the two cores with the workers.
+Weighted tokens are the fair queue's own measure of service (prompt tokens charged when a
+job is taken, output tokens as they are made, at the workers' default weights). (a)'s gap
+is max |served_i - served_j| over the tenants backlogged at a sample, against VTC's bound:
+2 x the weighted cost of one request. (b)'s idle capacity used: batch tokens charged during
+the interactive run / (capacity x its duration - interactive tokens charged).
 """
 
 from __future__ import annotations
@@ -70,7 +25,7 @@ from bench.arrivals import poisson
 from bench.fleet import BenchRun, Fleet, bench_run, model_flags
 from bench.follow import Follower, Job, outcomes
 from bench.metrics import latency_figures, metric_total, percentile_or_none
-from bench.scenario import Scenario
+from bench.scenario import D, Scenario, add_flags
 from bench.servers import signals_as_exit
 from service.config import FairQueueConfig
 from workers.config import SchedulerConfig
@@ -78,7 +33,6 @@ from workers.config import SchedulerConfig
 PARTS = ("a", "b", "c")
 WORKERS = (("w0", 0), ("w1", 1))  # consumer name, index of its core in --tenants-cores
 SAMPLE_S = 0.5  # how often the fair queue's counters are read
-POLL_S = 0.5  # how often the final events of jobs not followed live are looked up
 CLAIM_IDLE_MS = 60_000  # a starved event loop must not hand a job to the other worker
 SHUTDOWN_GRACE_S = 5
 WARMUP_JOBS, WARMUP_TOKENS = 4, 4
@@ -88,33 +42,35 @@ DEFAULT_QUEUE_WAIT_S = 2.0  # (c)'s --max-queue-wait-s when (b) did not run to g
 TENANTS_DRAIN_S = 300.0  # (c): accepted jobs not finished this long after the last arrival are left
 WEIGHTS = FairQueueConfig()  # the workers' charge weights (their defaults)
 
-# --tenants-NAME: type, default, help.
-FLAGS = {
-    "parts": (str, ",".join(PARTS), "parts to run, comma-separated"),
-    "cores": (str, "0,1", "the two cores to pin the workers to"),
-    "max-running": (int, 8, "each worker's --max-running-requests (with fair queueing it holds no more jobs)"),
-    "max-running-batch": (int, 0, "each worker's --max-running-batch (0: up to --tenants-max-running)"),
-    "max-batch-prefill-tokens": (int, -1, "each worker's --max-batch-prefill-tokens (-1: the workers' default)"),
-    "light-jobs": (int, 30, "(a) jobs each light tenant queues at t0"),
-    "flood": (int, 10, "(a) the heavy tenant's jobs per light tenant's"),
-    "prompt-len": (int, 128, "(a) prompt length in tokens (random ids)"),
-    "output-len": (int, 64, "(a) output length in tokens (EOS ignored)"),
-    "capacity-rps": (float, 0.0, "(b, c) capacity in requests/s of the workload; 0 measures it"),
-    "capacity-jobs": (int, 64, "(b, c) jobs at t0 that measure capacity"),
-    "interactive-jobs": (int, 60, "(b) interactive jobs, Poisson arrivals"),
-    "interactive-load": (float, 0.6, "(b) their arrival rate as a share of capacity"),
-    "batch-jobs": (int, 2000, "(b) batch jobs queued under the interactive load"),
-    "overload-jobs": (int, 150, "(c) jobs, Poisson arrivals"),
-    "overload": (float, 2.0, "(c) their arrival rate as a multiple of capacity"),
-    "max-queue-wait-s": (float, 0.0, "(c) the workers' --max-queue-wait-s; 0: (b)'s TTFT p99 alone, else 2 s"),
-    "max-queued-jobs": (int, 0, "(c) the workers' --max-queued-jobs (0: none)"),
-}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("tenants scenario (also --redis-url, --workload, --speculation)")
-    for name, (kind, default, text) in FLAGS.items():
-        group.add_argument(f"--tenants-{name}", type=kind, default=default, help=f"{text} (default: %(default)s)")
+    add_flags(parser, "tenants scenario (also --redis-url, --workload, --speculation)", {
+        "--tenants-parts": (",".join(PARTS), "parts to run, comma-separated" + D),
+        "--tenants-cores": ("0,1", "the two cores to pin the workers to" + D),
+        "--tenants-max-running": (
+            8, "each worker's --max-running-requests (with fair queueing it holds no more jobs)" + D),
+        "--tenants-max-running-batch": (0, "each worker's --max-running-batch (0: up to --tenants-max-running)" + D),
+        "--tenants-max-batch-prefill-tokens": (
+            -1, "each worker's --max-batch-prefill-tokens (-1: the workers' default)" + D),
+        "--tenants-light-jobs": (30, "(a) jobs each light tenant queues at t0" + D),
+        "--tenants-flood": (10, "(a) the heavy tenant's jobs per light tenant's" + D),
+        "--tenants-prompt-len": (128, "(a) prompt length in tokens (random ids)" + D),
+        "--tenants-output-len": (64, "(a) output length in tokens (EOS ignored)" + D),
+        "--tenants-capacity-rps": (0.0, "(b, c) capacity in requests/s of the workload; 0 measures it" + D),
+        "--tenants-capacity-jobs": (64, "(b, c) jobs at t0 that measure capacity" + D),
+        "--tenants-interactive-jobs": (60, "(b) interactive jobs, Poisson arrivals" + D),
+        "--tenants-interactive-load": (0.6, "(b) their arrival rate as a share of capacity" + D),
+        "--tenants-batch-jobs": (2000, "(b) batch jobs queued under the interactive load" + D),
+        "--tenants-overload-jobs": (150, "(c) jobs, Poisson arrivals" + D),
+        "--tenants-overload": (2.0, "(c) their arrival rate as a multiple of capacity" + D),
+        "--tenants-max-queue-wait-s": (
+            0.0, "(c) the workers' --max-queue-wait-s; 0: (b)'s TTFT p99 alone, else 2 s" + D),
+        "--tenants-max-queued-jobs": (0, "(c) the workers' --max-queued-jobs (0: none)" + D),
+    })  # fmt: skip
+
+
+def say(what: str) -> None:
+    print(f"bench: tenants: {what}", file=sys.stderr, flush=True)
 
 
 class Counters:
@@ -131,10 +87,7 @@ class Counters:
         pipe.hgetall(self.served_key)
         pipe.hgetall(self.queued_key)
         served, queued = await pipe.execute()
-        return (
-            {k.decode(): float(v) for k, v in served.items()},
-            {k.decode(): int(v) for k, v in queued.items()},
-        )
+        return {k.decode(): float(v) for k, v in served.items()}, {k.decode(): int(v) for k, v in queued.items()}
 
     @contextlib.asynccontextmanager
     async def sampling(self, t0: float):
@@ -173,6 +126,10 @@ class Session:
     def job(self, label: str, prompt: str, max_tokens: int, **fields) -> Job:
         return Job(label, f"{self.run_id}-{self.name}-{label}", prompt, max_tokens, **fields)
 
+    def jobs(self, label: str, drawn: list[tuple[str, int]], tenant: str, **fields) -> list[Job]:
+        """A job of `tenant` per (text, max_tokens), labelled `label-<index>`."""
+        return [self.job(f"{label}-{i}", text, n, tenant=tenant, **fields) for i, (text, n) in enumerate(drawn)]
+
     async def until(self, condition, what: str, poll: list[Job] = (), required: bool = True) -> bool:
         """Wait for `condition()` (a coroutine function's too), looking up `poll`'s final
         events meanwhile. Fails when a worker died; after WAIT_LIMIT_S (or TENANTS_DRAIN_S
@@ -183,6 +140,9 @@ class Session:
             return met
         tails = self.fleet.log_tails()
         raise RuntimeError(f"tenants: waiting for {what}: still waiting after {WAIT_LIMIT_S:.0f} s\n{tails}")
+
+    async def all_final(self, jobs: list[Job], what: str, **wait) -> bool:
+        return await self.until(lambda: all(j.final for j in jobs), what, **wait)
 
     def preemptions(self) -> float:
         return sum(metric_total(w.metrics(), "inflight_preemptions_total") for w in self.fleet.workers.values())
@@ -232,9 +192,8 @@ def _prompts(args: argparse.Namespace, parts: list[str]) -> Prompts:
         return [tokenizer.decode(r.prompt_ids) for r in workload.requests]
 
     light_jobs = args.tenants_light_jobs if "a" in parts else 0
-    flood = texts(light_jobs * args.tenants_flood, args.tenants_prompt_len, args.tenants_output_len, args.seed)
-    light = [texts(light_jobs, args.tenants_prompt_len, args.tenants_output_len, args.seed + k) for k in (1, 2)]
-    if "a" in parts and args.tenants_prompt_len + args.tenants_output_len > context:
+    fixed = (args.tenants_prompt_len, args.tenants_output_len)
+    if "a" in parts and sum(fixed) > context:
         raise SystemExit(f"(a)'s prompt and output do not fit the model's context ({context})")
 
     probing = ("b" in parts or "c" in parts) and not args.tenants_capacity_rps > 0
@@ -259,8 +218,8 @@ def _prompts(args: argparse.Namespace, parts: list[str]) -> Prompts:
         slices[name], start = drawn[start : start + count], start + count
     return Prompts(
         warmup=texts(WARMUP_JOBS, 32, WARMUP_TOKENS, args.seed + 3),
-        flood=flood,
-        light=light,
+        flood=texts(light_jobs * args.tenants_flood, *fixed, args.seed),
+        light=[texts(light_jobs, *fixed, args.seed + k) for k in (1, 2)],
         source="sharegpt first turns" if args.workload == "sharegpt" else "random token ids",
         ignore_eos=args.workload != "sharegpt",
         **slices,
@@ -272,11 +231,7 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
     async with bench_run(args.redis_url, "tenants") as run:
         capacity = None
         if args.tenants_capacity_rps > 0:  # weighted tokens/s: from (b)'s jobs, if it runs
-            capacity = {
-                "requests_per_s": args.tenants_capacity_rps,
-                "weighted_tokens_per_s": None,
-                "source": "flag",
-            }
+            capacity = {"requests_per_s": args.tenants_capacity_rps, "weighted_tokens_per_s": None, "source": "flag"}
         if "a" in parts or "b" in parts or ("c" in parts and capacity is None):
             async with _session(run, "main", args, cores, prompts) as session:
                 if "a" in parts:
@@ -294,6 +249,7 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
             flags = [f"--{name.replace('_', '-')}={value}" for name, value in caps.items() if value]
             async with _session(run, "capped", args, cores, prompts, flags) as session:
                 report["c"] = {"caps": caps} | await _timed(_part_c(session, prompts, capacity, base, args))
+    batch_prefill = args.tenants_max_batch_prefill_tokens
     report["workload"] = {
         "a": f"{args.tenants_prompt_len} prompt tokens (random ids), {args.tenants_output_len} out, EOS ignored",
         "b_c": prompts.source + (", EOS ignored" if prompts.ignore_eos else ", EOS honoured"),
@@ -306,11 +262,7 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
         "threads_per_worker": 1,
         "max_running_requests": args.tenants_max_running,
         "max_running_batch": args.tenants_max_running_batch,
-        "max_batch_prefill_tokens": (
-            args.tenants_max_batch_prefill_tokens
-            if args.tenants_max_batch_prefill_tokens >= 0
-            else SchedulerConfig().max_batch_prefill_tokens
-        ),
+        "max_batch_prefill_tokens": batch_prefill if batch_prefill >= 0 else SchedulerConfig().max_batch_prefill_tokens,
         "jobs_held_per_worker": args.tenants_max_running,  # as a fair-queue worker holds
         "charge_prompt_weight": WEIGHTS.charge_prompt_weight,
         "charge_output_weight": WEIGHTS.charge_output_weight,
@@ -332,9 +284,10 @@ async def _timed(part) -> dict:
 
 @contextlib.asynccontextmanager
 async def _session(run: BenchRun, name: str, args, cores: list[str], prompts: Prompts, extra: list[str] = ()):
-    """Two fair-queue workers on `name`'s own streams, warmed up; stopped, and every key of
-    theirs deleted, on the way out."""
-    print(f"bench: tenants: starting the workers ({name})", file=sys.stderr, flush=True)
+    """Two fair-queue workers on `name`'s own streams (prefix caching off: the same prompts
+    go twice, alone and under load), warmed up; stopped, and every key of theirs deleted,
+    on the way out."""
+    say(f"starting the workers ({name})")
     fleet = run.fleet(name, _worker_flags(args, extra))
     for consumer, core in WORKERS:
         fleet.start(consumer, cores=cores[core])
@@ -371,25 +324,27 @@ def _worker_flags(args, extra) -> list[str]:
 
 
 async def _part_a(s: Session, prompts: Prompts, args) -> dict:
-    print("bench: tenants: (a) a flood and two light tenants", file=sys.stderr, flush=True)
+    """A flood ahead of two light tenants, all backlogged from t0; the flood's rest is
+    cancelled once the light tenants are done; then their jobs again, alone."""
+    say("(a) a flood and two light tenants")
     out = args.tenants_output_len
-    heavy = [s.job(f"a-heavy-{i}", text, out, tenant="heavy") for i, text in enumerate(prompts.flood)]
+    heavy = s.jobs("a-heavy", [(text, out) for text in prompts.flood], "heavy")
     light = [
-        s.job(f"a-light{k}-{i}", text, out, tenant=f"light-{k}")
+        job
         for k, texts in enumerate(prompts.light, 1)
-        for i, text in enumerate(texts)
+        for job in s.jobs(f"a-light{k}", [(text, out) for text in texts], f"light-{k}")
     ]
     tenants = ["heavy", "light-1", "light-2"]
     async with s.counters.sampling(time.perf_counter()) as samples:
         await s.follower.send(heavy, follow=False)  # the flood first, then the light tenants' jobs
         await s.follower.send(light)
-        await s.until(lambda: all(j.final for j in light), "(a)'s light tenants")
+        await s.all_final(light, "(a)'s light tenants")
     await s.follower.cancel(heavy)
-    await s.until(lambda: all(j.final for j in heavy), "(a)'s flood to end", poll=heavy)
+    await s.all_final(heavy, "(a)'s flood to end", poll=heavy)
 
-    alone = [s.job(f"a-alone-{i}", j.prompt, out, tenant="alone") for i, j in enumerate(light)]
+    alone = s.jobs("a-alone", [(j.prompt, out) for j in light], "alone")
     await s.follower.send(alone)
-    await s.until(lambda: all(j.final for j in alone), "(a)'s light jobs alone")
+    await s.all_final(alone, "(a)'s light jobs alone")
 
     served = [j for j in heavy + light if j.outcome() == "length"]
     longest_prompt = max(j.final["usage"]["prompt_tokens"] for j in served)
@@ -450,11 +405,8 @@ def _shares(samples: list, tenants: list[str]) -> dict | None:
 async def _capacity(s: Session, prompts: Prompts) -> dict:
     """Requests finished per second while the workers were full (until the last job
     started), and weighted tokens charged per second over the same time."""
-    print("bench: tenants: capacity", file=sys.stderr, flush=True)
-    jobs = [
-        s.job(f"probe-{i}", text, n, tenant="probe", ignore_eos=prompts.ignore_eos)
-        for i, (text, n) in enumerate(prompts.probe)
-    ]
+    say("capacity")
+    jobs = s.jobs("probe", prompts.probe, "probe", ignore_eos=prompts.ignore_eos)
     before, _ = await s.counters.read()
     t0 = time.perf_counter()
     async with s.counters.sampling(t0) as samples:
@@ -463,13 +415,13 @@ async def _capacity(s: Session, prompts: Prompts) -> dict:
         full_s = max(j.times[0] for j in jobs if j.times) - t0
         finished = sum(j.final is not None for j in jobs)
         if finished == 0:  # too few jobs to fill the workers: the whole run instead
-            await s.until(lambda: all(j.final for j in jobs), "the probe")
+            await s.all_final(jobs, "the probe")
             full_s, finished = time.perf_counter() - t0, len(jobs)
     charged = [(t, served.get("probe", 0.0) - before.get("probe", 0.0)) for t, served, _ in samples]
     within = [(t, tokens) for t, tokens in charged if t <= full_s and tokens > 0]
     t_charged, weighted = within[-1] if within else charged[-1]  # else: the last sample, after
     await s.follower.cancel(jobs)
-    await s.until(lambda: all(j.final for j in jobs), "the probe's cancels")
+    await s.all_final(jobs, "the probe's cancels")
     return {
         "requests_per_s": round(finished / full_s, 3),
         "weighted_tokens_per_s": round(weighted / t_charged, 1) if t_charged > 0 else None,
@@ -481,19 +433,18 @@ async def _capacity(s: Session, prompts: Prompts) -> dict:
 
 
 async def _part_b(s: Session, prompts: Prompts, capacity: dict, args) -> dict:
+    """The interactive jobs at Poisson arrivals alone, then the same arrivals over a batch
+    backlog queued at once (cancelled after)."""
     rate = args.tenants_interactive_load * capacity["requests_per_s"]
     arrivals = poisson(len(prompts.interactive), rate, args.seed)
-    print(f"bench: tenants: (b) interactive at {rate:.3g}/s alone", file=sys.stderr, flush=True)
+    say(f"(b) interactive at {rate:.3g}/s alone")
     alone = await _interactive(s, "b-alone", prompts, arrivals)
     if capacity["weighted_tokens_per_s"] is None:  # the flag's: at the interactive jobs' mean cost
         costs = [_cost(j.final["usage"]) for j in alone["jobs"] if j.outcome() in ("stop", "length")]
         capacity["weighted_tokens_per_s"] = round(capacity["requests_per_s"] * sum(costs) / len(costs), 1)
 
-    print(f"bench: tenants: (b) {len(prompts.batch)} batch jobs, then the same arrivals", file=sys.stderr, flush=True)
-    batch = [
-        s.job(f"b-batch-{i}", text, n, tenant="bulk", batch=True, ignore_eos=prompts.ignore_eos)
-        for i, (text, n) in enumerate(prompts.batch)
-    ]
+    say(f"(b) {len(prompts.batch)} batch jobs, then the same arrivals")
+    batch = s.jobs("b-batch", prompts.batch, "bulk", batch=True, ignore_eos=prompts.ignore_eos)
     await s.follower.send(batch, follow=False)
 
     async def admitted_and_served() -> bool:
@@ -508,11 +459,10 @@ async def _part_b(s: Session, prompts: Prompts, capacity: dict, args) -> dict:
     await s.follower.poll(batch)
     batch_done_in_run = sum(j.final is not None for j in batch)
     await s.follower.cancel(batch)
-    await s.until(lambda: all(j.final for j in batch), "the batch backlog's cancels", poll=batch)
+    await s.all_final(batch, "the batch backlog's cancels", poll=batch)
 
-    window = loaded["window_s"]
     batch_tokens = loaded["after"].get("batch:bulk", 0.0) - loaded["before"].get("batch:bulk", 0.0)
-    idle = capacity["weighted_tokens_per_s"] * window - loaded["interactive_tokens"]
+    idle = capacity["weighted_tokens_per_s"] * loaded["window_s"] - loaded["interactive_tokens"]
     return {
         "rate_per_s": round(rate, 3),
         "alone": alone["figures"],
@@ -533,13 +483,10 @@ async def _part_b(s: Session, prompts: Prompts, capacity: dict, args) -> dict:
 async def _interactive(s: Session, label: str, prompts: Prompts, arrivals: list[float]) -> dict:
     """The interactive jobs at their arrival times, followed to their ends; the weighted
     tokens charged from the first arrival to the last end."""
-    jobs = [
-        s.job(f"{label}-{i}", text, n, tenant="interactive", ignore_eos=prompts.ignore_eos)
-        for i, (text, n) in enumerate(prompts.interactive)
-    ]
+    jobs = s.jobs(label, prompts.interactive, "interactive", ignore_eos=prompts.ignore_eos)
     before, _ = await s.counters.read()
     start = await s.follower.send_at(jobs, arrivals)
-    await s.until(lambda: all(j.final for j in jobs), f"({label}) the interactive jobs")
+    await s.all_final(jobs, f"({label}) the interactive jobs")
     window = time.perf_counter() - start
     after, _ = await s.counters.read()
     tokens = after.get("interactive", 0.0) - before.get("interactive", 0.0)
@@ -554,16 +501,16 @@ async def _interactive(s: Session, label: str, prompts: Prompts, arrivals: list[
 
 
 async def _part_c(s: Session, prompts: Prompts, capacity: dict, base_ttft_p99_ms: float | None, args) -> dict:
+    """The overload at Poisson arrivals on workers with caps: how many were refused, how
+    fast (request entry's id to its dead letter's, both Redis's clock, in ms), and the
+    accepted jobs left unfinished TENANTS_DRAIN_S after the last arrival."""
     rate = args.tenants_overload * capacity["requests_per_s"]
-    print(f"bench: tenants: (c) {len(prompts.overload)} jobs at {rate:.3g}/s", file=sys.stderr, flush=True)
-    jobs = [
-        s.job(f"c-{i}", text, n, tenant="overload", ignore_eos=prompts.ignore_eos)
-        for i, (text, n) in enumerate(prompts.overload)
-    ]
+    say(f"(c) {len(prompts.overload)} jobs at {rate:.3g}/s")
+    jobs = s.jobs("c", prompts.overload, "overload", ignore_eos=prompts.ignore_eos)
     arrivals = poisson(len(jobs), rate, args.seed + 1)
     async with s.counters.sampling(time.perf_counter()) as samples:
         await s.follower.send_at(jobs, arrivals)
-        await s.until(lambda: all(j.final for j in jobs), "(c)'s jobs", required=False)
+        await s.all_final(jobs, "(c)'s jobs", required=False)
     _, queued = await s.counters.read()
 
     sent = {j.entry_id for j in jobs}
