@@ -1,7 +1,6 @@
-"""Real processes for the load scenarios and tests: a private `redis-server` that can be
-stopped (or killed) and started again on the same port and data, a private Redis Cluster
-of three masters, and `inflight worker` processes that can be killed and restarted under
-the same consumer name."""
+"""Real processes for the load scenarios and tests: a private `redis-server` (or a Redis
+Cluster of three) that can be stopped or killed and started again on the same port and
+data, and `inflight worker`/`gateway` processes restarted under the same name."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # bench/ sits at the root
@@ -32,10 +32,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_for(ready: Callable[[], bool], process: subprocess.Popen, timeout_s: float, failed: Callable[[], str],
+             interval_s: float = 0.05) -> None:  # fmt: skip
+    """Poll `ready()` until it holds; raise `failed()` once `process` exits or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(failed())
+        time.sleep(interval_s)
+
+
 def start_reaper(targets: list[str]) -> subprocess.Popen:
-    """A watcher that SIGKILLs `targets` (pids, or -pgid for a process group) once this
-    process is gone, should it die without its `finally` blocks running (SIGKILL). vLLM's
-    server cannot be relied on for that: during its start it does not act on SIGTERM."""
+    """A watcher that SIGKILLs `targets` (pids, or -pgid) once this process is gone without
+    its `finally` blocks running (SIGKILL). vLLM's server ignores SIGTERM while it starts."""
     return subprocess.Popen(
         ["sh", "-c", f"tail --pid={os.getpid()} -f /dev/null; kill -KILL {' '.join(targets)}"],
         stdin=subprocess.DEVNULL,
@@ -51,35 +60,56 @@ def stop_reaper(reaper: subprocess.Popen) -> None:
     reaper.wait(timeout=30)
 
 
-class RedisServer:
-    """A `redis-server` of our own on a free port, writing into `data_dir` (its log,
-    and its append-only file when `appendonly`).
+class _Child:
+    """One child process that may be stopped (SIGTERM, SIGKILL after `STOP_WAIT_S`) or
+    killed, and started again."""
 
-    `args` go to redis-server as they are (e.g. `--user` lines of an ACL); when the
-    default user is off, `username` and `password` are what the readiness check logs in
-    with, and go into `url`. With `tls_ca` (the CA's certificate file; the server's
-    certificate and key go in `args`), the port speaks TLS only. `start()` returns once
-    the server answers PING (so also once it has loaded its data); it may be stopped or
-    killed and started again, on the same port and the same data."""
+    STOP_WAIT_S = 60.0
+    _process: subprocess.Popen | None = None
 
-    def __init__(
-        self,
-        data_dir: Path,
-        port: int | None = None,
-        appendonly: bool = True,
-        args: tuple[str, ...] = (),
-        username: str | None = None,
-        password: str | None = None,
-        tls_ca: Path | None = None,
-    ) -> None:
+    @property
+    def process(self) -> subprocess.Popen:
+        assert self._process is not None, "not started"
+        return self._process
+
+    @process.setter
+    def process(self, process: subprocess.Popen) -> None:
+        self._process = process
+
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=self.STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL: gone at once, as in a crash."""
+        if self.alive():
+            self.process.kill()
+        if self._process is not None:
+            self.process.wait(timeout=60)
+
+
+class RedisServer(_Child):
+    """A `redis-server` of our own on a free port, writing into `data_dir` (its log, and its
+    append-only file when `appendonly`). `args` go to redis-server as they are (e.g. ACL
+    `--user` lines); `username`/`password` are what the readiness check logs in with, and go
+    into `url`. With `tls_ca` (the server's certificate and key in `args`), it speaks TLS
+    only. `start()` returns once it answers PING (its data loaded)."""
+
+    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, args: tuple[str, ...] = (),
+                 username: str | None = None, password: str | None = None,
+                 tls_ca: Path | None = None) -> None:  # fmt: skip
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
         self.args = tuple(args)
-        self.username = username
-        self.password = password
-        self.tls_ca = tls_ca
-        self.process: subprocess.Popen | None = None
+        self.username, self.password, self.tls_ca = username, password, tls_ca
 
     @property
     def url(self) -> str:
@@ -88,50 +118,26 @@ class RedisServer:
             return f"rediss://{login}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls_ca}"
         return f"redis://{login}127.0.0.1:{self.port}"
 
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
     def start(self, timeout_s: float = 30.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.data_dir / "redis.log"
         ports = ["--port", str(self.port)] if self.tls_ca is None else ["--port", "0", "--tls-port", str(self.port)]
+        persistence = ["--appendonly", "yes" if self.appendonly else "no", "--save", ""]
+        argv = ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", str(self.data_dir), *persistence, *self.args]
         with open(log_path, "a") as log:
-            self.process = subprocess.Popen(
-                [
-                    "redis-server",
-                    *ports,
-                    "--bind",
-                    "127.0.0.1",
-                    "--dir",
-                    str(self.data_dir),
-                    "--appendonly",
-                    "yes" if self.appendonly else "no",
-                    "--save",
-                    "",
-                    *self.args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout_s
-        while not self._answers():  # also waits out loading the append-only file
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not start on port {self.port}: {log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        try:  # PING also waits out loading the append-only file (-LOADING meanwhile)
+            failed = f"redis-server did not start on port {self.port}: "
+            wait_for(lambda: self._replies("PING", b"+PONG"), self.process, timeout_s,
+                     lambda: failed + log_path.read_text()[-2000:])  # fmt: skip
+        except RuntimeError:
+            self.kill()
+            raise
 
     def stop(self) -> None:
         """SIGTERM: Redis writes its append-only file out and exits."""
-        if self.running:
+        if self.alive():
             self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=60)
-
-    def kill(self) -> None:
-        """SIGKILL: gone at once, as in a crash; nothing is written out."""
-        if self.running:
-            self.process.kill()
-        if self.process is not None:
             self.process.wait(timeout=60)
 
     def __enter__(self) -> RedisServer:
@@ -141,9 +147,9 @@ class RedisServer:
     def __exit__(self, *exc_info) -> None:
         self.kill()
 
-    def _answers(self) -> bool:
+    def _replies(self, command: str, expected: bytes, *more: str) -> bool:
         try:
-            return self.info("PING").startswith(b"+PONG")  # -LOADING while it reads its file
+            return expected in self.info(command, *more)
         except OSError:
             return False
 
@@ -151,7 +157,11 @@ class RedisServer:
         """The raw reply to one command, logged in as the readiness check is: a bulk string's
         payload (INFO, CLUSTER INFO), else its status or error line."""
         login = () if self.password is None else (_command("AUTH", self.username or "default", self.password),)
-        with self._connect() as connection:
+        connection = socket.create_connection(("127.0.0.1", self.port), timeout=1)
+        if self.tls_ca is not None:
+            tls = ssl.create_default_context(cafile=str(self.tls_ca))
+            connection = tls.wrap_socket(connection, server_hostname="127.0.0.1")
+        with connection:
             connection.sendall(b"".join(login) + _command(*command))
             reply = b""
             while True:
@@ -165,25 +175,21 @@ class RedisServer:
                     return reply
                 reply += chunk
 
-    def _connect(self) -> socket.socket:
-        connection = socket.create_connection(("127.0.0.1", self.port), timeout=1)
-        if self.tls_ca is None:
-            return connection
-        return ssl.create_default_context(cafile=str(self.tls_ca)).wrap_socket(connection, server_hostname="127.0.0.1")
+
+def _command(*parts: str) -> bytes:
+    """One command in RESP, as redis-cli sends it."""
+    encoded = [part.encode() for part in parts]
+    return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in encoded)
 
 
 def free_cluster_port() -> int:
     """A free port whose cluster bus port (the port + 10000) exists and is free too."""
     while True:
         port = free_port()
-        if port + 10000 > 65535:
-            continue
-        try:
-            with socket.socket() as probe:
+        with contextlib.suppress(OSError), socket.socket() as probe:
+            if port + 10000 <= 65535:
                 probe.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
-        return port
+                return port
 
 
 class RedisClusterServers:
@@ -192,25 +198,12 @@ class RedisClusterServers:
     `start()` returns once every node says `cluster_state:ok`; `url` is the
     `redis+cluster://` URL of the first node (the client finds the others)."""
 
-    def __init__(
-        self,
-        data_dir: Path,
-        masters: int = 3,
-        args: tuple[str, ...] = (),
-        username: str | None = None,
-        password: str | None = None,
-        tls_ca: Path | None = None,
-    ) -> None:
+    def __init__(self, data_dir: Path, masters: int = 3, args: tuple[str, ...] = (), username: str | None = None,
+                 password: str | None = None, tls_ca: Path | None = None) -> None:  # fmt: skip
         cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")
         self.nodes = [
             RedisServer(
-                Path(data_dir) / f"node-{i}",
-                port=free_cluster_port(),
-                appendonly=False,
-                args=(*cluster, *args),
-                username=username,
-                password=password,
-                tls_ca=tls_ca,
+                Path(data_dir) / f"node-{i}", free_cluster_port(), False, (*cluster, *args), username, password, tls_ca
             )
             for i in range(masters)
         ]
@@ -231,31 +224,27 @@ class RedisClusterServers:
                 node.start(timeout_s)
             login = [] if self.password is None else ["--user", self.username or "default", "--pass", self.password]
             tls = [] if self.tls_ca is None else ["--tls", "--cacert", str(self.tls_ca)]
-            created = subprocess.run(
-                [
-                    "redis-cli",
-                    *login,
-                    *tls,
-                    "--cluster",
-                    "create",
-                    *(f"127.0.0.1:{port}" for port in self.ports),
-                    "--cluster-replicas",
-                    "0",
-                    "--cluster-yes",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-            )
+            nodes = [f"127.0.0.1:{port}" for port in self.ports]
+            create = [
+                "redis-cli",
+                *login,
+                *tls,
+                "--cluster",
+                "create",
+                *nodes,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ]
+            created = subprocess.run(create, capture_output=True, text=True, timeout=timeout_s)
             if created.returncode != 0:
                 raise RuntimeError(
                     f"redis-cli --cluster create failed: {created.stdout[-2000:]}{created.stderr[-2000:]}"
                 )
-            deadline = time.monotonic() + timeout_s
-            while not all(self._state_ok(node) for node in self.nodes):  # the nodes agree by gossip
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the cluster on {self.ports} did not reach cluster_state:ok")
-                time.sleep(0.05)
+            # The nodes agree by gossip.
+            wait_for(lambda: all(node._replies("CLUSTER", b"cluster_state:ok", "INFO") for node in self.nodes),
+                     self.nodes[0].process, timeout_s,
+                     lambda: f"the cluster on {self.ports} did not reach cluster_state:ok")  # fmt: skip
         except BaseException:
             self.kill()
             raise
@@ -271,21 +260,8 @@ class RedisClusterServers:
     def __exit__(self, *exc_info) -> None:
         self.kill()
 
-    @staticmethod
-    def _state_ok(node: RedisServer) -> bool:
-        try:
-            return b"cluster_state:ok" in node.info("CLUSTER", "INFO")
-        except OSError:
-            return False
 
-
-def _command(*parts: str) -> bytes:
-    """One command in RESP, as redis-cli sends it."""
-    encoded = [part.encode() for part in parts]
-    return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in encoded)
-
-
-class ServiceProcess:
+class ServiceProcess(_Child):
     """`python -m service.cli COMMAND` under a name, logging to `log_dir/COMMAND-NAME.log`;
     it may be stopped or killed and started again with the same flags. `env` adds to the
     environment (e.g. INFLIGHT_API_KEYS)."""
@@ -293,11 +269,10 @@ class ServiceProcess:
     STOP_WAIT_S = 30.0  # after SIGTERM, before SIGKILL
 
     def __init__(self, command: str, name: str, argv: list[str], log_dir: Path, env: dict | None = None) -> None:
-        self.name = name
+        self.name, self.command = name, command
         self.argv = [sys.executable, "-m", "service.cli", command, *argv]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.log_path = Path(log_dir) / f"{command}-{name}.log"
-        self.process: subprocess.Popen | None = None
 
     @property
     def pid(self) -> int:
@@ -309,26 +284,15 @@ class ServiceProcess:
                 self.argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=self.env
             )
 
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=self.STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
     def cpu_seconds(self) -> float:
-        return cpu_seconds(self.process.pid)
+        return cpu_seconds(self.pid)
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, interval_s: float) -> None:
+        failed = f"{self.command} {self.name} did not start:\n"
+        wait_for(ready, self.process, timeout_s, lambda: failed + self.log_tail(), interval_s)
 
 
 class WorkerProcess(ServiceProcess):
@@ -350,14 +314,12 @@ class WorkerProcess(ServiceProcess):
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Until this start has logged `worker_started` (model loaded, serving)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def started() -> bool:
             this_start = self.log_path.read_text(errors="replace").rsplit(f"--- start {self.starts}\n", 1)[-1]
-            if '"worker_started"' in this_start:
-                return
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker {self.name} did not start:\n{self.log_tail()}")
-            time.sleep(0.1)
+            return '"worker_started"' in this_start
+
+        self._wait(started, timeout_s, 0.1)
 
     def rss_kb(self) -> int:
         """VmRSS from /proc: what the process holds in memory now."""
@@ -393,15 +355,15 @@ class GatewayProcess(ServiceProcess):
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         """Until it answers HTTP (its /health may say Redis is down: that is an answer too)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=2).close()
-                return
-            except urllib.error.HTTPError:
-                return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway {self.name} did not start:\n{self.log_tail()}")
-            time.sleep(0.05)
+        self._wait(lambda: answers_http(f"{self.url}/health", timeout_s=2), timeout_s, 0.05)
+
+
+def answers_http(url: str, timeout_s: float, healthy: bool = False) -> bool:
+    """Whether `url` answers at all (with `healthy`: answers 200)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200 or not healthy
+    except urllib.error.HTTPError:
+        return not healthy
+    except OSError:
+        return False
