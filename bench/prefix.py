@@ -1,17 +1,9 @@
-"""`inflight bench --scenario prefix`: KV reuse across requests (the prefix cache).
-
-Seeded random token ids, greedy unless said otherwise, EOS ignored:
-- `shared`: requests behind one long shared prefix, each with its own suffix, all at t0;
-  the engine with caching off, caching on with the device pool only and with the host
-  tier, and transformers' continuous batching with `allow_block_sharing` (in a child).
-- `multi_turn`: conversations whose every turn resubmits the whole history plus a new
-  message, sent when the previous turn finishes, with a device pool too small for all
-  histories: device-only recomputes evicted turns, the host tier copies them back.
-- `n`: parallel sampling (`SamplingParams.n`) against the same samples as independent
-  requests with caching off.
-
-TTFT is the engine's own (`FinalEvent.timings.first_token_s`, from each request's
-arrival); throughput is output tokens over the time from t0 to the last token.
+"""`inflight bench --scenario prefix`: KV reuse across requests (the prefix cache), on seeded
+random token ids, EOS ignored: `shared` (one long prefix, many suffixes, all at t0),
+`multi_turn` (each turn resubmits its history, on a device pool too small for them all) and
+`n` (parallel sampling against independent requests); docs/benchmarks.md, "Prefix caching".
+TTFT is the engine's own (`FinalEvent.timings.first_token_s`, from each request's arrival);
+throughput is output tokens over the time from t0 to the last token.
 """
 
 from __future__ import annotations
@@ -139,9 +131,6 @@ def run_engines(loaded, args: argparse.Namespace, vocab_ids: list[int], caches: 
     return on_fresh_engines(loaded, args, {name: {"cache": cache} for name, cache in caches.items()}, measure)
 
 
-# -- shared instructions --------------------------------------------------------------
-
-
 def run_shared(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     rng = random.Random(args.seed)
     prefix = random_prompts(rng, 1, (args.prefix_shared_len, args.prefix_shared_len), vocab_ids)[0]
@@ -197,9 +186,6 @@ def run_peer(args: argparse.Namespace, requests: list[tuple[str, list[int], int]
     figures = summarize(out["token_times"], out["peak_rss_mb"])  # TTFT from t0, when all were submitted
     keep = ("max_batch_tokens", "num_blocks", "allow_block_sharing", "prefix_hit_tokens", "load_average_1m")
     return figures | {k: out[k] for k in keep}
-
-
-# -- multi-turn -------------------------------------------------------------------------
 
 
 def run_multi_turn(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
@@ -275,9 +261,6 @@ def _converse(drive: Driver, first: list[list[int]], messages: list[list[list[in
                 drive.add(next_id, prompts[next_id], output_len)
     last = len(messages[0])
     return [prompts[f"c{c}-t{last}"] + drive.tokens[f"c{c}-t{last}"] for c in range(len(first))]
-
-
-# -- parallel sampling ------------------------------------------------------------------
 
 
 def run_parallel_sampling(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
