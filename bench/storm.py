@@ -1,13 +1,9 @@
-"""`inflight bench --scenario storm`: a prefill storm against running generations.
-
-Long generations decode at a steady pace for 40 steps; then a backlog of long prompts
-lands at once (what a restart leaves behind). The burst window lasts until every burst
-request has its first token; the long generations' gaps whose later token falls in it
-are the burst latencies. Run with the prefill sub-budget on (`budgets_on`) and off
-(`budgets_off`: the whole step budget), on the same seeded requests. `steady` is the long
-generations alone through the same output positions as `budgets_on`'s window (a decode
-step costs more as contexts grow); the pace before the burst is `itl_p50_before_burst_s`.
-"""
+"""`inflight bench --scenario storm`: a backlog of long prompts lands at once on long
+generations decoding at a steady pace, with the prefill sub-budget on (`budgets_on`) and off
+(`budgets_off`: the whole step budget), on the same seeded requests. The burst window lasts
+until every burst request has its first token; `steady` is the long generations alone through
+the same output positions as `budgets_on`'s window, since a decode step costs more as contexts
+grow (docs/benchmarks.md, "Scheduler scenarios")."""
 
 from __future__ import annotations
 
@@ -41,10 +37,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     report = {}
     for name, max_prefill_tokens in settings.items():
         drive, steady_start = _start(loaded, args, vocab_ids, max_prefill_tokens)
-        report[name] = _burst(drive, steady_start, args, vocab_ids) | {
-            "max_prefill_tokens": max_prefill_tokens,
-            "max_batch_tokens": base.max_batch_tokens,
-        }
+        limits = {"max_prefill_tokens": max_prefill_tokens, "max_batch_tokens": base.max_batch_tokens}
+        report[name] = _burst(drive, steady_start, args, vocab_ids) | limits
         del drive
         gc.collect()
 
@@ -53,11 +47,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     report["budgets_off"].pop("positions")
     drive, _ = _start(loaded, args, vocab_ids, args.storm_prefill_tokens)
     drive.run_until(lambda: all(len(drive.token_times[r]) > last for r, (_, last) in window.items()))
-    steady = [
-        gap
-        for r, (first, last) in window.items()
-        for gap in inter_token_latencies(drive.token_times[r])[first - 1 : last]
-    ]
+    gaps = {r: inter_token_latencies(drive.token_times[r]) for r in window}
+    steady = [gap for r, (first, last) in window.items() for gap in gaps[r][first - 1 : last]]
     _cancel_all(drive)
     report["steady"] = {"itl_p50_s": percentile(steady, 50), "itl_p99_s": percentile(steady, 99)}
     for name in settings:
@@ -100,6 +91,7 @@ def _burst(drive: Driver, steady_start: float, args: argparse.Namespace, vocab_i
     burst_steps = drive.num_steps - first_burst_step
     _cancel_all(drive)
 
+    # The long generations' gaps by where their later token falls: before the burst, in its window.
     before, burst, positions = [], [], {}
     for request_id in long_ids:
         times = drive.token_times[request_id]
