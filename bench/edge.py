@@ -152,11 +152,8 @@ async def _row(servers, count: int, tokens: int, step_s: float, publishing: str)
 def _middle_rate(landed: list[tuple[float, int]]) -> float | None:
     """Token events landed per second without the start and the end: from the round trip just
     before 10% of them had landed to the one that brought 90%; None if one carried all that."""
-    total = sum(count for _, count in landed)
-    marks, so_far = [], 0
-    for when, count in landed:
-        so_far += count
-        marks.append((when, so_far))
+    marks = list(zip([when for when, _ in landed], itertools.accumulate(count for _, count in landed)))
+    total = marks[-1][1]
     start = ([mark for mark in marks if mark[1] < total * 0.1] or marks[:1])[-1]
     end = next(mark for mark in marks if mark[1] >= total * 0.9)
     return (end[1] - start[1]) / (end[0] - start[0]) if end[0] > start[0] else None
