@@ -1,23 +1,13 @@
-"""`inflight bench --scenario spec`: speculative decoding by prompt lookup, on against off.
+"""`inflight bench --scenario spec`: speculative decoding by prompt lookup, on against off
+(docs/benchmarks.md, "Speculative decoding"): `copy` (chat requests whose answers quote their
+prompts, at each `--spec-concurrency`), `default` (the bench's random-token workload) and
+`sharegpt` (real text, at each `--spec-sharegpt-concurrency`).
 
-Each workload runs on two engines over the same loaded model, speculation off and on,
-stepped in turns (the one that has produced fewer tokens steps next, so both cross the
-workload over the same stretch of time); each engine's time is the sum of its own steps:
-
-- `copy`: 8 chat requests whose answers quote their prompts, greedy, ending at EOS or
-  `--spec-max-tokens`, at each `--spec-concurrency` (1: one at a time; n: n at t0).
-  `copied_fraction` is how much the model actually copied: the share of output tokens
-  that end a 4-gram found in the prompt.
-- `default`: the bench's random-token workload (EOS ignored), where the model soon loops
-  and prompt lookup predicts the loops.
-- `sharegpt`: `--requests` ShareGPT first turns (EOS ignored): real text, where drafts are
-  seldom right and the gate must keep speculation from costing throughput; at each
-  `--spec-sharegpt-concurrency` (n at a time, the next starting as one ends).
-
-Greedy decoding makes both produce the same tokens (checked: `identical`), so output
-tok/s compares the same work. Per engine: acceptance (accepted / drafted), steps, tokens
-verified per speculating request-step (1 + its drafts) and how often each length occurred;
-per comparison the load average before and after.
+Each workload runs on two engines over one loaded model, speculation off and on, stepped in
+turns (the one behind steps next); each engine's time is the sum of its own steps. Greedy, so
+both make the same tokens (`identical`). Per engine: acceptance (accepted / drafted), steps,
+tokens verified per speculating request-step (1 + its drafts) and how often each length
+occurred; `copied_fraction`: the share of output tokens that end a 4-gram of the prompt.
 """
 
 from __future__ import annotations
