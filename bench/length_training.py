@@ -56,8 +56,10 @@ def run(args: argparse.Namespace) -> dict:
     loaded = load_model(model_config)
     engine = Engine(loaded, EngineConfig(model=model_config, scheduler=SchedulerConfig(max_running_requests=64)))
     tokenizer = loaded.tokenizer
-    train = make_sharegpt_workload(tokenizer, args.prompts, args.max_tokens, args.seed, keep=_even).requests
-    held_out = make_sharegpt_workload(tokenizer, args.held_out, args.max_tokens, args.seed, keep=_odd).requests
+    train = make_sharegpt_workload(tokenizer, args.prompts, args.max_tokens, args.seed, keep=training_prompt).requests
+    held_out = make_sharegpt_workload(
+        tokenizer, args.held_out, args.max_tokens, args.seed, keep=held_out_prompt
+    ).requests
 
     greedy = SamplingParams(max_tokens=args.max_tokens)
     sampled = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -77,7 +79,9 @@ def run(args: argparse.Namespace) -> dict:
     embeddings = loaded.model.get_input_embeddings().weight.detach().float().numpy()
     train_x = np.stack([prompt_features(embeddings, r.prompt_ids) for r in train])
     train_x = np.concatenate([train_x, train_x])
-    train_y = np.array([lengths[f"g{i}"] for i in range(len(train))] + [lengths[f"s{i}"] for i in range(len(train))])
+    greedy_y = [lengths[f"g{i}"] for i in range(len(train))]
+    sampled_y = [lengths[f"s{i}"] for i in range(len(train))]
+    train_y = np.array(greedy_y + sampled_y)
     ridge = _pick_ridge(train_x, train_y, len(train))
     regression = fit(train_x, train_y, ridge)
     predictor = regression.fold(embeddings)
@@ -97,9 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         "held_out_mean_len": round(float(np.mean(actual)), 1),
         # How far the model's own length is from a function of its prompt: one greedy and
         # one sampled reply to the same prompts ranked against each other.
-        "greedy_vs_sampled_tau": round(
-            kendall_tau([lengths[f"g{i}"] for i in range(len(train))], [lengths[f"s{i}"] for i in range(len(train))]), 3
-        ),
+        "greedy_vs_sampled_tau": round(kendall_tau(greedy_y, sampled_y), 3),
         "capped_share": round(float(np.mean(np.array(list(lengths.values())) >= args.max_tokens)), 3),
         "generate_s": round(generate_s, 1),
     }
@@ -110,11 +112,11 @@ def run(args: argparse.Namespace) -> dict:
     return figures
 
 
-def _even(index: int) -> bool:
+def training_prompt(index: int) -> bool:
     return index % 2 == 0
 
 
-def _odd(index: int) -> bool:
+def held_out_prompt(index: int) -> bool:
     return index % 2 == 1
 
 
@@ -136,15 +138,14 @@ def _generate(engine, request_type, jobs) -> dict[str, int]:
 
 def _pick_ridge(x: np.ndarray, y: np.ndarray, num_prompts: int) -> float:
     """The ridge strength whose fit on four fifths of the prompts ranks the last fifth best."""
-    from workers.length_predictor import fit
+    from workers.length_predictor import fit, kendall_tau
 
     cut = num_prompts * 4 // 5
     rows = np.arange(len(x)) % num_prompts < cut  # both replies of a prompt on the same side
     best, best_tau = RIDGES[0], -math.inf
     for ridge in RIDGES:
         regression = fit(x[rows], y[rows], ridge)
-        predicted = _predict_features(regression, x[~rows])
-        tau = _tau(predicted, y[~rows])
+        tau = kendall_tau(_predict_features(regression, x[~rows]), y[~rows])
         if tau > best_tau:
             best, best_tau = ridge, tau
     return best
@@ -157,9 +158,3 @@ def _predict_features(regression, x: np.ndarray) -> np.ndarray:
         + x[:, hidden : 2 * hidden] @ regression.tail
         + (regression.length_weight * x[:, -1] + regression.bias)
     )
-
-
-def _tau(predicted, actual) -> float:
-    from workers.length_predictor import kendall_tau
-
-    return kendall_tau(predicted, actual)
