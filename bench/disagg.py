@@ -1,52 +1,18 @@
 """`inflight bench --scenario disagg`: disaggregated prefill and decode against colocated
-workers, on two cores, under a prefill storm (issue 37; docs/features.md).
+workers, on two cores, under a prefill storm (issue 37; the configurations and the
+figures: docs/benchmarks.md, "Disaggregated prefill and decode").
 
-Each configuration is real `inflight worker` processes on streams of its own (on
-`--redis-url`, else an embedded Valkey), each pinned with `taskset -c`:
-
-- `disagg`: a `--role prefill` worker on the first core and a `--role decode` worker on the
-  second, `--threads 1` each, the prompts' K/V moved by NIXL (`gpu/kv_transfer.py`);
-- `colocated_one`: one worker on both cores, `--threads 2`;
-- `colocated_two`: two workers on one core each, `--threads 1`, on the same request stream.
-
-Every worker gets `--dtype`, `--model`, `--no-speculative` (tokens accepted together would
-share one arrival time), `--handoff-min-prompt-tokens` from `--disagg-min-prompt-tokens`
-(so the running decodes are handed off too) and a long `--claim-idle-ms` (a starved event
-loop must not hand a job to the other worker mid-run). This process queues every job
-(greedy, `ignore_eos`) and follows all reply streams, and the handoff stream, with one
-XREAD, stamping each token as it arrives. Per configuration, in order:
-
-1. warm-up: short and long prompts, a few tokens each (the first handoff connects the
-   transfer agents); then each worker's CPU use over 1 s with nothing to serve
-   (`idle_cpu_s_per_s`: what it takes from its core besides the model's steps, e.g. a
-   transfer agent's progress thread);
-2. `lone`: `--disagg-lone` prompts of `--disagg-prompt-len` tokens, one at a time on the
-   idle workers: TTFT, and the gap to the second token (on P/D: the handoff, the K/V
-   read and the first step on the decode worker), with `handoff_to_second_token_s` from
-   the handoff entry's arrival;
-3. `storm`: `--disagg-running` short prompts decode long outputs; once each has made
-   `--disagg-steady-tokens` more tokens (the steady window), `--disagg-storm` prompts of
-   `--disagg-prompt-len` tokens and `--disagg-output-len` tokens out arrive at once. The
-   storm window lasts until every storm request has its second token (on P/D: until the
-   last handoff is resumed on the decode worker). Reported: the storm's TTFT p50/p99,
-   the running decodes' ITL p50 in the steady window and p50/p99/max in the storm window
-   (gaps whose later token falls in the window), and p99-storm / p50-steady. The running
-   decodes are cancelled once every storm request has finished.
-
-Also per configuration: the handoff outcome counts over all its workers
-(`inflight_handoff_requests_total`), the K/V transfer from the decode worker's metrics
-(bytes over the summed read time of `inflight_kv_transfer_seconds`; the cost per 1,000
-prompt tokens uses the bytes per token of the handoff entries' K/V), and which worker
-finished each job. Across configurations: greedy token identity of every request, pairwise
-(the running decodes over the tokens both runs made before the cancel), and the
-handoff's overhead on a lone prompt: P/D minus each colocated configuration (against
-`colocated_two` the prefill runs on the same one core and thread).
-
-Prompts: `--workload sharegpt` takes the long ones from ShareGPT first turns of 0.8-1.2x
-`--disagg-prompt-len` tokens (chat-templated, `bench/sharegpt.py`); otherwise they are
-random token ids. Either way they go out as text (decoded ids), so the prompt token
-counts reported are the worker's. The running decodes' short prompts are random token
-ids. The client and Redis share the two cores with the workers.
+Per configuration: `idle_cpu_s_per_s`, each worker's CPU use over 1 s with nothing to serve
+after the warm-up (besides the model's steps, e.g. a transfer agent's progress thread);
+`lone`, long prompts one at a time on idle workers: TTFT and the gap to the second token
+(on P/D the handoff, the K/V read and the first decode step; `handoff_to_second_token`
+from the handoff entry's arrival); `storm`, long prompts at once over running decodes: the
+storm's TTFT, and the running decodes' ITL in the steady window and in the storm window
+(until every storm request has its second token; a gap counts where its later token
+falls). The K/V transfer: the decode worker's bytes over the summed read time, and per
+1,000 prompt tokens at the handoff entries' bytes per token. Across configurations:
+greedy token identity (the running decodes over the tokens both runs made before the
+cancel), and P/D's lone-prompt overhead over each colocated configuration.
 """
 
 from __future__ import annotations
@@ -127,15 +93,17 @@ def run(args: argparse.Namespace) -> dict:
     if len(cores) != 2:
         raise SystemExit(f"--disagg-cores takes two cores, got {args.disagg_cores!r}")
     if args.disagg_running_prompt_len < args.disagg_min_prompt_tokens:
-        print(
-            "bench: disagg: the running decodes' prompts are shorter than --disagg-min-prompt-tokens: "
-            "on P/D they stay whole on the prefill worker",
-            file=sys.stderr,
-            flush=True,
+        say(
+            "the running decodes' prompts are shorter than --disagg-min-prompt-tokens: "
+            "on P/D they stay whole on the prefill worker"
         )
     prompts = _prompts(args)
     with signals_as_exit():  # SIGTERM stops the workers on the way out too
         return uvloop.run(_run(args, configs, cores, prompts))
+
+
+def say(what: str) -> None:
+    print(f"bench: disagg: {what}", file=sys.stderr, flush=True)
 
 
 def _prompts(args: argparse.Namespace) -> Prompts:
@@ -171,8 +139,8 @@ def _prompts(args: argparse.Namespace) -> Prompts:
     warmup = random_texts(2, args.disagg_running_prompt_len) + random_texts(2, args.disagg_prompt_len)
     count = args.disagg_storm + args.disagg_lone
     if args.workload == "sharegpt":
-        long = _sharegpt_texts(tokenizer, count, args.disagg_prompt_len, context - args.disagg_output_len, args.seed)
-        source = f"sharegpt first turns of {round(0.8 * args.disagg_prompt_len)}-{_longest(args)} tokens"
+        room = context - args.disagg_output_len
+        long, source = _sharegpt_texts(tokenizer, count, args.disagg_prompt_len, room, args.seed)
     else:
         long = random_texts(count, args.disagg_prompt_len)
         source = "random token ids"
@@ -183,15 +151,9 @@ def _prompts(args: argparse.Namespace) -> Prompts:
     return Prompts(running, long[: args.disagg_storm], long[args.disagg_storm :], warmup, running_max_tokens, source)
 
 
-def _longest(args: argparse.Namespace) -> int:
-    from bench.sharegpt import MAX_PROMPT_TOKENS
-
-    return min(round(1.2 * args.disagg_prompt_len), MAX_PROMPT_TOKENS)
-
-
-def _sharegpt_texts(tokenizer, count: int, length: int, room: int, seed: int) -> list[str]:
+def _sharegpt_texts(tokenizer, count: int, length: int, room: int, seed: int) -> tuple[list[str], str]:
     """`count` ShareGPT first turns, chat-templated, of 0.8-1.2x `length` tokens (at most
-    the workload's cap and `room`), in the seed's order, as text."""
+    the workload's cap and `room`), in the seed's order, as text; and their description."""
     from bench.sharegpt import MAX_PROMPT_TOKENS, first_turns, prompt_ids
 
     low, high = round(0.8 * length), min(round(1.2 * length), MAX_PROMPT_TOKENS, room)
@@ -204,7 +166,7 @@ def _sharegpt_texts(tokenizer, count: int, length: int, room: int, seed: int) ->
         if low <= len(ids) <= high:
             texts.append(tokenizer.decode(ids))
             if len(texts) == count:
-                return texts
+                return texts, f"sharegpt first turns of {low}-{min(round(1.2 * length), MAX_PROMPT_TOKENS)} tokens"
     raise SystemExit(f"only {len(texts)} ShareGPT first turns have {low}-{high} tokens, {count} asked")
 
 
@@ -213,7 +175,7 @@ async def _run(args: argparse.Namespace, configs: list[str], cores: list[str], p
     jobs: dict[str, dict[str, Job]] = {}
     async with bench_run(args.redis_url, "disagg") as run:
         for name in configs:
-            print(f"bench: disagg: {name}", file=sys.stderr, flush=True)
+            say(name)
             fleet = run.fleet(name, _worker_flags(args))
             try:
                 results[name], jobs[name] = await _configuration(name, fleet, run, args, cores, prompts)
@@ -251,8 +213,8 @@ async def _run(args: argparse.Namespace, configs: list[str], cores: list[str], p
 
 
 def _worker_flags(args) -> list[str]:
-    """Every worker's, whatever its role: no speculation, a long lease, handoffs of the
-    running decodes too."""
+    """Every worker's, whatever its role: no speculation (tokens accepted together would
+    share one arrival time), a long lease, handoffs of the running decodes too."""
     return [*model_flags(args), "--no-speculative", "--claim-idle-ms", str(CLAIM_IDLE_MS),
             "--shutdown-grace-s", str(SHUTDOWN_GRACE_S), "--handoff-min-prompt-tokens",
             str(args.disagg_min_prompt_tokens), "--log-format", "json"]  # fmt: skip
@@ -265,10 +227,10 @@ async def _configuration(
     handoff_stream = f"{fleet.prefix}:handoffs"
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    for consumer, role, core, threads in LAYOUTS[name]:
-        pinned = cores[core] if core is not None else ",".join(cores)
+    pinned = {consumer: ",".join(cores) if core is None else cores[core] for consumer, _, core, _ in LAYOUTS[name]}
+    for consumer, role, _, threads in LAYOUTS[name]:
         flags = ["--threads", str(threads), "--role", role, "--handoff-stream", handoff_stream]
-        fleet.start(consumer, *flags, cores=pinned)
+        fleet.start(consumer, *flags, cores=pinned[consumer])
     workers = list(fleet.workers.values())
     follower = Follower(client, fleet, handoff_stream if name == "disagg" else None)
     reader = None
@@ -314,14 +276,8 @@ async def _configuration(
         dead = await client.xlen(fleet.dead)
         figures = {
             "workers": [
-                {
-                    "name": n,
-                    "role": role,
-                    "cores": cores[c] if c is not None else ",".join(cores),
-                    "threads": t,
-                    "idle_cpu_s_per_s": idle[n],
-                }
-                for n, role, c, t in LAYOUTS[name]
+                {"name": n, "role": role, "cores": pinned[n], "threads": t, "idle_cpu_s_per_s": idle[n]}
+                for n, role, _, t in LAYOUTS[name]
             ],
             "lone": _lone(lone),
             "storm": _storm(running, storm, steady_start, storm_start, storm_end),
@@ -407,12 +363,9 @@ def _kv_transfer(metrics: dict | None, layouts: list[tuple[int, int]]) -> dict |
     prompt tokens at the handoffs' bytes per token."""
     if metrics is None:
         return None
-
-    def total(name: str) -> float:
-        return metric_total(metrics, name)
-
-    num_bytes, seconds = total("inflight_kv_transfer_bytes_total"), total("inflight_kv_transfer_seconds_sum")
-    reads = int(total("inflight_kv_transfer_seconds_count"))
+    num_bytes = metric_total(metrics, "inflight_kv_transfer_bytes_total")
+    seconds = metric_total(metrics, "inflight_kv_transfer_seconds_sum")
+    reads = int(metric_total(metrics, "inflight_kv_transfer_seconds_count"))
     per_token = sum(b for b, _ in layouts) / sum(t for _, t in layouts) if layouts else None
     per_s = num_bytes / seconds if seconds > 0 else None
     return {
