@@ -1,15 +1,11 @@
 """`inflight bench --scenario structured`: what structured outputs cost, and (with
-`--structured-validity`) the proof that they hold.
+`--structured-validity`) the proof that they hold (docs/benchmarks.md, "Structured outputs").
 
-- `throughput`: the default workload (`--requests`, `--prompt-len`, `--output-len`; greedy,
-  all at t0, EOS ignored) unconstrained, then every request under `BENCH_SCHEMA` (whose
-  minItems keeps every output inside the grammar, so both make the same tokens), alternately
-  `--structured-rounds` times each; the best of each is compared. `mask_s` and `advance_s`:
-  the time spent masking logits and advancing grammars.
-- `compile`: each generated schema (`bench/schemas.py`) compiled on an empty cache, first
-  mask included: p50, p99, max.
-- `validity`: every schema decoded greedy and at temperature 1.0 (seeded), plus regexes and
-  choices; every output that ends with `stop` must validate (`jsonschema`) or match in full.
+- `throughput`: the default workload unconstrained and under `BENCH_SCHEMA`, alternately,
+  best against best; `mask_s`, `advance_s`: time spent masking logits and advancing grammars.
+- `compile`: each generated schema (`bench/schemas.py`) on an empty cache, first mask included.
+- `validity`: every schema greedy and at temperature 1.0 (seeded), plus regexes and choices;
+  every output that ends with `stop` must validate (`jsonschema`) or match in full.
 """
 
 from __future__ import annotations
@@ -20,6 +16,7 @@ import json
 import random
 import re
 import time
+from collections import Counter
 
 from bench.drive import Driver, StepRecorder, bench_engine, on_fresh_engines, random_prompts
 from bench.metrics import percentile
@@ -156,22 +153,17 @@ def run_validity(loaded, args: argparse.Namespace) -> dict:
                 SamplingParams(max_tokens=args.structured_max_tokens, **sampling, **seed, **shape),
             )
         drive.drain()
-        reasons: dict[str, int] = {}
-        valid = stopped = 0
-        failures = []
-        for request_id, shape, _ in jobs:
-            final, text = drive.finals[request_id], drive.texts.get(request_id, "")
-            reasons[final.finish_reason.value] = reasons.get(final.finish_reason.value, 0) + 1
-            if final.finish_reason is not FinishReason.STOP:
-                continue
-            stopped += 1
-            if _satisfies(shape, text, jsonschema):
-                valid += 1
-            else:
-                failures.append({"id": request_id, "text": text})
+        reasons = Counter(drive.finals[request_id].finish_reason.value for request_id, _, _ in jobs)
+        ended = [job for job in jobs if drive.finals[job[0]].finish_reason is FinishReason.STOP]
+        failures = [
+            {"id": request_id, "text": drive.texts.get(request_id, "")}
+            for request_id, shape, _ in ended
+            if not _satisfies(shape, drive.texts.get(request_id, ""), jsonschema)
+        ]
+        stopped, valid = len(ended), len(ended) - len(failures)
         report[mode] = {
             "requests": len(jobs),
-            "finish_reasons": reasons,
+            "finish_reasons": dict(reasons),
             "stopped": stopped,
             "valid": valid,
             "valid_share_of_stopped": valid / max(stopped, 1),
