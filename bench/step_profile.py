@@ -1,17 +1,13 @@
 """`python -m bench.step_profile`: where one decode step's time goes on a CPU, on the
 Hugging Face forward and on the lean forward (`gpu/cpu/lean_forward.py`).
 
-For each dtype and batch: one decode-only step of `--batch` requests at `--context` tokens
-(`ModelRunner.execute`), timed in turns with the step's math alone: every linear of the
-model on the step's rows (`linears`) and the backend's `attend` for every layer
-(`attention`); median of `--steps`, wall and CPU ms. `beyond_math_cpu_ms`: a forward's CPU
-time less that math, the host's (Python, module calls, operator dispatch, small element-wise
-ops). `stubbed_cpu_ms`: both forwards with every linear and MLP returning a fixed tensor.
-`operators_per_step`: `torch.profiler`'s count for one step.
-
-    python -m bench.step_profile [--dtype float32 bfloat16] [--batch 1 48] [--threads 1]
-
-Prints one JSON line per (dtype, batch). Takes a minute or two.
+Per (dtype, batch), one JSON line: one decode-only step of `--batch` requests at `--context`
+tokens (`ModelRunner.execute`), timed in turns with the step's math alone: every linear on
+the step's rows (`linears`) and the backend's `attend` for every layer (`attention`); median
+of `--steps`, wall and CPU ms. `beyond_math_cpu_ms`: a forward's CPU time less that math (the
+host's Python, module calls, dispatch, small element-wise ops). `stubbed_cpu_ms`: both
+forwards with every linear and MLP returning a fixed tensor. `operators_per_step`:
+`torch.profiler`'s count for one step. Takes a minute or two.
 """
 
 from __future__ import annotations
@@ -73,15 +69,19 @@ def in_turns(cases: dict, rounds: int) -> dict[str, list[tuple[float, float]]]:
     return samples
 
 
+def attention_linears(attention: nn.Module) -> list[str]:
+    """The names of an attention's linears: q, k and v (fused by gpu.cpu.fusions, or not), o."""
+    projections = ["qkv_proj"] if hasattr(attention, "qkv_proj") else ["q_proj", "k_proj", "v_proj"]
+    return [*projections, "o_proj"]
+
+
 def linears_call(model: nn.Module, rows: int, dtype: torch.dtype):
     """Every linear of the step (the LM head on `rows` too), each on inputs of `rows` rows."""
     calls = []
     for layer in model.model.layers:
         attention = layer.self_attn
-        projections = [attention.qkv_proj] if hasattr(attention, "qkv_proj") else [  # fused (gpu.cpu.fusions)
-            attention.q_proj, attention.k_proj, attention.v_proj]  # fmt: skip
-        modules = [*projections, attention.o_proj,
-                   *[m for m in layer.mlp.children() if hasattr(m, "in_features")]]  # fmt: skip
+        modules = [getattr(attention, name) for name in attention_linears(attention)]
+        modules += [m for m in layer.mlp.children() if hasattr(m, "in_features")]
         calls.extend((m.forward, torch.randn(rows, m.in_features).to(dtype)) for m in modules)
     calls.append((model.lm_head.forward, torch.randn(rows, model.lm_head.in_features).to(dtype)))
 
@@ -126,8 +126,7 @@ def stubbed(runner: ModelRunner, rows: int, dtype: torch.dtype, calls: dict) -> 
     saved = []
     for layer in model.model.layers:
         attention = layer.self_attn
-        projections = ["qkv_proj"] if hasattr(attention, "qkv_proj") else ["q_proj", "k_proj", "v_proj"]
-        for owner, name in [*[(attention, p) for p in projections], (attention, "o_proj"), (layer, "mlp")]:
+        for owner, name in [*((attention, p) for p in attention_linears(attention)), (layer, "mlp")]:
             module = getattr(owner, name)
             features = module.out_features if name != "mlp" else model.config.hidden_size
             saved.append((owner, name, module))
