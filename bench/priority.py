@@ -1,11 +1,6 @@
-"""`inflight bench --scenario priority`: urgent requests against a low-priority backlog.
-
-A backlog of low-priority requests is queued at once; then high-priority requests
-arrive one by one while the backlog is being served. Reported: each class's time to
-first token, the worst low-priority wait, and the aging bound at work — the latest
-a request that started before a low-priority one arrived after it, which the
-scheduler keeps within `priority_bound_s`.
-"""
+"""`inflight bench --scenario priority`: urgent requests against a low-priority backlog
+queued at t0: each class's TTFT, the worst low-priority wait, and the aging bound at work
+(docs/benchmarks.md, "Scheduler scenarios")."""
 
 from __future__ import annotations
 
@@ -36,10 +31,9 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     for request_id, prompt in zip(low_ids, random_prompts(rng, len(low_ids), (8, 32), vocab_ids)):
         drive.add(request_id, prompt, output_len=rng.randint(2, 8), priority=PRIORITY_MIN)
     high_ids = [f"high-{i}" for i in range(args.priority_high)]
-    high_prompts = random_prompts(rng, len(high_ids), (8, 32), vocab_ids)
     high = [
         {"request_id": r, "prompt_ids": prompt, "output_len": rng.randint(2, 8), "priority": PRIORITY_MAX}
-        for r, prompt in zip(high_ids, high_prompts)
+        for r, prompt in zip(high_ids, random_prompts(rng, len(high_ids), (8, 32), vocab_ids))
     ]
     every = args.priority_high_every
     drive.run_arrivals(ArrivalQueue(high, times=bursts(len(high), 1, every_s=every, first_s=every)))
@@ -47,8 +41,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     first_token = {r: drive.token_times[r][0] for r in low_ids + high_ids}
     low_ttft = [drive.first_token_s(r) for r in low_ids]
     high_ttft = [drive.first_token_s(r) for r in high_ids]
-    # Aging at work: for each low request, the latest-arriving request whose first token
-    # came before its own; how much later than it that one arrived.
+    # Aging at work: for each low request, how much later than it the latest-arriving
+    # request whose first token came before its own arrived.
     overtaken_by = [
         max(
             (drive.arrivals[h] - drive.arrivals[low] for h in high_ids if first_token[h] < first_token[low]),
