@@ -1,10 +1,6 @@
-"""`inflight bench --scenario swap`: preemption under a KV pool too small for the load.
-
-One seeded workload, all arriving at once, three ways: a KV pool large enough that
-nothing is preempted; a small pool whose victims swap to the host pool; the same
-small pool with swapping off, so victims are recomputed. Reported: throughput of each,
-blocks swapped per second, and the small pools' throughput against the large one.
-"""
+"""`inflight bench --scenario swap`: preemption under a KV pool too small for the load, one
+seeded workload at t0 on a large pool, a small one that swaps its victims to the host pool
+and the same small one that recomputes them (docs/benchmarks.md, "Scheduler scenarios")."""
 
 from __future__ import annotations
 
@@ -47,16 +43,16 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
         figures = drive.throughput()
         swapped_out = sum(r.num_blocks_swapped_out for r in records)
         swapped_in = sum(r.num_blocks_swapped_in for r in records)
-        swap_s = sum(r.swap_s for r in records)
+        moved, swap_s = swapped_out + swapped_in, sum(r.swap_s for r in records)
         return figures | {
             "kv_blocks": engine.allocator.num_blocks,
             "preemptions": sum(r.num_preempted for r in records),
             "blocks_swapped_out": swapped_out,
             "blocks_swapped_in": swapped_in,
-            "swapped_blocks_per_s": (swapped_out + swapped_in) / figures["wall_s"],
+            "swapped_blocks_per_s": moved / figures["wall_s"],
             "swap_s": swap_s,
             # Copy rate while swapping: K/V bytes moved over the time spent in swap copies.
-            "swap_gb_per_s": (swapped_out + swapped_in) * block_bytes / max(swap_s, 1e-9) / 1e9,
+            "swap_gb_per_s": moved * block_bytes / max(swap_s, 1e-9) / 1e9,
             "steps": len(records),
         }
 
