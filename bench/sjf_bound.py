@@ -1,13 +1,11 @@
 """What a perfect length prediction could give at most, by simulation: the mean end-to-end
 latency of first come, first served against strictly shortest first with the true
-lengths, on a batch of `slots` requests that each make one token a step, under Poisson
-arrivals at `load` x the batch's capacity (slots / the mean length, requests a step).
-Time is counted in steps; a step's cost is taken as fixed, as a decode step's nearly is.
+lengths, on a batch of `slots` requests that each make one token a step (a fixed cost, as
+a decode step's nearly is), under Poisson arrivals at `load` x the batch's capacity.
 
     python -m bench.sjf_bound [--capped-share 0.59] [--cap 384] [--requests 150]
 
-The default lengths are the `length` scenario's: a share of the replies at the cap (the
-model loops until it) and the rest uniform between 4 and 300 tokens.
+The default lengths are the `length` scenario's: a share at the cap, the rest 4-300 tokens.
 """
 
 from __future__ import annotations
