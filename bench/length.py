@@ -1,29 +1,9 @@
 """`inflight bench --scenario length`: the queue's order by predicted output length, through
-the real worker on a real Redis, under Poisson arrivals of ShareGPT prompts with their
-real lengths (EOS honoured, greedy, capped at `--length-max-tokens`).
-
-1. Capacity: every request at t0 through a worker with `--length-policy fcfs`; requests
-   finished per second while its running set was full (until the last request started).
-   Its outputs are the true lengths, written as the oracle's file.
-2. For each `--length-policies` policy, a fresh worker, and for each `--length-loads`
-   load, the same prompts at `load x capacity` requests/s (the same seeded arrivals for
-   every policy). Per point: mean and p99 end-to-end latency, mean TTFT, the longest
-   queue wait (first token minus send, against the aging bound), the worker's
-   preemptions, and the share of requests whose tokens equal the capacity run's (in
-   float32 all of them: order changes, greedy tokens don't; in bfloat16 a request's
-   logits change with the batch it shares, so near-ties can flip).
-3. The predictor's Kendall τ and mean absolute error against the true lengths of these
-   prompts (held out: the conversations of odd index, which training never sees), and
-   its cost per prediction.
-4. Deadlines: for each `--length-deadline-policies` policy, a fresh worker, the same
-   prompts at `--length-deadline-load` x capacity, each with a `deadline_ms` a seeded
-   uniform draw of `--length-deadline-slack` seconds after it is sent. Per policy: jobs
-   refused at once (`deadline_unmeetable`, and how soon), accepted, and of those accepted
-   the share that finished by their deadline (finish_reason other than `deadline`). Under
-   fcfs nothing is refused: what the deadlines do without a prediction.
-
-The prompts are sent as text, as producers send them; the worker tokenizes them
-(`encode_prompt`), and the oracle's file is keyed by those ids.
+the real worker on a real Redis, under Poisson arrivals of held-out ShareGPT prompts (odd
+conversations, which training never sees) with their real lengths (EOS honoured, greedy,
+capped at `--length-max-tokens`); the parts and their figures: docs/benchmarks.md,
+"Output-length prediction" and "Deadlines". The capacity run's outputs are the true
+lengths, written as the oracle's file, keyed by the ids the worker encodes the text to.
 """
 
 from __future__ import annotations
@@ -42,6 +22,7 @@ from pathlib import Path
 from bench.arrivals import at_t0, poisson
 from bench.fleet import Fleet, model_flags, redis_server
 from bench.follow import Follower, Job
+from bench.length_training import held_out_prompt
 from bench.metrics import metric_total
 from bench.scenario import Scenario, add_flags
 from service.connect import connect
@@ -72,8 +53,8 @@ def run(args: argparse.Namespace) -> dict:
     model = ModelConfig(source=args.model, dtype=args.dtype)
     loaded = load_model(model)
     tokenizer = loaded.tokenizer
-    workload = make_sharegpt_workload(tokenizer, args.requests, args.length_max_tokens, args.seed, keep=_odd)
-    texts = [tokenizer.decode(r.prompt_ids) for r in workload.requests]
+    held_out = make_sharegpt_workload(tokenizer, args.requests, args.length_max_tokens, args.seed, keep=held_out_prompt)
+    texts = [tokenizer.decode(r.prompt_ids) for r in held_out.requests]
     worker_ids = [encode_prompt(tokenizer, text) for text in texts]
     embeddings = loaded.model.get_input_embeddings().weight.detach().float().numpy
     predictor = policy_predictor(SchedulerConfig(length_policy="predicted"), model, embeddings)
@@ -82,13 +63,16 @@ def run(args: argparse.Namespace) -> dict:
     loads = [float(v) for v in args.length_loads.split(",") if v]
     extra = shlex.split(args.length_worker_args)
 
-    report: dict = {"workload": workload.describe() | {"max_tokens": args.length_max_tokens}, "points": {}}
+    report: dict = {"workload": held_out.describe() | {"max_tokens": args.length_max_tokens}, "points": {}}
     with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-length-") as tmp:
         oracle_file = Path(tmp) / "oracle.json"
+
+        def policy_flags(policy: str) -> list[str]:
+            oracle = ["--length-oracle", str(oracle_file)] if policy == "oracle" else []
+            return ["--length-policy", policy, *extra, *oracle]
+
         print("bench: length: capacity (every request at t0, fcfs)", file=sys.stderr, flush=True)
-        capacity_run = _serve(
-            url, args, Path(tmp), "capacity", ["--length-policy", "fcfs", *extra], texts, [at_t0(len(texts))]
-        )
+        capacity_run = _serve(url, args, Path(tmp), "capacity", policy_flags("fcfs"), texts, [at_t0(len(texts))])
         records, duration = capacity_run["points"][0]
         truth = [len(r["tokens"]) for r in records]
         # Requests finished per second while the running set was full (until the last one
@@ -115,12 +99,11 @@ def run(args: argparse.Namespace) -> dict:
                 "mae_tokens": round(statistics.fmean(abs(p - t) for p, t in zip(predicted, truth)), 1),
                 "cost_us_per_prediction": round(cost_us, 1),
             }
+
         arrivals = [poisson(len(texts), load * capacity, args.seed + i) for i, load in enumerate(loads)]
         for policy in policies:
-            flags = ["--length-policy", policy, *extra]
-            flags += ["--length-oracle", str(oracle_file)] if policy == "oracle" else []
             print(f"bench: length: {policy} at loads {loads}", file=sys.stderr, flush=True)
-            served = _serve(url, args, Path(tmp), policy, flags, texts, arrivals)
+            served = _serve(url, args, Path(tmp), policy, policy_flags(policy), texts, arrivals)
             for load, (records, duration), preemptions in zip(loads, served["points"], served["preemptions"]):
                 figures = _figures(records, duration)
                 figures["preemptions"] = preemptions
@@ -136,10 +119,9 @@ def run(args: argparse.Namespace) -> dict:
             report["deadlines"] = {"load": load, "slack_s": [low, high], "policies": {}}
             outcomes = {}
             for policy in [p for p in args.length_deadline_policies.split(",") if p]:
-                flags = ["--length-policy", policy, *extra]
-                flags += ["--length-oracle", str(oracle_file)] if policy == "oracle" else []
                 print(f"bench: length: deadlines, {policy} at load {load}", file=sys.stderr, flush=True)
-                served = _serve(url, args, Path(tmp), f"deadlines-{policy}", flags, texts, [deadline_arrivals], slacks)
+                name, flags = f"deadlines-{policy}", policy_flags(policy)
+                served = _serve(url, args, Path(tmp), name, flags, texts, [deadline_arrivals], slacks)
                 outcomes[policy], _ = served["points"][0]
                 report["deadlines"]["policies"][policy] = _deadline_figures(outcomes[policy])
             if "fcfs" in outcomes:  # fcfs runs every job: which refusals it shows needless
@@ -153,10 +135,6 @@ def run(args: argparse.Namespace) -> dict:
             for policy in point:
                 point[policy]["e2e_mean_vs_fcfs"] = round(point["fcfs"]["e2e_mean_s"] / point[policy]["e2e_mean_s"], 2)
     return report
-
-
-def _odd(index: int) -> bool:
-    return index % 2 == 1
 
 
 def _serve(
