@@ -1,17 +1,11 @@
-"""The soak's chaos (`inflight bench --scenario soak --soak-chaos`): faults at random
-moments through the run, and streamed HTTP requests through two gateways that resume
-at the other gateway when the one carrying them dies.
-
-One fault at a time, the gaps between them drawn exponentially around
-`--soak-chaos-gap-s`:
-- `worker_kill`: w1 SIGKILLed while it streams, then started again under its name;
-- `worker_stop`: w1 SIGSTOPped for 3-6 s while it streams: its leases run out and w2,
-  already busy, takes its jobs over; w1, continued, finds them fenced;
-- `gateway_kill`: one of the two gateways SIGKILLed, started again 2 s later;
-- `redis_restart`: SIGTERM, then started again on its append-only file;
-- `redis_stall`: the server SIGSTOPped for 5 s: every connection to it stalls, as in a
-  network partition.
-A Sentinel failover is drilled on its own (tests/service/test_sentinel_failover.py).
+"""The soak's chaos (`--soak-chaos`; docs/benchmarks.md, "With chaos"): faults at random
+moments, one at a time, and streamed HTTP requests through two gateways that resume at the
+other one when theirs dies. The faults: `worker_kill` (w1 SIGKILLed while it streams, then
+restarted under its name); `worker_stop` (w1 SIGSTOPped 3-6 s: its leases run out, w2 takes
+its jobs over and w1, continued, finds them fenced); `gateway_kill` (one SIGKILLed, back 2 s
+later); `redis_restart` (SIGTERM, restarted on its append-only file); `redis_stall` (SIGSTOP
+for 5 s: every connection stalls, as in a network partition). A Sentinel failover is drilled
+on its own (tests/service/test_sentinel_failover.py).
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.fleet import BACKPRESSURE_OFF, Fleet
@@ -44,7 +39,6 @@ class HttpStream:
     request_id: str | None = None
     positions: list[tuple[int, int]] = field(default_factory=list)  # every event's, in arrival order
     done: bool = False  # `[DONE]` arrived
-    connections: int = 0
     resumed: int = 0  # connections that continued it after a break (Last-Event-ID or from its start)
     error: str | None = None  # an error answer (not a break)
 
@@ -54,7 +48,8 @@ class HttpStream:
 
 
 class Gateways:
-    """Two gateways on the soak's Redis; a streamed request goes to one of those up."""
+    """Two gateways on the soak's Redis, and an HTTP session (while entered) that sends each
+    streamed request to one of those up."""
 
     def __init__(self, fleet: Fleet, rng: random.Random, ttl_s: int) -> None:
         flags = ["--reply-timeout-s", "120", *BACKPRESSURE_OFF]
@@ -62,6 +57,15 @@ class Gateways:
         self.processes = [fleet.gateway(name, *flags) for name in ("g1", "g2")]
         self.rng = rng
         self.streams: list[HttpStream] = []
+
+    async def __aenter__(self) -> Gateways:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=150))
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.session.close()
 
     async def kill_one(self) -> str:
         gateway = self.rng.choice(self.processes)
@@ -76,7 +80,7 @@ class Gateways:
         up = [g for g in self.processes if g.process is not None and g.process.poll() is None]
         return self.rng.choice(up or self.processes)
 
-    async def stream(self, session, body: dict, on_request_id) -> HttpStream:
+    async def stream(self, body: dict, on_request_id: Callable[[str], object]) -> HttpStream:
         """POST a streamed completion; when the connection breaks, continue it at a gateway
         that is up, after the last event id received (or from its start)."""
         import aiohttp
@@ -89,25 +93,26 @@ class Gateways:
             if last_id is not None:
                 headers["Last-Event-ID"] = last_id
             if record.request_id is None:
-                method, path = "POST", "/v1/completions"
+                method, path, json = "POST", "/v1/completions", body
             else:  # resumed: from the last event, or from the start when none came
-                method, path = "GET", f"/v1/streams/{record.request_id}"
-            record.connections += 1
+                method, path, json = "GET", f"/v1/streams/{record.request_id}", None
             record.resumed += record.request_id is not None
             try:
-                async with session.request(
-                    method, gateway.url + path, json=body if method == "POST" else None, headers=headers
-                ) as response:
+                async with self.session.request(method, gateway.url + path, json=json, headers=headers) as response:
+                    if response.status in (502, 503, 504):
+                        await asyncio.sleep(0.5)  # the gateway cannot reach Redis yet: ask again
+                        continue
                     if response.status != 200:
-                        if response.status in (502, 503, 504):
-                            await asyncio.sleep(0.5)  # the gateway cannot reach Redis yet: ask again
-                            continue
                         record.error = f"{response.status} {await response.text()}"[:200]
                         return record
                     if record.request_id is None:
                         record.request_id = response.headers["x-request-id"]
                         on_request_id(record.request_id)
-                    async for event_id, data in _events(response.content):
+                    parser = ServerSentEvents()
+                    async for raw in response.content:
+                        if (event := parser.feed(raw)) is None:
+                            continue
+                        event_id, data = event
                         if event_id is not None:
                             record.positions.append(read_event_id(event_id)[1])
                             last_id = event_id
@@ -134,19 +139,12 @@ class Gateways:
         }
 
 
-async def _events(content):
-    """A server-sent event stream as (id, data) pairs."""
-    parser = ServerSentEvents()
-    async for raw in content:
-        if (event := parser.feed(raw)) is not None:
-            yield event
-
-
 def completion_body(prompt: str, options: dict) -> dict:
     """The soak's job as a streamed `POST /v1/completions`."""
-    body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "stream": True, "max_tokens": options["max_tokens"]}
-    body |= {k: options[k] for k in ("temperature", "top_p", "seed", "ignore_eos", "priority") if k in options}
-    return body
+    keep = ("max_tokens", "temperature", "top_p", "seed", "ignore_eos", "priority")
+    return {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "stream": True} | {
+        k: options[k] for k in keep if k in options
+    }
 
 
 def pause(pid: int, seconds: float) -> asyncio.Task:

@@ -1,30 +1,15 @@
-"""`inflight bench --scenario soak`: mixed traffic on two worker processes for minutes,
-through a Redis that restarts and past a worker that is SIGKILLed, checked for loss.
-
-A private `redis-server` (append-only file on) and two `inflight worker` processes, w1 and
-w2, on the default streams. For `--soak-minutes` this process keeps `--soak-concurrency`
-good jobs outstanding, more than both workers take: prompts of varied lengths, greedy and
-seeded sampling, priorities, flat and msgpack entries; a few are cancelled while queued
-or running, and one entry in a hundred is malformed. At fixed points Redis is SIGTERMed
-and started again on the same port and data, then w1 is SIGKILLed while it streams and
-restarted under its name. Requests are added with entry ids of our own, so a retried
+"""`inflight bench --scenario soak`: mixed traffic on two worker processes for minutes, through
+a Redis that restarts and past a worker that is SIGKILLed (with `--soak-chaos`, the faults of
+bench/chaos.py at random), checked for loss and leaks; `checks` holds each figure against its
+target. docs/benchmarks.md, "Soak". Requests are added with entry ids of our own, so a retried
 XADD that had landed is refused, not doubled.
-
-With `--soak-chaos` the faults come at random moments instead, of five kinds, through
-the whole run (bench/chaos.py), and a share of the traffic is streamed over HTTP through
-two gateways, resuming at the other one when a gateway dies.
-
-Reported: jobs lost; duplicate or missing seqs; time from each SIGKILL or SIGSTOP to the
-next token of each stream the worker was serving; KV blocks in use when idle; w2's RSS
-growth since the warm-up; Redis `used_memory` before and after the reply TTL ran out;
-the counts; with chaos, the faults and the HTTP streams (broken without resumption,
-events twice); and `checks`, each figure against its target.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -45,14 +30,14 @@ from bench.chaos import FAULTS, REDIS_STALL_S, STOP_S, Gateways, completion_body
 from bench.fleet import Fleet, model_flags
 from bench.metrics import metric_total, percentile_or_none
 from bench.processes import RedisServer, WorkerProcess
-from bench.scenario import Scenario
+from bench.scenario import D, Scenario, add_flags
 from service.config import RedisConfig
 from service.connect import connect
 from service.protocol import reply_stream
 from service.retry import retrying
 from service.sdk import job_payload
 
-CONFIG = RedisConfig()
+CONFIG = RedisConfig()  # the default streams (inflight:requests, ...), as a deployment's
 CANCEL_FRACTION = 0.05
 MALFORMED_FRACTION = 0.01
 HTTP_FRACTION = 0.3  # with chaos: good jobs streamed through a gateway
@@ -66,38 +51,30 @@ TARGET_RSS_GROWTH = 0.05
 # What Redis may keep for good after the run: the request stream and the capped
 # dead-letter and control streams, no key of any one request.
 FLAT_REDIS_BYTES = 256 << 10
-WORDS = tuple(
-    (
-        "the sea river stone light a quiet city at night wind over old roads and we remember how numbers "
-        "count from one to ten while birds sing in green fields under summer rain python code runs fast"
-    ).split()
-)
-# --soak-NAME: type, default, help. A worker's RSS grows fastest in its first minutes of
-# this traffic, hence the long warm-up.
-FLAGS = {
-    "minutes": (float, 10.0, "minutes of traffic"),
-    "warmup-s": (float, 180.0, "RSS baseline taken this long into the traffic"),
-    "concurrency": (int, 40, "good jobs outstanding at once"),
-    "max-tokens": (int, 48, "max_tokens drawn in 1..this"),
-    "reply-ttl-s": (int, 60, "the workers' reply (and cancel) TTL; waited out before Redis memory is read"),
-    "drain-s": (float, 180.0, "after the traffic, how long jobs may take to end before they count as lost"),
-    "kv-memory-mb": (int, 64, "each worker's KV cache"),
-}
+WORDS = (
+    "the sea river stone light a quiet city at night wind over old roads and we remember how numbers "
+    "count from one to ten while birds sing in green fields under summer rain python code runs fast"
+).split()
 # Redis away (restarting, loading its file): the worker's own retry policy, waits capped at 1 s.
 _retrying = functools.partial(retrying, max_delay_s=1.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("soak scenario")
-    for name, (kind, default, text) in FLAGS.items():
-        group.add_argument(f"--soak-{name}", type=kind, default=default, help=f"{text} (default: %(default)s)")
+    # A worker's RSS grows fastest in its first minutes of this traffic, hence the long warm-up.
+    group = add_flags(parser, "soak scenario", {
+        "--soak-minutes": (10.0, "minutes of traffic" + D),
+        "--soak-warmup-s": (180.0, "RSS baseline taken this long into the traffic" + D),
+        "--soak-concurrency": (40, "good jobs outstanding at once" + D),
+        "--soak-max-tokens": (48, "max_tokens drawn in 1..this" + D),
+        "--soak-reply-ttl-s": (60, "the workers' reply (and cancel) TTL; waited out before Redis memory is read" + D),
+        "--soak-drain-s": (180.0, "after the traffic, how long jobs may take to end before they count as lost" + D),
+        "--soak-kv-memory-mb": (64, "each worker's KV cache" + D),
+    })  # fmt: skip
     group.add_argument("--soak-logs", type=Path, default=None, help="keep the workers' and Redis's logs in this folder")
     group.add_argument(
         "--soak-chaos", action="store_true", help="faults at random moments, and HTTP traffic through two gateways"
     )
-    group.add_argument(
-        "--soak-chaos-gap-s", type=float, default=60.0, help="mean seconds between faults (default: %(default)s)"
-    )
+    group.add_argument("--soak-chaos-gap-s", type=float, default=60.0, help="mean seconds between faults" + D)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -119,7 +96,6 @@ def run(args: argparse.Namespace) -> dict:
 
 
 async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
-    # The default streams (inflight:requests, ...), as a deployment's.
     with (
         RedisServer(tmp / "redis") as server,
         Fleet(tmp, server.url, "inflight", _worker_flags(args), graceful=True) as fleet,
@@ -163,16 +139,11 @@ class _Job:
 
 
 class _Soak:
-    def __init__(
-        self, client, server: RedisServer, workers: list[WorkerProcess], args: argparse.Namespace, gateways=None
-    ) -> None:
-        self.client = client
-        self.gateways: Gateways | None = gateways
-        self.http_tasks: set[asyncio.Task] = set()
-        self.server = server
-        self.killed_worker, self.survivor = workers
+    def __init__(self, client, server: RedisServer, workers: list[WorkerProcess], args, gateways: Gateways | None):
+        self.client, self.server, self.args, self.gateways = client, server, args, gateways
         self.workers = workers
-        self.args = args
+        self.killed_worker, self.survivor = workers
+        self.http_tasks: set[asyncio.Task] = set()
         self.rng = random.Random(args.seed)
         self.counter = itertools.count()
         self.jobs: dict[str, _Job] = {}  # good jobs, by reply stream
@@ -192,17 +163,10 @@ class _Soak:
         reader = asyncio.create_task(self._read())
         started = time.monotonic()
         chaos = asyncio.create_task(self._chaos(started, duration))
-        if self.gateways is not None:
-            import aiohttp
-
-            timeout = aiohttp.ClientTimeout(total=None, sock_read=150)
-            async with aiohttp.ClientSession(timeout=timeout) as self.session:
-                await self._produce(started + duration)
-                await chaos
-                await asyncio.gather(*self.http_tasks)
-        else:
+        async with self.gateways or contextlib.nullcontext():
             await self._produce(started + duration)
             await chaos
+            await asyncio.gather(*self.http_tasks)
         traffic_s = time.monotonic() - started
         drain_deadline = time.monotonic() + self.args.soak_drain_s
         while self._outstanding() and time.monotonic() < drain_deadline:
@@ -258,16 +222,15 @@ class _Soak:
             options["ignore_eos"] = True
         return text, options
 
+    def _follow(self, request_id: str) -> _Job:
+        job = self.jobs[reply_stream(request_id)] = _Job(request_id, reply_stream(request_id))
+        self.open.add(job.reply_to)
+        return job
+
     async def _send_http(self) -> None:
         """A streamed completion through a gateway; its reply stream is checked as the queue's are."""
         text, options = self._draw()
-
-        def follow(request_id: str) -> None:
-            job = _Job(request_id, reply_stream(request_id))
-            self.jobs[job.reply_to] = job
-            self.open.add(job.reply_to)
-
-        await self.gateways.stream(self.session, completion_body(text, options), follow)
+        await self.gateways.stream(completion_body(text, options), self._follow)
 
     async def _send_job(self) -> _Job:
         rng = self.rng
@@ -283,9 +246,7 @@ class _Soak:
                 **({"messages": json.dumps(messages)} if chat else {"prompt": prompt}),
                 **{k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items()},
             }
-        job = _Job(request_id, reply_stream(request_id))
-        self.jobs[job.reply_to] = job
-        self.open.add(job.reply_to)
+        job = self._follow(request_id)
         job.entry_id = await self._add(fields)
         self.by_entry[job.entry_id] = job
         return job
@@ -369,17 +330,15 @@ class _Soak:
         sampler = asyncio.create_task(self._sample_rss(started + duration))
         if self.args.soak_chaos:
             await self._random_faults(started, started + duration)
-            await sampler
-            return
-        await _sleep_until(started + REDIS_RESTART_AT * duration)
-        down = time.monotonic()
-        await asyncio.to_thread(self.server.stop)
-        await asyncio.to_thread(self.server.start)
-        self.chaos["redis_restart_at_s"] = down - started
-        self.chaos["redis_down_s"] = time.monotonic() - down
-        await _sleep_until(started + WORKER_KILL_AT * duration)
-        self.chaos["worker_kill_at_s"] = time.monotonic() - started
-        await self._kill_and_restart(self.killed_worker)
+        else:
+            await _sleep_until(started + REDIS_RESTART_AT * duration)
+            down = time.monotonic()
+            await self._fault("redis_restart")
+            self.chaos["redis_restart_at_s"] = down - started
+            self.chaos["redis_down_s"] = time.monotonic() - down
+            await _sleep_until(started + WORKER_KILL_AT * duration)
+            self.chaos["worker_kill_at_s"] = time.monotonic() - started
+            await self._fault("worker_kill")
         await sampler
 
     async def _random_faults(self, started: float, until: float) -> None:
@@ -401,11 +360,18 @@ class _Soak:
                 self.faults[-1]["detail"] = detail
 
     async def _fault(self, kind: str):
-        if kind == "worker_kill":
-            await self._kill_and_restart(self.killed_worker)
+        worker = self.killed_worker
+        if kind == "worker_kill":  # while it streams, then started again under its name
+            streaming = await self._streaming(worker)
+            worker.kill()
+            killed_at = time.monotonic()
+            await self._mark(streaming, "kill")  # it is dead: what its streams hold now is all it published
+            worker.start()
+            await asyncio.to_thread(worker.wait_ready)
+            self.chaos["worker_restart_s"] = time.monotonic() - killed_at
         elif kind == "worker_stop":
-            streaming = await self._streaming(self.killed_worker)
-            paused = pause(self.killed_worker.process.pid, self.rng.uniform(*STOP_S))
+            streaming = await self._streaming(worker)
+            paused = pause(worker.process.pid, self.rng.uniform(*STOP_S))
             await self._mark(streaming, "stop")
             await paused
         elif kind == "gateway_kill":
@@ -422,16 +388,6 @@ class _Soak:
         while time.monotonic() < until:
             self.rss_samples.append([round(time.monotonic() - start), self.survivor.rss_kb()])
             await asyncio.sleep(max(1.0, (until - start) / 20))
-
-    async def _kill_and_restart(self, worker: WorkerProcess) -> None:
-        """SIGKILL the worker while it streams; note where each of its streams stood."""
-        streaming = await self._streaming(worker)
-        worker.kill()
-        killed_at = time.monotonic()
-        await self._mark(streaming, "kill")  # it is dead: what its streams hold now is all it published
-        worker.start()
-        await asyncio.to_thread(worker.wait_ready)
-        self.chaos["worker_restart_s"] = time.monotonic() - killed_at
 
     async def _streaming(self, worker: WorkerProcess) -> list[_Job]:
         """The jobs the worker holds that have tokens and no end yet (waits up to 30 s for one)."""
