@@ -5,6 +5,7 @@ data, and `inflight worker`/`gateway` processes restarted under the same name.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -32,8 +33,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_for(ready: Callable[[], bool], process: subprocess.Popen, timeout_s: float, failed: Callable[[], str],
-             interval_s: float = 0.05) -> None:  # fmt: skip
+def wait_for(
+    ready: Callable[[], bool],
+    process: subprocess.Popen,
+    timeout_s: float,
+    failed: Callable[[], str],
+    interval_s: float = 0.05,
+) -> None:
     """Poll `ready()` until it holds; raise `failed()` once `process` exits or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while not ready():
@@ -102,9 +108,16 @@ class RedisServer(_Child):
     into `url`. With `tls_ca` (the server's certificate and key in `args`), it speaks TLS
     only. `start()` returns once it answers PING (its data loaded)."""
 
-    def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True, args: tuple[str, ...] = (),
-                 username: str | None = None, password: str | None = None,
-                 tls_ca: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        appendonly: bool = True,
+        args: tuple[str, ...] = (),
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca: Path | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -126,10 +139,10 @@ class RedisServer(_Child):
         argv = ["redis-server", *ports, "--bind", "127.0.0.1", "--dir", str(self.data_dir), *persistence, *self.args]
         with open(log_path, "a") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:  # PING also waits out loading the append-only file (-LOADING meanwhile)
-            failed = f"redis-server did not start on port {self.port}: "
-            wait_for(lambda: self._replies("PING", b"+PONG"), self.process, timeout_s,
-                     lambda: failed + log_path.read_text()[-2000:])  # fmt: skip
+        failed = f"redis-server did not start on port {self.port}: "
+        pong = functools.partial(self._replies, "PING", b"+PONG")  # also waits out loading (-LOADING)
+        try:
+            wait_for(pong, self.process, timeout_s, lambda: failed + log_path.read_text()[-2000:])
         except RuntimeError:
             self.kill()
             raise
@@ -198,13 +211,19 @@ class RedisClusterServers:
     `start()` returns once every node says `cluster_state:ok`; `url` is the
     `redis+cluster://` URL of the first node (the client finds the others)."""
 
-    def __init__(self, data_dir: Path, masters: int = 3, args: tuple[str, ...] = (), username: str | None = None,
-                 password: str | None = None, tls_ca: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data_dir: Path,
+        masters: int = 3,
+        args: tuple[str, ...] = (),
+        username: str | None = None,
+        password: str | None = None,
+        tls_ca: Path | None = None,
+    ) -> None:
         cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000")
+        login = (username, password, tls_ca)
         self.nodes = [
-            RedisServer(
-                Path(data_dir) / f"node-{i}", free_cluster_port(), False, (*cluster, *args), username, password, tls_ca
-            )
+            RedisServer(Path(data_dir) / f"node-{i}", free_cluster_port(), False, (*cluster, *args), *login)
             for i in range(masters)
         ]
         self.username, self.password, self.tls_ca = username, password, tls_ca
@@ -225,26 +244,17 @@ class RedisClusterServers:
             login = [] if self.password is None else ["--user", self.username or "default", "--pass", self.password]
             tls = [] if self.tls_ca is None else ["--tls", "--cacert", str(self.tls_ca)]
             nodes = [f"127.0.0.1:{port}" for port in self.ports]
-            create = [
-                "redis-cli",
-                *login,
-                *tls,
-                "--cluster",
-                "create",
-                *nodes,
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ]
-            created = subprocess.run(create, capture_output=True, text=True, timeout=timeout_s)
+            create = ["redis-cli", *login, *tls, "--cluster", "create", *nodes, "--cluster-replicas", "0"]
+            created = subprocess.run([*create, "--cluster-yes"], capture_output=True, text=True, timeout=timeout_s)
             if created.returncode != 0:
-                raise RuntimeError(
-                    f"redis-cli --cluster create failed: {created.stdout[-2000:]}{created.stderr[-2000:]}"
-                )
-            # The nodes agree by gossip.
-            wait_for(lambda: all(node._replies("CLUSTER", b"cluster_state:ok", "INFO") for node in self.nodes),
-                     self.nodes[0].process, timeout_s,
-                     lambda: f"the cluster on {self.ports} did not reach cluster_state:ok")  # fmt: skip
+                failed = f"redis-cli --cluster create failed: {created.stdout[-2000:]}{created.stderr[-2000:]}"
+                raise RuntimeError(failed)
+
+            def agreed() -> bool:  # the nodes agree by gossip
+                return all(node._replies("CLUSTER", b"cluster_state:ok", "INFO") for node in self.nodes)
+
+            timed_out = f"the cluster on {self.ports} did not reach cluster_state:ok"
+            wait_for(agreed, self.nodes[0].process, timeout_s, lambda: timed_out)
         except BaseException:
             self.kill()
             raise
