@@ -1,32 +1,24 @@
 """The systems as servers, each a context that starts it, yields its URL and settings, and
-stops it on the way out (on an error, and on SIGTERM/SIGHUP inside `signals_as_exit`):
-
-- `inflight_server`: a private redis-server and a fleet (`bench/fleet.py`) of one
-  `inflight worker` and one `inflight gateway`, the gateway's backpressure off;
-- `vllm_server`: vLLM's OpenAI server (`.venv-vllm`, `make vllm-peer`) in a session of its
-  own, so that its whole process group (API server, EngineCore, workers) is killed at the
-  end; should the bench be SIGKILLed, a watcher process (`start_reaper`) kills the group.
-"""
+stops it on the way out (on an error, and on SIGTERM/SIGHUP inside `signals_as_exit`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 from bench import peer_vllm
 from bench.fleet import BACKPRESSURE_OFF, Fleet
-from bench.processes import RedisServer, free_port, start_reaper, stop_reaper
+from bench.processes import RedisServer, answers_http, free_port, start_reaper, stop_reaper, wait_for
 from service.config import DEFAULT_MODEL_NAME
 
 VLLM_STOP_WAIT_S = 30.0
@@ -34,10 +26,17 @@ VLLM_STOP_WAIT_S = 30.0
 
 @contextlib.contextmanager
 def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: float = 600.0) -> Iterator[dict]:
-    """A private redis-server, one worker and one gateway; yields the gateway's URL and settings."""
+    """A private redis-server, one worker and one gateway (backpressure off): the gateway's URL."""
     with RedisServer(log_dir / "redis", appendonly=False) as redis:
-        worker_argv = ["--redis-url", redis.url, "--dtype", args.dtype, "--weights", args.weights]
-        worker_argv += ["--no-prefix-caching"]
+        worker_argv = [
+            "--redis-url",
+            redis.url,
+            "--dtype",
+            args.dtype,
+            "--weights",
+            args.weights,
+            "--no-prefix-caching",
+        ]
         worker_argv += ["--no-speculative"] if args.speculation == "off" else []
         worker_argv += ["--model", args.model] if args.model else []
         worker_argv += shlex.split(args.serve_worker_args)
@@ -66,8 +65,8 @@ def vllm_command(python: Path, folder: str, dtype: str, port: int, max_model_len
 def vllm_server(
     python: Path, folder: str, dtype: str, max_model_len: int, log_dir: Path, start_timeout_s: float
 ) -> Iterator[dict]:
-    """vLLM's OpenAI server in a session of its own; on the way out, its whole process group
-    gets SIGTERM, then SIGKILL (its EngineCore processes are in that group too)."""
+    """vLLM's OpenAI server in a session of its own, so that its whole process group (API
+    server, EngineCore) gets SIGTERM, then SIGKILL, at the end (and is reaped on SIGKILL)."""
     port = free_port()
     command = vllm_command(python, folder, dtype, port, max_model_len)
     environment = peer_vllm.environment("both-cores")
@@ -81,29 +80,20 @@ def vllm_server(
     print(f"bench: serve vllm: process group {process.pid}, log {log_path}", file=sys.stderr, flush=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, process, log_path, start_timeout_s)
+        late = f"was not healthy in {start_timeout_s:.0f} s"
+
+        def failed() -> str:
+            why = late if process.poll() is None else f"exited with {process.returncode}"
+            return f"vLLM's server {why}:\n{log_path.read_text(errors='replace')[-4000:]}"
+
+        healthy = functools.partial(answers_http, f"{url}/health", timeout_s=5, healthy=True)
+        wait_for(healthy, process, start_timeout_s, failed, interval_s=1.0)
         with urllib.request.urlopen(f"{url}/version", timeout=10) as response:
             version = json.loads(response.read()).get("version")
         yield {"url": url, "command": command, "vllm": version, "environment": peer_vllm.reported(environment)}
     finally:
         _kill_group(process)
         stop_reaper(reaper)
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:  # an HTTPError too
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            exited = process.poll() is not None
-            why = f"exited with {process.returncode}" if exited else f"was not healthy in {timeout_s:.0f} s"
-            raise RuntimeError(f"vLLM's server {why}:\n{log_path.read_text(errors='replace')[-4000:]}")
-        time.sleep(1.0)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
