@@ -1,9 +1,6 @@
-"""Drives an engine step by step and timestamps what comes out: the one "step until done"
-loop of the scenario benches and the tests, and a recorder of what each step did.
-
-Times are seconds after the driver's t0 (`time.perf_counter()`), taken when the `step()`
-that produced an event returns, as a caller of the engine would see it.
-"""
+"""The one "step until done" loop of the scenario benches and the tests, and a recorder of
+what each step did. Times are seconds after the driver's t0, taken when the `step()` that
+produced an event returns, as a caller of the engine would see it."""
 
 from __future__ import annotations
 
@@ -16,13 +13,9 @@ from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEven
 
 
 class StepRecorder:
-    """The `StepRecord` of every step that ran something, from the engine's observer hook.
-
-    The engine has one observer slot: attaching chains to whatever observer is already
-    there (a worker's metrics), which still sees every step. Records are appended in the
-    stepping thread; iterating takes a snapshot, so another thread may read while the
-    engine steps.
-    """
+    """The `StepRecord` of every step that ran something, from the engine's one observer slot
+    (chained to the observer already there). Iterating takes a snapshot: another thread may
+    read while the engine steps."""
 
     def __init__(self, engine=None) -> None:
         self._records: list = []
@@ -56,10 +49,7 @@ class StepRecorder:
 
 class Driver:
     """Steps an engine, keeping each request's token ids, token times, text and final event.
-
-    With `raise_errors` (the benches), a request that ends in an error stops the run;
-    without it (the tests of bad input), its final event is kept like any other.
-    """
+    With `raise_errors` (the benches), a request that ends in an error stops the run."""
 
     def __init__(self, engine, t0: float | None = None, raise_errors: bool = True) -> None:
         self.engine = engine
@@ -107,20 +97,18 @@ class Driver:
         return events
 
     def admit(self, queue: ArrivalQueue) -> None:
-        """Add what `queue` releases now (each item `add`'s keywords): at its send time after
-        t0, or while fewer than the queue's concurrency are in flight."""
+        """Add what `queue` releases now (each item `add`'s keywords)."""
         for request in queue.due(self.now(), in_flight=len(self.arrivals) - len(self.finals)):
             self.add(**request)
 
     def run_arrivals(self, queue: ArrivalQueue) -> None:
-        """Step until every request of `queue` has arrived and finished; with nothing to
-        step, idle until the next send time."""
+        """Step until every request of `queue` has arrived and finished, idle in between."""
         while queue or self.engine.has_unfinished():
             self.admit(queue)
             if self.engine.has_unfinished():
                 self.step()
-            elif queue.next_s() is not None:
-                time.sleep(max(0.0, queue.next_s() - self.now()))
+            elif (next_s := queue.next_s()) is not None:
+                time.sleep(max(0.0, next_s - self.now()))
 
     def run_until(self, done: Callable[[], bool], max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -143,8 +131,7 @@ class Driver:
         self.run_until(done, max_steps)
 
     def throughput(self) -> dict:
-        """Output tokens made (as counted, not as asked for) over the time from t0 to now,
-        the run's end once drained."""
+        """Output tokens made (as counted) over the time from t0 to now (the end once drained)."""
         wall = self.now()
         produced = sum(len(times) for times in self.token_times.values())
         return {"output_tokens": produced, "output_tokens_per_s": produced / wall, "wall_s": wall}
@@ -160,8 +147,7 @@ def random_prompts(rng: random.Random, count: int, length: tuple[int, int], voca
 
 
 def bench_engine(loaded, args, **config):
-    """An engine over the model `inflight bench` loaded (`--model`, `--dtype`), with these
-    `EngineConfig` fields (`cache=`, `scheduler=`, `speculative=`), the others at their defaults."""
+    """An engine over the bench's model with these `EngineConfig` fields, the rest default."""
     from workers.config import EngineConfig, ModelConfig
     from workers.engine import Engine
 
@@ -176,8 +162,7 @@ def kv_bytes(model, tokens: int) -> int:
 
 
 def on_fresh_engines(loaded, args, configs: dict[str, dict], measure: Callable) -> dict[str, dict]:
-    """`measure(name, engine)` for each named set of `bench_engine` fields, on a fresh engine
-    each, the last one's memory dropped before the next is built."""
+    """`measure(name, engine)` on a fresh engine of each named set of `bench_engine` fields."""
     import gc
 
     figures = {}

@@ -1,14 +1,11 @@
-"""A fleet: `inflight worker` processes and `inflight gateway`s on private request, control
-and dead-letter streams of one Redis (a server, a cluster or an embedded Valkey), their
-logs in one folder, and one teardown. The load scenarios bring their systems up with it,
-and the tests their workers (tests/service/test_failover.py, test_cluster.py, ...); with
-it come the tests' job (PROMPT, MAX_TOKENS greedy tokens) and what its reply stream must
-hold."""
+"""A fleet: workers and gateways on private streams of one Redis, their logs in one folder,
+one teardown; the load scenarios' systems and the tests' workers, with the tests' job."""
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -34,13 +31,11 @@ BACKPRESSURE_OFF = ("--max-queue-depth", "0", "--max-queue-age-s", "0")
 
 
 class Fleet:
-    """`inflight worker` processes sharing private request, control and dead-letter streams
-    (`prefix:requests`, `:control`, `:dead`) on the Redis at `url` (`redis+cluster://` for a
-    cluster), each started with `worker_flags`; `client` is a blocking client of the same
-    kind. With `graceful`, closing SIGTERMs the workers (else SIGKILL, the tests' quick way);
-    with `reap`, a watcher kills each worker should this process be SIGKILLed (the benches).
-    Closing also deletes the streams, the submitted requests' reply streams and every key
-    under the prefix."""
+    """Workers on the streams `prefix:requests`, `:control`, `:dead` of the Redis at `url`,
+    each started with `worker_flags`; `client` is a blocking client of it. Closing SIGTERMs
+    the workers with `graceful` (else SIGKILL), and deletes every key under the prefix and
+    the submitted requests' replies; with `reap`, a watcher kills each worker should this
+    process be SIGKILLed (the benches)."""
 
     def __init__(
         self,
@@ -53,8 +48,7 @@ class Fleet:
     ) -> None:
         self.url = url
         self.prefix = prefix or f"inflight:test:{uuid.uuid4().hex[:8]}"
-        self.stream, self.dead = f"{self.prefix}:requests", f"{self.prefix}:dead"
-        self.control = f"{self.prefix}:control"
+        self.stream, self.control, self.dead = (f"{self.prefix}:{s}" for s in ("requests", "control", "dead"))
         self.client = connect_sync(url, socket_timeout=30)
         self.logs = Path(log_dir)
         self.worker_flags = list(worker_flags)
@@ -62,7 +56,7 @@ class Fleet:
         self.workers: dict[str, WorkerProcess] = {}
         self.gateways: dict[str, GatewayProcess] = {}
         self.request_ids: list[str] = []  # submitted: deleted at the end
-        self._reapers = []
+        self._reapers: list[subprocess.Popen] = []
         self._issued = 0
 
     def __enter__(self) -> Fleet:
@@ -90,7 +84,6 @@ class Fleet:
         return worker
 
     def gateway(self, name: str, *flags: str, env: dict[str, str] | None = None) -> GatewayProcess:
-        """A gateway in front of the fleet's streams with `flags`, started (not yet ready)."""
         gateway = self.gateways[name] = GatewayProcess(name, [*self.stream_flags, *flags], self.logs, env)
         gateway.start()
         return gateway
@@ -99,7 +92,6 @@ class Fleet:
         self.workers[name].wait_ready(timeout_s)
 
     def wait_all(self, timeout_s: float = 300) -> None:
-        """Every worker serving and every gateway answering."""
         for worker in self.workers.values():
             worker.wait_ready(timeout_s)
         for gateway in self.gateways.values():
@@ -131,14 +123,11 @@ class Fleet:
         return bool(events) and events[-1]["type"] in ("done", "error")
 
     def submit(self, ids: list[str], **fields: str) -> list[str]:
-        """The fleet's job (PROMPT, MAX_TOKENS greedy tokens) under each id; `fields`
-        override or add to it."""
+        """The fleet's job (PROMPT, MAX_TOKENS greedy tokens) under each id, plus `fields`."""
         self.request_ids.extend(ids)
+        job = {"prompt": PROMPT, "max_tokens": str(MAX_TOKENS), "ignore_eos": "true", **fields}
         for request_id in ids:
-            self.client.xadd(
-                self.stream,
-                {"id": request_id, "prompt": PROMPT, "max_tokens": str(MAX_TOKENS), "ignore_eos": "true", **fields},
-            )
+            self.client.xadd(self.stream, {"id": request_id, **job})
         return ids
 
     def new_ids(self, count: int) -> list[str]:
@@ -166,7 +155,7 @@ class Fleet:
 
 @contextlib.contextmanager
 def redis_server(url: str) -> Iterator[str]:
-    """The given server, or an embedded Valkey on a free port for the run."""
+    """The given server, else an embedded Valkey on a free port for the run."""
     if url:
         yield url
         return
@@ -179,8 +168,8 @@ def redis_server(url: str) -> Iterator[str]:
 
 @dataclass(frozen=True)
 class BenchRun:
-    """A load scenario's Redis (`--redis-url`, else an embedded Valkey), an asyncio client
-    of it, an id that keeps its request ids and keys apart, and a folder for its logs."""
+    """A load scenario's Redis (`--redis-url`, else an embedded Valkey), its asyncio client,
+    an id that keeps its request ids and keys apart, and a folder for its logs."""
 
     url: str
     client: object  # redis.asyncio
@@ -188,12 +177,10 @@ class BenchRun:
     logs: Path
 
     def fleet(self, name: str, worker_flags: list[str], reap: bool = True) -> Fleet:
-        """A fleet on streams of `name`'s own, its logs in a folder of their own; its
-        workers stop gracefully (and are reaped should this process be SIGKILLed)."""
-        log_dir = self.logs / name
-        log_dir.mkdir()
+        """A fleet on streams and a log folder of `name`'s own; its workers stop gracefully."""
+        (self.logs / name).mkdir()
         prefix = f"inflight:bench:{self.run_id}:{name}"
-        return Fleet(log_dir, self.url, prefix, worker_flags, graceful=True, reap=reap)
+        return Fleet(self.logs / name, self.url, prefix, worker_flags, graceful=True, reap=reap)
 
 
 @contextlib.asynccontextmanager

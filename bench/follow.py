@@ -1,10 +1,10 @@
 """Jobs queued straight on a fleet's request stream, and one follower that reads all their
-reply streams (and a handoff stream) with one XREAD, stamping each token as it arrives:
-the client side of the load scenarios that run worker processes (disagg, tenants)."""
+reply streams (and a handoff stream) with one XREAD, stamping each token as it arrives."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import math
 import time
@@ -67,9 +67,8 @@ def outcomes(jobs: list[Job]) -> dict[str, int]:
 
 
 class Follower:
-    """Queues jobs on `fleet`'s request stream and follows their reply streams (and the
-    handoff stream) with one XREAD; a job sent with `follow=False` is not read live (a
-    backlog of thousands), its final event looked up by `poll`."""
+    """Queues jobs on `fleet`'s request stream and follows their replies (and the handoff
+    stream) with one XREAD; a job sent with `follow=False` (a backlog) is looked up by `poll`."""
 
     def __init__(self, client, fleet: Fleet, handoff_stream: str | None = None) -> None:
         self.client = client
@@ -113,8 +112,8 @@ class Follower:
         await pipe.execute()
 
     async def read(self) -> None:
-        """Until `reading` is cleared (cancelling a blocked XREAD can leave redis-py's
-        connection hanging: each read blocks 50 ms at most instead)."""
+        """Until `reading` is cleared (each XREAD blocks 50 ms at most: cancelling a blocked
+        one can leave redis-py's connection hanging)."""
         while self.reading:
             streams = {key: job.last_id for key, job in self.open.items()}
             if self.handoff_stream:
@@ -163,7 +162,7 @@ class Follower:
                 self.kv_layouts.append((math.prod(handoff.kv.shape) * itemsize, handoff.kv.num_tokens))
 
     async def poll(self, jobs: list[Job]) -> None:
-        """The last event of each job without a final one yet: its final one, if it came."""
+        """Each job's final event, if it came, read from its reply stream's last entry."""
         missing = [job for job in jobs if job.final is None]
         if not missing:
             return
@@ -178,9 +177,9 @@ class Follower:
 
     async def until(self, condition, what: str, *, limit_s: float, quiet: bool = False, poll: list[Job] = (),
                     errors_fail: bool = False) -> bool:  # fmt: skip
-        """Wait for `condition()` (a coroutine function's too), looking up `poll`'s final
-        events meanwhile. Fails when a worker died, or a job failed (with `errors_fail`), or,
-        with `quiet`, no event came for `limit_s`; otherwise returns False after `limit_s`."""
+        """Wait for `condition()` (sync or async), polling `poll`'s jobs meanwhile. Fails when a
+        worker died, a job failed (with `errors_fail`) or, with `quiet`, no event came for
+        `limit_s`; else returns False after `limit_s`."""
         deadline = time.perf_counter() + limit_s
 
         async def met() -> bool:
@@ -201,8 +200,6 @@ class Follower:
             if poll:
                 await self.poll(poll)
             async with self.changed:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), 0.5)
-                except TimeoutError:
-                    pass
         return True
