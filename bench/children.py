@@ -1,11 +1,7 @@
-"""The throughput scenario's systems, each in a child process of its own (`python -m bench
---child JOB --out RESULT`) that loads the model itself, so peak RSS is per system and one
-system's allocations cannot slow another. The parent writes a job file, the child writes
-its result as JSON: each request's token times after t0 and the system's own figures.
-
-The engine and the ceiling are here; transformers' peers are in `bench/peers.py`,
-llama.cpp in `bench/peer_llamacpp.py`, vLLM (its own environment) in `bench/peer_vllm.py`.
-"""
+"""The throughput scenario's systems, each in a child process (`python -m bench --child JOB
+--out RESULT`) that loads the model itself, so peak RSS is per system and one system's
+allocations cannot slow another. The child writes each request's token times after t0
+and the system's own figures as JSON. The engine and the ceiling are here."""
 
 from __future__ import annotations
 
@@ -65,8 +61,8 @@ class Children:
 
 
 def run_child(job_path: Path, out_path: Path) -> None:
-    """Inside a child: run one system (`prepare` loads the model and draws the workload),
-    write its result with the process's peak RSS and the host's load average."""
+    """Inside a child: run one system (`prepare` draws the workload), write its result with
+    the process's peak RSS and the host's load average."""
     import torch
 
     from bench.metrics import peak_rss_mb
@@ -96,7 +92,7 @@ def run_child(job_path: Path, out_path: Path) -> None:
 
 def _run_on_loaded_model(job: dict) -> tuple[dict, float]:
     """`prepare`, the engine, the ceiling or a transformers peer on the model this process
-    loads: the result and the load average once loaded."""
+    loads: its result, and the load average once loaded."""
     import torch
     import transformers
 
@@ -111,9 +107,7 @@ def _run_on_loaded_model(job: dict) -> tuple[dict, float]:
     model_config = ModelConfig(source=job["model"], dtype=job["dtype"], weights=job.get("weights", "dense"))
     threads = torch.get_num_threads()
     if system == "hf_continuous":
-        # Its generation loop runs on a thread of its own: loading here with one thread
-        # leaves that thread the process's only OpenMP team (see workers/async_engine.py),
-        # as the engine's worker has.
+        # Loaded with one thread, its generation thread is the only OpenMP team (workers/async_engine.py).
         torch.set_num_threads(1)
     # The ceiling is plain transformers eager; the peers use sdpa; the engine sets its own.
     loaded = load_model(model_config, attn_implementation="eager" if system == "ceiling" else "sdpa")
@@ -137,7 +131,7 @@ def _run_on_loaded_model(job: dict) -> tuple[dict, float]:
         )
     elif system == "hf_static":
         pads = (model.generation_config.pad_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
-        pad = next((p for p in pads if p is not None), None)
+        pad = next(p for p in pads if p is not None)
         result = peers.run_hf_static(model, workload, params["batch_size"], pad)
     else:
         raise ValueError(f"unknown system {system!r}")
@@ -145,8 +139,7 @@ def _run_on_loaded_model(job: dict) -> tuple[dict, float]:
 
 
 def run_engine(loaded, workload, config) -> dict:
-    """Every request is added at t0, then `step()` runs until none is left. A token's time
-    is when the `step()` that produced it returns, as a caller of the engine would see it."""
+    """Every request added at t0, then `step()` until none is left (`Driver`'s token times)."""
     from bench.drive import Driver, StepRecorder
     from workers.engine import Engine  # here, so the peers run even where the engine cannot import
 
@@ -165,15 +158,13 @@ def run_engine(loaded, workload, config) -> dict:
     workload.check_lengths("engine", token_times)
 
     steps = [{"num_tokens": s.num_tokens, "forward_s": s.forward_s, "step_s": s.step_s} for s in steps_done]
-    forward_s = sum(s["forward_s"] for s in steps)
-    step_s = sum(s["step_s"] for s in steps)
+    forward_s, step_s = (sum(s[key] for s in steps) for key in ("forward_s", "step_s"))
     return {
         "token_times": token_times,
         "steps": steps,
         "forward_s": forward_s,
         "step_s": step_s,
-        # Share of the engine's step time spent outside the model forward (scheduling, input
-        # packing, sampling, detokenizing, bookkeeping).
+        # Share of the engine's step time outside the model forward (scheduling, sampling, ...).
         "overhead_fraction": 1 - forward_s / step_s,
         "scheduler": vars(config.scheduler),
         "kv_memory_bytes": config.cache.kv_memory_bytes,
@@ -181,16 +172,10 @@ def run_engine(loaded, workload, config) -> dict:
 
 
 def run_ceiling(model, step_tokens: list[int], seed: int = 0) -> dict:
-    """Bare model forwards over the engine's token schedule: the yardstick for `ceiling_fraction`.
-
-    For every engine step that ran T tokens, time one plain transformers forward
-    (eager attention, no KV cache, logits for every position) on a [1, T] input of random
-    ids. `ceiling_fraction = sum(these forward times) / engine wall time` (t0 to last token).
-    It is not a strict bound either way: it computes logits for all T positions (the engine
-    only where a token is sampled, so the engine can beat it, ratio > 1), but its T tokens
-    attend only to each other, never to a cached context, so it undercharges decode steps
-    whose requests carry hundreds of tokens of context.
-    """
+    """For each engine step of T tokens, one timed plain transformers forward (eager, no KV
+    cache, logits everywhere) on [1, T] random ids. `ceiling_fraction` = their sum / engine
+    wall time. No strict bound: it computes every position's logits (the engine can beat
+    it), but never attends to a cached context (it undercharges long decodes)."""
     import torch
 
     rng = random.Random(seed)

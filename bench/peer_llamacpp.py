@@ -1,16 +1,6 @@
-"""llama.cpp as a peer: llama-cpp-python's low-level API on the same GGUF and token ids.
-
-`run_llamacpp` drives one `llama_context` the way llama-server schedules its slots: every
-request is a sequence of its own in one unified KV cache, and each step is one
-`llama_batch` of every running sequence's next token, then prompt chunks up to the token
-budget, in arrival order. Greedy (argmax of the step's logits), EOS ignored, exactly
-`output_len` tokens each; a finished sequence's cache is freed at once. A token is stamped
-once `llama_decode` returned and its logits were read. All requests arrive at t0, after a
-short warmup request went through the same path.
-
-llama-cpp-python is an optional extra (`pip install 'inflight[llamacpp]'`, or `make
-llamacpp`, which builds it for this CPU); `available()` says whether it is installed.
-"""
+"""llama.cpp as a peer (docs/benchmarks.md, "llama.cpp as a peer"): llama-cpp-python's
+low-level API on the same GGUF and token ids, one `llama_context` scheduled as llama-server
+schedules its slots. A token is stamped once `llama_decode` returned and its logits were read."""
 
 from __future__ import annotations
 
@@ -54,7 +44,9 @@ class _Sequence:
 
 
 class LlamaCpp:
-    """One model and context, sized for `max_sequences` sequences of `context_tokens` in all."""
+    """One model and context, sized for `max_sequences` sequences of `context_tokens` in all:
+    each step is one batch of every running sequence's next token, then prompt chunks up to
+    the token budget in arrival order; greedy, a finished sequence's cache freed at once."""
 
     def __init__(self, gguf: Path, context_tokens: int, max_sequences: int, threads: int,
                  max_batch_tokens: int = MAX_BATCH_TOKENS) -> None:  # fmt: skip
@@ -85,10 +77,9 @@ class LlamaCpp:
         self.batch = ll.llama_batch_init(max_batch_tokens, 0, 1)
 
     def close(self) -> None:
-        ll = self.ll
-        ll.llama_batch_free(self.batch)
-        ll.llama_free(self.ctx)
-        ll.llama_model_free(self.model)
+        self.ll.llama_batch_free(self.batch)
+        self.ll.llama_free(self.ctx)
+        self.ll.llama_model_free(self.model)
 
     def generate(self, sequences: list[_Sequence], t0: float) -> None:
         """Run `sequences` to completion, stamping each token at `time.perf_counter() - t0`."""
@@ -108,8 +99,7 @@ class LlamaCpp:
                     continue
                 take = min(len(seq.prompt) - seq.fed, self.max_batch_tokens - n)
                 for i in range(seq.fed, seq.fed + take):
-                    last = i == len(seq.prompt) - 1
-                    self._put(n, seq.prompt[i], i, seq.seq_id, last)
+                    self._put(n, seq.prompt[i], i, seq.seq_id, i == len(seq.prompt) - 1)
                     n += 1
                 seq.fed += take
                 if seq.prefilled:
@@ -131,11 +121,8 @@ class LlamaCpp:
 
     def _put(self, i: int, token: int, position: int, seq_id: int, logits: bool) -> None:
         batch = self.batch
-        batch.token[i] = token
-        batch.pos[i] = position
-        batch.n_seq_id[i] = 1
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, logits
         batch.seq_id[i][0] = seq_id
-        batch.logits[i] = logits
 
 
 def run_llamacpp(gguf: Path, workload: Workload, threads: int, max_batch_tokens: int = MAX_BATCH_TOKENS) -> dict:

@@ -1,16 +1,7 @@
-"""vLLM's CPU backend as a peer: its offline engine on the same model folder and token ids.
-
-Runs in vLLM's own virtual environment (`make vllm-peer` builds `.venv-vllm`), as
-`.venv-vllm/bin/python -m bench.peer_vllm JOB.json OUT.json`, importing nothing of
-inflight but the workload's reader and the RSS figure. Every request is added at t0,
-greedy, `ignore_eos`, `max_tokens` = its output length, so vLLM does exactly the other
-systems' work; `LLMEngine.step` is driven here, each token stamped when the step that made
-it returns. A warm-up request goes through the same path first.
-
-vLLM's settings on a CPU come from its environment, which the parent sets per run:
-`both-cores` gives its engine every core, as measured best on two cores; `default` is
-what a user gets without setting anything (vLLM keeps one core for its front end).
-"""
+"""vLLM's CPU backend as a peer (docs/benchmarks.md, "vLLM as a peer"): its offline engine
+on the same model folder and token ids, run in its own environment as `.venv-vllm/bin/python
+-m bench.peer_vllm JOB.json OUT.json` (importing nothing of inflight but the workload and the
+RSS figure). Each token is stamped when the `LLMEngine.step` that made it returns."""
 
 from __future__ import annotations
 
@@ -18,6 +9,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from bench.metrics import peak_rss_mb
@@ -27,7 +19,8 @@ KV_CACHE_GB = "4"
 
 
 def settings(cores: int) -> dict[str, dict[str, str]]:
-    """Each setting's environment for the child (on top of the parent's, less OpenMP/vLLM variables)."""
+    """Each setting's environment: `both-cores` gives its engine every core; `default` is what
+    a user gets (vLLM keeps a core for its front end)."""
     return {
         "both-cores": {
             "OMP_NUM_THREADS": str(cores),
@@ -45,7 +38,7 @@ def environment(setting: str) -> dict[str, str]:
     return base | settings(len(os.sched_getaffinity(0)))[setting]
 
 
-def reported(environment: dict[str, str]) -> dict[str, str | None]:
+def reported(environment: Mapping[str, str]) -> dict[str, str | None]:
     """The variables a setting sets, as `environment` has them: reported with each run."""
     return {k: environment.get(k) for k in settings(1)["both-cores"]}
 
@@ -79,11 +72,7 @@ def run(job: dict) -> dict:
     drive([type(warmup)("warmup", warmup.prompt_ids[:16], 4)])
     token_times = drive(workload.requests)
     workload.check_lengths("vllm", token_times)
-    return {
-        "token_times": token_times,
-        "vllm": vllm.__version__,
-        "environment": reported(os.environ),
-    }
+    return {"token_times": token_times, "vllm": vllm.__version__, "environment": reported(os.environ)}
 
 
 def main() -> None:

@@ -1,9 +1,6 @@
-"""Transformers' two peers of the engine, on the same loaded model: `run_hf_continuous`
-(its continuous batching) and `run_hf_static` (`model.generate` on fixed batches,
-left-padded). Each returns `{"token_times": {request_id: [seconds after t0, one per output
-token]}, ...}` and what explains its figures. All requests arrive at t0, after a short
-warmup request went through the same path (first-call costs are not measured).
-"""
+"""Transformers' two peers of the engine on the same loaded model: its continuous batching
+and `model.generate` on fixed left-padded batches. Each returns `{"token_times": {request_id:
+[seconds after t0, one per output token]}, ...}`; all requests arrive at t0, after a warmup."""
 
 from __future__ import annotations
 
@@ -21,22 +18,17 @@ NO_EOS = -1
 
 def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memory_bytes: int,
                       threads: int | None = None, allow_block_sharing: bool | None = None) -> dict:  # fmt: skip
-    """Transformers' continuous batching, each request added through the manager with its own
-    `max_new_tokens`, EOS disabled and `record_timestamps=True`: the generation thread stamps
-    each token with `time.perf_counter()` as it is appended. Not streamed: a consumer thread
-    would compete with the generation thread for the GIL, and the stamps are the token times.
-
-    `threads`: torch threads for the generation thread, when the caller loaded the model with
-    fewer so that only that thread runs OpenMP teams. The KV cache gets the engine's byte
-    budget (left unset, transformers zero-fills 60% of host RAM, which would dominate RSS).
-    `allow_block_sharing`: its prefix caching (None keeps its default); `prefix_hit_tokens`
-    counts the prompt tokens it found cached.
-    """
+    """Transformers' continuous batching, EOS off, each token stamped by the generation thread
+    (`record_timestamps`; not streamed: a consumer thread would compete for the GIL).
+    `threads`: torch threads for the generation thread. The KV cache gets the engine's byte
+    budget (unset, transformers zero-fills 60% of RAM). `allow_block_sharing`: its prefix
+    caching (None: its default); `prefix_hit_tokens` counts the prompt tokens it found cached."""
     cb_config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
     if allow_block_sharing is not None:
         cb_config.allow_block_sharing = allow_block_sharing
     # transformers 5.24 calls it page_size; 5.17 (the GPU host's) calls it block_size.
     tokens_per_block = getattr(cb_config, "page_size", None) or cb_config.block_size
+    assert tokens_per_block is not None
     cb_config.num_blocks = max(1, kv_memory_bytes // kv_bytes(model, tokens_per_block))
     # A fresh config: greedy and no logits processors from the model's defaults.
     generation_config = GenerationConfig(
@@ -74,9 +66,8 @@ def run_hf_continuous(model, workload: Workload, max_batch_tokens: int, kv_memor
 
 
 class _PrefixHits:
-    """Counts the prompt tokens transformers' CB found cached while the context is open: its
-    cache has no such counter, so this wraps `PagedAttentionCache.search_prefix_match`, which
-    returns the tokens matched for each request it admits (0 with sharing off)."""
+    """Counts the prompt tokens transformers' CB found cached while open, by wrapping
+    `PagedAttentionCache.search_prefix_match` (its cache has no such counter)."""
 
     def __enter__(self) -> _PrefixHits:
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
@@ -89,11 +80,11 @@ class _PrefixHits:
             self.tokens += matched
             return matched
 
-        PagedAttentionCache.search_prefix_match = counted
+        PagedAttentionCache.search_prefix_match = counted  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc) -> None:
-        self._cls.search_prefix_match = self._original
+        self._cls.search_prefix_match = self._original  # type: ignore[method-assign]
 
 
 def _cb_generate(manager, requests: dict[str, tuple[list[int], int]]) -> dict:
@@ -102,7 +93,7 @@ def _cb_generate(manager, requests: dict[str, tuple[list[int], int]]) -> dict:
         manager.add_request(
             prompt_ids, request_id=request_id, max_new_tokens=output_len, record_timestamps=True, eos_token_id=NO_EOS
         )
-    finished = {}
+    finished: dict[str, object] = {}
     while len(finished) < len(requests):
         result = manager.get_result(timeout=1)
         if result is None:
@@ -129,11 +120,9 @@ class StepClock(LogitsProcessor):
 
 @torch.inference_mode()
 def run_hf_static(model, workload: Workload, batch_size: int, pad_token_id: int) -> dict:
-    """`model.generate` over batches of `batch_size` requests in arrival order, one after
-    another. Each batch is left-padded and generates its longest output length for every row
-    (EOS cannot end it early); a request counts only its own first `output_len` tokens, at the
-    batch's step times: the rest is waste. A later batch's wait is part of its TTFT.
-    """
+    """`model.generate` over batches of `batch_size` requests in arrival order, each batch
+    left-padded and generating its longest output length for every row: a request counts its
+    own first `output_len` tokens, the rest is waste. A later batch's wait is in its TTFT."""
     warmup = workload.requests[0]
     _generate_batch(model, [warmup.prompt_ids[:8]], 2, pad_token_id)
 
