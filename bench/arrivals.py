@@ -1,12 +1,9 @@
-"""When a scenario's requests arrive: the arrival processes every scenario draws from.
-
-Open loop, send times in seconds after t0: all at t0, Poisson at a rate, bursts. Closed
-loop: n requests in flight, each next one sent as one ends. `ArrivalQueue` releases a
-scenario's pending requests by either rule, for the scenarios that step an engine.
-"""
+"""When a scenario's requests arrive: open loop (send times in seconds after t0: all at t0,
+Poisson, bursts) or closed loop (n in flight, the next sent as one ends)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Sequence
 
@@ -55,24 +52,19 @@ class ArrivalQueue:
         if times is not None and len(times) != len(items):
             raise ValueError(f"{len(items)} requests and {len(times)} send times")
         self.pending = list(items)
-        self.times = None if times is None else list(times)
+        self.times = list(times or [])  # empty in a closed loop
         self.concurrency = concurrency
-
-    def __bool__(self) -> bool:
-        return bool(self.pending)
 
     def __len__(self) -> int:
         return len(self.pending)
 
     def due(self, now_s: float = 0.0, in_flight: int = 0) -> list:
         """The requests to send now, taken off the queue."""
-        count = 0
-        if self.times is not None:
-            while count < len(self.times) and self.times[count] <= now_s:
-                count += 1
-            del self.times[:count]
-        else:
+        if self.concurrency is not None:
             count = max(0, self.concurrency - in_flight)
+        else:
+            count = sum(1 for _ in itertools.takewhile(lambda t: t <= now_s, self.times))
+            del self.times[:count]
         released, self.pending[:count] = self.pending[:count], []
         return released
 

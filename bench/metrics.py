@@ -1,10 +1,6 @@
-"""Turn per-token timestamps into the benchmark's figures, the same way for every system.
-
-A system's run yields, for each request, the times at which each of its output tokens (or
-text chunks) became available to the caller: `summarize` takes them as seconds after t0,
-when every request arrived; a `RequestRecord` keeps one request's, after it was sent, and
-`latency_figures` gives TTFT, TPOT, ITL and E2E percentiles over many.
-"""
+"""Per-token timestamps turned into the benchmark's figures, the same way for every system:
+`summarize` takes each request's token times after t0 (every request sent then);
+`latency_figures` takes `RequestRecord`s, timed from each one's send."""
 
 from __future__ import annotations
 
@@ -14,10 +10,7 @@ from dataclasses import dataclass, field
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between order statistics.
-
-    Same definition as numpy's default ("linear"): rank (n - 1) * q / 100 in the sorted values.
-    """
+    """The q-th percentile (0..100), numpy's default ("linear"): rank (n - 1) * q / 100."""
     if not values:
         return math.nan
     if not 0 <= q <= 100:
@@ -49,11 +42,8 @@ def inter_token_latencies(token_times: list[float]) -> list[float]:
 
 
 def summarize(token_times: dict[str, list[float]], peak_rss_mb: float) -> dict:
-    """The per-system figures from each request's token times (seconds after t0).
-
-    Throughput counts the requested output tokens over the time from t0 to the last token;
-    ITL pools every gap between consecutive tokens of every request.
-    """
+    """The per-system figures from each request's token times (seconds after t0). Throughput
+    is output tokens over t0 to the last token; ITL pools every request's gaps."""
     if not token_times or any(not times for times in token_times.values()):
         raise ValueError("every request needs at least one token time")
     wall = max(times[-1] for times in token_times.values())
@@ -92,26 +82,22 @@ class RequestRecord:
     @property
     def tpot_s(self) -> float | None:
         """(E2E - TTFT) / (tokens - 1); None for a one-token answer."""
-        if self.completion_tokens < 2:
+        if self.completion_tokens < 2 or self.end_s is None:
             return None
         return (self.end_s - self.ttft_s) / (self.completion_tokens - 1)
-
-    @property
-    def itls_s(self) -> list[float]:
-        return inter_token_latencies(self.chunk_times_s)
 
 
 def latency_figures(records: list[RequestRecord]) -> dict:
     """TTFT, TPOT, ITL and E2E of the records that did not fail, in ms (None where there is no value)."""
     done = [r for r in records if r.error is None]
-    tpots = [r.tpot_s for r in done if r.tpot_s is not None]
-    samples = {
+    tpots = [tpot for r in done if (tpot := r.tpot_s) is not None]
+    samples: dict[str, list[float]] = {
         "ttft": [r.ttft_s for r in done],
         "tpot": tpots,
-        "itl": [gap for r in done for gap in r.itls_s],
-        "e2e": [r.end_s for r in done],
+        "itl": [gap for r in done for gap in inter_token_latencies(r.chunk_times_s)],
+        "e2e": [r.end_s for r in done if r.end_s is not None],
     }
-    figures = {}
+    figures: dict[str, float | None] = {}
     for name, values in samples.items():
         if name == "tpot":
             figures["tpot_mean_ms"] = sum(tpots) / len(tpots) * 1e3 if tpots else None

@@ -12,20 +12,17 @@ PEERS = ("hf_continuous", "hf_static", "llamacpp", "vllm", "vllm_default")
 
 def build_report(workload: dict, environment: dict, systems: dict[str, dict]) -> dict:
     """`systems` maps a name to its figures (SYSTEM_KEYS and extras); adds the engine's ratios."""
-    report = {"workload": workload, "environment": environment, "systems": systems}
-    engine = systems.get("engine")
+    report: dict = {"workload": workload, "environment": environment, "systems": systems}
     for peer in PEERS:  # the throughput ratio; null when either side did not run
-        ran = engine is not None and peer in systems
-        report[f"engine_vs_{peer}"] = (
-            engine["output_tokens_per_s"] / systems[peer]["output_tokens_per_s"] if ran else None
-        )
+        ran = "engine" in systems and peer in systems
+        ratio = systems["engine"]["output_tokens_per_s"] / systems[peer]["output_tokens_per_s"] if ran else None
+        report[f"engine_vs_{peer}"] = ratio
     return report
 
 
 def write_json(report: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def write_png(report: dict, path: Path) -> None:
@@ -35,8 +32,7 @@ def write_png(report: dict, path: Path) -> None:
     x = range(len(names))
     fig, axes = _figure(3, (13, 4.2))
 
-    tps = [systems[n]["output_tokens_per_s"] for n in names]
-    _labelled_bars(axes[0], list(x), tps, 0.6, "tab:blue", "{:.1f}")
+    _labelled_bars(axes[0], list(x), [systems[n]["output_tokens_per_s"] for n in names], 0.6, "tab:blue", "{:.1f}")
     axes[0].set_title("Output throughput (tok/s, higher is better)")
 
     width = 0.38
@@ -94,8 +90,7 @@ def _save(fig, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -1,10 +1,6 @@
-"""The benchmark's workload: seeded prompts of random token ids and fixed output lengths,
-or real ShareGPT first turns (`bench/sharegpt.py`).
-
-Every system gets exactly these prompts and must produce exactly `output_len` tokens for
-each request (EOS ignored), so throughput compares the same work. When they arrive is the
-scenario's arrival process (`bench/arrivals.py`); the throughput scenario sends all at t0.
-"""
+"""The benchmark's workload: seeded prompts of random token ids, or ShareGPT first turns
+(`bench/sharegpt.py`). Every system must produce exactly `output_len` tokens for each
+request (EOS ignored), so throughput compares the same work."""
 
 from __future__ import annotations
 
@@ -85,7 +81,6 @@ def prompt_vocabulary(tokenizer, vocab_size: int) -> list[int]:
 
 
 def allowed_token_ids(vocab_size: int, special_ids: set[int]) -> list[int]:
-    """Ids a prompt may use: the whole vocabulary but the special tokens."""
     return [i for i in range(vocab_size) if i not in special_ids]
 
 
@@ -97,13 +92,10 @@ def special_token_ids(tokenizer) -> set[int]:
 
 
 def make_workload(
-    num_requests: int,
-    prompt_len: tuple[int, int],
-    output_len: tuple[int, int],
-    allowed_ids: list[int],
-    seed: int = 0,
+    num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int], allowed_ids: list[int], seed: int = 0
 ) -> Workload:
     """Draw `num_requests` requests; lengths uniform in the inclusive ranges."""
+    prompt_len, output_len = (prompt_len[0], prompt_len[1]), (output_len[0], output_len[1])
     for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
         if not 1 <= lo <= hi:
             raise ValueError(f"{name} must satisfy 1 <= min <= max, got {lo} {hi}")
@@ -114,4 +106,4 @@ def make_workload(
     for i in range(num_requests):
         prompt = [rng.choice(allowed_ids) for _ in range(rng.randint(*prompt_len))]
         requests.append(BenchRequest(f"req-{i}", prompt, rng.randint(*output_len)))
-    return Workload(seed, tuple(prompt_len), tuple(output_len), requests)
+    return Workload(seed, prompt_len, output_len, requests)
