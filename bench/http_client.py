@@ -1,9 +1,6 @@
-"""The bench's HTTP client: streamed `POST /v1/completions`, as separate users send them,
-against inflight's gateway or vLLM's server alike.
-
-Each request is timed from its send: every text chunk's arrival (stamped before the chunk
-is parsed), the stream's end, and the tokens the server reports in its usage.
-"""
+"""The bench's HTTP client: streamed `POST /v1/completions` to inflight's gateway or vLLM's
+server alike, each request timed from its send (every text chunk's arrival, stamped before
+it is parsed, and the stream's end), with the tokens the server's usage reports."""
 
 from __future__ import annotations
 
@@ -24,9 +21,8 @@ class Prompt:
 
 
 class CompletionsClient:
-    """Greedy streamed completions with `ignore_eos` and usage; a request silent for
-    `timeout_s` fails. `fresh_connections` opens a connection per request, as separate
-    users do; without it, connections are pooled and reused."""
+    """Greedy streamed completions with `ignore_eos`; a request silent for `timeout_s` fails.
+    `fresh_connections`: a connection per request, as separate users open (else pooled)."""
 
     def __init__(self, base_url: str, timeout_s: float, fresh_connections: bool = True) -> None:
         self.url = f"{base_url}/v1/completions"
@@ -36,9 +32,8 @@ class CompletionsClient:
     async def __aenter__(self) -> CompletionsClient:
         import aiohttp
 
-        # No connection cap: every request streams on a connection of its own. A pooled
-        # connection left idle can be closed by the server (its keep-alive timeout) just as
-        # the client reuses it, which fails that request with "Server disconnected".
+        # No connection cap. A pooled idle connection can be closed by the server (keep-alive)
+        # just as it is reused, failing that request with "Server disconnected".
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=self.fresh_connections),
             timeout=aiohttp.ClientTimeout(total=None, sock_read=self.timeout_s),
@@ -60,8 +55,8 @@ class CompletionsClient:
         return list(records), time.perf_counter() - t0
 
     async def request(self, prompt: Prompt, t0: float) -> RequestRecord:
-        """One streamed request; an error (HTTP, in the stream, or fewer or more tokens than
-        asked) is kept in the record, not raised."""
+        """One streamed request; an error (HTTP, in the stream, a wrong token count) is kept
+        in the record, not raised."""
         import aiohttp
 
         body = {
@@ -104,8 +99,8 @@ class CompletionsClient:
 
 
 class ServerSentEvents:
-    """Server-sent events as a client reads them: fed the stream's lines one by one, it
-    gives back each event once complete, as (its id or None, its data)."""
+    """Server-sent events as a client reads them: fed the stream's lines one by one, it gives
+    back each complete event as (its id or None, its data)."""
 
     def __init__(self) -> None:
         self.event_id: str | None = None
@@ -126,6 +121,6 @@ class ServerSentEvents:
 
 def token_times(record: RequestRecord) -> list[float]:
     """Each output token's arrival after t0: each text chunk's time, then the last one's for
-    the tokens the usage counts beyond the chunks (text held back, a partial character)."""
+    the tokens the usage counts beyond the chunks (a partial character held back)."""
     times = [record.sent_s + t for t in record.chunk_times_s]
     return times + [times[-1]] * (record.completion_tokens - len(times))

@@ -1,14 +1,7 @@
-"""The CMake flags that build llama-cpp-python for the CPU the build runs on.
-
-ggml's native build (`-march=native`) of llama-cpp-python 0.3.36 segfaulted at the first
-decode on a Xeon with AMX; an explicit instruction-set list builds a working library.
-The list comes from the CPU's flags in /proc/cpuinfo, so an AVX2-only machine gets no
-AVX-512. AMX stays off: ggml 0.3.36's AMX matmul died of SIGILL at its first `tilezero`
-on a Xeon with AMX (a batch of prompt tokens, with the process holding Linux's AMX
-permission), so llama.cpp runs its AVX-512 VNNI kernels there.
-
-`python -m bench.llamacpp_build` prints the CMAKE_ARGS value (`make llamacpp` uses it).
-"""
+"""The CMake flags that build llama-cpp-python for this CPU (`python -m bench.llamacpp_build`
+prints CMAKE_ARGS for `make llamacpp`): ggml's `-march=native` build segfaulted on a Xeon
+with AMX, so the instruction sets are listed from /proc/cpuinfo; AMX stays off (its matmul
+died of SIGILL at the first `tilezero`: docs/benchmarks.md, "llama.cpp as a peer")."""
 
 from __future__ import annotations
 
@@ -44,11 +37,8 @@ def cpu_flags(cpuinfo: str) -> set[str]:
 
 def cmake_args(flags: set[str]) -> str:
     """CMAKE_ARGS for ggml with native detection off and every option set explicitly."""
-    args = ["-DGGML_NATIVE=OFF"]
-    for option, needed in GGML_OPTIONS.items():
-        args.append(f"-D{option}={'ON' if all(f in flags for f in needed) else 'OFF'}")
-    args += [f"-D{option}=OFF" for option in NEVER]
-    return " ".join(args)
+    chosen = [f"-D{option}={'ON' if set(needed) <= flags else 'OFF'}" for option, needed in GGML_OPTIONS.items()]
+    return " ".join(["-DGGML_NATIVE=OFF", *chosen, *(f"-D{option}=OFF" for option in NEVER)])
 
 
 def main() -> None:

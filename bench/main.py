@@ -1,17 +1,10 @@
 """`inflight bench`: one harness, many scenarios.
 
-A scenario is a workload (random token ids, ShareGPT first turns, shared prefixes,
-multi-turn: `workload.py`, `sharegpt.py`), an arrival process (all at t0, Poisson, bursts,
-closed loop: `arrivals.py`) and the systems it goes through (the engine in process;
-workers and gateways on Redis, brought up and torn down as one fleet: `fleet.py`,
-`systems.py`, `servers.py`, their jobs followed by `follow.py`; the peers vLLM, llama.cpp
-and transformers, each in a child process: `children.py`, `peer_vllm.py`,
-`peer_llamacpp.py`, `peers.py`). Every request is timed the same way (`metrics.py`); the
-report is JSON, its charts in one style (`report.py`).
-
-`--scenario` picks one of the registry's (`scenario.py`): `throughput` (the default) and
-`single` (`throughput.py`), or another, whose module describes it. `--help` lists the flags
-in sections: general, workload, systems and peers, then each scenario's own.
+A scenario (`scenario.py`) is a workload (`workload.py`, `sharegpt.py`), an arrival process
+(`arrivals.py`) and the systems it goes through: the engine in process, a fleet of workers
+and gateways on Redis (`fleet.py`, `systems.py`, `servers.py`, `follow.py`), or a peer in a
+child process (`children.py`, `peers.py`, `peer_*.py`); timed by `metrics.py`, reported by
+`report.py`.
 """
 
 from __future__ import annotations
@@ -30,8 +23,8 @@ from workers.config import DTYPES, WEIGHTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags as `--help` sections: what runs, the workload, the systems and peers, then
-    each scenario's own group (added by its module)."""
+    """The flags as `--help` sections: general, workload, systems and peers, then each
+    scenario's own group (added by its module)."""
     parser.usage = "%(prog)s [--scenario NAME] [FLAGS of the sections below]"  # the generated one lists every flag
     general = add_flags(parser, "general", {
         "--scenario": ("throughput", "what to measure", tuple(REGISTRY)),
@@ -74,10 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Run the scenario `args` asks for, in this process: prints the figures, writes the
-    report (`{"scenario": name, name: figures, "environment": ...}`, unless the scenario
-    writes its own) and returns it. A scenario with a chart gets its PNG too (`--png`, else
-    next to `--json`, else bench-results/NAME.png), its path in `figures["png"]`."""
+    """Run `args.scenario` here: print its figures, write and return the report (`{"scenario":
+    name, name: figures, "environment": ...}`, unless the scenario writes its own), with its
+    chart's path in `figures["png"]` where it has one."""
     try:
         chosen = scenario(args.scenario)
     except ImportError as missing:

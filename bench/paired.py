@@ -1,12 +1,7 @@
-"""Two paths (`bench/systems.py`) on the same workload, compared against the machine's drift:
-the `redis` and `gateway` scenarios.
-
-Throughput: rounds of the whole workload alternate between the paths, A B B A ..., and
-each path's figures pool its rounds. Time to first token: short prompts one at a time on
-an idle system, the order alternating, so the median of the paired differences is what
-the second path adds, out of the drift's reach. Both paths get the same text prompts
-(the workload's token ids decoded), greedy with EOS ignored, so they do the same work.
-"""
+"""Two paths (`bench/systems.py`) on the same text prompts, compared against the machine's
+drift (the `redis` and `gateway` scenarios): throughput rounds alternate A B B A ... and
+pool per path; TTFT pairs short prompts one at a time, alternating, so the median paired
+difference is what the second path adds."""
 
 from __future__ import annotations
 
@@ -23,8 +18,8 @@ BRIEF = ("output_tokens_per_s", "output_tokens", "wall_s", "ttft_p50_s", "itl_p5
 
 
 def paired_workload(args, tokenizer, vocab_ids: list[int], ttft_pairs: int):
-    """The bench's random workload and its prompts decoded to text, what goes down every
-    path, and `ttft_pairs` short prompts (16 random tokens each) for the TTFT pairs."""
+    """The bench's random workload, its prompts as text, and `ttft_pairs` short prompts (16
+    random tokens each)."""
     workload = make_workload(args.requests, tuple(args.prompt_len), tuple(args.output_len), vocab_ids, args.seed)
     prompts = {r.request_id: (tokenizer.decode(r.prompt_ids), r.output_len) for r in workload.requests}
     rng = random.Random(args.seed + 1)
@@ -46,9 +41,8 @@ class PairedRuns:
         return sum(r["output_tokens"] for r in self.rounds[name])
 
     def figures(self, base: str, other: str) -> dict:
-        """`other` against `base`: its throughput and TTFT, `base`'s beside them (under its
-        name), their ratio, the TTFT overhead (the median of the paired differences) and
-        every round in brief."""
+        """`other` against `base` (its figures under its name), their ratio, the TTFT overhead
+        (the median of the paired differences) and every round in brief."""
         throughput, base_throughput = self.output_tokens_per_s(other), self.output_tokens_per_s(base)
         return {
             "output_tokens_per_s": throughput,
@@ -64,8 +58,8 @@ class PairedRuns:
 
 async def paired_runs(paths: dict, prompts: dict[str, tuple[str, int]], short: list[str], rounds: int, run_id: str,
                       meters: dict[str, Callable[[], float]] | None = None) -> PairedRuns:  # fmt: skip
-    """Warm both paths, run `rounds` A/B rounds of `prompts`, then the TTFT pairs of `short`.
-    `meters[name]` (a process's CPU seconds, say) is read around each of that path's rounds."""
+    """Warm both paths, run `rounds` A/B rounds of `prompts`, then the TTFT pairs of `short`;
+    `meters[name]` (a process's CPU seconds) is read around each of that path's rounds."""
     names = tuple(paths)
     meters = meters or {}
     for path in paths.values():  # warm both: first-step costs are not the path's

@@ -1,12 +1,6 @@
-"""A scenario of `inflight bench`: its flags, and a run that brings its systems up (a fleet,
-`bench/fleet.py`; the engine in process; a peer), drives its workload's arrivals through
-them and returns its figures; and, for some, the chart of those figures.
-
-Each scenario module declares its `SCENARIO`; the registry names where each one lives and
-imports it when asked. A scenario whose module needs a package that is missing (the Redis
-scenarios need redis, which a GPU host's stock image lacks) is still listed: its flags are
-absent, and asking for it says what is missing.
-"""
+"""A scenario of `inflight bench`: its flags, a run that returns its figures, and for some a
+chart. The registry imports each scenario module when asked: one that needs a missing
+package (redis on a GPU host's stock image) is still listed, its flags absent."""
 
 from __future__ import annotations
 
@@ -33,19 +27,17 @@ def add_flags(parser: argparse.ArgumentParser, title: str, flags: dict[str, tupl
     default: False is a switch, a [MIN, MAX] list a length range (inclusive)."""
     group = parser.add_argument_group(title)
     for name, (default, text, *choices) in flags.items():
-        choices = choices[0] if choices else None
         if isinstance(default, bool):
             group.add_argument(name, action="store_true", help=text)
         elif isinstance(default, list):
             group.add_argument(name, type=int, nargs=2, default=default, metavar=("MIN", "MAX"), help=text)
         else:
-            group.add_argument(name, type=type(default), default=default, help=text, choices=choices)
+            group.add_argument(name, type=type(default), default=default, help=text, choices=(choices or [None])[0])
     return group
 
 
 def with_model(run: Callable) -> Callable[[argparse.Namespace], dict]:
-    """`run(loaded, args, vocab_ids)` as a scenario's run: the bench's model loaded in this
-    process, and the token ids its random prompts draw from."""
+    """`run(loaded, args, vocab_ids)` as a scenario's run, on the bench's model loaded here."""
 
     def loaded_run(args: argparse.Namespace) -> dict:
         from bench.workload import prompt_vocabulary

