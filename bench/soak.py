@@ -139,8 +139,13 @@ class _Job:
 
 
 class _Soak:
-    def __init__(self, client, server: RedisServer, workers: list[WorkerProcess], args, gateways: Gateways | None):
-        self.client, self.server, self.args, self.gateways = client, server, args, gateways
+    def __init__(
+        self, client, server: RedisServer, workers: list[WorkerProcess], args: argparse.Namespace, gateways=None
+    ) -> None:
+        self.client = client
+        self.server = server
+        self.args = args
+        self.gateways: Gateways | None = gateways
         self.workers = workers
         self.killed_worker, self.survivor = workers
         self.http_tasks: set[asyncio.Task] = set()
