@@ -67,7 +67,6 @@ class Driver:
         return time.perf_counter() - self.t0
 
     def submit(self, request_id: str, *arguments, **options) -> None:
-        """`engine.add_request(GenerationRequest(request_id, *arguments, **options))`, its arrival noted."""
         self.arrivals[request_id] = self.now()
         self.token_times[request_id] = []
         self.engine.add_request(GenerationRequest(request_id, *arguments, **options))
@@ -137,7 +136,6 @@ class Driver:
         return {"output_tokens": produced, "output_tokens_per_s": produced / wall, "wall_s": wall}
 
     def first_token_s(self, request_id: str) -> float | None:
-        """Time to first token, from the request's arrival."""
         times = self.token_times[request_id]
         return times[0] - self.arrivals[request_id] if times else None
 

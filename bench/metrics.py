@@ -37,7 +37,6 @@ def metric_total(metrics: dict[tuple[str, tuple], float], name: str, **labels: s
 
 
 def inter_token_latencies(token_times: list[float]) -> list[float]:
-    """Gaps between consecutive tokens of one request."""
     return [b - a for a, b in zip(token_times, token_times[1:])]
 
 

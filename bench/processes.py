@@ -190,7 +190,6 @@ class RedisServer(_Child):
 
 
 def _command(*parts: str) -> bytes:
-    """One command in RESP, as redis-cli sends it."""
     encoded = [part.encode() for part in parts]
     return b"*%d\r\n" % len(encoded) + b"".join(b"$%d\r\n%s\r\n" % (len(part), part) for part in encoded)
 

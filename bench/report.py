@@ -76,7 +76,6 @@ def chart_path(args, default: Path) -> Path:
 
 
 def _figure(panels: int, size: tuple[float, float]):
-    """A figure of `panels` axes side by side (a list, even of one), in the bench's style."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must precede pyplot
