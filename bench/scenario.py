@@ -26,13 +26,14 @@ def add_flags(parser: argparse.ArgumentParser, title: str, flags: dict[str, tupl
     """A `--help` group of flags, each `--name: (default, help[, choices])`, typed by its
     default: False is a switch, a [MIN, MAX] list a length range (inclusive)."""
     group = parser.add_argument_group(title)
-    for name, (default, text, *choices) in flags.items():
+    for name, (default, text, *rest) in flags.items():
+        choices = rest[0] if rest else None
         if isinstance(default, bool):
             group.add_argument(name, action="store_true", help=text)
         elif isinstance(default, list):
             group.add_argument(name, type=int, nargs=2, default=default, metavar=("MIN", "MAX"), help=text)
         else:
-            group.add_argument(name, type=type(default), default=default, help=text, choices=(choices or [None])[0])
+            group.add_argument(name, type=type(default), default=default, help=text, choices=choices)
     return group
 
 
