@@ -121,8 +121,11 @@ class LlamaCpp:
 
     def _put(self, i: int, token: int, position: int, seq_id: int, logits: bool) -> None:
         batch = self.batch
-        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, logits
+        batch.token[i] = token
+        batch.pos[i] = position
+        batch.n_seq_id[i] = 1
         batch.seq_id[i][0] = seq_id
+        batch.logits[i] = logits
 
 
 def run_llamacpp(gguf: Path, workload: Workload, threads: int, max_batch_tokens: int = MAX_BATCH_TOKENS) -> dict:
