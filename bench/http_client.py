@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from bench.metrics import RequestRecord
 from service.config import DEFAULT_MODEL_NAME
 
+# Every request's sampling and streaming options: greedy, EOS ignored, usage in the stream.
+GREEDY_STREAMED = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -59,15 +62,7 @@ class CompletionsClient:
         in the record, not raised."""
         import aiohttp
 
-        body = {
-            "model": DEFAULT_MODEL_NAME,
-            "prompt": prompt.text,
-            "max_tokens": prompt.output_len,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt.text, "max_tokens": prompt.output_len, **GREEDY_STREAMED}
         sent = time.perf_counter()
         record = RequestRecord(sent_s=sent - t0)
         try:
