@@ -131,7 +131,9 @@ def _run_on_loaded_model(job: dict) -> tuple[dict, float]:
         )
     elif system == "hf_static":
         pads = (model.generation_config.pad_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id)
-        pad = next(p for p in pads if p is not None)
+        pad = next((p for p in pads if p is not None), None)
+        if pad is None:
+            raise ValueError("hf_static pads its batches, and the model names no pad or EOS token")
         result = peers.run_hf_static(model, workload, params["batch_size"], pad)
     else:
         raise ValueError(f"unknown system {system!r}")
