@@ -563,59 +563,47 @@ def _seq_faults(jobs: list[_Job]) -> dict:
     return faults
 
 
+# The table's rows: (check, what, what was measured as a format of the figures, the target).
+TABLE = (
+    ("no_job_lost", "jobs lost", "{jobs[lost]} of {jobs[sent]}", "0"),
+    ("seqs_exact", "duplicate / missing seqs",
+     "{seqs[duplicate]} / {seqs[missing]} ({seqs[events_after_final]} after final)", "0 / 0"),
+    ("resumed_within_3s", "kill to next token p50 / max",
+     "{p50} / {max} ({kill[streams]} streams, {kill[not_resumed]} not resumed)", "<= 3 s"),
+    ("no_kv_block_leaked", "KV blocks in use when idle", "{kv_blocks_in_use_at_end}", "0"),
+    ("rss_growth_under_5pct", "RSS growth after warm-up",
+     "{rss_kb[growth]:+.1%} ({rss_kb[after_warmup]} -> {rss_kb[end]} kB)", "< 5%"),
+    ("redis_memory_flat", "Redis used_memory",
+     "{redis_used_memory[before]} -> {redis_used_memory[after]} B ({redis_used_memory[growth_bytes]:+d}); "
+     "keys left {keys_left}", "flat: no request's key left"),
+    ("malformed_all_dead_lettered", "malformed without dead letter",
+     "{malformed[without_dead_letter]} of {malformed[sent]}", "0"),
+    ("http_streams_resumed_exactly", "HTTP streams broken / events twice",
+     "{http[broken_without_resumption]} / {http[duplicate_events]} of {http[sent]} "
+     "({http[resumed]} resumed after a gateway died, {http[errors]} error answers)", "0 / 0"),
+)  # fmt: skip
+
+
 def format_table(figures: dict) -> str:
     """The checks, one line each: measured against the target."""
-    jobs, seqs, kill = figures["jobs"], figures["seqs"], figures["kill"]
-    memory, rss, malformed = figures["redis_used_memory"], figures["rss_kb"], figures["malformed"]
+    jobs, kill = figures["jobs"], figures["kill"]
 
     def seconds(value) -> str:
         return "-" if value is None else f"{value:.2f} s"
 
-    rows = {  # check: (what, measured, target)
-        "no_job_lost": ("jobs lost", f"{jobs['lost']} of {jobs['sent']}", "0"),
-        "seqs_exact": (
-            "duplicate / missing seqs",
-            f"{seqs['duplicate']} / {seqs['missing']} ({seqs['events_after_final']} after final)",
-            "0 / 0",
-        ),
-        "resumed_within_3s": (
-            "kill to next token p50 / max",
-            f"{seconds(kill['next_token_p50_s'])} / {seconds(kill['next_token_max_s'])} "
-            f"({kill['streams']} streams, {kill['not_resumed']} not resumed)",
-            "<= 3 s",
-        ),
-        "no_kv_block_leaked": ("KV blocks in use when idle", str(figures["kv_blocks_in_use_at_end"]), "0"),
-        "rss_growth_under_5pct": (
-            "RSS growth after warm-up",
-            f"{rss['growth']:+.1%} ({rss['after_warmup']} -> {rss['end']} kB)",
-            "< 5%",
-        ),
-        "redis_memory_flat": (
-            "Redis used_memory",
-            f"{memory['before']} -> {memory['after']} B ({memory['growth_bytes']:+d}); keys left "
-            f"{ {k: v['bytes'] for k, v in memory['keys_left'].items()} }",
-            "flat: no request's key left",
-        ),
-        "malformed_all_dead_lettered": (
-            "malformed without dead letter",
-            f"{malformed['without_dead_letter']} of {malformed['sent']}",
-            "0",
-        ),
+    values = figures | {
+        "p50": seconds(kill["next_token_p50_s"]),
+        "max": seconds(kill["next_token_max_s"]),
+        "keys_left": {k: v["bytes"] for k, v in figures["redis_used_memory"]["keys_left"].items()},
     }
-    if figures.get("http"):
-        http = figures["http"]
-        rows["http_streams_resumed_exactly"] = (
-            "HTTP streams broken / events twice",
-            f"{http['broken_without_resumption']} / {http['duplicate_events']} of {http['sent']} "
-            f"({http['resumed']} resumed after a gateway died, {http['errors']} error answers)",
-            "0 / 0",
-        )
-    width = max(len(what) for what, _, _ in rows.values())
+    shown = [row for row in TABLE if row[0] in figures["checks"]]
+    rows = [(check, what, measured.format(**values), target) for check, what, measured, target in shown]
+    width = max(len(what) for _, what, _, _ in rows)
     lines = [
         f"soak: {figures['traffic_s']:.0f} s of traffic; {jobs['completed']} completed, {jobs['cancelled']} cancelled, "
         f"errors {jobs['errors']}, dead letters {figures['dead_letters_by_code']}"
     ]
-    for check, (what, measured, target) in rows.items():
+    for check, what, measured, target in rows:
         mark = "ok " if figures["checks"][check] else "FAIL"
         lines.append(f"  {mark} {what:<{width}}  {measured}  (target {target})")
     return "\n".join(lines)
