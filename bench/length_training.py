@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gpu.hf_module import HFModule
+
 RIDGES = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 
@@ -76,7 +78,8 @@ def run(args: argparse.Namespace) -> dict:
         lengths = _generate(engine, GenerationRequest, jobs)
     generate_s = time.perf_counter() - started
 
-    embeddings = loaded.model.get_input_embeddings().weight.detach().float().numpy()
+    embedding: HFModule = loaded.model.get_input_embeddings()  # its weight is a tensor
+    embeddings = embedding.weight.detach().float().numpy()
     train_x = np.stack([prompt_features(embeddings, r.prompt_ids) for r in train])
     train_x = np.concatenate([train_x, train_x])
     greedy_y = [lengths[f"g{i}"] for i in range(len(train))]

@@ -11,10 +11,12 @@ median round), `hf_continuous` once per `--hf-batch-tokens` value (the best repo
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.children import REPO_ROOT, Children
@@ -55,15 +57,17 @@ def run(args: argparse.Namespace) -> dict:
         children = Children(Path(tmp), args.model, args.dtype, args.weights)
         prepared = children.run("prepare", **{name: getattr(args, name) for name in WORKLOAD_FLAGS})
         workload = Workload.load(children.workload_path)
+
         # The engine and vLLM, each --rounds times, alternating A B B A ... against the drift.
-        compared = {}
+        def vllm_round(setting: str) -> dict:
+            run = children.run_vllm(args.vllm_python, setting, prepared["model_folder"])
+            return figures("vllm", run) | {"setting": setting}
+
+        compared: dict[str, Callable[[], dict]] = {}
         if "engine" in systems:
             compared["engine"] = lambda: _engine_figures(children, args.speculation == "on")
         for setting in vllm_settings if "vllm" in systems else ():
-            compared[VLLM_SETTINGS[setting]] = lambda setting=setting: (
-                figures("vllm", children.run_vllm(args.vllm_python, setting, prepared["model_folder"]))
-                | {"setting": setting}
-            )
+            compared[VLLM_SETTINGS[setting]] = functools.partial(vllm_round, setting)
         rounds: dict[str, list[dict]] = {name: [] for name in compared}
         for i in range(args.rounds):
             for name in list(compared)[:: 1 if i % 2 == 0 else -1]:
