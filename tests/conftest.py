@@ -107,7 +107,7 @@ def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple]] | None = 
 
 @pytest.fixture(scope="session")
 def greedy_tokens(smollm2) -> list[int]:
-    """The fleet job's greedy tokens (bench/fleet.py), from one uninterrupted run."""
-    from bench.fleet import greedy_reference
+    """The fleet job's greedy tokens (tests/fleet_jobs.py), from one uninterrupted run."""
+    from tests.fleet_jobs import greedy_reference
 
     return greedy_reference(smollm2)

@@ -13,12 +13,13 @@ from collections import defaultdict
 import pytest
 import redis
 
-from bench.fleet import PROMPT, Fleet, assert_well_formed
+from bench.fleet import PROMPT, Fleet
 from bench.processes import REPO_ROOT, RedisClusterServers, free_port
 from service.connect import connect, connect_sync
 from service.protocol import token_data
 from service.publish import Append, ReplyPublisher, owner_key
 from service.sdk import Client, ServerUnavailable, SyncClient
+from tests.fleet_jobs import assert_well_formed
 from tests.waiting import wait_until
 
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from bench.fleet import Fleet, assert_well_formed
+from bench.fleet import Fleet
+from tests.fleet_jobs import assert_well_formed
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,10 @@ import msgpack
 import openai
 import pytest
 
-from bench.fleet import PROMPT, Fleet, gateways_in_front, queue_events
+from bench.fleet import PROMPT, Fleet
 from bench.processes import GatewayProcess
 from service.config import DEFAULT_MODEL_NAME
+from tests.fleet_jobs import gateways_in_front, queue_events
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -14,12 +14,13 @@ from contextlib import contextmanager
 
 import pytest
 
-from bench.fleet import PROMPT, Fleet, queue_events
+from bench.fleet import PROMPT, Fleet
 from bench.http_client import ServerSentEvents
 from bench.processes import GatewayProcess
 from service.config import DEFAULT_MODEL_NAME
 from service.gateway.errors import APIError
 from service.gateway.resume import event_id, read_event_id
+from tests.fleet_jobs import queue_events
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
