@@ -203,11 +203,16 @@ DISAGG = FlagGroup(
         Flag("handoff_min_prompt_tokens", "shorter prompts are served whole by their prefill worker"),
         Flag(
             "handoff_memory_bytes",
-            "host memory for handed-off prompts' K/V, held until read (each side)",
+            "host memory, on each side, for handed-off prompts' K/V, held until the job ends "
+            "(or --handoff-hold-s); full: the prompt is computed again",
             name="--handoff-memory-mb",
             unit=MIB,
         ),
-        Flag("handoff_hold_s", "a staged prompt not read this long after its handoff is freed"),
+        Flag(
+            "handoff_hold_s",
+            "a prefill worker frees a prompt's K/V this long after its handoff unless the decode worker "
+            "confirmed the job's end sooner",
+        ),
     ),
 )
 
