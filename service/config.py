@@ -111,11 +111,13 @@ class DisaggConfig:
     # A prompt with fewer tokens than this is not handed off: its prefill worker serves
     # the whole job (the handoff would cost more than it spares the decode pool).
     handoff_min_prompt_tokens: int = 256
-    # Host memory a prefill worker keeps handed-off prompts' K/V in until a decode worker
-    # has read them; a decode worker reads into as much. Full: the prompt is computed again.
+    # Host memory a prefill worker keeps handed-off prompts' K/V in until the job ends (the
+    # decode worker confirms it) or handoff_hold_s passes; a decode worker reads into as
+    # much. Full: the prompt is computed again.
     handoff_memory_bytes: int = 1 << 30
-    # A staged prompt no decode worker has read this long after its handoff is freed; the
-    # decode side then computes it.
+    # A prefill worker frees a prompt's K/V this long after its handoff unless the decode
+    # worker confirmed the job's end sooner; a decode worker that had not read it by then
+    # computes the prompt itself.
     handoff_hold_s: float = 30.0
 
     def __post_init__(self) -> None:
