@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+from service.text import text
+
 
 def stream_id(entry_id: str) -> tuple[int, int]:
     """A stream entry id as a comparable (milliseconds, sequence) pair."""
@@ -37,7 +39,7 @@ class CancelRegistry:
         """Take in control-stream entries (id, fields); returns the request ids cancelled."""
         cancelled = []
         for entry_id, fields in entries:
-            entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            entry_id = text(entry_id)
             if stream_id(entry_id) > stream_id(self.last_id):
                 self.last_id = entry_id
             request_id = fields.get(b"id")

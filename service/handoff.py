@@ -41,6 +41,7 @@ import torch
 from gpu.kv_transfer import HandoffArena, KVTransferAgent, TransferFailed, transfer_available
 from service.config import DisaggConfig
 from service.metrics import Metrics
+from service.text import text
 
 log = structlog.get_logger("inflight.handoff")
 
@@ -87,9 +88,9 @@ class Handoff:
     @classmethod
     def of_entry(cls, fields: dict) -> Handoff:
         """Raises ValueError for an entry that is not a handoff."""
-        raw = {(k.decode() if isinstance(k, bytes) else k): v for k, v in fields.items()}
+        raw = {text(k): v for k, v in fields.items()}
         try:
-            origin = raw["origin"].decode() if isinstance(raw["origin"], bytes) else raw["origin"]
+            origin = text(raw["origin"])
             job_fields = msgpack.unpackb(raw["job"], raw=True)
             kv = StagedKV.unpack(raw["kv"]) if raw.get("kv") else None
         except (KeyError, ValueError, TypeError, msgpack.ExtraData) as error:

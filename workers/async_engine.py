@@ -127,7 +127,7 @@ class AsyncEngine:
     def stage_handoffs_in(self, arena: HandoffArena) -> None:
         """Disaggregated serving, prefill side: stage the prompt K/V of requests that end
         with `handoff` in `arena`."""
-        self.engine.handoff_arena = arena  # type: ignore[assignment]  # Engine declares it as None until typed
+        self.engine.handoff_arena = arena
 
     def take_staged(self, request_id: str) -> int:
         """How many prompt tokens a request that ended with `handoff` staged (0: none)."""

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,6 +45,9 @@ from workers.speculative import verify
 from workers.step_stats import EngineStats, StepRecord, step_record
 from workers.structured import Grammars, InvalidGrammar
 from workers.validation import Limits, RequestValidator, arrival_time
+
+if TYPE_CHECKING:
+    from gpu.kv_transfer import HandoffArena
 
 _log = logging.getLogger("inflight.engine")
 
@@ -118,7 +122,7 @@ class Engine:
         self.observer: Callable[[EngineStats], None] | None = None
         # Disaggregated serving, prefill side: where the prompts of requests that end with
         # `handoff` are staged (`gpu/kv_transfer.py:HandoffArena`); None stages nothing.
-        self.handoff_arena = None
+        self.handoff_arena: HandoffArena | None = None
         # Prompt tokens staged per handed-off request id, until the caller `take_staged`s it.
         self._staged: dict[str, int] = {}
 

@@ -27,6 +27,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from service.retry import FIRST_DELAY_S, is_transient, stop_if_cancelled
+from service.text import text
 
 log = structlog.get_logger("inflight.gateway")
 
@@ -143,7 +144,7 @@ class ReplyReader:
 
     def _hand_out(self, reply) -> None:
         for key, entries in reply:
-            key = key.decode() if isinstance(key, bytes) else key
+            key = text(key)
             if key == self.doorbell:
                 self._doorbell_last = entries[-1][0]
                 continue
