@@ -8,6 +8,11 @@ the backend writes K/V into their cache slots and attends over each request's bl
 
 A backend has two methods: `prepare` turns the step's slices into whatever index
 tensors it needs (once per step, shared by every layer), and `attend` runs one layer.
+
+Layers need not attend alike (`LayerAttention`): a sliding-window layer sees only the
+last `window` positions, Gemma 2 caps its scores with a tanh, GPT-OSS adds a learned
+per-head "sink" to the softmax's denominator. transformers hands each layer's settings
+to the hook as keyword arguments; the lean forward reads them off the modules once.
 """
 
 from __future__ import annotations
@@ -142,6 +147,36 @@ class _Row:
     copied: int
 
 
+class LayerAttention(NamedTuple):
+    """How one layer attends, beyond plain causal attention."""
+
+    # A query at position p sees keys at positions p - window + 1 .. p (transformers'
+    # `sliding_window`, the query's own key included); None sees the whole context.
+    window: int | None = None
+    # Gemma 2: each score s becomes softcap * tanh(s / softcap) before the softmax.
+    softcap: float | None = None
+    # GPT-OSS: [heads] logits that join each row's softmax and take no value.
+    sinks: torch.Tensor | None = None
+
+    def window_start(self, position: int) -> int:
+        """The first position a query at `position` sees."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+
+FULL_ATTENTION = LayerAttention()
+
+
+def layer_attention(module: Any, kwargs: dict[str, Any]) -> LayerAttention:
+    """A layer's `LayerAttention` from what transformers hands its attention function
+    (`sliding_window`, `softcap`, `s_aux`), else from the module's own attributes."""
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    softcap = kwargs.get("softcap", getattr(module, "attn_logit_softcapping", None))
+    sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
+    if window is None and softcap is None and sinks is None:
+        return FULL_ATTENTION
+    return LayerAttention(window, softcap, sinks)
+
+
 class KernelLauncher(Protocol):
     """What launches the CUDA kernels: `CupyKernels` on a GPU, or the tests' emulation."""
 
@@ -169,8 +204,10 @@ class AttentionBackend(ABC):
         value: torch.Tensor,  # [T, kv_heads, head_dim]
         scale: float,
         metadata: Any,
+        layer: LayerAttention = FULL_ATTENTION,
     ) -> torch.Tensor:  # [T, heads, head_dim]
-        """Write this layer's new K/V into the cache, then attend over each sequence's blocks."""
+        """Write this layer's new K/V into the cache, then attend over each sequence's
+        blocks as `layer` says."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +228,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         value[0].transpose(0, 1),
         scaling if scaling is not None else query.shape[-1] ** -0.5,
         batch.metadata,
+        layer_attention(module, kwargs),
     )
     return out.unsqueeze(0), None  # transformers expects [1, T, heads, head_dim]
 

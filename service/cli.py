@@ -123,15 +123,17 @@ async def _demo(args: argparse.Namespace) -> int:
     import uvloop
 
     from workers.api import FinalEvent, GenerationRequest, SamplingParams
-    from workers.async_engine import AsyncEngine, on_torch_thread
-    from workers.engine import Engine
+    from workers.async_engine import AsyncEngine
 
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     config = engine_config_from_args(args)
     started = time.perf_counter()
-    engine = await on_torch_thread(Engine.from_config, config)  # where it will step
+    engine = await _load_engine("demo", config)
+    if engine is None:
+        return 1
     print(
-        f"loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.allocator.num_blocks} blocks",
+        f"loaded in {time.perf_counter() - started:.1f} s; KV cache: {engine.allocator.num_blocks} blocks; "
+        f"context: {engine.max_context} tokens",
         file=sys.stderr,
     )
 
@@ -222,8 +224,6 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     from service.metrics import Metrics, start_metrics_server
     from service.structured_logging import configure_logging
     from service.worker import Worker
-    from workers.async_engine import on_torch_thread
-    from workers.engine import Engine
 
     config, log_config, metrics_config = worker_config.redis, worker_config.logging, worker_config.metrics
     engine_config = worker_config.engine
@@ -240,13 +240,15 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
         log.error("metrics_port_unavailable", port=metrics_config.port, error=str(error))
         return 1
     stop = _stop_on_signals(log, config.shutdown_grace_s)
-    engine = await on_torch_thread(Engine.from_config, engine_config)  # where it will step
+    engine = await _load_engine("worker", engine_config)
+    if engine is None:
+        return 1
     if stop.is_set():  # told to stop while loading
         return 0
     # A cluster client for a redis+cluster:// URL. Its connections carry the consumer's
     # name, so other workers see at once when this process dies (service/ingest.py).
     client = connect(config.url, block_ms=config.block_ms, client_name=client_name(config.consumer))
-    _log_started(log, worker_config, embedded, engine.allocator.num_blocks)
+    _log_started(log, worker_config, embedded, engine)
     left: list[str] = []
     try:
         worker = Worker(
@@ -274,7 +276,22 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
     return EXIT_PENDING_LEFT if left else 0
 
 
-def _log_started(log, worker_config: WorkerConfig, embedded: bool, kv_blocks: int) -> None:
+async def _load_engine(command: str, config):
+    """The engine on the thread it will step on, or None once the reason it cannot load
+    is printed in one line (a model it cannot serve, a missing file, a bad setting)."""
+    from workers.async_engine import on_torch_thread
+    from workers.engine import Engine
+
+    try:
+        return await on_torch_thread(Engine.from_config, config)
+    except Exception as error:  # whatever stops the load is reported in one line, not traced
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"inflight {command}: cannot serve {config.model.source or 'the bundled model'}: {reason}",
+              file=sys.stderr)  # fmt: skip
+        return None
+
+
+def _log_started(log, worker_config: WorkerConfig, embedded: bool, engine) -> None:
     """The `worker_started` line; with the embedded server, how to submit to it too."""
     config, disagg = worker_config.redis, worker_config.disagg
     log.info(
@@ -285,7 +302,8 @@ def _log_started(log, worker_config: WorkerConfig, embedded: bool, kv_blocks: in
         redis=_redacted(config.url),
         embedded=embedded,
         metrics_port=worker_config.metrics.port or None,
-        kv_blocks=kv_blocks,
+        kv_blocks=engine.allocator.num_blocks,
+        max_context=engine.max_context,
     )
     if embedded:
         print(_how_to_submit(config), file=sys.stderr, flush=True)

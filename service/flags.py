@@ -105,6 +105,7 @@ MODEL = FlagGroup(
         Flag("device", "auto, cpu, cuda or cuda:N"),
         Flag("cuda_graphs", "on a GPU, launch decode-only steps kernel by kernel instead of replaying CUDA graphs"),
         Flag("max_graph_batch", "largest decode batch replayed from a CUDA graph"),
+        Flag("max_context", "longest request (prompt and output) in tokens, 0 = the model's max_position_embeddings"),
     ),
 )
 

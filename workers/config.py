@@ -58,10 +58,17 @@ class ModelConfig:
     # The largest decode batch replayed from a graph; larger ones run eagerly. Buckets:
     # 1, 2, 4, 8, then every 8 up to this.
     max_graph_batch: int = 256
+    # The longest a request may be (prompt and output), in tokens: 0 is the model's own
+    # `max_position_embeddings`; a smaller value lowers it, a larger one is refused at
+    # start. Sliding-window layers serve the whole of it (they read their last
+    # `sliding_window` positions, the other layers all of them).
+    max_context: int = 0
 
     def __post_init__(self) -> None:
         if self.max_graph_batch < 1:
             raise ValueError("max_graph_batch must be >= 1")
+        if self.max_context < 0:
+            raise ValueError("max_context must be >= 0 (0 is the model's own)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:

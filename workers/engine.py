@@ -59,6 +59,13 @@ class AddRequest:
     prompt_kv: torch.Tensor | None = None  # read from a prefill worker (disaggregated serving)
 
 
+def effective_context(model_context: int, configured: int) -> int:
+    """The longest request served: the model's own context, or `configured` below it."""
+    if configured > model_context:
+        raise ValueError(f"max_context {configured} exceeds the model's context of {model_context} tokens")
+    return configured or model_context
+
+
 @dataclass(frozen=True)
 class CancelRequest:
     request_id: str
@@ -79,10 +86,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = loaded.tokenizer
-        # The paged attention is full attention; it agrees with a sliding-window model
-        # only within the window, so requests are held to it.
-        window = getattr(loaded.model.config, "sliding_window", None)
-        self.max_context = min(loaded.max_context, window) if window else loaded.max_context
+        self.max_context = effective_context(loaded.max_context, config.model.max_context)
         self.vocab_size = loaded.model.config.vocab_size
         self.runner = ModelRunner(loaded.model, config.cache, model_config=config.model)
         self.block_size = config.cache.block_size

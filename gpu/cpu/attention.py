@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu.attention import CONTEXT_LEN, QUERY_START, BlockTables, SequenceSlice
+from gpu.attention import CONTEXT_LEN, FULL_ATTENTION, QUERY_START, BlockTables, LayerAttention, SequenceSlice
 from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.kv_cache import PagedKVCache
 from gpu.torch_attention import PrefillSlice, TorchAttentionBackend
@@ -118,9 +118,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
             torch.from_numpy(self._tables.gather(decodes, self.kv_cache.block_size)),
         )
 
-    def attend_decodes(self, out, query, key_pool, value_pool, scale, decodes: CpuDecodes) -> None:
+    def attend_decodes(
+        self, out, query, key_pool, value_pool, scale, decodes: CpuDecodes, layer: LayerAttention = FULL_ATTENTION
+    ) -> None:
         if decodes.num_seqs == 0:
             return
+        if layer != FULL_ATTENTION:
+            raise NotImplementedError("the CPU decode kernel has no sliding window, softcap or sinks yet")
         assert query.stride(2) == 1 and out.is_contiguous() and query.dtype == key_pool.dtype == out.dtype
         status = self.entry(
             out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
@@ -132,11 +136,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if status != 0:
             raise ValueError(f"CPU decode kernel rejected {query.shape[1]} heads over {key_pool.shape[1]} KV heads")
 
-    def _attend_prefills(self, out, query, key, value, key_pool, value_pool, scale, prefills: list[PrefillSlice]):
+    def _attend_prefills(
+        self, out, query, key, value, key_pool, value_pool, scale, prefills: list[PrefillSlice], layer=FULL_ATTENTION
+    ):
         rejected = [
-            p for p in prefills if not self._attend_prompt(out, query, key, value, key_pool, value_pool, scale, p)
+            p
+            for p in prefills
+            if layer != FULL_ATTENTION
+            or not self._attend_prompt(out, query, key, value, key_pool, value_pool, scale, p)
         ]
-        super()._attend_prefills(out, query, key, value, key_pool, value_pool, scale, rejected)
+        super()._attend_prefills(out, query, key, value, key_pool, value_pool, scale, rejected, layer)
 
     def _attend_prompt(self, out, query, key, value, key_pool, value_pool, scale, p: PrefillSlice) -> bool:
         """One prompt chunk on the prompt kernel; False where it does not take it. The

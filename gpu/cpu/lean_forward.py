@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gpu.attention import PagedBatch, long_tensor
+from gpu.attention import PagedBatch, layer_attention, long_tensor
 from gpu.cpu.fusions import Rotary
 from gpu.hf_module import HFModule
 
@@ -59,10 +59,13 @@ def lean_forward_applies(model: nn.Module) -> bool:
 class _Layer:
     """One decoder layer's bound module calls and constants."""
 
-    def __init__(self, layer: HFModule) -> None:
+    def __init__(self, layer: HFModule, config) -> None:
         attention = layer.self_attn
         self.index = attention.layer_idx
         self.scale = attention.scaling
+        # Qwen2's layers keep their own window; Mistral's attention reads its config's.
+        window = getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
+        self.attention = layer_attention(attention, {"sliding_window": window})
         self.input_norm = layer.input_layernorm.forward
         self.add_input_norm = _add_norm(layer.input_layernorm)
         fused = getattr(attention, "qkv_proj", None)  # gpu.cpu.fusions.fuse_qkv
@@ -96,7 +99,7 @@ class LeanForward:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = inner.layers[0].self_attn.head_dim
         self.embed = inner.embed_tokens.forward
-        self.layers = [_Layer(layer) for layer in inner.layers[: config.num_hidden_layers]]
+        self.layers = [_Layer(layer, config) for layer in inner.layers[: config.num_hidden_layers]]
         self.final_norm = inner.norm.forward
         self.lm_head = model.lm_head.forward
         self.rotary = inner.rotary_emb
@@ -146,7 +149,7 @@ class LeanForward:
                 qk = torch.cat((q, k), dim=1)
             # Queries and keys at once (in place: `qk` is not read again).
             rotated = rotary(qk)
-            out = attend(layer.index, rotated[:, :heads], rotated[:, heads:], v, layer.scale, metadata)
+            out = attend(layer.index, rotated[:, :heads], rotated[:, heads:], v, layer.scale, metadata, layer.attention)
             x = layer.add_post_attention_norm(hidden, layer.o_proj(out.view(num_tokens, heads * head_dim)))
             mlp_out = layer.mlp(x)
         if mlp_out is not None:

@@ -19,11 +19,13 @@ import torch
 
 from gpu.attention import (
     CONTEXT_LEN,
+    FULL_ATTENTION,
     QUERY_LEN,
     QUERY_START,
     AttentionBackend,
     BlockTables,
     KernelLauncher,
+    LayerAttention,
     SequenceSlice,
 )
 from gpu.cuda import source as cuda_source
@@ -163,7 +165,11 @@ class CupyAttentionBackend(AttentionBackend):
             _on(tables, self.device),
         )
 
-    def attend(self, layer_idx, query, key, value, scale, metadata: KernelMetadata) -> torch.Tensor:
+    def attend(
+        self, layer_idx, query, key, value, scale, metadata: KernelMetadata, layer: LayerAttention = FULL_ATTENTION
+    ) -> torch.Tensor:
+        if layer != FULL_ATTENTION:
+            raise NotImplementedError("the CUDA kernels have no sliding window, softcap or sinks yet")
         key_pool = self.kv_cache.key_pools[layer_idx]
         value_pool = self.kv_cache.value_pools[layer_idx]
         query, key, value = (_unit_stride(t) for t in (query, key, value))
