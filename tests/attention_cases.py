@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu.attention import AttentionBackend, SequenceSlice
+from gpu.attention import FULL_ATTENTION, AttentionBackend, LayerAttention, SequenceSlice
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 
@@ -91,21 +91,35 @@ def make_step(
     return Step(sequences, query, key, value, head_dim**-0.5, reference_cache, kernel_cache)
 
 
-def reference_output(step: Step) -> torch.Tensor:
+# Layers that attend otherwise than plainly causal (`LayerAttention`): a window shorter
+# than most contexts, Gemma 2's softcap, GPT-OSS's sinks, and all three at once.
+def layer_cases(num_heads: int) -> dict[str, LayerAttention]:
+    sinks = torch.linspace(-1.0, 2.0, num_heads)
+    return {
+        "window": LayerAttention(window=37),
+        "softcap": LayerAttention(softcap=5.0),
+        "sinks": LayerAttention(sinks=sinks),
+        "all": LayerAttention(window=37, softcap=5.0, sinks=sinks),
+    }
+
+
+def reference_output(step: Step, layer: LayerAttention = FULL_ATTENTION) -> torch.Tensor:
     """The torch reference's attention output for `step`, computed in float32 (it also
     writes the step's K/V into `step.reference_cache`)."""
     reference = TorchAttentionBackend(step.reference_cache)
+    sinks = None if layer.sinks is None else layer.sinks.float().to(step.query.device)
     return reference.attend(
         0, step.query.float(), step.key.float(), step.value.float(), step.scale,
-        reference.prepare(step.sequences, step.query.shape[0]),
+        reference.prepare(step.sequences, step.query.shape[0]), layer._replace(sinks=sinks),
     )  # fmt: skip
 
 
-def check_against_reference(step: Step, backend: AttentionBackend) -> None:
+def check_against_reference(step: Step, backend: AttentionBackend, layer: LayerAttention = FULL_ATTENTION) -> None:
     """`backend` (over `step.kernel_cache`) matches the torch reference: the output and
     the cache after the write."""
-    expected, num_tokens = reference_output(step), step.query.shape[0]
-    got = backend.attend(0, step.query, step.key, step.value, step.scale, backend.prepare(step.sequences, num_tokens))
+    expected, num_tokens = reference_output(step, layer), step.query.shape[0]
+    metadata = backend.prepare(step.sequences, num_tokens)
+    got = backend.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
     assert torch.equal(step.kernel_cache.blocks.float(), step.reference_cache.blocks), "the cache writes differ"
     assert got.dtype == step.query.dtype
     torch.testing.assert_close(got.float(), expected, **TOLERANCES[step.query.dtype])
