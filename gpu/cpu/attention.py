@@ -33,18 +33,22 @@ from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_l
 from gpu.kv_cache import PagedKVCache
 from gpu.torch_attention import PrefillSlice, TorchAttentionBackend
 
-_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # out, query, its token and head strides, K and V pools, query rows, context lengths,
-# block tables, then seqs, max_blocks, block_size, heads, kv_heads, head_dim, scale, threads.
-_ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I)
+# block tables, then seqs, max_blocks, block_size, heads, kv_heads, head_dim, scale, the
+# layer's window (0: none), softcap (0: none) and sinks (fp32 [heads], or null), threads.
+_ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I)
+_INT32_MAX = 2**31 - 1
+_MAX_CACHED_SINKS = 1024
 
 
 # The kernel's entry point for each cache dtype it covers.
 ENTRY_POINTS = {torch.float32: "paged_decode_attention", torch.bfloat16: "paged_decode_attention_bf16"}
 
 # The prompt kernel: out, query and its token and head strides, keys and their strides,
-# values and theirs, then query_len, past_len, heads, kv_heads, head_dim, scale, threads.
-_PROMPT_ARGTYPES = (_P, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I, _I, _I, _I, _I, ctypes.c_float, _I)
+# values and theirs, then query_len, past_len, heads, kv_heads, head_dim, scale, window,
+# softcap, sinks (as the decode kernel's), threads.
+_PROMPT_ARGTYPES = (_P, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I)
 PROMPT_ENTRY_POINTS = {torch.float32: "prompt_attention", torch.bfloat16: "prompt_attention_bf16"}
 
 
@@ -110,6 +114,40 @@ class CpuAttentionBackend(TorchAttentionBackend):
         prompt_kernel = prompt_kernel or cpu_prompt_kernel()
         self.prompt_entry = None if prompt_kernel is None else prompt_kernel.entries[kv_cache.blocks.dtype]
         self._tables = BlockTables()
+        # Each layer's sinks as the kernels read them (contiguous fp32), by id() of the
+        # layer's tensor: the tensor (kept alive, so the id is not reused), its version
+        # when converted, the copy.
+        self._sinks: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def _layer_arguments(self, layer: LayerAttention, num_heads: int) -> tuple[int, float, int]:
+        """(window, softcap, sinks address) as the kernels take them: 0 for none."""
+        if layer is FULL_ATTENTION or (layer.window is None and layer.softcap is None and layer.sinks is None):
+            return 0, 0.0, 0
+        window = 0 if layer.window is None else min(int(layer.window), _INT32_MAX)
+        if layer.window is not None and window < 1:
+            raise ValueError(f"a sliding window must hold at least one key, not {layer.window}")
+        softcap = 0.0 if layer.softcap is None else float(layer.softcap)
+        if layer.softcap is not None and not softcap > 0:
+            raise ValueError(f"a softcap must be positive, not {layer.softcap}")
+        if layer.sinks is None:
+            return window, softcap, 0
+        return window, softcap, self._sinks_for(layer.sinks, num_heads).data_ptr()
+
+    def _sinks_for(self, sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """`sinks` as a contiguous fp32 host tensor, converted once (again if it changes in place)."""
+        version = _version(sinks)
+        cached = self._sinks.get(id(sinks))
+        if cached is not None and cached[0] is sinks and cached[1] == version and version >= 0:
+            return cached[2]
+        if sinks.numel() != num_heads:
+            raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
+        converted = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+        if converted.data_ptr() == sinks.data_ptr():
+            converted = converted.clone()  # a copy of its own: the layer's tensor may change later
+        if len(self._sinks) >= _MAX_CACHED_SINKS:  # fresh tensors every call: keep no more than a model's worth
+            self._sinks.clear()
+        self._sinks[id(sinks)] = (sinks, version, converted)
+        return converted
 
     def prepare_decodes(self, decodes: list[SequenceSlice]) -> CpuDecodes:
         return CpuDecodes(
@@ -123,15 +161,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         if decodes.num_seqs == 0:
             return
-        if layer != FULL_ATTENTION:
-            raise NotImplementedError("the CPU decode kernel has no sliding window, softcap or sinks yet")
         assert query.stride(2) == 1 and out.is_contiguous() and query.dtype == key_pool.dtype == out.dtype
+        window, softcap, sinks = self._layer_arguments(layer, query.shape[1])
         status = self.entry(
             out.data_ptr(), query.data_ptr(), query.stride(0), query.stride(1),
             key_pool.data_ptr(), value_pool.data_ptr(),
             decodes.query_rows.data_ptr(), decodes.context_lens.data_ptr(), decodes.block_tables.data_ptr(),
             decodes.num_seqs, decodes.block_tables.shape[1], self.kv_cache.block_size,
-            query.shape[1], key_pool.shape[1], query.shape[2], scale, torch.get_num_threads(),
+            query.shape[1], key_pool.shape[1], query.shape[2], scale, window, softcap, sinks, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise ValueError(f"CPU decode kernel rejected {query.shape[1]} heads over {key_pool.shape[1]} KV heads")
@@ -142,29 +179,47 @@ class CpuAttentionBackend(TorchAttentionBackend):
         rejected = [
             p
             for p in prefills
-            if layer != FULL_ATTENTION
-            or not self._attend_prompt(out, query, key, value, key_pool, value_pool, scale, p)
+            if not self._attend_prompt(out, query, key, value, key_pool, value_pool, scale, p, layer)
         ]
         super()._attend_prefills(out, query, key, value, key_pool, value_pool, scale, rejected, layer)
 
-    def _attend_prompt(self, out, query, key, value, key_pool, value_pool, scale, p: PrefillSlice) -> bool:
+    def _attend_prompt(
+        self, out, query, key, value, key_pool, value_pool, scale, p: PrefillSlice, layer=FULL_ATTENTION
+    ) -> bool:
         """One prompt chunk on the prompt kernel; False where it does not take it. The
-        kernel masks causally from the chunk's offset, so `p.mask` is not read."""
+        kernel masks causally (and by the layer's window) from the chunk's offset, so
+        `p.mask` is not read. A later chunk of a windowed layer gathers only the blocks
+        from its first query's window on."""
         if self.prompt_entry is None:
             return False
         q = query[p.rows]
+        query_len = q.shape[0]
+        past_len = p.context_len - query_len
+        window, softcap, sinks = self._layer_arguments(layer, q.shape[1])
         if p.blocks is None:
             k, v = key[p.rows], value[p.rows]
         else:
-            k = self._gather(key_pool, p.blocks, "key")[: p.context_len]
-            v = self._gather(value_pool, p.blocks, "value")[: p.context_len]
+            block_size = self.kv_cache.block_size
+            skipped = 0 if window == 0 else max(0, past_len - window + 1) // block_size  # blocks before the window
+            blocks = p.blocks[skipped:] if skipped else p.blocks
+            past_len -= skipped * block_size
+            k = self._gather(key_pool, blocks, "key")[: past_len + query_len]
+            v = self._gather(value_pool, blocks, "value")[: past_len + query_len]
         dtype = self.kv_cache.blocks.dtype  # the entry point's
         if not (q.stride(2) == k.stride(2) == v.stride(2) == 1 and q.dtype == k.dtype == v.dtype == out.dtype == dtype):
             return False
-        query_len = q.shape[0]
         status = self.prompt_entry(
             out[p.rows].data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
             k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-            query_len, p.context_len - query_len, q.shape[1], k.shape[1], q.shape[2], scale, torch.get_num_threads(),
+            query_len, past_len, q.shape[1], k.shape[1], q.shape[2], scale, window, softcap, sinks,
+            torch.get_num_threads(),
         )  # fmt: skip
         return status == 0
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter, or -1 for an inference tensor (which keeps none)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return -1

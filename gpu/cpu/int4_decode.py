@@ -16,6 +16,10 @@ docs/benchmarks.md, "One request in one call").
 
 It takes steps whose every token is a decode (speculative drafts included) and that
 have at most `MAX_TOKENS` tokens; prompt chunks and larger batches run the torch path.
+It is for Llama-family stacks with full attention in every layer: a model with any
+sliding-window, softcapped or sink layer (`gpu.attention.LayerAttention`) is not built
+here (`build` returns None) and runs the torch path, whose CPU attention backend takes
+those layers.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import functools
 import numpy as np
 import torch
 
+from gpu.attention import FULL_ATTENTION, layer_attention
 from gpu.cpu.attention import CpuAttentionBackend
 from gpu.cpu.fusions import FusedGatedMLP, FusedRMSNorm
 from gpu.cpu.int4_linear import Int4Linear
@@ -63,6 +68,14 @@ def decode_library(flags: tuple[str, ...] = CPU_CXX_FLAGS) -> ctypes.CDLL | None
 
 def _layers(model: HFModule) -> list[HFModule]:
     return list(model.model.layers[: model.config.num_hidden_layers])
+
+
+def _full_attention(layer: HFModule, config) -> bool:
+    """Whether the layer attends plainly causally (as the lean forward reads its window)."""
+    attention = layer.self_attn
+    window = getattr(attention, "sliding_window", getattr(config, "sliding_window", None))
+    found = layer_attention(attention, {"sliding_window": window})
+    return found is FULL_ATTENTION
 
 
 def _layer_pointers(layer: HFModule, key_pool: torch.Tensor, value_pool: torch.Tensor) -> list[int] | None:
@@ -109,7 +122,9 @@ class Int4DecodeStep:
     @classmethod
     def build(cls, model: HFModule, backend, library: ctypes.CDLL | None = None) -> Int4DecodeStep | None:
         """The step over `model`'s int4 layers, int8 head and `backend`'s cache, or None where
-        it does not apply; `library` None is `decode_library()`, built for this CPU."""
+        it does not apply (a layer with a sliding window, softcap or sinks among them: the
+        stack attends with full attention only); `library` None is `decode_library()`,
+        built for this CPU."""
         if not isinstance(backend, CpuAttentionBackend) or backend.kv_cache.blocks.dtype != torch.bfloat16:
             return None
         library = library or decode_library()
@@ -118,6 +133,8 @@ class Int4DecodeStep:
         cache = backend.kv_cache
         pointers: list[int] = []
         layers = _layers(model)
+        if not all(_full_attention(layer, model.config) for layer in layers):
+            return None
         for index, layer in enumerate(layers):
             found = _layer_pointers(layer, cache.key_pools[index], cache.value_pools[index])
             if found is None:

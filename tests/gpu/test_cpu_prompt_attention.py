@@ -51,11 +51,12 @@ def prompt_kernel(request):
     return cpu_prompt_kernel() if flags is None else load_prompt_kernel(flags)
 
 
-def call_kernel(kernel, out, q, k, v, past_len, scale):
+def call_kernel(kernel, out, q, k, v, past_len, scale, window=0, softcap=0.0, sinks=None):
     return kernel.entries[q.dtype](
         out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-        q.shape[0], past_len, q.shape[1], k.shape[1], q.shape[2], scale, torch.get_num_threads(),
+        q.shape[0], past_len, q.shape[1], k.shape[1], q.shape[2], scale, window, softcap, sinks,
+        torch.get_num_threads(),
     )  # fmt: skip
 
 

@@ -17,7 +17,8 @@
 // bfloat16 (norm outputs, projections, rotated queries and keys, attention output, the
 // residual stream) is rounded to bfloat16 here at the same point; sums are fp32.
 // Attention is the paged decode kernel (`cpu_paged_decode.cpp`), passed in by address:
-// every token is a query row of its own, over its own context.
+// every token is a query row of its own, over its own context, with full attention (no
+// window, softcap or sinks: the Python side takes no model whose layers have any).
 //
 // The LM head's int8 weights (one scale per output row, `Int8Linear`'s) are copied once
 // as uint8 (w + 128). The head's input is quantized to int8 per group of 32 (llama.cpp's
@@ -97,7 +98,8 @@ struct Int4Weight {
 using AttendFn = int (*)(bf16* out, const bf16* query, int64_t token_stride, int64_t head_stride,
                          const bf16* key_pool, const bf16* value_pool, const int32_t* query_rows,
                          const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
-                         int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int threads);
+                         int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int window,
+                         float softcap, const float* sinks, int threads);
 
 struct Layer {
     const bf16* input_norm;
@@ -458,7 +460,7 @@ int decode(Stack& s, bf16* hidden, int tokens, const bf16* cos_table, const bf16
         }
         const int status = s.attend(attended.data(), qkv.data(), qkv_width, d, layer.key_pool, layer.value_pool,
                                     query_rows, context_lens, block_tables, num_seqs, max_blocks, block_size, s.heads,
-                                    s.kv_heads, d, s.scale, threads);
+                                    s.kv_heads, d, s.scale, 0, 0.0f, nullptr, threads);  // full attention
         if (status != 0) return status;
         a.load(attended.data(), tokens, q_width);
         matmuls({{&layer.o, projected.data()}}, a, s.hidden, threads, w.items);

@@ -14,6 +14,11 @@
 //   widened by a shift otherwise;
 // - elsewhere, plain loops the compiler vectorises, one work item per (request, KV head).
 //
+// A layer may attend otherwise: a sliding window (the last `window` positions: the
+// blocks wholly before it are not read, the one it starts in is read from there), a
+// softcap (each scaled score s becomes softcap * tanh(s / softcap)), sinks (a logit per
+// query head that joins the softmax's max and sum and takes no value).
+//
 // Cache layout, per layer: K and V pools `[slots, num_kv_heads, head_dim]`, token p of a
 // request in slot `block_tables[seq][p / block_size] * block_size + p % block_size`.
 // The queries' token and head strides are arguments (transformers hands over
@@ -48,6 +53,14 @@ struct Args {
     int num_heads;
     int num_kv_heads;
     float scale;
+    int window;           // keys a query sees, its own included (> 0), or 0: the whole context
+    float softcap;        // > 0: each score s becomes softcap * tanh(s / softcap); 0: none
+    const float* sinks;   // [num_heads] logits that join each softmax and take no value; or null
+    float inv_softcap;
+
+    // The first position a query at the end of an `n`-token context sees.
+    int first_seen(int n) const { return window > 0 ? std::max(0, n - window) : 0; }
+    float sink(int head) const { return sinks != nullptr ? sinks[head] : -INFINITY; }
 };
 
 // HEAD_DIM > 0 is known at compile time (the loops unroll and vectorize fully);
@@ -58,48 +71,55 @@ void attend_one(const Args<T>& a, int head_dim, int seq, int kv_head, std::vecto
     const int dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
     const int group = a.num_heads / a.num_kv_heads;
     const int n = a.context_lens[seq];
+    // Keys from `first` on (a sliding window skips the blocks before it); scores by
+    // position - first, `m` a head.
+    const int first = a.first_seen(n), m = n - first;
     const int64_t row_stride = (int64_t)a.num_kv_heads * dim;
     const int32_t* table = a.block_tables + (int64_t)seq * a.max_blocks;
     const int64_t row = a.query_rows[seq];
-    scores.resize((size_t)group * n);
+    scores.resize((size_t)group * m);
     acc.assign((size_t)group * dim, 0.0f);
 
     // Scores: every K row once, dotted with each query head of the group.
-    for (int start = 0; start < n; start += a.block_size) {
+    for (int start = first / a.block_size * a.block_size; start < n; start += a.block_size) {
         const int64_t slot0 = (int64_t)table[start / a.block_size] * a.block_size;
         const int count = std::min(a.block_size, n - start);
-        for (int j = 0; j < count; ++j) {
+        for (int j = std::max(0, first - start); j < count; ++j) {
             const T* k = a.key_pool + (slot0 + j) * row_stride + (int64_t)kv_head * dim;
             for (int g = 0; g < group; ++g) {
                 const T* q = a.query + row * a.query_token_stride + (int64_t)(kv_head * group + g) * a.query_head_stride;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                 for (int d = 0; d < dim; ++d) s += to_float(q[d]) * to_float(k[d]);
-                scores[(size_t)g * n + start + j] = s * a.scale;
+                scores[(size_t)g * m + start + j - first] = s * a.scale;
             }
         }
     }
-    // Softmax per query head; the weights stay unnormalised until the end.
+    // Softmax per query head (softcapped first, a sink joining the max and the sum); the
+    // weights stay unnormalised until the end.
     float sums[64];
     for (int g = 0; g < group; ++g) {
-        float* s = scores.data() + (size_t)g * n;
-        float m = s[0];
-        for (int t = 1; t < n; ++t) m = std::max(m, s[t]);
-        float sum = 0.0f;
-        for (int t = 0; t < n; ++t) {
-            s[t] = std::exp(s[t] - m);
+        float* s = scores.data() + (size_t)g * m;
+        if (a.softcap > 0.0f)
+            for (int t = 0; t < m; ++t) s[t] = a.softcap * std::tanh(s[t] * a.inv_softcap);
+        const float sink = a.sink(kv_head * group + g);
+        float top = std::max(s[0], sink);
+        for (int t = 1; t < m; ++t) top = std::max(top, s[t]);
+        float sum = a.sinks != nullptr ? std::exp(sink - top) : 0.0f;
+        for (int t = 0; t < m; ++t) {
+            s[t] = std::exp(s[t] - top);
             sum += s[t];
         }
         sums[g] = sum;
     }
     // Weighted V: every V row once, for each query head of the group.
-    for (int start = 0; start < n; start += a.block_size) {
+    for (int start = first / a.block_size * a.block_size; start < n; start += a.block_size) {
         const int64_t slot0 = (int64_t)table[start / a.block_size] * a.block_size;
         const int count = std::min(a.block_size, n - start);
-        for (int j = 0; j < count; ++j) {
+        for (int j = std::max(0, first - start); j < count; ++j) {
             const T* v = a.value_pool + (slot0 + j) * row_stride + (int64_t)kv_head * dim;
             for (int g = 0; g < group; ++g) {
-                const float p = scores[(size_t)g * n + start + j];
+                const float p = scores[(size_t)g * m + start + j - first];
                 float* o = acc.data() + (size_t)g * dim;
 #pragma omp simd
                 for (int d = 0; d < dim; ++d) o[d] += p * to_float(v[d]);
@@ -175,9 +195,23 @@ inline float dot1(const T* q, const T* k) {
     return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
+// s = softcap * tanh(s / softcap) over one head's scores, in place: tanh(x) as
+// 1 - 2 / (e^2x + 1), which exp8's clamp keeps finite (about 1e-7 off, absolute).
+inline void cap_scores(float* s, int n, float softcap, float inv_softcap) {
+    const __m256 cap = _mm256_set1_ps(softcap), inv = _mm256_set1_ps(inv_softcap * 2.0f);
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+        _mm256_storeu_ps(s + t, _mm256_mul_ps(cap, _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)))));
+    }
+    for (; t < n; ++t) s[t] = softcap * std::tanh(s[t] * inv_softcap);
+}
+
 // Softmax weights of one head's scores, in place and unnormalised; returns their sum.
-inline float exp_scores(float* s, int n) {
-    __m256 max8 = _mm256_set1_ps(s[0]);
+// `sink` (-inf for none) joins the max and the sum, as a score that takes no value.
+inline float exp_scores(float* s, int n, float sink) {
+    __m256 max8 = _mm256_set1_ps(std::max(s[0], sink));
     int t = 0;
     for (; t + 8 <= n; t += 8) max8 = _mm256_max_ps(max8, _mm256_loadu_ps(s + t));
     alignas(32) float top[8];
@@ -187,6 +221,7 @@ inline float exp_scores(float* s, int n) {
     for (; t < n; ++t) m = std::max(m, s[t]);
     const __m256 max = _mm256_set1_ps(m);
     __m256 sum8 = _mm256_setzero_ps();
+    const float from_sink = sink > -INFINITY ? std::exp(sink - m) : 0.0f;
     for (t = 0; t + 8 <= n; t += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), max));
         _mm256_storeu_ps(s + t, e);
@@ -194,7 +229,7 @@ inline float exp_scores(float* s, int n) {
     }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, sum8);
-    float sum = 0.0f;
+    float sum = from_sink;
     for (int i = 0; i < 8; ++i) sum += lanes[i];
     for (; t < n; ++t) {
         s[t] = std::exp(s[t] - m);
@@ -357,56 +392,74 @@ void attend_group_avx2(const Args<T>& a, const Group& g, std::vector<float>& sco
     constexpr int CHUNKS = HEAD_DIM / 8;
     const int heads = a.num_heads;
     const int64_t row_stride = (int64_t)a.num_kv_heads * HEAD_DIM;
+    // Each sequence's keys from `firsts` on (0 without a window, and a windowed layer's
+    // groups are of one sequence): its scores by position - first, `lens` a head.
+    int firsts[MAX_GROUP], lens[MAX_GROUP];
     size_t offsets[MAX_GROUP + 1] = {0};
-    for (int i = 0; i < g.count; ++i) offsets[i + 1] = offsets[i] + (size_t)heads * a.context_lens[g.seqs[i]];
+    for (int i = 0; i < g.count; ++i) {
+        const int n = a.context_lens[g.seqs[i]];
+        firsts[i] = a.first_seen(n);
+        lens[i] = n - firsts[i];
+        offsets[i + 1] = offsets[i] + (size_t)heads * lens[i];
+    }
     scores.resize(offsets[g.count]);
     acc.assign((size_t)g.count * heads * HEAD_DIM, 0.0f);
     const int32_t* shared_table = a.block_tables + (int64_t)g.seqs[0] * a.max_blocks;
     const int shared_tokens = g.shared * a.block_size;
     auto query_of = [&](int i) { return a.query + (int64_t)a.query_rows[g.seqs[i]] * a.query_token_stride; };
+    // The first block a sequence reads past the shared ones: the one holding its first key.
+    auto own_start = [&](int i) { return std::max(shared_tokens, firsts[i] / a.block_size * a.block_size); };
     Prefetcher ahead;
 
     for (int start = 0; start < shared_tokens; start += a.block_size) {
         const T* block = block_at(a.key_pool, a, shared_table, start, shared_tokens, row_stride, ahead);
         for (int i = 0; i < g.count; ++i)
-            score_block<HEAD_DIM>(a, query_of(i), block, a.block_size, scores.data() + offsets[i] + start,
-                                  a.context_lens[g.seqs[i]], row_stride, ahead);
+            score_block<HEAD_DIM>(a, query_of(i), block, a.block_size, scores.data() + offsets[i] + start, lens[i],
+                                  row_stride, ahead);
     }
     for (int i = 0; i < g.count; ++i) {
-        const int n = a.context_lens[g.seqs[i]];
+        const int n = a.context_lens[g.seqs[i]], first = firsts[i];
         const int32_t* table = a.block_tables + (int64_t)g.seqs[i] * a.max_blocks;
-        for (int start = shared_tokens; start < n; start += a.block_size)
-            score_block<HEAD_DIM>(a, query_of(i), block_at(a.key_pool, a, table, start, n, row_stride, ahead),
-                                  std::min(a.block_size, n - start), scores.data() + offsets[i] + start, n,
-                                  row_stride, ahead);
+        for (int start = own_start(i); start < n; start += a.block_size) {
+            const int skip = std::max(0, first - start);  // keys before the window, in its first block
+            score_block<HEAD_DIM>(a, query_of(i),
+                                  block_at(a.key_pool, a, table, start, n, row_stride, ahead) + skip * row_stride,
+                                  std::min(a.block_size, n - start) - skip,
+                                  scores.data() + offsets[i] + start + skip - first, lens[i], row_stride, ahead);
+        }
     }
     // The first V block (the group's first sequence's, shared or not) arrives while the
     // exponentials are computed.
-    ahead.aim(a.value_pool + (int64_t)shared_table[0] * a.block_size * row_stride,
-              std::min(a.block_size, a.context_lens[g.seqs[0]]) * row_stride * (int64_t)sizeof(T));
+    const int first_block = firsts[0] / a.block_size;
+    ahead.aim(a.value_pool + (int64_t)shared_table[first_block] * a.block_size * row_stride,
+              std::min(a.block_size, a.context_lens[g.seqs[0]] - first_block * a.block_size) * row_stride *
+                  (int64_t)sizeof(T));
     const int per_head = ahead.share(heads);
     float sums[MAX_GROUP][1024];
     for (int i = 0; i < g.count; ++i)
         for (int h = 0; h < heads; ++h) {
             ahead.issue(per_head);
-            const int n = a.context_lens[g.seqs[i]];
-            sums[i][h] = exp_scores(scores.data() + offsets[i] + (size_t)h * n, n);
+            float* s = scores.data() + offsets[i] + (size_t)h * lens[i];
+            if (a.softcap > 0.0f) cap_scores(s, lens[i], a.softcap, a.inv_softcap);
+            sums[i][h] = exp_scores(s, lens[i], a.sink(h));
         }
     for (int start = 0; start < shared_tokens; start += a.block_size) {
         const T* block = block_at(a.value_pool, a, shared_table, start, shared_tokens, row_stride, ahead);
         for (int i = 0; i < g.count; ++i)
-            weigh_block<HEAD_DIM>(a, block, a.block_size, scores.data() + offsets[i] + start,
-                                  a.context_lens[g.seqs[i]], acc.data() + (size_t)i * heads * HEAD_DIM,
-                                  row_stride, ahead);
+            weigh_block<HEAD_DIM>(a, block, a.block_size, scores.data() + offsets[i] + start, lens[i],
+                                  acc.data() + (size_t)i * heads * HEAD_DIM, row_stride, ahead);
     }
     for (int i = 0; i < g.count; ++i) {
-        const int n = a.context_lens[g.seqs[i]];
+        const int n = a.context_lens[g.seqs[i]], first = firsts[i];
         const int32_t* table = a.block_tables + (int64_t)g.seqs[i] * a.max_blocks;
         float* seq_acc = acc.data() + (size_t)i * heads * HEAD_DIM;
-        for (int start = shared_tokens; start < n; start += a.block_size)
-            weigh_block<HEAD_DIM>(a, block_at(a.value_pool, a, table, start, n, row_stride, ahead),
-                                  std::min(a.block_size, n - start), scores.data() + offsets[i] + start, n,
-                                  seq_acc, row_stride, ahead);
+        for (int start = own_start(i); start < n; start += a.block_size) {
+            const int skip = std::max(0, first - start);
+            weigh_block<HEAD_DIM>(a, block_at(a.value_pool, a, table, start, n, row_stride, ahead) + skip * row_stride,
+                                  std::min(a.block_size, n - start) - skip,
+                                  scores.data() + offsets[i] + start + skip - first, lens[i], seq_acc, row_stride,
+                                  ahead);
+        }
         const int64_t row = a.query_rows[g.seqs[i]];
         for (int h = 0; h < heads; ++h) {
             T* out = a.out + (row * heads + h) * HEAD_DIM;
@@ -421,7 +474,8 @@ void attend_group_avx2(const Args<T>& a, const Group& g, std::vector<float>& sco
 #ifdef INFLIGHT_AVX2
 // The batch in groups of up to MAX_GROUP sequences: sequences with the same first block
 // are taken in batch order, and a group ends where the next one shares fewer full blocks
-// with its first sequence than the group does.
+// with its first sequence than the group does. A windowed layer's sequences go alone:
+// what they share is the prompt, mostly behind their windows.
 template <typename T>
 std::vector<Group> form_groups(const Args<T>& a, std::vector<int>& order) {
     order.resize(a.num_seqs);
@@ -433,7 +487,7 @@ std::vector<Group> form_groups(const Args<T>& a, std::vector<int>& order) {
     for (int i = 0; i < a.num_seqs;) {
         const int32_t* lead = table_of(order[i]);
         int count = 1, shared = a.context_lens[order[i]] / a.block_size;
-        while (i + count < a.num_seqs && count < MAX_GROUP) {
+        while (a.window <= 0 && i + count < a.num_seqs && count < MAX_GROUP) {
             const int next = order[i + count];
             const int32_t* table = table_of(next);
             const int limit = std::min(shared, a.context_lens[next] / a.block_size);
@@ -484,11 +538,14 @@ template <typename T>
 int attend(T* out, const T* query, int64_t query_token_stride, int64_t query_head_stride, const T* key_pool,
            const T* value_pool, const int32_t* query_rows, const int32_t* context_lens, const int32_t* block_tables,
            int num_seqs, int max_blocks, int block_size, int num_heads, int num_kv_heads, int head_dim, float scale,
-           int num_threads) {
+           int window, float softcap, const float* sinks, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64 || num_heads > 1024)
         return -1;
+    if (!(softcap >= 0.0f)) return -1;
+    window = std::max(window, 0);
     const Args<T> a{out, query, query_token_stride, query_head_stride, key_pool, value_pool, query_rows,
-                    context_lens, block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, scale};
+                    context_lens, block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, scale,
+                    window, softcap, sinks, softcap > 0.0f ? 1.0f / softcap : 0.0f};
     switch (head_dim) {
         case 64: attend_all<T, 64>(a, head_dim, num_threads); break;
         case 128: attend_all<T, 128>(a, head_dim, num_threads); break;
@@ -499,15 +556,18 @@ int attend(T* out, const T* query, int64_t query_token_stride, int64_t query_hea
 
 }  // namespace
 
-// Returns 0, or -1 if the arguments are out of what this kernel handles.
+// A layer's attention: `window` > 0 keys before each query's own (inclusive) or 0 (or
+// less) for the whole context, `softcap` > 0 or 0 for none, `sinks` [num_heads] fp32
+// logits or null. Returns 0, or -1 if the arguments are out of what this kernel handles.
 extern "C" int paged_decode_attention(
     float* out, const float* query, int64_t query_token_stride, int64_t query_head_stride,
     const float* key_pool, const float* value_pool, const int32_t* query_rows,
     const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
-    int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
+    int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int window, float softcap,
+    const float* sinks, int num_threads) {
     return attend(out, query, query_token_stride, query_head_stride, key_pool, value_pool, query_rows, context_lens,
-                  block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, scale,
-                  num_threads);
+                  block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, scale, window,
+                  softcap, sinks, num_threads);
 }
 
 // The same over bfloat16 queries, cache and output (`bf16` is layout-compatible with uint16).
@@ -515,8 +575,9 @@ extern "C" int paged_decode_attention_bf16(
     bf16* out, const bf16* query, int64_t query_token_stride, int64_t query_head_stride,
     const bf16* key_pool, const bf16* value_pool, const int32_t* query_rows,
     const int32_t* context_lens, const int32_t* block_tables, int num_seqs, int max_blocks,
-    int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
+    int block_size, int num_heads, int num_kv_heads, int head_dim, float scale, int window, float softcap,
+    const float* sinks, int num_threads) {
     return attend(out, query, query_token_stride, query_head_stride, key_pool, value_pool, query_rows, context_lens,
-                  block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, scale,
-                  num_threads);
+                  block_tables, num_seqs, max_blocks, block_size, num_heads, num_kv_heads, head_dim, scale, window,
+                  softcap, sinks, num_threads);
 }

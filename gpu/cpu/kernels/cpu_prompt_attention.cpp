@@ -1,7 +1,12 @@
 // Prompt (prefill) attention on the CPU: a chunk of query tokens, causal, against
 // contiguous keys and values (a fresh prompt's own, or a later chunk's gathered context).
 //
-// Query token i sits at position `past_len + i` and sees keys 0..past_len+i. Queries,
+// Query token i sits at position `past_len + i` and sees keys 0..past_len+i, or with a
+// sliding window only the last `window` of them: key blocks wholly before every row's
+// window are neither prepared nor read, and the rest are masked per row. A softcap
+// (each scaled score s becomes softcap * tanh(s / softcap)) and sinks (a logit per query
+// head that joins the softmax and takes no value) are per call too; such layers do not
+// run on the tile unit (AMX), but on the AVX-512 path. Queries,
 // keys, values and output are float32 or bfloat16 (one entry point each); scores, softmax
 // and sums are fp32 either way, and a bfloat16 output is rounded once, at the end.
 //
@@ -53,8 +58,14 @@ struct Args {
     int num_kv_heads;
     int head_dim;
     float scale;
+    int window;          // keys a query sees, its own included (> 0), or 0: every earlier key
+    float softcap;       // > 0: each score s becomes softcap * tanh(s / softcap); 0: none
+    const float* sinks;  // [num_heads] logits that join each softmax and take no value; or null
 
     int group() const { return num_heads / num_kv_heads; }
+    // The first key a query at `position` sees.
+    int window_start(int position) const { return window > 0 ? std::max(0, position - window + 1) : 0; }
+    bool full_attention() const { return window <= 0 && softcap == 0.0f && sinks == nullptr; }
     int num_keys() const { return past_len + q_len; }
     const T* q_row(int token, int head) const { return query + token * q_token_stride + head * q_head_stride; }
     const T* k_row(int token, int kv) const { return key + token * k_token_stride + kv * k_head_stride; }
@@ -83,25 +94,26 @@ void attend_tile_portable(const Args<T>& a, int kv, int tile, std::vector<float>
     scores.resize((size_t)a.past_len + last);
     acc.resize(dim);
     for (int t = first; t < last; ++t) {
-        const int n = a.past_len + t + 1;
+        const int n = a.past_len + t + 1, lo = a.window_start(n - 1);
         for (int h = kv * group; h < (kv + 1) * group; ++h) {
             const T* q = a.q_row(t, h);
-            float m = -std::numeric_limits<float>::infinity();
-            for (int j = 0; j < n; ++j) {
+            float m = a.sinks != nullptr ? a.sinks[h] : -std::numeric_limits<float>::infinity();
+            for (int j = lo; j < n; ++j) {
                 const T* k = a.k_row(j, kv);
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                 for (int d = 0; d < dim; ++d) s += to_float(q[d]) * to_float(k[d]);
-                scores[j] = s * a.scale;
+                s *= a.scale;
+                scores[j] = a.softcap > 0.0f ? a.softcap * std::tanh(s / a.softcap) : s;
                 m = std::max(m, scores[j]);
             }
-            float sum = 0.0f;
-            for (int j = 0; j < n; ++j) {
+            float sum = a.sinks != nullptr ? std::exp(a.sinks[h] - m) : 0.0f;
+            for (int j = lo; j < n; ++j) {
                 scores[j] = std::exp(scores[j] - m);
                 sum += scores[j];
             }
             std::fill(acc.begin(), acc.end(), 0.0f);
-            for (int j = 0; j < n; ++j) {
+            for (int j = lo; j < n; ++j) {
                 const T* v = a.v_row(j, kv);
                 const float p = scores[j];
                 float* o = acc.data();
@@ -145,6 +157,7 @@ inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vadd(vec x, vec y) { return _mm512_add_ps(x, y); }
 inline vec vsub(vec x, vec y) { return _mm512_sub_ps(x, y); }
 inline vec vmul(vec x, vec y) { return _mm512_mul_ps(x, y); }
+inline vec vdiv(vec x, vec y) { return _mm512_div_ps(x, y); }
 inline vec vmax(vec x, vec y) { return _mm512_max_ps(x, y); }
 inline vec vfmadd(vec x, vec y, vec z) { return _mm512_fmadd_ps(x, y, z); }
 inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
@@ -172,6 +185,7 @@ inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vadd(vec x, vec y) { return _mm256_add_ps(x, y); }
 inline vec vsub(vec x, vec y) { return _mm256_sub_ps(x, y); }
 inline vec vmul(vec x, vec y) { return _mm256_mul_ps(x, y); }
+inline vec vdiv(vec x, vec y) { return _mm256_div_ps(x, y); }
 inline vec vmax(vec x, vec y) { return _mm256_max_ps(x, y); }
 inline vec vfmadd(vec x, vec y, vec z) { return _mm256_fmadd_ps(x, y, z); }
 inline float vsum(vec v) {
@@ -192,6 +206,13 @@ inline void vstore_as(T* p, vec v) {
     store8(p, v);
 }
 #endif
+
+// tanh(x) as 1 - 2 / (e^2x + 1): vexp's clamp and its 0 below -87 keep it finite, -1
+// and 1 at the ends (about 1e-7 off, absolute). -inf gives -1.
+inline vec vtanh(vec x) {
+    const vec one = vset1(1.0f);
+    return vsub(one, vdiv(vset1(2.0f), vadd(vexp(vadd(x, x)), one)));
+}
 
 // Keys are scored SUB at a time (two vectors per row), and softmax and weighted V go
 // BLOCK at a time, which halves the per-block row reductions and output reloads.
@@ -297,18 +318,26 @@ inline void weigh_cols(int cols, const float* p, const float* alpha, const float
 
 // Keys transposed block by block (and bfloat16 V widened), per KV head: built once per
 // call, read by every tile; the buffers live in the calling thread, kept across calls.
+// Keys from `base` on (a multiple of BLOCK): a sliding window's chunk skips those before
+// its first query's window; 0 otherwise. Blocks are counted from there.
 template <typename T>
 struct Prepared {
     const KeyT<T>* keys;      // [kv_heads][blocks][head_dim * SUB]
-    const float* values;      // [kv_heads][keys][head_dim] for bfloat16; float32 V is read in place
+    const float* values;      // [kv_heads][keys - base][head_dim] for bfloat16; float32 V is read in place
     const T* value_pairs;     // on AMX instead: [kv_heads][blocks * SUB / 2][head_dim] pairs of keys
     int blocks;
+    int base;
+
+    const KeyT<T>* key_block(int kv, int key, int dim) const {
+        return keys + ((int64_t)kv * blocks + (key - base) / SUB) * dim * SUB;
+    }
 };
 
 template <typename T>
-void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, T* value_pairs, int blocks, int kv, int b) {
+void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, T* value_pairs, int blocks, int base, int kv,
+                   int b) {
     using K = KeyT<T>;
-    const int dim = a.head_dim, start = b * SUB, count = std::min(SUB, a.num_keys() - start);
+    const int dim = a.head_dim, start = base + b * SUB, count = std::min(SUB, a.num_keys() - start);
     K* kt = keys + ((int64_t)kv * blocks + b) * dim * SUB;
     std::fill(kt, kt + (int64_t)dim * SUB, K{});  // zero past the last key: scored, masked, never NaN
     for (int j = 0; j < count; ++j) {
@@ -338,7 +367,7 @@ void prepare_block(const Args<T>& a, KeyT<T>* keys, float* values, T* value_pair
     if (values != nullptr)
         for (int j = 0; j < count; ++j) {
             const T* v = a.v_row(start + j, kv);
-            float* wide = values + ((int64_t)kv * a.num_keys() + start + j) * dim;
+            float* wide = values + ((int64_t)kv * (a.num_keys() - base) + start - base + j) * dim;
             for (int d = 0; d < dim; ++d) wide[d] = to_float(v[d]);
         }
 }
@@ -374,39 +403,65 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
     w.out.assign((size_t)rows * dim, 0.0f);
     w.top.assign(rows, NEG_INF);            // running max of each row's scores
     w.sums.assign((size_t)rows * W, 0.0f);  // running sum of its weights, per lane
+    if (a.sinks != nullptr)                 // a sink: a score of its own, weight e^0, no value
+        for (int r = 0; r < rows; ++r) {
+            w.top[r] = a.sinks[kv * group + r % group];
+            w.sums[(size_t)r * W] = 1.0f;
+        }
     w.shift.assign(padded, 0.0f);
     w.alpha.resize(padded);
     float* s = w.scores.data();
     const vec scale = vset1(a.scale);
     const int first_pos = a.past_len + first;  // position of the tile's first token
     const int keys = first_pos + tokens;       // keys its last token sees
+    constexpr int VECTORS = BLOCK / W;
+    // A sliding window: blocks wholly before the first row's window are skipped, and rows
+    // whose window starts past a block see none of it.
+    const int window = a.window, window_begin = a.window_start(first_pos);
+    const bool capped = a.softcap > 0.0f;
+    const vec cap = vset1(a.softcap), inv_cap = vset1(capped ? 1.0f / a.softcap : 0.0f);
 
-    for (int start = 0; start < keys; start += BLOCK) {
-        // Rows that see none of this block are left as they are: in token order, a prefix.
+    for (int start = window_begin / BLOCK * BLOCK; start < keys; start += BLOCK) {
+        const int count = std::min(BLOCK, keys - start);
+        // Rows that see none of this block are left as they are: in token order, a prefix
+        // (before it) and, with a window, a suffix (past it).
         const int begin = std::max(0, start - first_pos) * group;
-        for (int sub = start; sub < std::min(keys, start + BLOCK); sub += SUB) {
-            const K* kt = prep.keys + ((int64_t)kv * prep.blocks + sub / SUB) * dim * SUB;
-            for (int r = std::max(0, sub - first_pos) * group; r < rows; r += SCORE_ROWS)
-                score_some(std::min(SCORE_ROWS, rows - r), q + r * dim, dim, kt, s + r * BLOCK + sub - start, scale);
+        const int end = window > 0 ? std::min(rows, std::max(0, start + count + window - 1 - first_pos) * group) : rows;
+        if (begin >= end) continue;
+        for (int sub = start; sub < start + count; sub += SUB) {
+            const K* kt = prep.key_block(kv, sub, dim);
+            for (int r = std::max(0, sub - first_pos) * group; r < end; r += SCORE_ROWS)
+                score_some(std::min(SCORE_ROWS, end - r), q + r * dim, dim, kt, s + r * BLOCK + sub - start, scale);
         }
+        if (capped)
+            for (int r = begin; r < end; ++r)
+                for (int i = 0; i < VECTORS; ++i) {
+                    float* x = s + r * BLOCK + i * W;
+                    vstore(x, vmul(cap, vtanh(vmul(vload(x), inv_cap))));
+                }
         // Causal mask: keys past a row's own position (and past the last key: scores
         // skipped above) do not count.
         if (start + BLOCK > first_pos + 1)
-            for (int r = begin; r < rows; ++r)
+            for (int r = begin; r < end; ++r)
                 for (int j = std::max(0, first_pos + r / group + 1 - start); j < BLOCK; ++j)
+                    s[r * BLOCK + j] = NEG_INF;
+        // Window mask: keys before a row's window do not count either.
+        if (window > 0 && start < a.window_start(keys - 1))
+            for (int r = begin; r < end; ++r)
+                for (int j = 0, stop = std::min(BLOCK, a.window_start(first_pos + r / group) - start); j < stop; ++j)
                     s[r * BLOCK + j] = NEG_INF;
         // Online softmax: each row's new max, the factor its earlier sums shrink by
         // (0 on its first block, where the old max is -inf), and the block's weights.
-        constexpr int VECTORS = BLOCK / W;
-        for (int r = begin; r < rows; ++r) {
+        // Every row from `begin` to `end` sees a key of the block, so its max is finite.
+        for (int r = begin; r < end; ++r) {
             vec top = vload(s + r * BLOCK);
             for (int i = 1; i < VECTORS; ++i) top = vmax(top, vload(s + r * BLOCK + i * W));
             const float row_top = std::max(w.top[r], vtop(top));
             w.shift[r] = w.top[r] - row_top;
             w.top[r] = row_top;
         }
-        for (int r = begin / W * W; r < rows; r += W) vstore(w.alpha.data() + r, vexp(vload(w.shift.data() + r)));
-        for (int r = begin; r < rows; ++r) {
+        for (int r = begin / W * W; r < end; r += W) vstore(w.alpha.data() + r, vexp(vload(w.shift.data() + r)));
+        for (int r = begin; r < end; ++r) {
             const vec top = vset1(w.top[r]);
             vec total = vzero();
             for (int i = 0; i < VECTORS; ++i) {
@@ -418,23 +473,22 @@ void attend_tile(const Args<T>& a, const Prepared<T>& prep, int kv, int tile, Sc
             vstore(sum, vfmadd(vload(sum), vset1(w.alpha[r]), total));
         }
         // Weighted V, in column slices of up to four vectors.
-        const int count = std::min(BLOCK, keys - start);
         const float* v;
         int64_t v_stride;
         if constexpr (std::is_same_v<T, float>) {
             v = a.v_row(start, kv);
             v_stride = a.v_token_stride;
         } else {
-            v = prep.values + ((int64_t)kv * a.num_keys() + start) * dim;
+            v = prep.values + ((int64_t)kv * (a.num_keys() - prep.base) + start - prep.base) * dim;
             v_stride = dim;
         }
         for (int col = 0; col < dim; col += 4 * W) {
             const int cols = std::min(4, (dim - col) / W);
-            for (int r = begin; r < rows; r += WEIGH_ROWS) {
+            for (int r = begin; r < end; r += WEIGH_ROWS) {
                 const float* p = s + r * BLOCK;
                 const float* alpha = w.alpha.data() + r;
                 float* o = w.out.data() + (size_t)r * dim + col;
-                switch (std::min(WEIGH_ROWS, rows - r)) {
+                switch (std::min(WEIGH_ROWS, end - r)) {
                     case 6: weigh_cols<6>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
                     case 5: weigh_cols<5>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
                     case 4: weigh_cols<4>(cols, p, alpha, v + col, v_stride, count, o, dim); break;
@@ -621,7 +675,8 @@ void attend_tile_amx(const Args<bf16>& a, const Prepared<bf16>& prep, int kv, in
 template <typename T>
 bool use_amx(const Args<T>& a) {
 #ifdef INFLIGHT_AMX
-    if constexpr (std::is_same_v<T, bf16>) return a.head_dim % 64 == 0 && a.scale > 0.0f && amx::granted();
+    if constexpr (std::is_same_v<T, bf16>)
+        return a.full_attention() && a.head_dim % 64 == 0 && a.scale > 0.0f && amx::granted();
 #endif
     (void)a;
     return false;
@@ -632,7 +687,9 @@ constexpr size_t MAX_KEPT_BYTES = size_t(64) << 20;
 template <typename T>
 void attend_blocked(const Args<T>& a, int num_threads) {
     using K = KeyT<T>;
-    const int blocks = (a.num_keys() + SUB - 1) / SUB;
+    // Keys before the first query's window are never read (none without a window).
+    const int base = a.window_start(a.past_len) / BLOCK * BLOCK;
+    const int blocks = (a.num_keys() - base + SUB - 1) / SUB;
     const int tiles = num_tiles(a.q_len), items = tiles * a.num_kv_heads;
     const bool tiled = use_amx(a);
     thread_local std::vector<K> key_store;
@@ -646,17 +703,17 @@ void attend_blocked(const Args<T>& a, int num_threads) {
         if (pair_store.size() < key_size) pair_store.resize(key_size);
         pairs = pair_store.data();
     } else if constexpr (!std::is_same_v<T, float>) {
-        const size_t value_size = (size_t)a.num_kv_heads * a.num_keys() * a.head_dim;
+        const size_t value_size = (size_t)a.num_kv_heads * (a.num_keys() - base) * a.head_dim;
         if (value_store.size() < value_size) value_store.resize(value_size);
         values = value_store.data();
     }
-    const Prepared<T> prep{key_store.data(), values, pairs, blocks};
+    const Prepared<T> prep{key_store.data(), values, pairs, blocks, base};
     K* keys = key_store.data();
 #pragma omp parallel num_threads(team_size(items, num_threads))
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < a.num_kv_heads * blocks; ++i)
-            prepare_block(a, keys, values, pairs, blocks, i / blocks, i % blocks);
+            prepare_block(a, keys, values, pairs, blocks, base, i / blocks, i % blocks);
         Scratch scratch;  // per thread, reused across its items
 #ifdef INFLIGHT_AMX
         if constexpr (std::is_same_v<T, bf16>)
@@ -694,6 +751,7 @@ void attend_blocked(const Args<T>& a, int num_threads) {
 template <typename T>
 int attend(const Args<T>& a, int num_threads) {
     if (a.num_kv_heads <= 0 || a.num_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return -1;
+    if (!(a.softcap >= 0.0f)) return -1;
     if (a.head_dim <= 0 || a.head_dim % 16 != 0 || a.head_dim > 512 || a.q_len < 0 || a.past_len < 0) return -1;
     if (a.q_len == 0) return 0;
 #ifdef INFLIGHT_AVX2
@@ -704,16 +762,25 @@ int attend(const Args<T>& a, int num_threads) {
     return 0;
 }
 
+// A window that covers every key is no window (and the sums above stay in int range).
+inline int window_of(int window, int q_len, int past_len) {
+    return window <= 0 || (int64_t)window >= (int64_t)q_len + past_len ? 0 : window;
+}
+
 }  // namespace
 
-// Returns 0, or -1 if the arguments are out of what this kernel handles (head_dim must be
-// a multiple of 16, at most 512; num_heads a multiple of num_kv_heads).
+// A layer's attention: `window` > 0 keys up to each query's own (inclusive) or 0 (or
+// less) for all earlier keys, `softcap` > 0 or 0 for none, `sinks` [num_heads] fp32
+// logits or null. Returns 0, or -1 if the arguments are out of what this kernel handles
+// (head_dim must be a multiple of 16, at most 512; num_heads a multiple of num_kv_heads).
 extern "C" int prompt_attention(float* out, const float* query, int64_t q_token_stride, int64_t q_head_stride,
                                 const float* key, int64_t k_token_stride, int64_t k_head_stride, const float* value,
                                 int64_t v_token_stride, int64_t v_head_stride, int q_len, int past_len, int num_heads,
-                                int num_kv_heads, int head_dim, float scale, int num_threads) {
+                                int num_kv_heads, int head_dim, float scale, int window, float softcap,
+                                const float* sinks, int num_threads) {
     const Args<float> a{out, query, q_token_stride, q_head_stride, key, k_token_stride, k_head_stride, value,
-                        v_token_stride, v_head_stride, q_len, past_len, num_heads, num_kv_heads, head_dim, scale};
+                        v_token_stride, v_head_stride, q_len, past_len, num_heads, num_kv_heads, head_dim, scale,
+                        window_of(window, q_len, past_len), softcap, sinks};
     return attend(a, num_threads);
 }
 
@@ -721,8 +788,10 @@ extern "C" int prompt_attention(float* out, const float* query, int64_t q_token_
 extern "C" int prompt_attention_bf16(bf16* out, const bf16* query, int64_t q_token_stride, int64_t q_head_stride,
                                      const bf16* key, int64_t k_token_stride, int64_t k_head_stride, const bf16* value,
                                      int64_t v_token_stride, int64_t v_head_stride, int q_len, int past_len,
-                                     int num_heads, int num_kv_heads, int head_dim, float scale, int num_threads) {
+                                     int num_heads, int num_kv_heads, int head_dim, float scale, int window,
+                                     float softcap, const float* sinks, int num_threads) {
     const Args<bf16> a{out, query, q_token_stride, q_head_stride, key, k_token_stride, k_head_stride, value,
-                       v_token_stride, v_head_stride, q_len, past_len, num_heads, num_kv_heads, head_dim, scale};
+                       v_token_stride, v_head_stride, q_len, past_len, num_heads, num_kv_heads, head_dim, scale,
+                       window_of(window, q_len, past_len), softcap, sinks};
     return attend(a, num_threads);
 }
