@@ -1,6 +1,8 @@
 """The CPU decode kernel (`gpu/cpu/kernels/cpu_paged_decode.cpp`) matches the torch reference
-in float32 and bfloat16, is what a float32 or bfloat16 CPU engine runs on, and is never
-required: without g++ the engine stays on the torch reference."""
+in float32 and bfloat16, for full attention and for layers with a sliding window, a
+softcap or sinks (reading only the blocks a window holds), is what a float32 or bfloat16
+CPU engine runs on, and is never required: without g++ the engine stays on the torch
+reference."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.torch_attention import TorchAttentionBackend
 from tests.attention_cases import (
     BLOCK_SIZES,
+    TOLERANCES,
     check_against_reference,
     check_far_cache_against_reference,
     decode_chunks,
     far_cache,
+    layer_cases,
     make_step,
+    reference_output,
 )
 
 pytestmark = pytest.mark.skipif(cpu_kernel() is None, reason="g++ cannot build the CPU kernel here")
@@ -58,6 +63,68 @@ def test_decodes_match_the_reference(kernel, dtype, head_dim, group, block_size)
                      chunks=decode_chunks([2, block_size, 3 * block_size + 1, 300, 37]),
                      seed=group * head_dim + block_size)  # fmt: skip
     check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel))
+
+
+# The cases' window is 37 keys: contexts shorter than it, of exactly it and one more,
+# ending with the window's first key mid-block (at both block sizes), and far past it.
+WINDOW_CONTEXTS = [2, 20, 36, 37, 38, 50, 71, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 4), (128, 1), (80, 3)])  # 80: the generic path
+@pytest.mark.parametrize("case", list(layer_cases(1)))
+def test_layers_that_attend_otherwise_match_the_reference(kernel, dtype, head_dim, group, block_size, case):
+    """A sliding window, a softcap, sinks and all three, over contexts either side of the
+    window, GQA included: bfloat16 against the float32 reference over the same values."""
+    num_kv_heads = 2
+    layer = layer_cases(num_kv_heads * group)[case]
+    step = make_step(dtype, head_dim, block_size, num_kv_heads=num_kv_heads, group=group,
+                     chunks=decode_chunks(WINDOW_CONTEXTS), seed=group * head_dim + block_size)  # fmt: skip
+    check_against_reference(step, CpuAttentionBackend(step.kernel_cache, kernel), layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_a_window_reads_only_its_blocks(kernel, dtype, head_dim):
+    """Every block of the pool but those holding a decode's window is NaN: the output is
+    finite and matches the reference over the clean cache, so the blocks wholly before
+    a window (and the keys before it in its first block, weighted 0 or not) are not read."""
+    window, block_size = 37, 16
+    layer = layer_cases(6)["all"]
+    step = make_step(dtype, head_dim, block_size, num_kv_heads=2, group=3,
+                     chunks=decode_chunks([300, 50, 38, 517, 37, 5]), seed=head_dim)  # fmt: skip
+    expected = reference_output(step, layer)
+    cache = step.kernel_cache
+    backend = CpuAttentionBackend(cache, kernel)
+    metadata = backend.prepare(step.sequences, step.query.shape[0])
+    kept = set()
+    for seq in step.sequences:  # the blocks from the one holding the window's first key on
+        first = max(0, seq.context_len - window) // block_size
+        kept.update(seq.block_table[first : -(-seq.context_len // block_size)])
+    poisoned = [b for b in range(cache.num_blocks) if b not in kept]
+    assert len(poisoned) > 30
+    cache.blocks[:, :, poisoned] = float("nan")
+    got = backend.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.float(), expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_in_another_dtype_are_read_as_float32_once(dtype):
+    """A model's sinks in its own dtype (bfloat16, say) are converted for the kernel once,
+    not every layer call; converted again only if they change in place."""
+    step = make_step(dtype, 64, 16, num_kv_heads=2, group=2, chunks=decode_chunks([40, 7]), seed=9)
+    backend = CpuAttentionBackend(step.kernel_cache)
+    sinks = layer_cases(4)["sinks"].sinks.to(torch.bfloat16)
+    first = backend._sinks_for(sinks, 4)
+    assert first.dtype == torch.float32 and first.is_contiguous() and backend._sinks_for(sinks, 4) is first
+    with torch.no_grad():
+        sinks.add_(1)
+    again = backend._sinks_for(sinks, 4)
+    assert again is not first and torch.equal(again, sinks.float())
+    with pytest.raises(ValueError, match="3 sinks for 4 query heads"):
+        backend._sinks_for(sinks[:3], 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
