@@ -4,7 +4,13 @@ the engine's `AttentionBackend` interface, loaded with cupy (NVRTC).
 Per layer: one launch writes the new K/V into their slots; one decode launch covers
 every request with a single new token (plus a reduce launch when contexts are split
 into partitions); one prefill launch covers every prompt chunk. `prepare` builds the
-index tensors once per step. The kernels come from `CupyKernels` on a GPU; the tests
+index tensors once per step. A layer's `LayerAttention` goes to the kernels as
+arguments: its window (decode reads only the partitions and keys the window covers, so
+a short window needs fewer partitions and often no reduce; prefill skips key tiles
+before its rows' windows and masks the rest), its softcap (each scaled score capped by a
+tanh before the softmax) and its sinks (an fp32 copy per sinks tensor, kept on the
+device as long as the backend, so a CUDA graph's launches can point at it; each head's
+sink joins its softmax denominator once). The kernels come from `CupyKernels` on a GPU; the tests
 hand in `tests.cuda_emulator.EmulatedKernels` instead, which runs the same source on the
 CPU, so this class is checked without a GPU too.
 """
@@ -106,6 +112,10 @@ class CupyAttentionBackend(AttentionBackend):
         self._decode = cuda_source.decode(dtype, head_dim, block_size)
         self._reduce = cuda_source.decode_reduce(dtype, head_dim)
         self._prefill = cuda_source.prefill(dtype, head_dim, block_size)
+        # fp32 device copies of the layers' sinks, by id() of the tensor (kept alive here,
+        # so the id stays its own), with the tensor's version when copied: the kernels'
+        # pointer to them must outlive a graph.
+        self._sinks: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def prepare(self, sequences: Sequence[SequenceSlice], num_tokens: int) -> KernelMetadata:
         # Built with numpy from columns of the slices: at hundreds of decodes a step, this
@@ -168,8 +178,7 @@ class CupyAttentionBackend(AttentionBackend):
     def attend(
         self, layer_idx, query, key, value, scale, metadata: KernelMetadata, layer: LayerAttention = FULL_ATTENTION
     ) -> torch.Tensor:
-        if layer != FULL_ATTENTION:
-            raise NotImplementedError("the CUDA kernels have no sliding window, softcap or sinks yet")
+        window, softcap, sinks = self._layer_arguments(layer, query.shape[1])
         key_pool = self.kv_cache.key_pools[layer_idx]
         value_pool = self.kv_cache.value_pools[layer_idx]
         query, key, value = (_unit_stride(t) for t in (query, key, value))
@@ -185,7 +194,9 @@ class CupyAttentionBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         decode = metadata.decode
         if decode is not None:
-            num_seqs, parts = decode.query_rows.numel(), decode.num_partitions
+            num_seqs = decode.query_rows.numel()
+            # A window covers fewer partitions than a long context: the grid launches those.
+            parts = cuda_source.decode_slots(decode.num_partitions, decode.partition_size, window)
             # Unused with a single partition: the kernel takes 0 for each.
             partial_out: torch.Tensor | int = 0
             partial_max: torch.Tensor | int = 0
@@ -201,11 +212,12 @@ class CupyAttentionBackend(AttentionBackend):
                 out, partial_out, partial_max, partial_sum, query, query.stride(0), query.stride(1),
                 key_pool, value_pool, decode.query_rows, decode.context_lens, decode.block_tables,
                 decode.block_tables.shape[1], num_heads, num_kv_heads, decode.partition_size, parts, scale,
+                window, softcap, sinks,
             ])  # fmt: skip
             if parts > 1:
                 self.kernels.launch(self._reduce, (num_heads, num_seqs), threads, [
                     out, partial_out, partial_max, partial_sum, decode.query_rows, decode.context_lens,
-                    num_heads, decode.partition_size, parts,
+                    num_heads, decode.partition_size, parts, window, sinks,
                 ])  # fmt: skip
         prefill = metadata.prefill
         if prefill is not None:
@@ -214,8 +226,34 @@ class CupyAttentionBackend(AttentionBackend):
                 out, query, query.stride(0), query.stride(1), key_pool, value_pool, tile_seqs, tile_rows,
                 prefill.query_starts, prefill.query_lens, prefill.context_lens,
                 prefill.block_tables, prefill.block_tables.shape[1], num_heads, num_kv_heads, scale,
+                window, softcap, sinks,
             ])  # fmt: skip
         return out
+
+    def _layer_arguments(self, layer: LayerAttention, num_heads: int) -> tuple[int, float, torch.Tensor | int]:
+        """(window, softcap, sinks) as the kernels take them: 0 for none, sinks an fp32
+        device tensor of one logit per query head (or 0)."""
+        if layer.window is None and layer.softcap is None and layer.sinks is None:
+            return 0, 0.0, 0
+        window = 0 if layer.window is None else min(int(layer.window), _INT32_MAX)
+        if layer.window is not None and window < 1:
+            raise ValueError(f"a sliding window must hold at least one key, not {layer.window}")
+        softcap = 0.0 if layer.softcap is None else float(layer.softcap)
+        if layer.softcap is not None and not softcap > 0:
+            raise ValueError(f"a softcap must be positive, not {layer.softcap}")
+        if layer.sinks is None:
+            return window, softcap, 0
+        sinks = layer.sinks
+        cached = self._sinks.get(id(sinks))
+        if cached is None or cached[0] is not sinks or cached[1] != sinks._version:
+            if sinks.numel() != num_heads:
+                raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
+            copy = sinks.detach().to(self.device, torch.float32, copy=True).contiguous().view(-1)
+            cached = self._sinks[id(sinks)] = (sinks, sinks._version, copy)
+        return window, softcap, cached[2]
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:

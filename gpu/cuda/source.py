@@ -27,20 +27,22 @@ THREADS = 128  # every kernel's block size (NUM_THREADS in paged_attention.cu)
 MAX_GROUP = 8  # query heads a decode block serves per KV head (MAX_GROUP in paged_attention.cu)
 
 # Parameter kinds: "ptr" a device (or mapped host) address, "i32", "i64", "f32".
+# The attention kernels end with how the layer attends: window (0: none), softcap (0: none)
+# and sinks (fp32 [num_heads], or 0), see `decode_slots` and paged_attention.cu.
 _DECODE_PARAMS = (
     "out:ptr partial_out:ptr partial_max:ptr partial_sum:ptr query:ptr query_token_stride:i64 "
     "query_head_stride:i64 key_cache:ptr value_cache:ptr query_rows:ptr context_lens:ptr "
     "block_tables:ptr max_blocks:i32 num_heads:i32 num_kv_heads:i32 partition_size:i32 "
-    "num_partitions:i32 scale:f32"
+    "num_partitions:i32 scale:f32 window:i32 softcap:f32 sinks:ptr"
 )
 _REDUCE_PARAMS = (
     "out:ptr partial_out:ptr partial_max:ptr partial_sum:ptr query_rows:ptr context_lens:ptr "
-    "num_heads:i32 partition_size:i32 num_partitions:i32"
+    "num_heads:i32 partition_size:i32 num_partitions:i32 window:i32 sinks:ptr"
 )
 _PREFILL_PARAMS = (
     "out:ptr query:ptr query_token_stride:i64 query_head_stride:i64 key_cache:ptr value_cache:ptr "
     "tile_seqs:ptr tile_rows:ptr query_starts:ptr query_lens:ptr context_lens:ptr block_tables:ptr "
-    "max_blocks:i32 num_heads:i32 num_kv_heads:i32 scale:f32"
+    "max_blocks:i32 num_heads:i32 num_kv_heads:i32 scale:f32 window:i32 softcap:f32 sinks:ptr"
 )
 _WRITE_PARAMS = (
     "key_cache:ptr value_cache:ptr key:ptr key_token_stride:i64 key_head_stride:i64 value:ptr "
@@ -80,6 +82,16 @@ class Instantiation:
         if not self.template_args:
             return self.kernel.name
         return f"{self.kernel.name}<{', '.join(self.template_args)}>"
+
+
+def decode_slots(num_partitions: int, partition_size: int, window: int) -> int:
+    """Partitions (the grid's z) a decode launch needs when contexts span up to
+    `num_partitions` of `partition_size` tokens and a query sees its last `window` keys
+    (0: all): the kernel counts partitions from the one that holds the window's first key,
+    and `window` keys span at most (window + partition_size - 2) // partition_size + 1 of them."""
+    if window <= 0:
+        return num_partitions
+    return min(num_partitions, (window + partition_size - 2) // partition_size + 1)
 
 
 def prefill_rows(head_dim: int) -> int:

@@ -7,6 +7,15 @@
 // row `p % BLOCK_SIZE`. Block offsets are 64-bit. The queries' token and head strides
 // are arguments (transformers hands over transposed views); the output is contiguous
 // `[tokens, num_heads, HEAD_DIM]`. Every score and sum is fp32.
+//
+// Each layer may attend otherwise (`gpu.attention.LayerAttention`), by three arguments of
+// every kernel: `window` > 0 lets a query at position p see keys p - window + 1 .. p only
+// (decode starts its partitions at the window's first and reads no key before it; prefill
+// masks each row and skips key tiles before its tile's windows); `softcap` > 0 caps each
+// scaled score s to softcap * tanh(s / softcap) before masking and softmax; `sinks`, when
+// not null, holds one fp32 logit per query head that joins the softmax's denominator
+// (exactly once: in the reduce when a decode is partitioned) and takes no value. 0 and
+// null mean plain causal attention, at the cost of a uniform branch.
 #include "common.cuh"
 
 constexpr int NUM_THREADS = 128;
@@ -24,10 +33,13 @@ __device__ __forceinline__ i64 kv_offset(i64 block, int pos, int num_kv_heads, i
     return (block * BLOCK_SIZE + pos % BLOCK_SIZE) * row_stride + (i64)kv_head * HEAD_DIM;
 }
 
-// Decode. Grid: x = kv head x head group, y = sequence, z = partition of the context.
-// A block loads each K and V row of its partition once for all (up to MAX_GROUP) query
-// heads that share the KV head. With one partition it writes the output; with more it
-// writes each partition's normalised output, max and sum for `paged_decode_reduce`.
+// Decode. Grid: x = kv head x head group, y = sequence, z = partition of the context,
+// counted from the partition that holds the window's first key (from 0 without a window;
+// `num_partitions` is the grid's z, so a short window needs fewer partitions than the
+// context). A block loads each K and V row of its partition, from the window's first on,
+// once for all (up to MAX_GROUP) query heads that share the KV head. With one partition it
+// writes the output; with more it writes each partition's normalised output, max and sum
+// for `paged_decode_reduce`.
 // Memory-bound: resident blocks keep loads in flight, so registers are capped for
 // DECODE_BLOCKS_PER_SM of them, without spilling; within a block the next K and V rows
 // are loaded while the current ones are used (docs/benchmarks.md, "The GPU path").
@@ -44,7 +56,11 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
     const int* __restrict__ context_lens,  // [seqs]
     const int* __restrict__ block_tables,  // [seqs, max_blocks]
     int max_blocks, int num_heads, int num_kv_heads, int partition_size, int num_partitions,
-    float scale) {
+    float scale,
+    int window,                      // 0: the whole context
+    float softcap,                   // 0: none
+    const float* __restrict__ sinks  // [num_heads], or null
+) {
     // Phase 1 (scores): a group of LANES lanes takes one token, each lane 16 dims.
     constexpr int DIMS_PER_LANE = 16;
     constexpr int LANES = HEAD_DIM / DIMS_PER_LANE;
@@ -80,15 +96,21 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
     const int heads = min(MAX_GROUP, kv_head * group + group - first_head);
 
     const int context_len = context_lens[seq];
-    const int start = partition * partition_size;
-    if (start >= context_len) return;  // a shorter sequence than the batch's longest
-    const int count = min(partition_size, context_len - start);
+    // The first key the query sees, and the partition (of the whole context) it lies in.
+    const int window_start = window > 0 ? max(0, context_len - window) : 0;
+    const int partition_start = (window_start / partition_size + partition) * partition_size;
+    if (partition_start >= context_len) return;  // a shorter sequence than the batch's longest
+    const int start = max(partition_start, window_start);
+    const int count = min(partition_start + partition_size, context_len) - start;
     const i64 row = query_rows[seq];
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
     // The block ids go to shared memory first, so no K/V load waits on a table load.
     const int first_block = start / BLOCK_SIZE;
     const int num_blocks = (start + count - 1) / BLOCK_SIZE - first_block + 1;
+    // Token t of the partition is row `skip + t` of its blocks (from blocks_s[0]'s first):
+    // one value in the loops instead of start and first_block (registers are short).
+    const int skip = start % BLOCK_SIZE;
     for (int i = tid; i < num_blocks; i += NUM_THREADS)
         blocks_s[i] = block_tables[(i64)seq * max_blocks + first_block + i];
 #pragma unroll  // a constant trip count: the loads go out together, not one latency each
@@ -113,8 +135,8 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
         for (int u = 0; u < K_UNROLL; ++u) {
             const int t = pass + u * TOKENS_PER_PASS + token_in_pass;
             if (t < count) {
-                const int pos = start + t;
-                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
+                const int pos = skip + t;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE], pos,
                                                                num_kv_heads, kv_head);
                 k_next[u].load(key_cache + at + lane_in_token * DIMS_PER_LANE);
             } else {
@@ -150,11 +172,24 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
     }
     __syncthreads();
 
-    // Phase 2: softmax within the partition, one warp per head.
+    // Phase 2: softmax within the partition, one warp per head. A softcap caps the scores
+    // here (phase 1 has no registers to spare); a sink joins the denominator here only
+    // when there is no reduce step to add it.
+    const bool sink_here = sinks != nullptr && num_partitions == 1;
     for (int h = warp; h < heads; h += NUM_WARPS) {
         float m = -INF;
-        for (int t = lane; t < count; t += 32) m = fmaxf(m, scores_s[h][t]);
+        if (softcap > 0.f) {  // uniform
+            for (int t = lane; t < count; t += 32) {
+                const float s = softcap * tanhf(scores_s[h][t] / softcap);
+                scores_s[h][t] = s;
+                m = fmaxf(m, s);
+            }
+        } else {
+            for (int t = lane; t < count; t += 32) m = fmaxf(m, scores_s[h][t]);
+        }
         m = warp_max(m, 32);
+        const float sink = sink_here ? sinks[first_head + h] : -INF;
+        m = fmaxf(m, sink);
         float sum = 0.f;
         for (int t = lane; t < count; t += 32) {
             const float p = expf(scores_s[h][t] - m);
@@ -162,6 +197,7 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
             sum += p;
         }
         sum = warp_sum(sum, 32);
+        if (sink_here) sum += expf(sink - m);
         if (lane == 0) {
             inv_sum_s[h] = 1.f / sum;
             if (num_partitions > 1) {
@@ -189,8 +225,8 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
         for (int u = 0; u < V_UNROLL; ++u) {
             const int t = first + u * V_ROWS;
             if (t < count) {
-                const int pos = start + t;
-                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE - first_block], pos,
+                const int pos = skip + t;
+                const i64 at = kv_offset<HEAD_DIM, BLOCK_SIZE>(blocks_s[pos / BLOCK_SIZE], pos,
                                                                num_kv_heads, kv_head);
                 v_next[u].load(value_cache + at + d0);
             } else {
@@ -239,18 +275,24 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
 }
 
 // Decode's reduce step. Grid: x = head, y = sequence. Each partition's output is weighted
-// by its share of the softmax denominator, exp(max_p - max) * sum_p.
+// by its share of the softmax denominator, exp(max_p - max) * sum_p; the head's sink, if
+// any, joins the max and the denominator. `window` says which partitions the decode
+// kernel used (those from the window's first on).
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(NUM_THREADS) paged_decode_reduce(
     T* __restrict__ out, const float* __restrict__ partial_out, const float* __restrict__ partial_max,
     const float* __restrict__ partial_sum, const int* __restrict__ query_rows,
-    const int* __restrict__ context_lens, int num_heads, int partition_size, int num_partitions) {
+    const int* __restrict__ context_lens, int num_heads, int partition_size, int num_partitions,
+    int window, const float* __restrict__ sinks) {
     const int head = blockIdx.x, seq = blockIdx.y;
-    const int used = (context_lens[seq] + partition_size - 1) / partition_size;
+    const int context_len = context_lens[seq];
+    const int window_start = window > 0 ? max(0, context_len - window) : 0;
+    const int used = (context_len + partition_size - 1) / partition_size - window_start / partition_size;
     const i64 base = ((i64)seq * num_heads + head) * num_partitions;
-    float m = -INF;
+    const float sink = sinks != nullptr ? sinks[head] : -INF;
+    float m = sink;
     for (int p = 0; p < used; ++p) m = fmaxf(m, partial_max[base + p]);
-    float total = 0.f;
+    float total = sinks != nullptr ? expf(sink - m) : 0.f;
     for (int p = 0; p < used; ++p) total += partial_sum[base + p] * expf(partial_max[base + p] - m);
     const float inv_total = 1.f / total;
     const i64 row = query_rows[seq];
@@ -266,6 +308,8 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_decode_reduce(
 // head of the group) rows of one sequence's chunk, each warp owning 4 of them; the block
 // walks the keys up to its last row's position in tiles of 16, each K/V tile loaded once
 // into shared memory for all the tile's rows, with an online softmax (running max and sum).
+// With a window the walk starts at its first row's first visible key, and each row masks
+// the keys before its own window.
 // A warp scores two rows at a time: lanes 0-15 take one row, 16-31 the other, one key each.
 // At head_dim 256 a tile has 8 rows, so that its shared memory stays under 48 KB.
 template <int HEAD_DIM>
@@ -283,7 +327,11 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
     const int* __restrict__ query_lens,     // [seqs]
     const int* __restrict__ context_lens,   // [seqs] including the chunk
     const int* __restrict__ block_tables,   // [seqs, max_blocks]
-    int max_blocks, int num_heads, int num_kv_heads, float scale) {
+    int max_blocks, int num_heads, int num_kv_heads, float scale,
+    int window,                      // 0: the whole context
+    float softcap,                   // 0: none
+    const float* __restrict__ sinks  // [num_heads], or null
+) {
     constexpr int PREFILL_ROWS = prefill_rows<HEAD_DIM>();
     constexpr int ROWS_PER_WARP = PREFILL_ROWS / NUM_WARPS;
     constexpr int PAIRS = ROWS_PER_WARP / 2;
@@ -295,7 +343,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
     __shared__ float v_s[KEY_TILE][HEAD_DIM];
     __shared__ float p_s[NUM_WARPS][ROWS_PER_WARP][KEY_TILE];  // one tile's probabilities per row
     __shared__ float alpha_s[NUM_WARPS][ROWS_PER_WARP];        // and its rescaling of the row's sum
-    __shared__ float l_s[NUM_WARPS][ROWS_PER_WARP];
+    __shared__ float inv_s[NUM_WARPS][ROWS_PER_WARP];  // 1 / each row's denominator
 
     const int seq = tile_seqs[blockIdx.x];
     const int first_row = tile_rows[blockIdx.x];
@@ -334,7 +382,9 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
         for (int i = 0; i < DIMS_PER_LANE; ++i) acc[r][i] = 0.f;
 
     const int key_end = past + (first_row + rows - 1) / group + 1;  // the last row's causal bound
-    for (int tile = 0; tile < key_end; tile += KEY_TILE) {
+    // The first row's first visible key: no row of the tile sees one before it.
+    const int key_begin = window > 0 ? max(0, past + first_row / group - window + 1) : 0;
+    for (int tile = key_begin; tile < key_end; tile += KEY_TILE) {
         __syncthreads();  // the previous tile is consumed (and q_s written, the first time)
         for (int i = tid; i < KEY_TILE * HEAD_DIM; i += NUM_THREADS) {
             const int j = i / HEAD_DIM, d = i % HEAD_DIM;
@@ -358,7 +408,10 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
             float s = 0.f;
 #pragma unroll 8
             for (int d = 0; d < HEAD_DIM; ++d) s += q_s[row][d] * k_s[key][d];
-            const bool visible = row < rows && tile + key <= position;
+            if (softcap > 0.f) s = softcap * tanhf(s / softcap);  // uniform
+            // Without a window, window_end is -1: every key is past it.
+            const int window_end = window > 0 ? position - window : -1;  // the last key before the window
+            const bool visible = row < rows && tile + key <= position && tile + key > window_end;
             s = visible ? s : -INF;
             const float m_new = fmaxf(m[pair], warp_max(s, KEY_TILE));
             const float p = visible ? expf(s - m_new) : 0.f;
@@ -383,16 +436,27 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
         }
     }
 
+    // Each row's denominator, its head's sink (if any) joining the sum and the max.
 #pragma unroll
-    for (int pair = 0; pair < PAIRS; ++pair)
-        if (key == 0) l_s[warp][2 * pair + half] = l[pair];
+    for (int pair = 0; pair < PAIRS; ++pair) {
+        const int local = 2 * pair + half;
+        const int row = warp * ROWS_PER_WARP + local;
+        float inv = 1.f / l[pair];
+        if (sinks != nullptr && row < rows) {
+            const float sink = sinks[kv_head * group + (first_row + row) % group];
+            const float m_all = fmaxf(m[pair], sink);
+            const float kept = expf(m[pair] - m_all);  // the scores' share, rescaled to m_all
+            inv = kept / (l[pair] * kept + expf(sink - m_all));
+        }
+        if (key == 0) inv_s[warp][local] = inv;
+    }
     __syncwarp();
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
         const int row = warp * ROWS_PER_WARP + r;
         if (row >= rows) continue;
         const int token = (first_row + row) / group, head = kv_head * group + (first_row + row) % group;
-        const float inv = 1.f / l_s[warp][r];
+        const float inv = inv_s[warp][r];
 #pragma unroll
         for (int i = 0; i < DIMS_PER_LANE; ++i)
             out[((query_start + token) * num_heads + head) * HEAD_DIM + lane + 32 * i] = from_float<T>(acc[r][i] * inv);
