@@ -1,5 +1,6 @@
 """The CPU prompt kernel (`gpu/cpu/kernels/cpu_prompt_attention.cpp`) matches the torch
-reference for fresh prompts and later chunks, in float32 and bfloat16, in every build; the
+reference for fresh prompts and later chunks, in float32 and bfloat16, in every build, for
+full attention and for layers with a sliding window, a softcap or sinks; the
 CPU backend runs prompt chunks on it, and falls back to torch's SDPA for a chunk it
 declines or where it cannot be built, without touching the decode kernel."""
 
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 
 from gpu.cpu import native_build
 from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel, cpu_prompt_kernel, load_prompt_kernel
-from gpu.torch_attention import TorchAttentionBackend
-from tests.attention_cases import TOLERANCES, check_against_reference, make_step
+from gpu.torch_attention import TorchAttentionBackend, explicit_attention
+from tests.attention_cases import TOLERANCES, check_against_reference, layer_cases, make_step, reference_output
 from tests.gpu.test_cpu_attention import AVX2_CPU_CXX_FLAGS, has_cpu_flags
 
 pytestmark = pytest.mark.skipif(
@@ -52,6 +53,7 @@ def prompt_kernel(request):
 
 
 def call_kernel(kernel, out, q, k, v, past_len, scale, window=0, softcap=0.0, sinks=None):
+    sinks = None if sinks is None else sinks.data_ptr()  # fp32, contiguous
     return kernel.entries[q.dtype](
         out.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1),
         k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
@@ -74,6 +76,68 @@ def test_prompt_chunks_match_the_reference(prompt_kernel, dtype, head_dim, group
     chunks = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 100), (20, 15), (16, 16), (33, 17), (7, 100), (5, 2)]
     step = make_step(dtype, head_dim, 16, num_kv_heads=2, group=group, chunks=chunks, seed=group * head_dim)
     check_against_reference(step, CpuAttentionBackend(step.kernel_cache, prompt_kernel=prompt_kernel))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 1), (64, 3), (128, 4)])
+@pytest.mark.parametrize("case", list(layer_cases(1)))
+def test_layers_that_attend_otherwise_match_the_reference(prompt_kernel, dtype, head_dim, group, case):
+    """A sliding window (37 keys), a softcap, sinks and all three: fresh prompts shorter
+    and longer than the window (up to several key blocks of 64 past it, which the kernel
+    skips), later chunks after cached prefixes shorter and longer than it (the blocks
+    before the window not gathered), GQA included, with decodes in the same step."""
+    chunks = [(0, 1), (0, 17), (0, 40), (0, 200), (20, 15), (33, 17), (7, 100), (90, 40), (300, 3), (40, 1)]
+    layer = layer_cases(2 * group)[case]
+    step = make_step(dtype, head_dim, 16, num_kv_heads=2, group=group, chunks=chunks, seed=group * head_dim + 1)
+    check_against_reference(step, CpuAttentionBackend(step.kernel_cache, prompt_kernel=prompt_kernel), layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(layer_cases(1)))
+def test_the_kernel_windows_strided_inputs_from_the_offset(prompt_kernel, dtype, case):
+    """The kernel alone, over keys it is handed whole: query token i at past_len + i sees
+    the last 37 keys up to its own. The keys before the first query's window, whole
+    blocks of 64, are NaN and not read (a softcap or sinks alone read them all)."""
+    past, length, heads, kv_heads, head_dim = 150, 40, 6, 2, 64
+    layer = layer_cases(heads)[case]
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(length, heads, 2 * head_dim, generator=generator).to(dtype)[:, :, :head_dim]
+    kv = torch.randn(past + length, 2, kv_heads, head_dim + 16, generator=generator).to(dtype)[..., :head_dim]
+    k, v = kv[:, 0], kv[:, 1]
+    positions = past + torch.arange(length).unsqueeze(1)
+    visible = torch.arange(past + length) <= positions
+    if layer.window is not None:
+        visible &= torch.arange(past + length) > positions - layer.window
+    group = heads // kv_heads
+    expected = explicit_attention(
+        q.float().transpose(0, 1), k.float().repeat_interleave(group, 1).transpose(0, 1),
+        v.float().repeat_interleave(group, 1).transpose(0, 1), visible, 0.125, layer.softcap,
+        None if layer.sinks is None else layer.sinks.view(-1, 1, 1),
+    ).transpose(0, 1)  # fmt: skip
+    if layer.window is not None:
+        kv[:64] = float("nan")  # wholly before the first query's window (from key 114)
+    out = torch.full((length, heads, head_dim), float("nan"), dtype=dtype)
+    window, softcap = layer.window or 0, layer.softcap or 0.0
+    assert call_kernel(prompt_kernel, out, q, k, v, past, 0.125, window, softcap, layer.sinks) == 0
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[dtype])
+
+
+def test_a_window_gathers_only_its_blocks():
+    """A later chunk of a windowed layer: every cache block before the one holding its
+    first query's window is NaN, and its output is finite and matches the reference."""
+    window, block_size = 37, 16
+    layer = layer_cases(6)["all"]
+    step = make_step(torch.float32, 64, block_size, num_kv_heads=2, group=3, chunks=[(250, 20)], seed=8)
+    expected = reference_output(step, layer)
+    seq = step.sequences[0]
+    backend = CpuAttentionBackend(step.kernel_cache)
+    metadata = backend.prepare(step.sequences, step.query.shape[0])
+    before = seq.block_table[: (seq.past_len - window + 1) // block_size]
+    step.kernel_cache.blocks[:, :, before] = float("nan")
+    got = backend.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
+    assert got.isfinite().all()
+    torch.testing.assert_close(got, expected, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
