@@ -6,6 +6,14 @@ Transformers dequantizes a GGUF on every load, which is slow, and cannot save th
 so the first load writes the dequantized weights, config and tokenizer to a plain Hugging
 Face folder under `ModelConfig.cache_dir`; later starts load that folder, which is much
 quicker (start-up times in docs/benchmarks.md).
+
+A model the engine cannot serve correctly is refused at load with an `UnsupportedModel`
+whose first line says why (the CLI prints only that line): anything that is not a causal
+LM, code the checkpoint ships (`auto_map`, never run), multi-head latent attention,
+linear-attention or state-space layers, and, whatever its config says, a model whose
+layers do not each attend once through transformers' `AttentionInterface` with the K/V
+shape the paged cache holds (a one-token forward counts them). The architectures that
+are served, each tested against transformers, are in docs/features.md.
 """
 
 from __future__ import annotations
@@ -26,10 +34,21 @@ import jinja2
 import safetensors.torch
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
 from gpu.cpu.packed_linear import bound_onednn_caches
+from gpu.kv_cache import KVShape
 from workers import random_models
 from workers.api import InvalidRequest
 from workers.config import ModelConfig
@@ -41,6 +60,15 @@ CACHE_FORMAT = 1
 WEIGHTS_FILE = "model.safetensors"
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The layer types (a config's `layer_types`) the paged KV cache holds; anything else
+# (linear attention, Mamba, convolutions) keeps a state it has no place for.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PROBE_ATTENTION = "inflight_probe"  # the counting hook of `_check_attention`
+
+
+class UnsupportedModel(ValueError):
+    """A model the engine cannot serve correctly; the first line of the message says why."""
 
 
 @dataclass
@@ -103,6 +131,7 @@ def load_model(config: ModelConfig, attn_implementation: str = "sdpa") -> Loaded
     model.to(resolve_device(config.device))
     model.eval()
     model.requires_grad_(False)
+    _check_attention(model, config.source or BUNDLED_GGUF)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -254,6 +283,12 @@ def _convert_gguf(gguf: Path, dtype_name: str, folder: Path) -> None:
 
 def _load_folder(source: str, dtype: torch.dtype, attn_implementation: str):
     """A Hugging Face model folder or hub id (our GGUF caches are such folders)."""
+    hf_config = _checked_config(source)
+    _check_tokenizer_files(source)
+    # Gemma 2, GPT-OSS and others refuse SDPA; the engine replaces the attention anyway.
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    if attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", False):
+        attn_implementation = "eager"
     with _progress_bars():
         # With output_loading_info the call returns (model, info); its annotation says the model alone.
         model, info = cast(
@@ -265,8 +300,111 @@ def _load_folder(source: str, dtype: torch.dtype, attn_implementation: str):
     # transformers only warns and fills missing weights with random values: refuse instead.
     if info["missing_keys"]:
         raise RuntimeError(f"{source}: weights missing from the checkpoint: {sorted(info['missing_keys'])}")
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as error:  # transformers' own is a long traceback with the reason deep inside
+        raise ValueError(f"cannot load the tokenizer of {source}: {_first_line(error)}") from error
     return model, tokenizer
+
+
+def _checked_config(source: str) -> PretrainedConfig:
+    """`source`'s config, once its config.json shows nothing the engine cannot serve."""
+    if Path(source).expanduser().is_dir() and not (Path(source).expanduser() / "config.json").is_file():
+        raise ValueError(f"{source} has no config.json: not a Hugging Face model folder")
+    raw, _ = PretrainedConfig.get_config_dict(source)
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        if raw.get("auto_map"):
+            raise UnsupportedModel(
+                f"{source} needs remote code (model_type {model_type!r}, auto_map in its config), "
+                "which inflight never runs: only architectures transformers ships are served"
+            )
+        raise UnsupportedModel(
+            f"{source} has model_type {model_type!r}, which transformers {transformers.__version__} does not know"
+        )
+    if raw.get("is_encoder_decoder") or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModel(
+            f"{source} is not a causal LM (model_type {model_type!r}); inflight serves causal LMs only"
+        )
+    architectures = raw.get("architectures") or []
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if architectures and not any(a in causal or a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise UnsupportedModel(
+            f"{source} is not a causal LM ({', '.join(architectures)}); inflight serves causal LMs only"
+        )
+    if raw.get("kv_lora_rank"):
+        raise UnsupportedModel(
+            f"{source} uses multi-head latent attention (MLA, kv_lora_rank {raw['kv_lora_rank']}), "
+            "whose compressed K/V the paged cache does not hold"
+        )
+    others = sorted({str(t) for t in raw.get("layer_types") or []} - ATTENTION_LAYER_TYPES)
+    if others:
+        raise UnsupportedModel(
+            f"{source} has {', '.join(others)} layers (linear attention or state-space layers), "
+            "whose state the paged KV cache does not hold; only full and sliding-window attention are served"
+        )
+    return AutoConfig.from_pretrained(source)
+
+
+def _check_tokenizer_files(source: str) -> None:
+    folder = Path(source).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{source} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
+            "save the model's tokenizer into it (tokenizer.save_pretrained)"
+        )
+
+
+def _check_attention(model: PreTrainedModel, source: str) -> None:
+    """Refuses `model` unless a one-token forward calls transformers' attention hook once
+    per layer with K/V of the shape the paged cache holds: the engine's paged attention
+    replaces exactly those calls, so a layer that attends otherwise (or not at all: a
+    state-space or linear-attention layer) would be served wrong."""
+    calls: list[tuple[int | None, list[int], list[int]]] = []  # layer_idx, K and V [heads, head_dim]
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        calls.append(
+            (getattr(module, "layer_idx", None), [key.shape[1], key.shape[3]], [value.shape[1], value.shape[3]])
+        )
+        # What a layer expects back, [batch, tokens, heads, value head_dim]; the values do not matter.
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    previous = model.config._attn_implementation
+    AttentionInterface.register(PROBE_ATTENTION, probe)
+    try:
+        model.set_attn_implementation(PROBE_ATTENTION)
+        with torch.inference_mode():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), use_cache=False)
+    except Exception as error:
+        raise UnsupportedModel(
+            f"{source}: its attention does not run through transformers' AttentionInterface ({_first_line(error)})"
+        ) from error
+    finally:
+        with contextlib.suppress(Exception):
+            model.set_attn_implementation(previous)
+    layers = model.config.get_text_config().num_hidden_layers
+    if sorted(index for index, _, _ in calls if index is not None) != list(range(layers)):
+        raise UnsupportedModel(
+            f"{source}: {len(calls)} attention calls for its {layers} layers; the paged KV cache needs each layer "
+            "to attend once through transformers' AttentionInterface (state-space, linear-attention and "
+            "cross-attention layers do not)"
+        )
+    try:
+        shape = KVShape.of(model.config)
+    except AttributeError as error:
+        raise UnsupportedModel(f"{source}: its config does not give the K/V shape ({error})") from error
+    expected = [shape.num_kv_heads, shape.head_dim]
+    for index, key, value in calls:
+        if key != expected or value != expected:
+            raise UnsupportedModel(
+                f"{source}: layer {index} attends with keys {key} and values {value} (heads, head_dim) per token; "
+                f"the paged KV cache holds {expected} for both"
+            )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 @contextlib.contextmanager
