@@ -142,6 +142,12 @@ class SchedulerConfig:
     # interactive request runs. Where a step's cost barely grows with its prompt tokens (a
     # GPU), a larger value serves batch prompts sooner at no cost to the streams.
     max_batch_prefill_tokens: int = 64
+    # Fair preemption (0: off). A request of a tenant that runs fewer requests here than
+    # another tenant of its priority, by two or more, queues ahead of other interactive
+    # requests, and once it has waited this many seconds for a running slot or KV blocks
+    # it swaps out a running request of the tenant that runs the most (needs the host
+    # tier: swap_memory_bytes). The tenant comes with the job (`--fair-queue`).
+    fair_preempt_after_s: float = 0.0
     # Aging: a request is never overtaken in the queue by one that arrived more than
     # this many seconds after it, whatever their priorities. Within that window each
     # priority step is worth priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN) seconds
@@ -178,6 +184,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not self.priority_bound_s >= 0:
             raise ValueError("priority_bound_s must be >= 0")
+        if not self.fair_preempt_after_s >= 0:
+            raise ValueError("fair_preempt_after_s must be >= 0 (0 is off)")
         if self.takeover_allowance < 0:
             raise ValueError("takeover_allowance must be >= 0")
         if self.max_running_batch < 0:

@@ -42,6 +42,11 @@ class Request:
     # Resumed from another worker's published tokens (its stream stalled mid-answer): it
     # queues ahead of the rest of its class and may use the takeover allowance.
     takeover: bool = False
+    # Whose it is, and whether its tenant ran fewer requests here than another tenant of
+    # its priority when it arrived: it then queues ahead of other interactive requests
+    # and may swap out the other tenant's (fair preemption, `workers/preemption.py`).
+    tenant: str = ""
+    fair: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     # The sampled tokens that end it: its stop_token_ids, and EOS unless ignore_eos.
     stop_token_ids: frozenset[int] = frozenset()

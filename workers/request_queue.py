@@ -4,8 +4,9 @@
 queue ordered by a key fixed at arrival, `(class, virtual arrival, tie-breaker)`, with
 virtual arrival `arrival - (priority - PRIORITY_MIN) * w` and
 `w = priority_bound_s / (PRIORITY_MAX - PRIORITY_MIN)`. The classes, in order: interactive
-requests taken over from a worker that died (their streams stalled mid-answer), other
-interactive requests, batch jobs. Batch jobs come after every interactive request,
+requests taken over from a worker that died (their streams stalled mid-answer), those of
+a tenant below its share here under fair preemption (`Request.fair`), other interactive
+requests, batch jobs. Batch jobs come after every interactive request,
 whatever the priorities and however long they waited. Within
 each class, read the virtual arrival as "every priority step is a head start of w
 seconds": a request's effective priority grows with the time it waits, at the same
@@ -36,14 +37,16 @@ from workers.api import PRIORITY_MAX, PRIORITY_MIN
 from workers.request import Request, RequestStatus
 
 QUEUED = (RequestStatus.WAITING, RequestStatus.SWAPPED)
-TAKEN_OVER, INTERACTIVE, BATCH = 0, 1, 2
+TAKEN_OVER, FAIR, INTERACTIVE, BATCH = 0, 1, 2, 3
 
 
 def queue_class(request: Request) -> int:
     """Which class of the queue's order a request is in (the key's first part)."""
     if request.batch:
         return BATCH
-    return TAKEN_OVER if request.takeover else INTERACTIVE
+    if request.takeover:
+        return TAKEN_OVER
+    return FAIR if request.fair else INTERACTIVE
 
 
 class RequestQueue:
@@ -105,6 +108,10 @@ class RequestQueue:
     def num_ahead(self, request: Request) -> int:
         """Queued requests ahead of `request` in the queue's order (O(queued))."""
         return sum(1 for key, r in self._heap if r.status in QUEUED and key < request.queue_key)
+
+    def tenants(self, priority: int) -> Counter[str]:
+        """Queued interactive requests of `priority` by tenant."""
+        return Counter(r.tenant for _, r in self._heap if r.status in QUEUED and not r.batch and r.priority == priority)
 
     def census(self) -> tuple[Counter[int], Counter[int], float | None]:
         """Waiting and swapped-out requests by priority, and the oldest arrival among them."""

@@ -15,8 +15,9 @@ when a decode finds none free, a running request is preempted (`_preempt_one`).
 **Batch jobs** (`Request.batch`) run only on capacity interactive requests leave free:
 they queue behind every interactive request, are the first victims of any preemption,
 and are preempted as soon as an interactive request lacks a running slot or KV blocks
-to start or to go on with its prompt (`_preempt_batch_for`). A batch request never
-preempts an interactive one.
+to start or to go on with its prompt (`_make_room_for`). A batch request never
+preempts an interactive one. Under fair preemption a tenant below its share takes the
+most-served tenant's running slot once it has waited long enough (`workers/preemption.py`).
 
 **After the step** the scheduler owns what changed: `update_from_output` moves each
 chunk's request past the tokens it ran, appends the sampled tokens (after any accepted
@@ -27,6 +28,7 @@ retires the rest through `finish` (stop strings, cancels, deadlines, a failed st
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 
 from workers.api import FinishReason
@@ -37,7 +39,7 @@ from workers.finish_forecast import steps_to_finish
 from workers.kv_cache import KVCacheManager
 from workers.length_predictor import LengthPredictor, OracleLengths, head_start_s
 from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
-from workers.preemption import recompute_victim, swap_victim
+from workers.preemption import below_share, fair_victim, recompute_victim, swap_victim
 from workers.request import Request, RequestStatus
 from workers.request_queue import QUEUED, RequestQueue
 from workers.speculative import Proposer
@@ -102,6 +104,7 @@ class Scheduler:
             for choice in (request, *request.forks):
                 choice.predicted_output_len = predicted
             head_start = head_start_s(max(1.0, predicted - len(request.output_token_ids)), self.config.length_bound_s)
+        request.fair = self.config.fair_preempt_after_s > 0 and below_share(request, self.running, self.queue)
         self.queue.place(request, head_start_s=head_start)
         self.queue.push(request, RequestStatus.WAITING)
 
@@ -231,9 +234,8 @@ class Scheduler:
         return plan
 
     def _plan_decodes(self, plan: StepPlan) -> None:
-        """1. Every running request that is decoding gets one token, up to
-        `max_decode_tokens` (best queue key first if there are more), preempting victims
-        when blocks run out."""
+        """1. Every decoding request gets one token, up to `max_decode_tokens` (best queue
+        key first), preempting victims when blocks run out."""
         decoding = [r for r in self.running if r.is_decoding]
         cap = self._decode_cap
         if len(decoding) > cap:
@@ -246,19 +248,15 @@ class Scheduler:
                 plan.chunks.append(ScheduledChunk.decode(request))
 
     def _plan_prefills(self, plan: StepPlan) -> None:
-        """2. Prompt chunks, under the prefill sub-budget `min(max_prefill_tokens, what the
-        decodes left of max_batch_tokens)`, at most `max_prefill_chunk` per request:
-        running requests part-way through their prompt first, then the queue's head (a
-        swapped-out request is swapped back in, all its blocks at once; a waiting one is
-        admitted after its cached prefix) while `max_running_requests` and free blocks
-        allow. The queue is strict: if its head cannot start, nothing behind it starts
-        either, so a large request cannot be starved by small ones. A request is never
-        swapped back in during the step that swapped it out. Interactive prompts come
-        before batch ones (the budget is capacity too): interactive requests part-way
-        through their prompt and the queue's interactive head first, then batch prompts
-        with what is left (at most `max_batch_prefill_tokens` in a step that carries
-        interactive requests); an interactive request short of a running slot or of blocks
-        takes them from running batch requests.
+        """2. Prompt chunks, under `min(max_prefill_tokens, what the decodes left of
+        max_batch_tokens)`, at most `max_prefill_chunk` per request: running requests
+        part-way through their prompt, then the queue's head (swapped back in, all its
+        blocks at once, or admitted after its cached prefix) while the running limit and
+        free blocks allow. The queue is strict: if its head cannot start, nothing behind
+        it does, so a large request is never starved by small ones; nor is one swapped
+        back in during the step that swapped it out. Interactive prompts first, then
+        batch ones with what is left (at most `max_batch_prefill_tokens` beside
+        interactive requests); `_make_room_for` preempts for a request short of room.
         """
         config = self.config
         budget = min(config.max_prefill_tokens, config.max_batch_tokens - len(plan.chunks))
@@ -276,7 +274,7 @@ class Scheduler:
             if budget == 0:
                 break
             if request.batch == batch and request.status is RequestStatus.RUNNING and not request.is_decoding:
-                while self.kv_cache.room(request) == 0 and self._preempt_batch_for(request, plan):
+                while self.kv_cache.room(request) == 0 and self._make_room_for(request, plan):
                     pass  # no block to write into: an interactive prompt takes batch requests' blocks
                 budget -= self._add_prefill_chunk(request, budget, plan)
         return budget
@@ -295,13 +293,13 @@ class Scheduler:
             if request in plan.preempted:
                 break  # never back in the step that preempted it
             if self._occupied() + 1 + self._num_forking(request) > self._running_limit(request):
-                if self._preempt_batch_for(request, plan):
+                if self._make_room_for(request, plan):
                     continue
                 break  # a lead starts only with room for the choices that will fork from it
             if request.status is RequestStatus.SWAPPED:
                 # Back in only with room for its next token, so it runs this step.
                 if not self.kv_cache.can_hold(request.num_computed + 1):
-                    if self._preempt_batch_for(request, plan):
+                    if self._make_room_for(request, plan):
                         continue
                     break
                 if request.is_decoding:
@@ -323,7 +321,7 @@ class Scheduler:
             if budget == 0:
                 break  # keep the queue's order, wait
             if not self._admit(request, budget, plan):
-                if self._preempt_batch_for(request, plan):
+                if self._make_room_for(request, plan):
                     continue
                 break  # no blocks: keep the queue's order, wait
             budget -= self._add_prefill_chunk(request, budget, plan)
@@ -373,8 +371,7 @@ class Scheduler:
     # -- helpers -------------------------------------------------------------------
 
     def _running_limit(self, request: Request) -> int:
-        """Most requests running once `request` starts: a taken-over one may also use the
-        takeover allowance."""
+        """Most requests running once `request` starts (a taken-over one: the allowance too)."""
         allowance = self.config.takeover_allowance if request.takeover and not request.batch else 0
         return self.config.max_running_requests + allowance
 
@@ -400,22 +397,25 @@ class Scheduler:
         return n
 
     def _grow(self, request: Request, num_tokens: int, plan: StepPlan, may_preempt: bool = True) -> bool:
-        """Give `request` blocks for `num_tokens` tokens, preempting victims if needed.
-
-        Returns False if it could not: `request` was itself the victim, or preempting
-        was not allowed.
-        """
+        """Give `request` blocks for `num_tokens` tokens, preempting victims if allowed;
+        False if it could not (not allowed, or `request` was itself the victim)."""
         while not self.kv_cache.allocate(request, num_tokens, plan):
             if not may_preempt or self._preempt_one(plan) is request:
                 return False
         return True
 
-    def _preempt_batch_for(self, request: Request, plan: StepPlan) -> bool:
-        """If `request` is interactive and a batch request runs, preempt one (as
-        `_preempt_one` picks it) to give `request` its running slot or blocks; else say False."""
-        if request.batch or not any(r.batch for r in self.running):
+    def _make_room_for(self, request: Request, plan: StepPlan) -> bool:
+        """Preempt a running request to give `request` its running slot or blocks, and say
+        whether one went: a batch request if `request` is interactive (as `_preempt_one`
+        picks it), else, under fair preemption, the most-served tenant's (swapped out)."""
+        if not request.batch and any(r.batch for r in self.running):
+            self._preempt_one(plan)  # batch requests go first
+            return True
+        victim = fair_victim(self.running, request, self._step, time.perf_counter(), self.config.fair_preempt_after_s)
+        if victim is None or not self.kv_cache.swap_out(victim, plan):
             return False
-        self._preempt_one(plan)  # batch requests go first
+        self._remove_running(victim, plan)
+        self.queue.push(victim, RequestStatus.SWAPPED)  # behind `request`: its class comes first
         return True
 
     def _preempt_one(self, plan: StepPlan) -> Request:

@@ -80,6 +80,7 @@ class RequestValidator:
                 local_deadline,
                 batch=request.batch,  # every choice of a batch job is one too
                 takeover=any(resumed),
+                tenant=request.tenant,
                 output_token_ids=output_ids,
                 stop_token_ids=stop_ids,
                 index=index,
