@@ -3,7 +3,9 @@
 The emulation (`tests/cuda_emulator`) compiles the very `.cu` program text that NVRTC gets,
 runs each CUDA thread as a host thread, and `CupyAttentionBackend` drives it exactly
 as it drives the GPU. float32 matches to rounding; float16 to atol 1e-3 (rtol 1e-3);
-bfloat16 to atol 1e-3, rtol 1.6e-2.
+bfloat16 to atol 1e-3, rtol 1.6e-2. Layers that attend otherwise (a sliding window, a
+softcap, sinks, all three: `tests.attention_cases.layer_cases`) are checked for decodes
+and prompt chunks around the window's edges, and a window's decode reads no key before it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu.attention import SequenceSlice
+from gpu.attention import LayerAttention, SequenceSlice
 from gpu.cuda.attention import CupyAttentionBackend
 from gpu.kv_cache import KVShape, PagedKVCache
 from gpu.offload import HostKVPool
@@ -23,7 +25,9 @@ from tests.attention_cases import (
     check_far_cache_against_reference,
     decode_chunks,
     far_cache,
+    layer_cases,
     make_step,
+    reference_output,
 )
 from tests.cuda_emulator import EmulatedKernels
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -317,3 +321,107 @@ def test_random_models_on_the_emulated_kernels_generate_the_torch_backends_token
     assert results["emulated"] == results["torch"]
     assert all(len(tokens) == 6 for tokens in results["emulated"].values())
     assert swapped == {"emulated": True, "torch": True}
+
+
+# Layers that attend otherwise (window 37, softcap 5, sinks, all three), in fp32 and a
+# 16-bit dtype, GQA 4 over 2 KV heads. Decode contexts shorter than the window (20), as
+# long (37), one longer (38), and longer, the window's first key mid-block and
+# mid-partition (50: key 13; 100: key 63; 130: key 93, in blocks of 16 and partitions of
+# 32) or on a block and partition boundary (101: key 64).
+LAYER_NAMES = list(layer_cases(1))
+LAYER_DTYPES = [torch.float32, torch.bfloat16]
+WINDOW_CONTEXTS = [20, 37, 38, 50, 100, 101, 130]
+
+
+class RecordingKernels:
+    """Launches through the emulation and records each launch's kernel and grid."""
+
+    def __init__(self, kernels: EmulatedKernels) -> None:
+        self.kernels, self.grids = kernels, []
+
+    def launch(self, instance, grid, block, args) -> None:
+        self.grids.append((instance.kernel.name, tuple(grid)))
+        self.kernels.launch(instance, grid, block, args)
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
+@pytest.mark.parametrize("name", LAYER_NAMES)
+def test_layer_decodes_around_the_window(kernels, name, dtype):
+    """Each layer case's decodes in 32-token partitions (the reduce adds the sinks; a
+    window's launch has only the 3 partitions 37 keys can span, not the longest context's
+    5) and in one partition (the decode kernel adds them, no reduce)."""
+    layer = layer_cases(8)[name]
+    for partition_size, partitions in ((32, 3 if layer.window else 5), (512, 1)):
+        step = make_step(dtype, 64, 16, num_kv_heads=2, group=4, chunks=decode_chunks(WINDOW_CONTEXTS),
+                         seed=partition_size)  # fmt: skip
+        recording = RecordingKernels(kernels)
+        check_against_reference(step, backend(step, recording, partition_size), layer)
+        launched = dict(recording.grids)
+        assert launched["paged_decode_attention"] == (2, len(WINDOW_CONTEXTS), partitions)
+        assert ("paged_decode_reduce" in launched) == (partitions > 1)
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
+@pytest.mark.parametrize("name", LAYER_NAMES)
+def test_layer_prompt_chunks_around_the_window(kernels, name, dtype):
+    """Each layer case's prompt chunks: fresh prompts shorter (21) and longer (50) than the
+    window, chunks after a cached prefix whose first rows' windows start before the chunk
+    (35 + 12) and mid-block (60 + 20: the first row sees keys 24 on), with a decode."""
+    layer = layer_cases(8)[name]
+    chunks = [(0, 50), (0, 21), (35, 12), (60, 20)] + decode_chunks([90])
+    step = make_step(dtype, 64, 16, num_kv_heads=2, group=4, chunks=chunks, seed=len(name))
+    check_against_reference(step, backend(step, kernels, partition_size=32), layer)
+
+
+def test_all_three_at_head_dim_256_with_16_bit_sinks(kernels):
+    """head_dim 256 (prefill tiles of 8 rows), blocks of 32, GQA 2, float16, sinks held in
+    bfloat16 (the backend keeps an fp32 copy): window, softcap and sinks at once."""
+    layer = layer_cases(4)["all"]
+    layer = layer._replace(sinks=layer.sinks.to(torch.bfloat16))
+    chunks = decode_chunks([30, 80]) + [(0, 40), (45, 9)]
+    step = make_step(torch.float16, 256, 32, num_kv_heads=2, group=2, chunks=chunks, seed=256)
+    check_against_reference(step, backend(step, kernels, partition_size=32), layer)
+
+
+@pytest.mark.parametrize("partition_size", [32, 512])
+def test_a_window_reads_no_key_before_it(kernels, partition_size):
+    """Every K and V row before every query's window (whole blocks and the rows of the
+    block the window starts in) is NaN in the kernels' cache: the outputs stay finite and
+    match the reference over the real values, for decodes partitioned or not and for a
+    prompt chunk after a cached prefix."""
+    layer = layer_cases(8)["all"]
+    chunks = decode_chunks([100, 130, 20]) + [(60, 20)]
+    step = make_step(torch.float16, 64, 16, num_kv_heads=2, group=4, chunks=chunks, seed=9)
+    expected = reference_output(step, layer)
+    block_size, window = step.kernel_cache.block_size, layer.window
+    hidden = [(seq.block_table[pos // block_size], pos % block_size)
+              for seq in step.sequences for pos in range(max(0, seq.past_len - window + 1))]  # fmt: skip
+    assert len(hidden) == 63 + 93 + 0 + 24
+    blocks, rows = (torch.tensor(index) for index in zip(*hidden))
+    step.kernel_cache.blocks[:, :, blocks, rows] = float("nan")
+    attention = backend(step, kernels, partition_size)
+    got = attention.attend(0, step.query, step.key, step.value, step.scale,
+                           attention.prepare(step.sequences, step.query.shape[0]), layer)  # fmt: skip
+    assert got.isfinite().all()
+    torch.testing.assert_close(got.float(), expected, atol=1e-3, rtol=1e-3)
+
+
+def test_layer_arguments_are_checked_and_sinks_copied_once(kernels):
+    """A window under one key, a softcap not above 0, or a sink count other than the
+    query heads' are refused; a sinks tensor is copied to fp32 once, and again only
+    once it changes (the copy's address is what a CUDA graph's launches keep)."""
+    step = make_step(torch.float32, 64, 16, num_kv_heads=2, group=4, chunks=decode_chunks([40]))
+    attention = backend(step, kernels)
+    metadata = attention.prepare(step.sequences, 1)
+    for layer in (LayerAttention(window=0), LayerAttention(softcap=0.0), LayerAttention(sinks=torch.zeros(4))):
+        with pytest.raises(ValueError):
+            attention.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
+    sinks = torch.ones(8, dtype=torch.bfloat16)
+    layer = LayerAttention(sinks=sinks)
+    first = attention.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
+    copies = {id(c) for _, _, c in attention._sinks.values()}
+    attention.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
+    assert {id(c) for _, _, c in attention._sinks.values()} == copies
+    sinks.fill_(30.0)  # a sink that outweighs every score: the output shrinks towards 0
+    second = attention.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
+    assert second.abs().max() < first.abs().max() / 100
