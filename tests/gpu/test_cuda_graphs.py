@@ -138,6 +138,49 @@ def test_a_padded_decode_step_on_the_static_buffers_gives_the_eager_logits_and_k
     assert set(changed.nonzero().flatten().tolist()) == new_slots
 
 
+def test_a_hybrid_models_graphed_decode_step_gives_the_eager_and_the_torch_logits(kernels):
+    """Layers that attend otherwise, through the graphs' forward: tiny-llama with layer 0
+    on a window of 6 keys with sinks and layer 1 on a softcap of 3 and a window of 20 (the
+    module attributes the attention hook reads). Contexts of 4 to 71 tokens decode in a
+    bucket of 8: the graphed step's logits equal the eager step's, both the torch
+    backend's (and not the plain model's), and the sinks' fp32 copy on the device is the
+    same for every step (the address a captured graph's launches keep)."""
+    loaded = load_model(ModelConfig(source="random:tiny-llama"))
+    first, second = (layer.self_attn for layer in loaded.model.model.layers)
+    first.sliding_window, first.sinks = 6, torch.nn.Parameter(torch.linspace(-1.0, 2.0, 4))
+    second.sliding_window, second.attn_logit_softcapping = 20, 3.0
+    runner = runner_on_emulated_kernels(loaded, kernels)
+    shape = KVShape.of(loaded.model.config)
+    cache = CacheConfig(kv_memory_bytes=64 * BLOCK * shape.bytes_per_token(torch.float32), swap_memory_bytes=0)
+    reference = ModelRunner(loaded.model, cache, backend_class=TorchAttentionBackend)
+    rng = random.Random(1)
+    free = list(range(1, runner.kv_cache.num_blocks))
+    rng.shuffle(free)
+    prompt_lens = [3, 17, 40, 70, 33]
+    tables = [[free.pop() for _ in range(-(-(n + 1) // BLOCK))] for n in prompt_lens]
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in prompt_lens]
+    prefill = StepPlan([chunk(0, p, t) for p, t in zip(prompts, tables)])
+    decode = StepPlan([chunk(n, [rng.randrange(3, 1000)], t) for n, t in zip(prompt_lens, tables)])
+    runner.execute(prefill)
+    reference.execute(prefill)
+    before = runner.kv_cache.blocks.clone()
+    eager = runner.execute(decode).logits
+    sinks_copies = [copy for _, _, copy in runner.backend._sinks.values()]
+    runner.kv_cache.blocks.copy_(before)
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, max_batch=8, capture=False)
+    graphed = runner.execute(decode).logits
+    assert runner.graphs.replays == 1
+    assert [copy for _, _, copy in runner.backend._sinks.values()] == sinks_copies and len(sinks_copies) == 1
+    expected = reference.execute(decode).logits
+    assert eager is not None and graphed is not None and expected is not None
+    torch.testing.assert_close(graphed, eager)
+    torch.testing.assert_close(eager, expected, atol=1e-4, rtol=1e-4)
+    plain = ModelRunner(load_model(ModelConfig(source="random:tiny-llama")).model, cache,
+                        backend_class=TorchAttentionBackend)  # fmt: skip
+    plain.execute(prefill)
+    assert not torch.allclose(plain.execute(decode).logits, expected, atol=1e-2)
+
+
 def test_steps_with_prompt_tokens_too_many_rows_or_another_backend_run_eagerly(kernels, tiny_llama):
     runner = runner_on_emulated_kernels(tiny_llama, kernels)
     runner.graphs = graphs = DecodeGraphs(runner.model, runner.backend, max_batch=2, capture=False)
