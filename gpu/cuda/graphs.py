@@ -24,6 +24,11 @@ A graph fixes its tensors' addresses and its launches' grids, so:
   longest possible context would instead launch every step with the partitions of
   the model's whole context, most of them empty; the power-of-two tiers keep that
   waste under half the grid, for a handful of graphs per bucket.
+- **Layers that attend otherwise.** A sliding-window layer's launch has only the
+  partitions its window can span (`gpu.cuda.source.decode_slots`), a softcap and a
+  window are plain kernel arguments, baked into each layer's own launch; a layer's sinks
+  reach the kernels as the backend's fp32 device copy of its sinks tensor, made on the
+  warm-up forward and kept as long as the backend, so a graph's pointer to it stays good.
 - **Captured when first needed.** A (bucket, partitioning) is captured the first time
   a step needs it (a warm-up forward on padding only, then the capture), so only the
   shapes a workload uses are captured, and start-up costs nothing. All graphs share
