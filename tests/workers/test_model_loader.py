@@ -1,4 +1,5 @@
-"""The model loader: the bundled GGUF, its conversion cache, dtypes, HF folders, prompts.
+"""The model loader: the bundled GGUF, its conversion cache, dtypes, HF folders, prompts,
+and the checkpoints it refuses (each in one line that says why).
 
 Converting the GGUF is slow, so one session fixture converts it once into a temporary
 cache and the tests below share it.
@@ -9,15 +10,33 @@ import importlib.util
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import safetensors
 import torch
-from transformers import AutoModelForCausalLM, GgufConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    BertForMaskedLM,
+    DeepseekV3Config,
+    Gemma2Config,
+    GgufConfig,
+    JambaConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MambaConfig,
+    PretrainedConfig,
+    Qwen3NextConfig,
+    T5Config,
+)
 
 from workers.api import InvalidRequest
 from workers.config import ModelConfig
-from workers.model_loader import BUNDLED_GGUF, bundled_gguf_path, encode_prompt, load_model
+from workers.model_loader import BUNDLED_GGUF, UnsupportedModel, bundled_gguf_path, encode_prompt, load_model
+from workers.random_models import build_tokenizer
 
 PROMPT = "The capital of France is"
 slow = pytest.mark.slow
@@ -255,3 +274,133 @@ def test_the_device_setting_is_checked_and_auto_means_the_gpu_if_there_is_one():
         ModelConfig(device="tpu")
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+# The models users bring: a checkpoint folder is refused at load, in one line that says
+# why, unless the engine serves it correctly (docs/features.md, "Supported architectures").
+TINY_VOCAB = 256
+SMALL: dict[str, Any] = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def checkpoint(folder, config, model_class=None, weights=True, tokenizer=True) -> str:
+    """A folder as a user brings one: `config` with seeded random weights (or the config
+    alone, where the loader refuses before reading weights) and a tokenizer."""
+    if weights:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config) if model_class is None else model_class(config)
+        model.save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    if tokenizer:
+        build_tokenizer(TINY_VOCAB).save_pretrained(folder)
+    return str(folder)
+
+
+class AcmeConfig(PretrainedConfig):
+    model_type = "acme"  # not an architecture transformers ships
+
+
+def with_modeling_code(config: PretrainedConfig) -> PretrainedConfig:
+    """`config` naming modeling code of its own, as a checkpoint needing trust_remote_code does."""
+    config.auto_map = {"AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}
+    return config
+
+
+@dataclass(frozen=True)
+class Refused:
+    config: Callable[[], PretrainedConfig]
+    why: str  # in the one line of the refusal
+    weights: bool = False  # saved too, for the refusals that come only from running the model
+    model_class: type | None = None  # None: the config's causal-LM class
+
+
+REFUSED = {
+    "deepseek-v3": Refused(
+        lambda: DeepseekV3Config(
+            **SMALL,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+        ),
+        "uses multi-head latent attention (MLA, kv_lora_rank 16)",
+    ),
+    "qwen3-next": Refused(lambda: Qwen3NextConfig(**SMALL), "has linear_attention layers"),
+    "mamba": Refused(
+        lambda: MambaConfig(vocab_size=TINY_VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4),
+        "calls transformers' AttentionInterface 0 times for its 2 layers",
+        weights=True,
+    ),
+    # Layer 0 is Mamba, layer 1 attention: no config field says so, the forward does.
+    "jamba": Refused(
+        lambda: JambaConfig(
+            **SMALL, num_experts=1, attn_layer_period=2, attn_layer_offset=1, expert_layer_offset=0, mamba_d_state=4
+        ),
+        "calls transformers' AttentionInterface 1 times for its 2 layers",
+        weights=True,
+    ),
+    "remote-code": Refused(
+        lambda: with_modeling_code(AcmeConfig()),
+        "needs remote code (model_type 'acme', auto_map in its config), which inflight never runs",
+    ),
+    "t5": Refused(
+        lambda: T5Config(vocab_size=TINY_VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8),
+        "is not a causal LM (model_type 't5')",
+    ),
+    "bert-masked-lm": Refused(
+        lambda: BertConfig(
+            vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+        ),
+        "is not a causal LM (BertForMaskedLM)",
+        weights=True,
+        model_class=BertForMaskedLM,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_a_model_the_engine_cannot_serve_is_refused_in_one_line(name, tmp_path):
+    case = REFUSED[name]
+    source = checkpoint(tmp_path / name, case.config(), case.model_class, weights=case.weights)
+    with pytest.raises(UnsupportedModel) as refused:
+        load_model(ModelConfig(source=source))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(source)
+    assert case.why in message
+
+
+def test_a_folder_without_a_tokenizer_says_so_in_one_line(tmp_path):
+    source = checkpoint(tmp_path / "no-tokenizer", LlamaConfig(**SMALL), tokenizer=False)
+    with pytest.raises(ValueError) as refused:
+        load_model(ModelConfig(source=source))
+    assert str(refused.value) == (
+        f"{source} has no tokenizer (tokenizer.json or tokenizer_config.json); "
+        "save the model's tokenizer into it (tokenizer.save_pretrained)"
+    )
+
+
+def test_a_model_transformers_runs_only_on_eager_attention_loads_on_eager(tmp_path):
+    # Gemma 2 refuses SDPA; the engine switches every model to its paged attention anyway.
+    source = checkpoint(tmp_path / "gemma2", Gemma2Config(**SMALL, head_dim=8))
+    loaded = load_model(ModelConfig(source=source))
+    assert type(loaded.model).__name__ == "Gemma2ForCausalLM"
+    assert loaded.model.config._attn_implementation == "eager"
+
+
+def test_auto_map_beside_an_architecture_transformers_ships_runs_transformers_own_code(tmp_path):
+    # Phi-3's checkpoints name their own modeling code too; transformers' class is used, never theirs.
+    source = checkpoint(tmp_path / "llama", with_modeling_code(LlamaConfig(**SMALL)))
+    loaded = load_model(ModelConfig(source=source))
+    assert type(loaded.model) is LlamaForCausalLM
+    assert loaded.model.config._attn_implementation == "sdpa"  # the probe put it back
