@@ -163,6 +163,20 @@ def test_only_decode_steps_of_few_tokens_take_the_one_call(full_runner):
     assert not layers.takes(prompt, 5)
 
 
+@pytest.mark.parametrize(("attribute", "value"), [("sliding_window", 64), ("attn_logit_softcapping", 50.0)])
+def test_a_layer_that_attends_otherwise_keeps_the_torch_path(full_runner, attribute, value):
+    """The one call attends with full attention only: a model with one layer that has a
+    sliding window or a softcap gets no one call (its decodes run the torch path)."""
+    runner, _ = full_runner
+    assert Int4DecodeStep.build(runner.model, runner.backend) is not None
+    attention = runner.model.model.layers[1].self_attn
+    setattr(attention, attribute, value)
+    try:
+        assert Int4DecodeStep.build(runner.model, runner.backend) is None
+    finally:
+        delattr(attention, attribute)
+
+
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_head_sums_int8_inputs_per_group_of_32(full_runner, build):
     """The head's arithmetic, in every build: each group of 32 inputs scaled to ±127 and
