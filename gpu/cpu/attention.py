@@ -13,6 +13,15 @@ that share it. A prompt chunk it cannot take (a head size it has no path for) fa
 to SDPA, as does every chunk where the prompt kernel cannot be built; decodes do not
 depend on it.
 
+Each layer's `LayerAttention` goes to both kernels per call: a sliding window masks the
+keys before each query's window, and the blocks (decode) or key tiles (prompt) wholly
+before it are not read, so a windowed layer costs its window, not its context; a softcap
+turns each scaled score s into softcap * tanh(s / softcap) before the softmax; sinks (one
+fp32 logit per query head, converted once per tensor) join each row's softmax max and sum
+and take no value. A later prompt chunk of a windowed layer gathers only the blocks from
+its first query's window on. Such layers skip the prompt kernel's AMX path (Intel's tile
+unit) for its AVX-512 one.
+
 The libraries are built with g++ for this CPU on first use and cached
 (`gpu.cpu.native_build`); where the decode kernel cannot be built `cpu_kernel()` is None,
 and there, or for a cache in float16, the engine stays on the torch reference. Each has
