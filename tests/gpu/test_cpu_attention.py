@@ -98,7 +98,7 @@ def test_a_window_reads_only_its_blocks(kernel, dtype, head_dim):
     cache = step.kernel_cache
     backend = CpuAttentionBackend(cache, kernel)
     metadata = backend.prepare(step.sequences, step.query.shape[0])
-    kept = set()
+    kept: set[int] = set()
     for seq in step.sequences:  # the blocks from the one holding the window's first key on
         first = max(0, seq.context_len - window) // block_size
         kept.update(seq.block_table[first : -(-seq.context_len // block_size)])
@@ -111,18 +111,22 @@ def test_a_window_reads_only_its_blocks(kernel, dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sinks_in_another_dtype_are_read_as_float32_once(dtype):
-    """A model's sinks in its own dtype (bfloat16, say) are converted for the kernel once,
-    not every layer call; converted again only if they change in place."""
+def test_sinks_are_read_as_float32_once(dtype):
+    """A layer's sinks, in its model's dtype, become a float32 copy for the kernel once,
+    not every layer call, and again only if they change in place (an inference tensor,
+    which keeps no version count, every call)."""
     step = make_step(dtype, 64, 16, num_kv_heads=2, group=2, chunks=decode_chunks([40, 7]), seed=9)
     backend = CpuAttentionBackend(step.kernel_cache)
-    sinks = layer_cases(4)["sinks"].sinks.to(torch.bfloat16)
+    sinks = torch.linspace(-1.0, 2.0, 4, dtype=dtype)
     first = backend._sinks_for(sinks, 4)
     assert first.dtype == torch.float32 and first.is_contiguous() and backend._sinks_for(sinks, 4) is first
     with torch.no_grad():
         sinks.add_(1)
     again = backend._sinks_for(sinks, 4)
     assert again is not first and torch.equal(again, sinks.float())
+    with torch.inference_mode():
+        made_in_inference = torch.ones(4, dtype=dtype)
+    assert torch.equal(backend._sinks_for(made_in_inference, 4), torch.ones(4))
     with pytest.raises(ValueError, match="3 sinks for 4 query heads"):
         backend._sinks_for(sinks[:3], 4)
 
