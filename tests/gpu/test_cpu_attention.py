@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from gpu.attention import LayerAttention
 from gpu.backends import select_backend
 from gpu.cpu import native_build
 from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel, load_kernel
@@ -133,11 +134,15 @@ def test_sinks_are_read_as_float32_once(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_sequences_sharing_leading_blocks(kernel, dtype, block_size):
+@pytest.mark.parametrize("window", [None, 100])
+def test_sequences_sharing_leading_blocks(kernel, dtype, block_size, window):
     """Forks of one prompt and requests behind one cached prefix read the same blocks:
     attended together (more than a group's worth, a prefix ending inside a block, a
     request sharing less than the rest, one sharing nothing), each output matches the
-    reference and equals, bit for bit, that sequence attended alone."""
+    reference and equals, bit for bit, that sequence attended alone. With a window of
+    100, the contexts within it (all at blocks of 16) group as without one, and those
+    past it (most at 32) go alone."""
+    layer = LayerAttention(window=window)
     contexts = [5 * block_size + 3] * 10 + [3 * block_size, 4 * block_size + 1, 2 * block_size + 7, 40]
     step = make_step(dtype, 64, block_size, num_kv_heads=3, group=3,
                      chunks=decode_chunks(contexts), seed=block_size)  # fmt: skip
@@ -146,16 +151,16 @@ def test_sequences_sharing_leading_blocks(kernel, dtype, block_size):
     for seq, shared in zip(step.sequences, shares):
         seq.block_table[:shared] = lead[:shared]
     backend = CpuAttentionBackend(step.kernel_cache, kernel)
-    check_against_reference(step, backend)
+    check_against_reference(step, backend, layer)
 
     num_tokens = step.query.shape[0]
     together = backend.attend(0, step.query, step.key, step.value, step.scale,
-                              backend.prepare(step.sequences, num_tokens))  # fmt: skip
+                              backend.prepare(step.sequences, num_tokens), layer)  # fmt: skip
     cache = step.kernel_cache
     for seq in step.sequences:
         alone = torch.zeros_like(together)
         backend.attend_decodes(alone, step.query, cache.key_pools[0], cache.value_pools[0], step.scale,
-                               backend.prepare_decodes([seq]))  # fmt: skip
+                               backend.prepare_decodes([seq]), layer)  # fmt: skip
         assert torch.equal(together[seq.query_start], alone[seq.query_start])
 
 

@@ -392,8 +392,8 @@ void attend_group_avx2(const Args<T>& a, const Group& g, std::vector<float>& sco
     constexpr int CHUNKS = HEAD_DIM / 8;
     const int heads = a.num_heads;
     const int64_t row_stride = (int64_t)a.num_kv_heads * HEAD_DIM;
-    // Each sequence's keys from `firsts` on (0 without a window, and a windowed layer's
-    // groups are of one sequence): its scores by position - first, `lens` a head.
+    // Each sequence's keys from `firsts` on (0 but in a group of one, `form_groups`): its
+    // scores by position - first, `lens` a head.
     int firsts[MAX_GROUP], lens[MAX_GROUP];
     size_t offsets[MAX_GROUP + 1] = {0};
     for (int i = 0; i < g.count; ++i) {
@@ -474,8 +474,9 @@ void attend_group_avx2(const Args<T>& a, const Group& g, std::vector<float>& sco
 #ifdef INFLIGHT_AVX2
 // The batch in groups of up to MAX_GROUP sequences: sequences with the same first block
 // are taken in batch order, and a group ends where the next one shares fewer full blocks
-// with its first sequence than the group does. A windowed layer's sequences go alone:
-// what they share is the prompt, mostly behind their windows.
+// with its first sequence than the group does. With a sliding window, a sequence whose
+// context outruns it goes alone (what it shares is mostly behind its window); those
+// within it group as without one.
 template <typename T>
 std::vector<Group> form_groups(const Args<T>& a, std::vector<int>& order) {
     order.resize(a.num_seqs);
@@ -484,11 +485,13 @@ std::vector<Group> form_groups(const Args<T>& a, std::vector<int>& order) {
     auto first_block = [&](int s) { return a.context_lens[s] > 0 ? table_of(s)[0] : -1; };
     std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return first_block(x) < first_block(y); });
     std::vector<Group> groups;
+    auto windowed = [&](int s) { return a.first_seen(a.context_lens[s]) > 0; };
     for (int i = 0; i < a.num_seqs;) {
         const int32_t* lead = table_of(order[i]);
         int count = 1, shared = a.context_lens[order[i]] / a.block_size;
-        while (a.window <= 0 && i + count < a.num_seqs && count < MAX_GROUP) {
+        while (!windowed(order[i]) && i + count < a.num_seqs && count < MAX_GROUP) {
             const int next = order[i + count];
+            if (windowed(next)) break;
             const int32_t* table = table_of(next);
             const int limit = std::min(shared, a.context_lens[next] / a.block_size);
             int common = 0;
