@@ -143,6 +143,11 @@ SCHEDULER = FlagGroup(
         ),
         Flag("priority_bound_s", "no request is overtaken by one arriving this much later"),
         Flag(
+            "fair_preempt_after_s",
+            "a tenant 2+ running jobs below another's swaps one of the most-served tenant's out after waiting this "
+            "long (0 = off)",
+        ),
+        Flag(
             "length_policy",
             "within a priority: first come first served, shortest predicted output first, or true lengths (bench)",
             choices=LENGTH_POLICIES,

@@ -9,7 +9,10 @@
   each tenant the tokens it is served (`Charges`). The order is decided in Redis, so a
   worker holds no more than runs: a job held beyond that would wait for a running one to
   end, in this worker's order, not the fleet's; taken when a slot frees, it misses at
-  most one step. Interactive jobs never wait behind batch jobs. With a wait cap
+  most one step. Interactive jobs never wait behind batch jobs. Under fair preemption
+  (`fair_preempt_after_s`) a full worker also takes the jobs of tenants that hold two or
+  fewer than the tenant it serves most (up to half its slots again), for its engine to
+  swap that tenant's running jobs out for them. With a wait cap
   (`max_queue_wait_s`) the worker publishes when its slots free (`SlotOutlook`), for
   admission to judge waits by.
 
@@ -55,6 +58,8 @@ class Read:
     count: int
     block_ms: int
     max_batch: int | None = None
+    # Tenants whose jobs stay queued (a full worker reading for fair preemption).
+    exclude_tenants: frozenset[str] = frozenset()
 
 
 def intake_for(
@@ -145,6 +150,9 @@ class FairQueueIntake(StreamIntake):
         self.charges = Charges(redis, config.requests_stream, fair)
         self.capacity = config.max_held_jobs or scheduler.max_running_requests
         self.max_running_batch = scheduler.max_running_batch
+        # Fair preemption: how many jobs beyond its slots a full worker may take for it.
+        self.fair_extra = self.capacity // 2 if scheduler.fair_preempt_after_s > 0 else 0
+        self._tenants: dict[str, str] = {}  # the tenant of each job in the engine, by entry id
         self.outlook: SlotOutlook | None = None
         if fair.max_queue_wait_s > 0:  # admission judges waits by it
             self.outlook = SlotOutlook(redis, config.requests_stream, config.consumer, self.capacity)
@@ -161,11 +169,26 @@ class FairQueueIntake(StreamIntake):
             block_ms = min(self.config.block_ms, BATCH_POLL_MS) if batch_full else self.config.block_ms
             return Read(interactive_room, block_ms, max_batch=0)
         if room <= 0:
-            return None
+            return self._fair_read(held)
         return Read(room, self.config.block_ms, max_batch=cap - held_batch if cap else None)
 
+    def _fair_read(self, held: HeldEntries) -> Read | None:
+        """Full: under fair preemption, one interactive job of a tenant that holds at least
+        two fewer jobs here than the tenant held most (those stay queued)."""
+        if len(held) >= self.capacity + self.fair_extra:
+            return None
+        counts: dict[str, int] = {}
+        for entry_id in held:
+            if (tenant := self._tenants.get(entry_id)) is not None:
+                counts[tenant] = counts.get(tenant, 0) + 1
+        most = max(counts.values(), default=0)
+        crowded = frozenset(tenant for tenant, count in counts.items() if count >= most - 1)
+        return Read(1, self.config.block_ms, max_batch=0, exclude_tenants=crowded) if most >= 2 else None
+
     async def read(self, read: Read, held: HeldEntries) -> list[Entry]:
-        return await self.reader.read(read.count, read.block_ms, held, max_batch=read.max_batch)
+        return await self.reader.read(
+            read.count, read.block_ms, held, max_batch=read.max_batch, exclude_tenants=read.exclude_tenants
+        )
 
     def is_batch(self, entry_id: str) -> bool:
         # A batch job counts as one from the start: the fair queue says which queue it came from.
@@ -186,6 +209,8 @@ class FairQueueIntake(StreamIntake):
         await queue_gauges.poll_fair_queue(self.redis, self.metrics, self.config.requests_stream)
 
     def started(self, entry_id: str, job: Job) -> None:
+        if self.fair_extra:
+            self._tenants[entry_id] = job.tenant
         if self.outlook is not None:
             self.outlook.started(entry_id, job.params.max_tokens * job.params.n, job.batch)
 
@@ -195,6 +220,7 @@ class FairQueueIntake(StreamIntake):
             self.outlook.produced(entry_id, num_tokens, now)
 
     def ended(self, entry_id: str) -> None:
+        self._tenants.pop(entry_id, None)
         if self.outlook is not None:  # together with the held entry: one the outlook does not know reads as not started
             self.outlook.ended(entry_id)
 

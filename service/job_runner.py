@@ -193,6 +193,7 @@ class JobRunner:
             handoff_min_prompt_tokens=self.role.handoff_min_prompt_tokens,
             prompt_kv=await self.role.prompt_kv(entry, assignment),
             batch=job.batch,
+            tenant=job.tenant,
         )
         self.front.submit_batched(request)
         self.held[entry.entry_id].submitted = True

@@ -42,11 +42,16 @@ class FairQueueReader(LeasedReader):
         await JobReader(self.redis, self.config).ensure_group()
 
     async def read(
-        self, count: int, block_ms: int, held: Collection[str] = (), max_batch: int | None = None
+        self,
+        count: int,
+        block_ms: int,
+        held: Collection[str] = (),
+        max_batch: int | None = None,
+        exclude_tenants: Collection[str] = (),
     ) -> list[Entry]:
         """As `JobReader.read`, taking `max_batch` batch jobs at most (default: `count`); 0
         leaves them queued (a worker full of batch jobs still takes interactive ones: its
-        engine preempts the batch jobs)."""
+        engine preempts the batch jobs). The jobs of `exclude_tenants` stay queued."""
         if count <= 0:
             return []
         if not self._own_pending_done:
@@ -54,11 +59,14 @@ class FairQueueReader(LeasedReader):
             entries = await self._own_pending(held)
             if entries:
                 return entries[:count]
-        if (claimed := await self.takeovers(count, held)) or (taken := await self._taken(count, max_batch)):
+        taken: list[Entry] = []
+        if (claimed := await self.takeovers(count, held)) or (
+            taken := await self._taken(count, max_batch, exclude_tenants)
+        ):
             return claimed or taken
         block_ms = await self.lease_wait_ms(block_ms)
         await self.redis.blpop([f"{self._tag}:ready"], timeout=block_ms / 1000)
-        return await self._taken(count, max_batch)
+        return await self._taken(count, max_batch, exclude_tenants)
 
     async def _leased_streams(self) -> list[str]:
         return await self._queues()  # the tenant queues: their entries are the leased ones
@@ -91,7 +99,9 @@ class FairQueueReader(LeasedReader):
                 break
         return entries
 
-    async def _taken(self, count: int, max_batch: int | None = None) -> list[Entry]:
+    async def _taken(
+        self, count: int, max_batch: int | None = None, exclude_tenants: Collection[str] = ()
+    ) -> list[Entry]:
         await self._await_admission()
         rows = await self._take(
             keys=[self.stream],
@@ -103,6 +113,7 @@ class FairQueueReader(LeasedReader):
                 self._priority_step_ms,
                 self.fair.charge_prompt_weight,
                 count if max_batch is None else max_batch,
+                " ".join(exclude_tenants),  # tenant names never hold a space
             ],
         )
         entries = []

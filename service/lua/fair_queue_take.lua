@@ -3,11 +3,14 @@
 -- interactive job is queued; within it the tenant served least, charged for the prompt.
 -- Runs after fair_queue_keys.lua.
 -- KEYS[1]: the request stream. ARGV: group, consumer, count, now (ms), the head start of
--- one priority step (ms), the prompt weight, the most batch jobs to take.
+-- one priority step (ms), the prompt weight, the most batch jobs to take, the tenants
+-- whose jobs stay queued (space-separated).
 -- Returns up to `count` {queue, id, fields}.
 local group, consumer, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local now_ms, step_ms, prompt_weight = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local batch_left = tonumber(ARGV[7])
+local excluded = {}
+for tenant in string.gmatch(ARGV[8] or '', '%S+') do excluded[tenant] = true end
 
 -- When the oldest job not yet taken from a queue was admitted (ms), or nil.
 local function head_ms(queue)
@@ -17,7 +20,10 @@ end
 
 local taken = {}
 while #taken < count do
-  local queues = queues_with_backlog()
+  local queues = {}
+  for _, queue in ipairs(queues_with_backlog()) do
+    if not excluded[queue.tenant] then queues[#queues + 1] = queue end
+  end
   if #queues == 0 then break end
   -- The level: interactive first, the one whose oldest job has waited longest.
   local level, best = nil, nil

@@ -281,3 +281,42 @@ def test_a_fair_queue_worker_serves_the_prompt_admission_tokenized_token_for_tok
         assert fair == plain
 
     asyncio.run(main())
+
+
+def test_with_fair_preemption_a_late_tenant_is_served_before_the_flood_ends_and_the_flood_stays_exact(make_engine):
+    """Two long flood jobs fill the worker's slots; a light tenant's job, taken beyond them,
+    swaps one out once it has waited the bound, and ends while both flood jobs still run.
+    The swapped flood job resumes token-exact: it answers as its twin that kept running."""
+    run = uuid.uuid4().hex[:8]
+    config = stream_config(f"inflight:test:{run}")
+    engine = make_engine(max_running_requests=2, fair_preempt_after_s=0.2)
+
+    async def main():
+        client, stop, task = await serving(engine, config, FairQueueConfig(enabled=True))
+        flood = [f"{run}-flood-{i}" for i in range(2)]
+        for request_id in flood:
+            await client.xadd(
+                config.requests_stream,
+                {"id": request_id, "tenant": "flood", "prompt": "Once upon a time", "max_tokens": "160",
+                 "ignore_eos": "1", "temperature": "0"},
+            )  # fmt: skip
+        while min([await client.xlen(f"inflight:out:{{{request_id}}}") for request_id in flood]) < 2:
+            await asyncio.sleep(0.01)
+        await client.xadd(
+            config.requests_stream, {"id": f"{run}-light", "tenant": "light", "prompt": "Hi", "max_tokens": "4"}
+        )
+        assert (await read_replies(client, f"inflight:out:{{{run}-light}}"))[-1]["type"] == b"done"
+        for request_id in flood:  # neither flood job had ended
+            last = await client.xrevrange(f"inflight:out:{{{request_id}}}", count=1)
+            assert last[0][1][b"type"] == b"token"
+        answers = []
+        for request_id in flood:
+            replies = await read_replies(client, f"inflight:out:{{{request_id}}}")
+            assert replies[-1]["type"] == b"done"
+            answers.append(b"".join(r.get("text", b"") for r in replies if r["type"] == b"token"))
+        assert answers[0] == answers[1] and len(answers[0]) > 100
+        stop.set()
+        await task
+        await client.aclose()
+
+    asyncio.run(main())
