@@ -146,11 +146,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """`sinks` as a contiguous fp32 host tensor, converted once (again if it changes in place)."""
         version = _version(sinks)
         cached = self._sinks.get(id(sinks))
-        if cached is not None and cached[0] is sinks and cached[1] == version and version >= 0:
+        if cached is not None and cached[0] is sinks and cached[1] == version:
             return cached[2]
         if sinks.numel() != num_heads:
             raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
         converted = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+        if version < 0:  # an inference tensor: not cached, read as it is now
+            return converted
         if converted.data_ptr() == sinks.data_ptr():
             converted = converted.clone()  # a copy of its own: the layer's tensor may change later
         if len(self._sinks) >= _MAX_CACHED_SINKS:  # fresh tensors every call: keep no more than a model's worth
