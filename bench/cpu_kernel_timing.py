@@ -15,11 +15,11 @@ import argparse
 import json
 import random
 import statistics
-import time
 
 import torch
 from torch import nn
 
+from bench.metrics import in_turns
 from gpu.attention import SequenceSlice
 from gpu.cpu.attention import CpuAttentionBackend, cpu_kernel, cpu_prompt_kernel
 from gpu.cpu.fusions import FusedRMSNorm, fused_ops
@@ -34,34 +34,33 @@ HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 576, 1536, 9, 3
 def attention_cases(dtype: torch.dtype, decodes: int, context: int) -> dict:
     """One layer's decode step on the C++ kernel and on the torch reference."""
     blocks_each = -(-context // BLOCK)
-    shape = KVShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     ids = list(range(decodes * blocks_each + 8))
     random.Random(0).shuffle(ids)  # scattered, as a running engine's blocks are
     sequences = [SequenceSlice(i, 1, context, ids[i * blocks_each : (i + 1) * blocks_each]) for i in range(decodes)]
     query = torch.randn(decodes, HEADS, HEAD_DIM).to(dtype)
-    key, value = torch.randn(2, decodes, KV_HEADS, HEAD_DIM).to(dtype)
-    cases = {}
-    for name, backend_class in (("kernel", CpuAttentionBackend), ("torch", TorchAttentionBackend)):
-        cache = PagedKVCache(shape, len(ids), BLOCK, dtype)
-        cache.blocks.copy_(torch.randn(cache.blocks.shape))
-        backend = backend_class(cache)
-        metadata = backend.prepare(sequences, decodes)
-        cases[name] = lambda b=backend, m=metadata: b.attend(0, query, key, value, HEAD_DIM**-0.5, m)
-    return cases
+    return _backend_cases(dtype, len(ids), sequences, query)
 
 
 def prompt_cases(dtype: torch.dtype, tokens: int) -> dict:
     """One layer's step over one fresh prompt: the C++ prompt kernel and torch's SDPA."""
     blocks = -(-tokens // BLOCK)
-    shape = KVShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     sequences = [SequenceSlice(0, tokens, tokens, list(range(blocks)))]
     # A transposed view, as transformers hands the queries over.
     query = torch.randn(1, HEADS, tokens, HEAD_DIM).to(dtype)[0].transpose(0, 1)
-    key, value = torch.randn(2, tokens, KV_HEADS, HEAD_DIM).to(dtype)
+    return _backend_cases(dtype, blocks, sequences, query)
+
+
+def _backend_cases(dtype: torch.dtype, num_blocks: int, sequences: list[SequenceSlice], query: torch.Tensor) -> dict:
+    """One layer's `attend` on each backend, over a cache of random K/V, for `query`'s rows."""
+    rows = query.shape[0]
+    key, value = torch.randn(2, rows, KV_HEADS, HEAD_DIM).to(dtype)
+    shape = KVShape(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     cases = {}
     for name, backend_class in (("kernel", CpuAttentionBackend), ("torch", TorchAttentionBackend)):
-        backend = backend_class(PagedKVCache(shape, blocks, BLOCK, dtype))
-        metadata = backend.prepare(sequences, tokens)
+        cache = PagedKVCache(shape, num_blocks, BLOCK, dtype)
+        cache.blocks.copy_(torch.randn(cache.blocks.shape))
+        backend = backend_class(cache)
+        metadata = backend.prepare(sequences, rows)
         cases[name] = lambda b=backend, m=metadata: b.attend(0, query, key, value, HEAD_DIM**-0.5, m)
     return cases
 
@@ -98,16 +97,14 @@ def linear_cases(dtype: torch.dtype, rows: int) -> dict:
 
 def time_cases(cases: dict, repeats: int, calls: int) -> dict[str, float]:
     """Median microseconds per call of each case, the cases timed in turns."""
-    samples: dict[str, list[float]] = {name: [] for name in cases}
     for fn in cases.values():
         fn()  # warm: first-call costs are not measured
-    for _ in range(repeats):
-        for name, fn in cases.items():
-            started = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples[name].append((time.perf_counter() - started) / calls * 1e6)
-    return {name: statistics.median(values) for name, values in samples.items()}
+
+    def repeated(fn):
+        return lambda: [fn() for _ in range(calls)]
+
+    samples = in_turns({name: repeated(fn) for name, fn in cases.items()}, repeats)
+    return {name: statistics.median(wall for wall, _ in runs) * 1e3 / calls for name, runs in samples.items()}
 
 
 def main() -> None:

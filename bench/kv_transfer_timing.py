@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import time
 from multiprocessing.connection import Connection
 
 import torch
 
+from bench.metrics import in_turns
 from gpu.kv_transfer import KVTransferAgent
 
 SIZES_MIB = (1, 16, 64, 256)
@@ -40,15 +40,6 @@ def hold_buffer(connection: Connection, num_bytes: int) -> None:
     agent.close()
 
 
-def best_seconds(action, repeats: int) -> float:
-    timings = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        timings.append(time.perf_counter() - start)
-    return min(timings)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -67,10 +58,11 @@ def main() -> None:
     print(f"{'MiB':>5} {'NIXL read GB/s':>15} {'local copy GB/s':>16}")
     for size_mib in SIZES_MIB:
         size = size_mib << 20
-        read = best_seconds(lambda: agent.read(peer, remote_address, into[:size], notify=b"read"), args.repeats)
         source, target = expected[:size], torch.empty(size, dtype=torch.uint8)
-        copy = best_seconds(lambda: target.copy_(source), args.repeats)
-        print(f"{size_mib:5d} {size / read / 1e9:15.2f} {size / copy / 1e9:16.2f}")
+        cases = {"read": lambda: agent.read(peer, remote_address, into[:size], notify=b"read"),
+                 "copy": lambda: target.copy_(source)}  # fmt: skip
+        best_ms = {name: min(wall for wall, _ in runs) for name, runs in in_turns(cases, args.repeats).items()}
+        print(f"{size_mib:5d} {size / best_ms['read'] / 1e6:15.2f} {size / best_ms['copy'] / 1e6:16.2f}")
     if not torch.equal(into, expected):
         raise SystemExit("the bytes read differ from the child's")
     parent_end.send("stop")

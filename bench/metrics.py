@@ -1,11 +1,13 @@
 """Per-token timestamps turned into the benchmark's figures, the same way for every system:
 `summarize` takes each request's token times after t0 (every request sent then);
-`latency_figures` takes `RequestRecord`s, timed from each one's send."""
+`latency_figures` takes `RequestRecord`s, timed from each one's send. `in_turns` times the
+tools' cases (`python -m bench.NAME`)."""
 
 from __future__ import annotations
 
 import math
 import resource
+import time
 from dataclasses import dataclass, field
 
 
@@ -103,6 +105,23 @@ def latency_figures(records: list[RequestRecord]) -> dict:
         for q in (50, 99):
             figures[f"{name}_p{q}_ms"] = percentile(values, q) * 1e3 if values else None
     return figures
+
+
+def timed(call) -> tuple[float, float]:
+    """Wall and CPU milliseconds of one `call()`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    call()
+    return 1e3 * (time.perf_counter() - wall), 1e3 * (time.process_time() - cpu)
+
+
+def in_turns(cases: dict, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """Each case's wall and CPU ms in every round, the cases called in turns, so that load on
+    a shared machine disturbs them alike."""
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, call in cases.items():
+            samples[name].append(timed(call))
+    return samples
 
 
 def peak_rss_mb() -> float:

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from bench.drive import kv_bytes
-from bench.step_profile import decode_plan, decode_runner, timed
+from bench.metrics import timed
+from bench.step_profile import decode_plan, decode_runner
 from workers.config import WEIGHTS, ModelConfig
 from workers.model_loader import load_model
 from workers.model_runner import ModelRunner
@@ -54,7 +55,7 @@ def read_bandwidth(nbytes: int, repeats: int = 20) -> float:
     """Bytes a second of the best of `repeats` sums over a float32 buffer of `nbytes`."""
     buffer = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
     buffer.sum()  # pages touched, caches warm as a step's weights are
-    best_ms = min(timed(buffer.sum, 1)[0] for _ in range(repeats))
+    best_ms = min(timed(buffer.sum)[0] for _ in range(repeats))
     return buffer.numel() * 4 / (best_ms / 1e3)
 
 
@@ -63,7 +64,7 @@ def measure(runner: ModelRunner, batch: int, context: int, steps: int, weight_by
     with torch.inference_mode():
         for _ in range(3):
             runner.execute(plan)
-        walls = [timed(lambda: runner.execute(plan), 1)[0] for _ in range(steps)]
+        walls = [timed(lambda: runner.execute(plan))[0] for _ in range(steps)]
     step_ms = statistics.median(walls)
     floor_ms = 1e3 * weight_bytes / bandwidth
     kv_read = kv_bytes(runner.model, batch * context)

@@ -17,12 +17,12 @@ import json
 import os
 import random
 import statistics
-import time
 
 import torch
 from torch import nn
 
 from bench.drive import kv_bytes
+from bench.metrics import in_turns
 from gpu.attention import SequenceSlice
 from gpu.cpu.lean_forward import LeanForward
 from workers.config import CacheConfig, ModelConfig
@@ -46,27 +46,6 @@ def decode_plan(runner: ModelRunner, batch: int, context: int) -> StepPlan:
         ScheduledChunk(None, context - 1, (100 + i,), ids[i * blocks_each:(i + 1) * blocks_each], True, True)
         for i in range(batch)
     ])  # fmt: skip
-
-
-def timed(call, repeats: int) -> tuple[float, float]:
-    """Median wall and CPU milliseconds of `call()`."""
-    walls, cpus = [], []
-    for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
-        call()
-        walls.append(time.perf_counter() - wall)
-        cpus.append(time.process_time() - cpu)
-    return 1e3 * statistics.median(walls), 1e3 * statistics.median(cpus)
-
-
-def in_turns(cases: dict, rounds: int) -> dict[str, list[tuple[float, float]]]:
-    """Each case's wall and CPU ms in every round, the cases called in turns, so that load on
-    a shared machine disturbs them alike."""
-    samples = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, call in cases.items():
-            samples[name].append(timed(call, 1))
-    return samples
 
 
 def attention_linears(attention: nn.Module) -> list[str]:
