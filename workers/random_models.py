@@ -21,6 +21,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -53,9 +54,20 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": lambda: LlamaConfig(**_TINY, **_IDS, num_attention_heads=4, num_key_value_heads=2),
     # head_dim 128, and Qwen2's biased q/k/v projections.
     "tiny-qwen2": lambda: Qwen2Config(**_TINY, **_IDS, num_attention_heads=2, num_key_value_heads=1),
-    # The engine holds sliding-window models to the window; none here, like the others.
+    # Full attention, like the two above (tiny-gemma3 has windows).
     "tiny-mistral": lambda: MistralConfig(
         **_TINY, **_IDS, num_attention_heads=4, num_key_value_heads=1, sliding_window=None
+    ),
+    # Gemma 3's hybrid stack: five layers with a window of 16 tokens (shorter than most
+    # prompts) to one global layer.
+    "tiny-gemma3": lambda: Gemma3TextConfig(
+        **{**_TINY, "num_hidden_layers": 6},
+        **_IDS,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
     ),
     # SmolLM2-135M's config (the bundled model's architecture).
     "smollm2-135m": lambda: LlamaConfig(

@@ -13,7 +13,7 @@ from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from workers.engine import Engine
 from workers.model_loader import encode_prompt, load_model
 
-TINY = ["tiny-llama", "tiny-qwen2", "tiny-mistral"]
+TINY = ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma3"]
 
 
 def config(name: str, dtype: str = "float32") -> ModelConfig:
