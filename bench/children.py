@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from bench.processes import REPO_ROOT
+from bench.report import say
 
 
 class Children:
@@ -48,7 +49,7 @@ class Children:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         shown = (f" {k}={v}" for k, v in params.items() if isinstance(v, (int, str)) and k != "model_folder")
         label = system + "".join(shown)
-        print(f"bench: {label} ...", file=sys.stderr, flush=True)
+        say(f"{label} ...")
         started = time.perf_counter()
         with open(f"{stem}.log", "w") as log:
             code = subprocess.call(command(f"{stem}.job.json", f"{stem}.out.json"), cwd=REPO_ROOT, env=env,
@@ -56,7 +57,7 @@ class Children:
         if code != 0:
             tail = Path(f"{stem}.log").read_text()[-4000:]
             raise RuntimeError(f"bench child {system!r} exited with {code}:\n{tail}")
-        print(f"bench: {label} done in {time.perf_counter() - started:.1f}s", file=sys.stderr, flush=True)
+        say(f"{label} done in {time.perf_counter() - started:.1f}s")
         return json.loads(Path(f"{stem}.out.json").read_text())
 
 

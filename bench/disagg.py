@@ -21,17 +21,17 @@ import argparse
 import asyncio
 import os
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.fleet import BenchRun, Fleet, bench_run, model_flags
-from bench.follow import Follower, Job
+from bench.fleet import BenchRun, bench_run, model_flags
+from bench.follow import Follower, Job, following
 from bench.metrics import inter_token_latencies, metric_total, percentile_or_none
 from bench.processes import WorkerProcess, cpu_seconds
-from bench.scenario import D, Scenario, add_flags
+from bench.report import HostLoad, say
+from bench.scenario import D, Scenario, add_flags, comma_list
 from bench.servers import signals_as_exit
 
 CONFIGURATIONS = ("disagg", "colocated_one", "colocated_two")
@@ -85,25 +85,13 @@ class Prompts:
 def run(args: argparse.Namespace) -> dict:
     import uvloop
 
-    configs = [c.strip() for c in args.disagg_configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGURATIONS))
-    if unknown or not configs:
-        raise SystemExit(f"--disagg-configs takes some of {','.join(CONFIGURATIONS)}, got {args.disagg_configs!r}")
-    cores = [c.strip() for c in args.disagg_cores.split(",") if c.strip()]
-    if len(cores) != 2:
-        raise SystemExit(f"--disagg-cores takes two cores, got {args.disagg_cores!r}")
+    configs = comma_list(args.disagg_configs, "--disagg-configs", CONFIGURATIONS)
+    cores = comma_list(args.disagg_cores, "--disagg-cores", count=2)
     if args.disagg_running_prompt_len < args.disagg_min_prompt_tokens:
-        say(
-            "the running decodes' prompts are shorter than --disagg-min-prompt-tokens: "
-            "on P/D they stay whole on the prefill worker"
-        )
+        say("disagg: the running decodes' prompts are shorter than --disagg-min-prompt-tokens: on P/D they stay whole")
     prompts = _prompts(args)
     with signals_as_exit():  # SIGTERM stops the workers on the way out too
         return uvloop.run(_run(args, configs, cores, prompts))
-
-
-def say(what: str) -> None:
-    print(f"bench: disagg: {what}", file=sys.stderr, flush=True)
 
 
 def _prompts(args: argparse.Namespace) -> Prompts:
@@ -175,12 +163,8 @@ async def _run(args: argparse.Namespace, configs: list[str], cores: list[str], p
     jobs: dict[str, dict[str, Job]] = {}
     async with bench_run(args.redis_url, "disagg") as run:
         for name in configs:
-            say(name)
-            fleet = run.fleet(name, _worker_flags(args))
-            try:
-                results[name], jobs[name] = await _configuration(name, fleet, run, args, cores, prompts)
-            finally:
-                await asyncio.to_thread(fleet.close)
+            say(f"disagg: {name}")
+            results[name], jobs[name] = await _configuration(name, run, args, cores, prompts)
     return {
         "configurations": results,
         "identity": {
@@ -220,80 +204,68 @@ def _worker_flags(args) -> list[str]:
             str(args.disagg_min_prompt_tokens), "--log-format", "json"]  # fmt: skip
 
 
-async def _configuration(
-    name: str, fleet: Fleet, run: BenchRun, args, cores: list[str], prompts: Prompts
-) -> tuple[dict, dict[str, Job]]:
-    client = run.client
-    handoff_stream = f"{fleet.prefix}:handoffs"
-    load_before = os.getloadavg()[0]
-    started = time.perf_counter()
+async def _configuration(name: str, run: BenchRun, args, cores: list[str], prompts: Prompts) -> tuple[dict, dict]:
+    load = HostLoad()
     pinned = {consumer: ",".join(cores) if core is None else cores[core] for consumer, _, core, _ in LAYOUTS[name]}
-    for consumer, role, _, threads in LAYOUTS[name]:
-        flags = ["--threads", str(threads), "--role", role, "--handoff-stream", handoff_stream]
-        fleet.start(consumer, *flags, cores=pinned[consumer])
-    workers = list(fleet.workers.values())
-    follower = Follower(client, fleet, handoff_stream if name == "disagg" else None)
-    reader = None
-    try:
-        await asyncio.to_thread(fleet.wait_all)
-        reader = asyncio.create_task(follower.read(), name="disagg-reader")
+    with run.fleet(name, _worker_flags(args)) as fleet:
+        handoff_stream = f"{fleet.prefix}:handoffs"
+        for consumer, role, _, threads in LAYOUTS[name]:
+            flags = ["--threads", str(threads), "--role", role, "--handoff-stream", handoff_stream]
+            fleet.start(consumer, *flags, cores=pinned[consumer])
+        handoffs = handoff_stream if name == "disagg" else None
+        async with following(run.client, fleet, handoffs, tag=f"{run.run_id}-{name}") as follower:
+            figures = await _drive(follower, args, prompts)
+            metrics = {worker.name: worker.metrics() for worker in fleet.workers.values()}
+            figures |= {
+                "handoffs": _handoff_counts(metrics.values()),
+                "kv_transfer": _kv_transfer(metrics.get("decode"), follower.kv_layouts) if handoffs else None,
+                "finished_by": dict(Counter(j.final.get("worker", "") for j in follower.jobs.values())),
+                "finish_reasons": dict(Counter(j.final.get("finish_reason", "error") for j in follower.jobs.values())),
+                "dead_letters": await run.client.xlen(fleet.dead),
+            }
+    idle = figures.pop("idle")
+    figures["workers"] = [
+        {"name": n, "role": role, "cores": pinned[n], "threads": t, "idle_cpu_s_per_s": idle[n]}
+        for n, role, _, t in LAYOUTS[name]
+    ]
+    return figures | load.figures(), {j.label: j for j in follower.jobs.values()}
 
-        def job(label: str, prompt: str, max_tokens: int) -> Job:
-            return Job(label, f"{run.run_id}-{name}-{label}", prompt, max_tokens)
 
-        def have(jobs: list[Job], count: Callable[[Job], int]) -> Callable[[], bool]:
-            return lambda: all(len(j.times) >= count(j) or j.final for j in jobs)
+async def _drive(follower: Follower, args, prompts: Prompts) -> dict:
+    """The warm-up, the lone prompts one at a time, then the storm over the running decodes."""
+    job = follower.job
 
-        async def until(condition, what: str) -> None:
-            await follower.until(condition, what, limit_s=QUIET_LIMIT_S, quiet=True, errors_fail=True)
+    def have(jobs: list[Job], count: Callable[[Job], int]) -> Callable[[], bool]:
+        return lambda: all(len(j.times) >= count(j) or j.final for j in jobs)
 
-        warm = [job(f"warmup-{i}", text, WARMUP_TOKENS) for i, text in enumerate(prompts.warmup)]
-        await follower.send(warm)
-        await until(lambda: all(j.final for j in warm), "the warm-up")
+    async def until(condition, what: str) -> None:
+        await follower.until(condition, what, limit_s=QUIET_LIMIT_S, quiet=True, errors_fail=True)
 
-        idle = await _idle_cpu(workers)
-        lone = []
-        for i, text in enumerate(prompts.lone):
-            lone.append(job(f"lone-{i}", text, WARMUP_TOKENS))
-            await follower.send(lone[-1:])
-            await until(lambda: lone[-1].final is not None, "a lone prompt")
+    warm = [job(f"warmup-{i}", text, WARMUP_TOKENS) for i, text in enumerate(prompts.warmup)]
+    await follower.send(warm)
+    await until(lambda: all(j.final for j in warm), "the warm-up")
 
-        running = [job(f"running-{i}", text, prompts.running_max_tokens) for i, text in enumerate(prompts.running)]
-        await follower.send(running)
-        await until(have(running, lambda j: READY_TOKENS), "the running decodes")
-        steady_start = time.perf_counter()
-        marks = {j.request_id: len(j.times) for j in running}
-        await until(have(running, lambda j: marks[j.request_id] + args.disagg_steady_tokens), "the steady window")
-        storm = [job(f"storm-{i}", text, args.disagg_output_len) for i, text in enumerate(prompts.storm)]
-        storm_start = await follower.send(storm)
-        await until(have(storm, lambda j: min(2, j.max_tokens)), "the storm's second tokens")
-        storm_end = time.perf_counter()
-        await until(lambda: all(j.final for j in storm), "the storm to finish")
-        await follower.cancel(running)
-        await until(lambda: all(j.final for j in running), "the running decodes' cancels")
+    idle = await _idle_cpu(list(follower.fleet.workers.values()))
+    lone = []
+    for i, text in enumerate(prompts.lone):
+        lone.append(job(f"lone-{i}", text, WARMUP_TOKENS))
+        await follower.send(lone[-1:])
+        await until(lambda: lone[-1].final is not None, "a lone prompt")
 
-        metrics = {worker.name: worker.metrics() for worker in workers}
-        dead = await client.xlen(fleet.dead)
-        figures = {
-            "workers": [
-                {"name": n, "role": role, "cores": pinned[n], "threads": t, "idle_cpu_s_per_s": idle[n]}
-                for n, role, _, t in LAYOUTS[name]
-            ],
-            "lone": _lone(lone),
-            "storm": _storm(running, storm, steady_start, storm_start, storm_end),
-            "handoffs": _handoff_counts(metrics.values()),
-            "kv_transfer": _kv_transfer(metrics.get("decode"), follower.kv_layouts) if name == "disagg" else None,
-            "finished_by": dict(Counter(j.final.get("worker", "") for j in follower.jobs.values())),
-            "finish_reasons": dict(Counter(j.final.get("finish_reason", "error") for j in follower.jobs.values())),
-            "dead_letters": dead,
-            "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            "elapsed_s": time.perf_counter() - started,
-        }
-        return figures, {j.label: j for j in follower.jobs.values()}
-    finally:
-        if reader is not None:
-            follower.reading = False
-            await asyncio.gather(reader, return_exceptions=True)
+    running = [job(f"running-{i}", text, prompts.running_max_tokens) for i, text in enumerate(prompts.running)]
+    await follower.send(running)
+    await until(have(running, lambda j: READY_TOKENS), "the running decodes")
+    steady_start = time.perf_counter()
+    marks = {j.request_id: len(j.times) for j in running}
+    await until(have(running, lambda j: marks[j.request_id] + args.disagg_steady_tokens), "the steady window")
+    storm = [job(f"storm-{i}", text, args.disagg_output_len) for i, text in enumerate(prompts.storm)]
+    storm_start = await follower.send(storm)
+    await until(have(storm, lambda j: min(2, j.max_tokens)), "the storm's second tokens")
+    storm_end = time.perf_counter()
+    await until(lambda: all(j.final for j in storm), "the storm to finish")
+    await follower.cancel(running)
+    await until(lambda: all(j.final for j in running), "the running decodes' cancels")
+    return {"idle": idle, "lone": _lone(lone), "storm": _storm(running, storm, steady_start, storm_start, storm_end)}
 
 
 async def _idle_cpu(workers: list[WorkerProcess]) -> dict[str, float]:

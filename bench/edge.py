@@ -26,7 +26,7 @@ import uvloop
 
 from bench.metrics import percentile
 from bench.processes import RedisClusterServers, RedisServer, cpu_seconds
-from bench.scenario import Scenario, add_flags
+from bench.scenario import Scenario, add_flags, comma_list
 from bench.systems import run_streams
 from service.connect import connect
 from service.metrics import Metrics
@@ -61,7 +61,7 @@ def _warnings_only():
 
 
 def run(args: argparse.Namespace) -> dict:
-    streams = [int(n) for n in args.edge_streams.split(",") if n.strip()]
+    streams = comma_list(args.edge_streams, "--edge-streams", cast=int)
     publishings = ("per_step", "per_event") if args.edge_baseline else ("per_step",)
     redis = RedisClusterServers if args.edge_cluster else functools.partial(RedisServer, appendonly=False)
     rows = []

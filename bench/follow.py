@@ -1,5 +1,6 @@
 """Jobs queued straight on a fleet's request stream, and one follower that reads all their
-reply streams (and a handoff stream) with one XREAD, stamping each token as it arrives."""
+reply streams (and any other stream watched, e.g. handoffs, dead letters) with one XREAD,
+stamping each token as it arrives."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import inspect
 import math
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import msgpack
@@ -36,6 +38,7 @@ class Job:
     final: dict | None = None
     ended: float | None = None  # its final event's arrival, perf_counter
     last_id: str = "0"
+    events: list[tuple[tuple[int, int], dict, float]] = field(default_factory=list)  # kept: (entry, event, arrival)
     handoff_at: float | None = None  # its handoff entry's arrival
     staged_tokens: int | None = None  # prompt tokens its handoff carried K/V for
 
@@ -66,21 +69,57 @@ def outcomes(jobs: list[Job]) -> dict[str, int]:
     return dict(Counter(j.outcome() for j in jobs))
 
 
+def entry_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a tuple that orders as the stream does."""
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
 class Follower:
     """Queues jobs on `fleet`'s request stream and follows their replies (and the handoff
-    stream) with one XREAD; a job sent with `follow=False` (a backlog) is looked up by `poll`."""
+    stream) with one XREAD; a job sent with `follow=False` (a backlog) is looked up by `poll`.
+    With `keep_events`, each job keeps its events; with `linger_s`, a stream is read that
+    long after its final event (a second writer would show there); `retry` wraps each read."""
 
-    def __init__(self, client, fleet: Fleet, handoff_stream: str | None = None) -> None:
+    def __init__(self, client, fleet: Fleet, handoff_stream: str | None = None, tag: str = "",
+                 keep_events: bool = False, linger_s: float = 0.0, retry=None) -> None:  # fmt: skip
         self.client = client
         self.fleet = fleet
-        self.handoff_stream = handoff_stream
-        self.handoff_last = "0"
+        self.tag = tag  # before each job's label in its request id
+        self.keep_events, self.linger_s = keep_events, linger_s
+        self.retry = retry or (lambda read: read())
+        self.watched: dict[str, list] = {}  # stream: [last entry id read, what reads its entries]
+        if handoff_stream:
+            self.watch(handoff_stream, self._handoffs)
         self.jobs: dict[str, Job] = {}  # by request id
         self.open: dict[str, Job] = {}  # by reply stream
         self.kv_layouts: list[tuple[int, int]] = []  # (K/V bytes, tokens) of each handoff that carried them
         self.changed = asyncio.Condition()
         self.last_event = time.perf_counter()
-        self.reading = True
+        self._reading = True
+
+    def job(self, label: str, prompt: str, max_tokens: int, **fields) -> Job:
+        return Job(label, f"{self.tag}-{label}", prompt, max_tokens, **fields)
+
+    def follow(self, job: Job) -> Job:
+        self.jobs[job.request_id] = job
+        self.open[reply_stream(job.request_id)] = job
+        return job
+
+    def watch(self, stream: str, read) -> None:
+        """`read(entries, arrival)` gets every entry of `stream`, from its start."""
+        self.watched[stream] = ["0", read]
+
+    @contextlib.asynccontextmanager
+    async def reading(self) -> AsyncIterator[Follower]:
+        """`read` in a task while inside."""
+        self._reading = True
+        reader = asyncio.create_task(self.read(), name=f"follower-{self.tag}")
+        try:
+            yield self
+        finally:
+            self._reading = False
+            await asyncio.gather(reader, return_exceptions=True)
 
     async def send(self, jobs: list[Job], follow: bool = True) -> float:
         """Queue the jobs in one round trip; returns when they were sent."""
@@ -112,43 +151,48 @@ class Follower:
         await pipe.execute()
 
     async def read(self) -> None:
-        """Until `reading` is cleared (each XREAD blocks 50 ms at most: cancelling a blocked
-        one can leave redis-py's connection hanging)."""
-        while self.reading:
+        """Until `reading` ends (each XREAD blocks 50 ms at most: cancelling a blocked one can
+        leave redis-py's connection hanging)."""
+        while self._reading:
+            now = time.perf_counter()
+            for key, job in list(self.open.items()):
+                if job.ended is not None and now - job.ended >= self.linger_s:
+                    del self.open[key]
             streams = {key: job.last_id for key, job in self.open.items()}
-            if self.handoff_stream:
-                streams[self.handoff_stream] = self.handoff_last
+            streams |= {stream: last for stream, (last, _) in self.watched.items()}
             if not streams:  # nothing in flight (a job sent now is followed from the next round)
                 await asyncio.sleep(0.01)
                 continue
-            reply = await self.client.xread(streams, block=50)
+            reply = await self.retry(lambda: self.client.xread(streams, block=50))
             now = time.perf_counter()
             for key, entries in reply or []:
                 key = key.decode()
-                if key == self.handoff_stream:
-                    self._handoffs(entries, now)
-                    continue
-                job = self.open[key]
-                for entry_id, fields in entries:
-                    job.last_id = entry_id.decode()
-                    event = msgpack.unpackb(fields[b"data"])
-                    if event["type"] == "token":
-                        job.times.extend([now] * len(event["token_ids"]))
-                        job.tokens.extend(event["token_ids"])
-                    else:
-                        job.final, job.ended = event, now
-                        del self.open[key]
-                        break
+                if key in self.watched:
+                    self.watched[key][0] = entries[-1][0].decode()
+                    self.watched[key][1](entries, now)
+                else:
+                    self._replies(self.open[key], entries, now)
             if reply:
                 self.last_event = now
                 async with self.changed:
                     self.changed.notify_all()
 
+    def _replies(self, job: Job, entries, now: float) -> None:
+        for entry_id, fields in entries:
+            job.last_id = entry_id.decode()
+            event = msgpack.unpackb(fields[b"data"])
+            if self.keep_events:
+                job.events.append((entry_key(job.last_id), event, now))
+            if event["type"] == "token":
+                job.times.extend([now] * len(event["token_ids"]))
+                job.tokens.extend(event["token_ids"])
+            elif job.final is None:
+                job.final, job.ended = event, now
+
     def _handoffs(self, entries, now: float) -> None:
         from service.handoff import Handoff
 
-        for entry_id, fields in entries:
-            self.handoff_last = entry_id.decode()
+        for _, fields in entries:
             handoff = Handoff.of_entry(fields)
             payload = handoff.job_fields.get(b"payload")
             job = self.jobs.get(msgpack.unpackb(payload)["id"]) if payload else None
@@ -203,3 +247,14 @@ class Follower:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), 0.5)
         return True
+
+    async def all_final(self, jobs: list[Job], what: str, **wait) -> bool:
+        return await self.until(lambda: all(j.final for j in jobs), what, **wait)
+
+
+@contextlib.asynccontextmanager
+async def following(client, fleet: Fleet, handoff_stream: str | None = None, tag: str = "") -> AsyncIterator[Follower]:
+    """A follower reading `fleet`'s replies, once its workers and gateways are ready."""
+    await asyncio.to_thread(fleet.wait_all)
+    async with Follower(client, fleet, handoff_stream, tag).reading() as follower:
+        yield follower

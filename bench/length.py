@@ -13,7 +13,6 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -21,10 +20,11 @@ from pathlib import Path
 
 from bench.arrivals import at_t0, poisson
 from bench.fleet import Fleet, model_flags, redis_server
-from bench.follow import Follower, Job
+from bench.follow import Follower
 from bench.length_training import held_out_prompt
 from bench.metrics import metric_total
-from bench.scenario import Scenario, add_flags
+from bench.report import say
+from bench.scenario import Scenario, add_flags, comma_list
 from service.connect import connect
 
 QUIET_LIMIT_S = 120.0
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> dict:
     embeddings = loaded.model.get_input_embeddings().weight.detach().float().numpy
     predictor = policy_predictor(SchedulerConfig(length_policy="predicted"), model, embeddings)
     del loaded, embeddings  # the workers load their own
-    policies = [p for p in args.length_policies.split(",") if p]
-    loads = [float(v) for v in args.length_loads.split(",") if v]
+    policies = comma_list(args.length_policies, "--length-policies", empty=True)
+    loads = comma_list(args.length_loads, "--length-loads", cast=float)
     extra = shlex.split(args.length_worker_args)
 
     report: dict = {"workload": held_out.describe() | {"max_tokens": args.length_max_tokens}, "points": {}}
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
             oracle = ["--length-oracle", str(oracle_file)] if policy == "oracle" else []
             return ["--length-policy", policy, *extra, *oracle]
 
-        print("bench: length: capacity (every request at t0, fcfs)", file=sys.stderr, flush=True)
+        say("length: capacity (every request at t0, fcfs)")
         capacity_run = _serve(url, args, Path(tmp), "capacity", policy_flags("fcfs"), texts, [at_t0(len(texts))])
         records, duration = capacity_run["points"][0]
         truth = [len(r["tokens"]) for r in records]
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
 
         arrivals = [poisson(len(texts), load * capacity, args.seed + i) for i, load in enumerate(loads)]
         for policy in policies:
-            print(f"bench: length: {policy} at loads {loads}", file=sys.stderr, flush=True)
+            say(f"length: {policy} at loads {loads}")
             served = _serve(url, args, Path(tmp), policy, policy_flags(policy), texts, arrivals)
             for load, (records, duration), preemptions in zip(loads, served["points"], served["preemptions"]):
                 figures = _figures(records, duration)
@@ -111,15 +111,15 @@ def run(args: argparse.Namespace) -> dict:
                 figures["same_tokens_as_capacity_run"] = round(same / len(records), 3)
                 report["points"].setdefault(f"load {load}", {})[policy] = figures
         if args.length_deadline_load > 0:
-            low, high = (float(v) for v in args.length_deadline_slack.split(","))
+            low, high = comma_list(args.length_deadline_slack, "--length-deadline-slack", cast=float, count=2)
             draw = random.Random(args.seed)
             slacks = [draw.uniform(low, high) for _ in texts]
             load = args.length_deadline_load
             deadline_arrivals = poisson(len(texts), load * capacity, args.seed + len(loads))
             report["deadlines"] = {"load": load, "slack_s": [low, high], "policies": {}}
             outcomes = {}
-            for policy in [p for p in args.length_deadline_policies.split(",") if p]:
-                print(f"bench: length: deadlines, {policy} at load {load}", file=sys.stderr, flush=True)
+            for policy in comma_list(args.length_deadline_policies, "--length-deadline-policies", empty=True):
+                say(f"length: deadlines, {policy} at load {load}")
                 name, flags = f"deadlines-{policy}", policy_flags(policy)
                 served = _serve(url, args, Path(tmp), name, flags, texts, [deadline_arrivals], slacks)
                 outcomes[policy], _ = served["points"][0]
@@ -164,20 +164,17 @@ async def _send(
     later); every reply followed to its end. Per request: its tokens, its send, first-token
     and end times after t0, its finish reason, and whether it was refused as unmeetable."""
     client = connect(fleet.url, socket_timeout=30)
-    follower = Follower(client, fleet)
-    jobs = [
-        Job(f"len-{tag}-{i}", f"len-{tag}-{i}", text, args.length_max_tokens, ignore_eos=False,
-            slack_s=None if slacks is None else slacks[i])
-        for i, text in enumerate(texts)
-    ]  # fmt: skip
-    order = sorted(range(len(jobs)), key=lambda i: arrivals[i])
-    reader = asyncio.create_task(follower.read())
     try:
-        t0 = await follower.send_at([jobs[i] for i in order], [arrivals[i] for i in order])
-        await follower.until(lambda: all(j.final for j in jobs), "length's replies", limit_s=QUIET_LIMIT_S, quiet=True)
+        async with Follower(client, fleet, tag=f"len-{tag}").reading() as follower:
+            jobs = [
+                follower.job(str(i), text, args.length_max_tokens, ignore_eos=False,
+                             slack_s=None if slacks is None else slacks[i])
+                for i, text in enumerate(texts)
+            ]  # fmt: skip
+            order = sorted(range(len(jobs)), key=lambda i: arrivals[i])
+            t0 = await follower.send_at([jobs[i] for i in order], [arrivals[i] for i in order])
+            await follower.all_final(jobs, "length's replies", limit_s=QUIET_LIMIT_S, quiet=True)
     finally:
-        follower.reading = False
-        await reader
         await client.aclose()
     duration = time.perf_counter() - t0
     for job in jobs:

@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 from bench.scenario import REGISTRY, add_flags, scenario
@@ -78,10 +77,9 @@ def run(args: argparse.Namespace) -> dict:
         return chosen.run(args)
     import torch
 
-    from bench.report import chart_path, write_bar_panels, write_json
+    from bench.report import HostLoad, chart_path, write_bar_panels, write_json
 
-    load_before = os.getloadavg()[0]
-    started = time.perf_counter()
+    load = HostLoad()
     figures = chosen.run(args)
     if chosen.chart_panels is not None:
         png = chart_path(args, DEFAULT_PNG.with_stem(args.scenario))
@@ -97,8 +95,7 @@ def run(args: argparse.Namespace) -> dict:
             "cpu_count": os.cpu_count(),
             "dtype": args.dtype,
             "seed": args.seed,
-            "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            "elapsed_s": time.perf_counter() - started,
+            **load.figures(),
         },
     }
     if args.json is not None:

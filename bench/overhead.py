@@ -30,7 +30,7 @@ import torch
 from bench.drive import bench_engine, kv_bytes
 from bench.metrics import percentile
 from bench.overhead_text import TEXT
-from bench.scenario import Scenario, add_flags, with_model
+from bench.scenario import Scenario, add_flags, comma_list, with_model
 from workers.api import FinalEvent, GenerationRequest, SamplingParams, TokenEvent
 from workers.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from workers.detokenizer import IncrementalDetokenizer
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    sizes = [int(size) for size in args.overhead_sizes.split(",") if size.strip()]
+    sizes = comma_list(args.overhead_sizes, "--overhead-sizes", cast=int)
     one_layer = dataclasses.replace(loaded, model=_one_layer_copy(loaded.model))
     results = {str(size): measure(one_layer, args, vocab_ids, size) for size in sizes}
     for size, figures in results.items():

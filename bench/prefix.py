@@ -17,7 +17,7 @@ from pathlib import Path
 from bench.drive import Driver, kv_bytes, on_fresh_engines, random_prompts
 from bench.metrics import percentile, summarize
 from bench.report import system_panel
-from bench.scenario import Scenario, add_flags, with_model
+from bench.scenario import Scenario, add_flags, comma_list, with_model
 from workers.api import SamplingParams
 from workers.block_pool import blocks_needed
 from workers.config import CacheConfig
@@ -48,9 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    workloads = [w.strip() for w in args.prefix_workloads.split(",") if w.strip()]
-    if not workloads or set(workloads) - set(WORKLOADS):
-        raise SystemExit(f"--prefix-workloads must be a subset of {','.join(WORKLOADS)}, got {args.prefix_workloads!r}")
+    workloads = comma_list(args.prefix_workloads, "--prefix-workloads", WORKLOADS)
     runs = {"shared": run_shared, "multi_turn": run_multi_turn, "n": run_parallel_sampling}
     return {name: runs[name](loaded, args, vocab_ids) for name in WORKLOADS if name in workloads}
 

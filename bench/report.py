@@ -1,13 +1,34 @@
-"""The benchmark's outputs: the JSON report, a comparison PNG and a text table."""
+"""The benchmark's outputs: progress lines, the host's load, the JSON report, a comparison
+PNG and a text table."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from pathlib import Path
 
 # Keys every system carries under `systems.<name>` (the issue's contract).
 SYSTEM_KEYS = tuple("output_tokens_per_s requests_per_s ttft_p50_s ttft_p99_s itl_p50_s itl_p99_s peak_rss_mb".split())
 PEERS = ("hf_continuous", "hf_static", "llamacpp", "vllm", "vllm_default")
+
+
+def say(what: str) -> None:
+    """A progress line, on stderr: stdout carries the figures."""
+    print(f"bench: {what}", file=sys.stderr, flush=True)
+
+
+class HostLoad:
+    """The host's 1-minute load average from now to `figures()`, and the seconds between:
+    other processes on the host skew every figure, and this says whether there were any."""
+
+    def __init__(self) -> None:
+        self.before, self.started = os.getloadavg()[0], time.perf_counter()
+
+    def figures(self) -> dict:
+        load = [round(self.before, 2), round(os.getloadavg()[0], 2)]
+        return {"load_average_1m": load, "elapsed_s": round(time.perf_counter() - self.started, 2)}
 
 
 def build_report(workload: dict, environment: dict, systems: dict[str, dict]) -> dict:

@@ -37,6 +37,20 @@ def add_flags(parser: argparse.ArgumentParser, title: str, flags: dict[str, tupl
     return group
 
 
+def comma_list(text: str, flag: str, allowed: tuple = (), cast: Callable = str, count: int | None = None,
+               empty: bool = False) -> list:  # fmt: skip
+    """A comma-separated flag's values, cast: at least one unless `empty` (exactly `count` if
+    given), each of `allowed` if given; else the run exits saying what the flag takes."""
+    wanted = f"some of {','.join(allowed)}" if allowed else f"{count or 'some'} {cast.__name__} values"
+    try:
+        values = [cast(value.strip()) for value in text.split(",") if value.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} takes {wanted}, comma-separated, got {text!r}") from None
+    if (not values and not empty) or (count and len(values) != count) or (allowed and set(values) - set(allowed)):
+        raise SystemExit(f"{flag} takes {wanted}, comma-separated, got {text!r}")
+    return values
+
+
 def with_model(run: Callable) -> Callable[[argparse.Namespace], dict]:
     """`run(loaded, args, vocab_ids)` as a scenario's run, on the bench's model loaded here."""
 

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,6 +39,7 @@ from pathlib import Path
 from bench.arrivals import BURST, rate_points
 from bench.http_client import CompletionsClient, Prompt
 from bench.metrics import RequestRecord, latency_figures
+from bench.report import HostLoad, say
 from bench.scenario import D, Scenario, add_flags
 from bench.servers import inflight_server, signals_as_exit, vllm_server
 from bench.workload import WORKLOAD_FLAGS, draw_workload
@@ -149,8 +148,8 @@ def run(args: argparse.Namespace) -> dict:
                 continue
             log_dir = Path(tmp) / f"{label}-{round_index}"
             log_dir.mkdir()
-            load_before = os.getloadavg()[0]
-            print(f"bench: serve {label}: starting", file=sys.stderr, flush=True)
+            load = HostLoad()
+            say(f"serve {label}: starting")
             if system == "engine":
                 server = inflight_server(args, log_dir)
             else:
@@ -163,12 +162,12 @@ def run(args: argparse.Namespace) -> dict:
                         asyncio.run(_measure(settings["url"], prompts, points, args, label))
                     )
             except Exception as error:  # one system's failure keeps the other's figures
-                print(f"bench: serve {label} failed: {error}", file=sys.stderr, flush=True)
+                say(f"serve {label} failed: {error}")
                 results[label] = {"error": str(error)[-4000:]}
                 continue
             settings.pop("url")
             system_results = results.setdefault(label, {"server": settings, "load_average_1m": []})
-            system_results["load_average_1m"].append([round(load_before, 2), round(os.getloadavg()[0], 2)])
+            system_results["load_average_1m"].append(load.figures()["load_average_1m"])
         for label, rounds in measured.items():
             if "error" not in results[label]:
                 results[label] |= _pooled(rounds, args)
@@ -222,7 +221,7 @@ async def _measure(url: str, prompts: list[Prompt], points: dict, args: argparse
             raise RuntimeError(f"warm-up requests failed: {errors}")
         figures = {}
         for name, arrivals in points.items():
-            print(f"bench: serve {label}: {name} ({len(prompts)} requests)", file=sys.stderr, flush=True)
+            say(f"serve {label}: {name} ({len(prompts)} requests)")
             figures[name] = await client.send(prompts, arrivals)
         return figures
 

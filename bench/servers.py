@@ -11,7 +11,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from bench import peer_vllm
 from bench.fleet import BACKPRESSURE_OFF, Fleet
 from bench.processes import RedisServer, answers_http, free_port, start_reaper, stop_reaper, wait_for
+from bench.report import say
 from service.config import DEFAULT_MODEL_NAME
 
 VLLM_STOP_WAIT_S = 30.0
@@ -77,7 +77,7 @@ def vllm_server(
             command, cwd=log_dir, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     reaper = start_reaper([f"-{process.pid}"])
-    print(f"bench: serve vllm: process group {process.pid}, log {log_path}", file=sys.stderr, flush=True)
+    say(f"serve vllm: process group {process.pid}, log {log_path}")
     try:
         url = f"http://127.0.0.1:{port}"
         late = f"was not healthy in {start_timeout_s:.0f} s"

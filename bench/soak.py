@@ -20,14 +20,13 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgpack
 from redis.exceptions import ResponseError
 
 from bench.chaos import FAULTS, REDIS_STALL_S, STOP_S, Gateways, completion_body, pause
 from bench.fleet import Fleet, model_flags
+from bench.follow import Follower, Job, entry_key
 from bench.metrics import metric_total, percentile_or_none
 from bench.processes import RedisServer, WorkerProcess
 from bench.scenario import D, Scenario, add_flags
@@ -100,12 +99,13 @@ async def _run(args: argparse.Namespace, tmp: Path, duration: float) -> dict:
         RedisServer(tmp / "redis") as server,
         Fleet(tmp, server.url, "inflight", _worker_flags(args), graceful=True) as fleet,
     ):
-        workers = [fleet.start(name) for name in ("w1", "w2")]
+        for name in ("w1", "w2"):
+            fleet.start(name)
         gateways = Gateways(fleet, random.Random(args.seed), args.soak_reply_ttl_s) if args.soak_chaos else None
         client = connect(server.url, socket_timeout=10)
         try:
             await asyncio.to_thread(fleet.wait_all)  # the workers loading side by side
-            return await _Soak(client, server, workers, args, gateways).run(duration)
+            return await _Soak(client, server, fleet, args, gateways).run(duration)
         finally:
             await client.aclose()
 
@@ -121,42 +121,24 @@ def _worker_flags(args: argparse.Namespace) -> list[str]:
     ]  # fmt: skip
 
 
-@dataclass
-class _Job:
-    request_id: str
-    reply_to: str
-    entry_id: str = ""
-    # (reply entry id, event, arrival time here), in stream order.
-    events: list[tuple[tuple[int, int], dict, float]] = field(default_factory=list)
-    last_id: str = "0"
-    final: dict | None = None
-    final_at: float | None = None
-    cancelled_when: str | None = None  # queued, running or finished: when the cancel was sent
-
-    @property
-    def tokens(self) -> list[int]:
-        return [event["seq"] for _, event, _ in self.events if event["type"] == "token"]
-
-
 class _Soak:
-    def __init__(
-        self, client, server: RedisServer, workers: list[WorkerProcess], args: argparse.Namespace, gateways=None
-    ) -> None:
+    def __init__(self, client, server: RedisServer, fleet: Fleet, args: argparse.Namespace, gateways=None) -> None:
         self.client = client
         self.server = server
         self.args = args
         self.gateways: Gateways | None = gateways
-        self.workers = workers
-        self.killed_worker, self.survivor = workers
+        self.workers = list(fleet.workers.values())
+        self.killed_worker, self.survivor = self.workers
         self.http_tasks: set[asyncio.Task] = set()
         self.rng = random.Random(args.seed)
         self.counter = itertools.count()
-        self.jobs: dict[str, _Job] = {}  # good jobs, by reply stream
-        self.by_entry: dict[str, _Job] = {}
-        self.open: set[str] = set()  # reply streams still read
+        # Every good job's reply stream, and the dead letters, read by one XREAD through Redis's restarts.
+        self.follower = Follower(client, fleet, keep_events=True, linger_s=LINGER_S, retry=_retrying)
+        self.follower.watch(CONFIG.dead_letter_stream, self._dead_letters)
+        self.by_entry: dict[str, Job] = {}
+        self.cancelled: dict[str, str] = {}  # request id -> queued, running or finished: when the cancel went
         self.malformed: dict[str, str] = {}  # entry id -> the code it should be dead-lettered with
         self.dead: dict[str, str] = {}  # entry id -> code, from the dead-letter stream
-        self.reading = True
         self.last_entry = (0, 0)
         self.chaos: dict = {}
         self.interruptions: list[dict] = []  # each worker SIGKILL or SIGSTOP: when, and where its streams stood
@@ -164,8 +146,11 @@ class _Soak:
         self.rss_samples: list[list[int]] = []  # [s after the warm-up, kB]
 
     async def run(self, duration: float) -> dict:
+        async with self.follower.reading():
+            return await self._traffic(duration)
+
+    async def _traffic(self, duration: float) -> dict:
         memory_before = await self._used_memory()
-        reader = asyncio.create_task(self._read())
         started = time.monotonic()
         chaos = asyncio.create_task(self._chaos(started, duration))
         async with self.gateways or contextlib.nullcontext():
@@ -183,12 +168,10 @@ class _Soak:
         await asyncio.sleep(self.args.soak_reply_ttl_s + 10)  # let every reply stream expire
         memory_after = await self._used_memory()
         keys_left = await self._keys_left()
-        self.reading = False
-        await reader
         return self._report(traffic_s, idle, rss_end, alive, memory_before, memory_after, keys_left)
 
     def _outstanding(self) -> int:
-        return sum(1 for key in self.open if self.jobs[key].final is None) + len(self.http_tasks)
+        return sum(job.final is None for job in self.follower.open.values()) + len(self.http_tasks)
 
     # -- traffic -------------------------------------------------------------------------
 
@@ -227,17 +210,15 @@ class _Soak:
             options["ignore_eos"] = True
         return text, options
 
-    def _follow(self, request_id: str) -> _Job:
-        job = self.jobs[reply_stream(request_id)] = _Job(request_id, reply_stream(request_id))
-        self.open.add(job.reply_to)
-        return job
+    def _follow(self, request_id: str) -> Job:
+        return self.follower.follow(Job(request_id, request_id, "", 0))
 
     async def _send_http(self) -> None:
         """A streamed completion through a gateway; its reply stream is checked as the queue's are."""
         text, options = self._draw()
         await self.gateways.stream(completion_body(text, options), self._follow)
 
-    async def _send_job(self) -> _Job:
+    async def _send_job(self) -> Job:
         rng = self.rng
         request_id = f"soak-{next(self.counter)}"
         text, options = self._draw()
@@ -294,38 +275,17 @@ class _Soak:
                 return entry_id
             last = await _retrying(lambda: self.client.xrevrange(CONFIG.requests_stream, count=1))
             if last:  # after the stream's last entry
-                self.last_entry = max(self.last_entry, _entry(last[0][0].decode()))
+                self.last_entry = max(self.last_entry, entry_key(last[0][0].decode()))
 
-    async def _cancel_later(self, job: _Job, running: bool, delay: float) -> None:
+    async def _cancel_later(self, job: Job, running: bool, delay: float) -> None:
         while running and not job.tokens and not job.final:
             await asyncio.sleep(0.05)
         await asyncio.sleep(delay)
-        job.cancelled_when = "finished" if job.final else "running" if job.tokens else "queued"
+        self.cancelled[job.request_id] = "finished" if job.final else "running" if job.tokens else "queued"
         await _retrying(lambda: self.client.xadd(CONFIG.control_stream, {"type": "cancel", "id": job.request_id}))
 
-    # -- readers -------------------------------------------------------------------------
-
-    async def _read(self) -> None:
-        """One XREAD follows every open reply stream and the dead-letter stream."""
-        dead_last = "0"
-        while self.reading:
-            now = time.monotonic()
-            self.open = {key for key in self.open if (at := self.jobs[key].final_at) is None or now - at < LINGER_S}
-            streams = {key: self.jobs[key].last_id for key in self.open} | {CONFIG.dead_letter_stream: dead_last}
-            reply = await _retrying(lambda: self.client.xread(streams, block=200))
-            arrived = time.monotonic()
-            for key, entries in reply or []:
-                if key.decode() == CONFIG.dead_letter_stream:
-                    dead_last = entries[-1][0]
-                    self.dead.update((fields[b"entry_id"].decode(), fields[b"code"].decode()) for _, fields in entries)
-                    continue
-                job = self.jobs[key.decode()]
-                for entry_id, fields in entries:
-                    job.last_id = entry_id.decode()
-                    event = msgpack.unpackb(fields[b"data"])
-                    job.events.append((_entry(job.last_id), event, arrived))
-                    if event["type"] != "token" and job.final is None:
-                        job.final, job.final_at = event, arrived
+    def _dead_letters(self, entries, _) -> None:
+        self.dead.update((fields[b"entry_id"].decode(), fields[b"code"].decode()) for _, fields in entries)
 
     # -- chaos ---------------------------------------------------------------------------
 
@@ -394,7 +354,7 @@ class _Soak:
             self.rss_samples.append([round(time.monotonic() - start), self.survivor.rss_kb()])
             await asyncio.sleep(max(1.0, (until - start) / 20))
 
-    async def _streaming(self, worker: WorkerProcess) -> list[_Job]:
+    async def _streaming(self, worker: WorkerProcess) -> list[Job]:
         """The jobs the worker holds that have tokens and no end yet (waits up to 30 s for one)."""
         deadline = time.monotonic() + 30
         while True:
@@ -409,15 +369,15 @@ class _Soak:
                 return streaming
             await asyncio.sleep(0.1)
 
-    async def _mark(self, streaming: list[_Job], kind: str) -> None:
-        """Where each stream stood when its worker was interrupted (now)."""
-        at = time.monotonic()
+    async def _mark(self, streaming: list[Job], kind: str) -> None:
+        """Where each stream stood when its worker was interrupted (now, on the follower's clock)."""
+        at = time.perf_counter()
         async with self.client.pipeline(transaction=False) as pipe:
             for job in streaming:
-                pipe.xrevrange(job.reply_to, count=1)
+                pipe.xrevrange(reply_stream(job.request_id), count=1)
             last = await _retrying(pipe.execute)
         streams = {
-            job.reply_to: _entry(rows[0][0].decode())
+            job.request_id: entry_key(rows[0][0].decode())
             for job, rows in zip(streaming, last)
             if rows and rows[0][1][b"type"] == b"token"
         }
@@ -447,8 +407,8 @@ class _Soak:
         """From each SIGKILL (or SIGSTOP) to the next token of each stream the worker was serving."""
         waits, per_stream = [], {}
         for interruption in self.interruptions:
-            for key, mark in interruption["streams"].items():
-                job = self.jobs[key]
+            for request_id, mark in interruption["streams"].items():
+                job = self.follower.jobs[request_id]
                 later = [at for entry, _, at in job.events if entry > mark]
                 waits.append(later[0] - interruption["at"] if later else None)
                 per_stream[job.request_id] = {
@@ -469,11 +429,11 @@ class _Soak:
         }
 
     def _report(self, traffic_s, idle, rss_end, alive, memory_before, memory_after, keys_left) -> dict:
-        jobs = list(self.jobs.values())
+        jobs = list(self.follower.jobs.values())
         finals = [job.final for job in jobs if job.final]
         reasons = Counter(final["finish_reason"] for final in finals if final["type"] == "done")
-        cancelled = [job for job in jobs if job.cancelled_when]
-        ended_by_cancel = [job for job in cancelled if (job.final or {}).get("finish_reason") == "cancelled"]
+        ended = {job.request_id: (job.final or {}).get("finish_reason") for job in jobs}
+        ended_by_cancel = [request_id for request_id in self.cancelled if ended[request_id] == "cancelled"]
         dead_codes = {entry: self.dead.get(entry) for entry in self.malformed}  # None: not dead-lettered
         kv_in_use = {name: state["kv_blocks_used"] for name, state in idle.items()}
         rss_warm = self.chaos["rss_warm_kb"]
@@ -489,8 +449,8 @@ class _Soak:
                 "lost_samples": [job.request_id for job in jobs if job.final is None][:10],
             },
             # By where the job was when the cancel went out.
-            "cancels_sent": dict(Counter(job.cancelled_when for job in cancelled)),
-            "cancels_that_ended_the_job": dict(Counter(job.cancelled_when for job in ended_by_cancel)),
+            "cancels_sent": dict(Counter(self.cancelled.values())),
+            "cancels_that_ended_the_job": dict(Counter(self.cancelled[r] for r in ended_by_cancel)),
             "malformed": {
                 "sent": len(self.malformed),
                 "without_dead_letter": sum(code is None for code in dead_codes.values()),
@@ -549,11 +509,11 @@ class _Soak:
         return figures
 
 
-def _seq_faults(jobs: list[_Job]) -> dict:
+def _seq_faults(jobs: list[Job]) -> dict:
     """What exactly-once delivery rules out, counted over every job's reply stream."""
     faults = dict.fromkeys(("duplicate", "missing", "events_after_final", "usage_mismatch"), 0)
     for job in jobs:
-        seqs = job.tokens
+        seqs = [event["seq"] for _, event, _ in job.events if event["type"] == "token"]
         faults["duplicate"] += len(seqs) - len(set(seqs))
         faults["missing"] += (max(seqs) + 1 - len(set(seqs))) if seqs else 0
         ends = [i for i, (_, event, _) in enumerate(job.events) if event["type"] != "token"]
@@ -619,11 +579,6 @@ def _engine_state(metrics: dict) -> dict:
 
 def _bytes(value) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
-
-
-def _entry(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
 
 
 async def _sleep_until(moment: float) -> None:

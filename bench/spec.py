@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import time
 from collections import Counter
 
 from bench.arrivals import ArrivalQueue
 from bench.drive import Driver, StepRecorder, bench_engine, random_prompts
-from bench.scenario import D, Scenario, add_flags, with_model
+from bench.report import HostLoad
+from bench.scenario import D, Scenario, add_flags, comma_list, with_model
 from workers.config import SpeculativeConfig
 from workers.model_loader import encode_prompt
 
@@ -69,9 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
-    workloads = [w.strip() for w in args.spec_workloads.split(",") if w.strip()]
-    if not workloads or set(workloads) - set(WORKLOADS):
-        raise SystemExit(f"--spec-workloads must be a subset of {','.join(WORKLOADS)}, got {args.spec_workloads!r}")
+    workloads = comma_list(args.spec_workloads, "--spec-workloads", WORKLOADS)
     if not 1 <= args.spec_copy_requests <= len(COPY_PROMPTS):
         raise SystemExit(f"--spec-copy-requests must be in [1, {len(COPY_PROMPTS)}]")
     on = SpeculativeConfig(max_draft_tokens=args.spec_max_draft_tokens)
@@ -81,7 +79,7 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
             encode_prompt(loaded.tokenizer, [{"role": "user", "content": text}])
             for text in COPY_PROMPTS[: args.spec_copy_requests]
         ]
-        for concurrency in _counts(args.spec_concurrency):
+        for concurrency in comma_list(args.spec_concurrency, "--spec-concurrency", cast=int):
             requests = [
                 request(f"copy{i}", ids, args.spec_max_tokens, ignore_eos=False) for i, ids in enumerate(prompts)
             ]
@@ -96,13 +94,9 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
 
         workload = make_sharegpt_workload(loaded.tokenizer, args.requests, args.sharegpt_max_output, args.seed)
         requests = [request(r.request_id, r.prompt_ids, r.output_len) for r in workload.requests]
-        for concurrency in _counts(args.spec_sharegpt_concurrency):
+        for concurrency in comma_list(args.spec_sharegpt_concurrency, "--spec-sharegpt-concurrency", cast=int):
             report[f"sharegpt_c{concurrency}"] = compare(loaded, args, on, requests, min(concurrency, len(requests)))
     return report
-
-
-def _counts(text: str) -> list[int]:
-    return [int(c) for c in text.split(",") if c.strip()]
 
 
 def request(request_id: str, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
@@ -117,7 +111,7 @@ def compare(loaded, args, on: SpeculativeConfig, requests: list[dict], concurren
         name: Run(loaded, args, speculative, requests, concurrency)
         for name, speculative in (("off", SpeculativeConfig(enabled=False)), ("on", on))
     }
-    load_before = os.getloadavg()[0]
+    load = HostLoad()
     while any(run.going for run in runs.values()):
         # The one behind steps next, so both cross the workload over the same stretch of time.
         min((run for run in runs.values() if run.going), key=lambda run: run.num_output_tokens).step()
@@ -125,16 +119,19 @@ def compare(loaded, args, on: SpeculativeConfig, requests: list[dict], concurren
     result = {name: run.figures() for name, run in runs.items()}
     del runs
     gc.collect()
-    return result | {
-        "requests": len(requests),
-        "concurrency": concurrency,
-        "identical": off.driver.tokens == spec.driver.tokens,
-        "speedup": result["on"]["output_tok_s"] / result["off"]["output_tok_s"],
-        "copied_fraction": copied_fraction(
-            [r["prompt_ids"] for r in requests], [off.driver.tokens[r["request_id"]] for r in requests]
-        ),
-        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-    }
+    return (
+        result
+        | {
+            "requests": len(requests),
+            "concurrency": concurrency,
+            "identical": off.driver.tokens == spec.driver.tokens,
+            "speedup": result["on"]["output_tok_s"] / result["off"]["output_tok_s"],
+            "copied_fraction": copied_fraction(
+                [r["prompt_ids"] for r in requests], [off.driver.tokens[r["request_id"]] for r in requests]
+            ),
+        }
+        | load.figures()
+    )
 
 
 class Run:

@@ -54,17 +54,10 @@ class ThroughRedis:
         self.client, self.fleet = client, fleet
 
     async def generate(self, prompts: dict[str, tuple[str, int]]) -> dict[str, list[float]]:
-        follower = Follower(self.client, self.fleet)
         jobs = [Job(rid, rid, text, n) for rid, (text, n) in prompts.items()]
-        reader = asyncio.create_task(follower.read())
-        try:
+        async with Follower(self.client, self.fleet).reading() as follower:
             t0 = await follower.send(jobs)
-            await follower.until(
-                lambda: all(j.final for j in jobs), "through Redis", limit_s=QUIET_LIMIT_S, quiet=True, errors_fail=True
-            )
-        finally:
-            follower.reading = False
-            await reader
+            await follower.all_final(jobs, "through Redis", limit_s=QUIET_LIMIT_S, quiet=True, errors_fail=True)
         await delete_replies(self.client, list(prompts))
         return {job.label: [t - t0 for t in job.times] for job in jobs}
 

@@ -16,16 +16,16 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 from bench.arrivals import poisson
 from bench.fleet import BenchRun, Fleet, bench_run, model_flags
-from bench.follow import Follower, Job, outcomes
+from bench.follow import Follower, Job, following, outcomes
 from bench.metrics import latency_figures, metric_total, percentile_or_none
-from bench.scenario import D, Scenario, add_flags
+from bench.report import HostLoad, say
+from bench.scenario import D, Scenario, add_flags, comma_list
 from bench.servers import signals_as_exit
 from service.config import FairQueueConfig
 from workers.config import SchedulerConfig
@@ -67,10 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             0.0, "(c) the workers' --max-queue-wait-s; 0: (b)'s TTFT p99 alone, else 2 s" + D),
         "--tenants-max-queued-jobs": (0, "(c) the workers' --max-queued-jobs (0: none)" + D),
     })  # fmt: skip
-
-
-def say(what: str) -> None:
-    print(f"bench: tenants: {what}", file=sys.stderr, flush=True)
 
 
 class Counters:
@@ -116,19 +112,15 @@ class Counters:
 class Session:
     """Two workers on streams of their own, and this process's follower of them."""
 
-    name: str
-    run_id: str
     client: object
     fleet: Fleet
     follower: Follower
     counters: Counters
 
-    def job(self, label: str, prompt: str, max_tokens: int, **fields) -> Job:
-        return Job(label, f"{self.run_id}-{self.name}-{label}", prompt, max_tokens, **fields)
-
     def jobs(self, label: str, drawn: list[tuple[str, int]], tenant: str, **fields) -> list[Job]:
         """A job of `tenant` per (text, max_tokens), labelled `label-<index>`."""
-        return [self.job(f"{label}-{i}", text, n, tenant=tenant, **fields) for i, (text, n) in enumerate(drawn)]
+        job = self.follower.job
+        return [job(f"{label}-{i}", text, n, tenant=tenant, **fields) for i, (text, n) in enumerate(drawn)]
 
     async def until(self, condition, what: str, poll: list[Job] = (), required: bool = True) -> bool:
         """Wait for `condition()` (a coroutine function's too), looking up `poll`'s final
@@ -164,12 +156,8 @@ class Prompts:
 def run(args: argparse.Namespace) -> dict:
     import uvloop
 
-    parts = [p.strip() for p in args.tenants_parts.split(",") if p.strip()]
-    if not parts or set(parts) - set(PARTS):
-        raise SystemExit(f"--tenants-parts takes some of {','.join(PARTS)}, got {args.tenants_parts!r}")
-    cores = [c.strip() for c in args.tenants_cores.split(",") if c.strip()]
-    if len(cores) != 2:
-        raise SystemExit(f"--tenants-cores takes two cores, got {args.tenants_cores!r}")
+    parts = comma_list(args.tenants_parts, "--tenants-parts", PARTS)
+    cores = comma_list(args.tenants_cores, "--tenants-cores", count=2)
     prompts = _prompts(args, parts)
     with signals_as_exit():  # SIGTERM stops the workers on the way out too
         return uvloop.run(_run(args, parts, cores, prompts))
@@ -275,11 +263,8 @@ async def _run(args: argparse.Namespace, parts: list[str], cores: list[str], pro
 
 
 async def _timed(part) -> dict:
-    load_before, started = os.getloadavg()[0], time.perf_counter()
-    figures = await part
-    figures["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    figures["elapsed_s"] = round(time.perf_counter() - started, 1)
-    return figures
+    load = HostLoad()
+    return await part | load.figures()
 
 
 @contextlib.asynccontextmanager
@@ -287,26 +272,17 @@ async def _session(run: BenchRun, name: str, args, cores: list[str], prompts: Pr
     """Two fair-queue workers on `name`'s own streams (prefix caching off: the same prompts
     go twice, alone and under load), warmed up; stopped, and every key of theirs deleted,
     on the way out."""
-    say(f"starting the workers ({name})")
-    fleet = run.fleet(name, _worker_flags(args, extra))
-    for consumer, core in WORKERS:
-        fleet.start(consumer, cores=cores[core])
-    follower = Follower(run.client, fleet)
-    session = Session(name, run.run_id, run.client, fleet, follower, Counters(run.client, fleet.stream))
-    reader = None
-    try:
-        await asyncio.to_thread(fleet.wait_all)
-        reader = asyncio.create_task(follower.read(), name="tenants-reader")
-        for i, text in enumerate(prompts.warmup):  # one at a time: a cap on queued jobs refuses none
-            warm = session.job(f"warmup-{i}", text, WARMUP_TOKENS, tenant="warmup")
-            await follower.send([warm])
-            await session.until(lambda: warm.final is not None, "the warm-up")
-        yield session
-    finally:
-        if reader is not None:
-            follower.reading = False
-            await asyncio.gather(reader, return_exceptions=True)
-        await asyncio.to_thread(fleet.close)
+    say(f"tenants: starting the workers ({name})")
+    with run.fleet(name, _worker_flags(args, extra)) as fleet:
+        for consumer, core in WORKERS:
+            fleet.start(consumer, cores=cores[core])
+        async with following(run.client, fleet, tag=f"{run.run_id}-{name}") as follower:
+            session = Session(run.client, fleet, follower, Counters(run.client, fleet.stream))
+            for i, text in enumerate(prompts.warmup):  # one at a time: a cap on queued jobs refuses none
+                warm = follower.job(f"warmup-{i}", text, WARMUP_TOKENS, tenant="warmup")
+                await follower.send([warm])
+                await session.until(lambda: warm.final is not None, "the warm-up")
+            yield session
 
 
 def _worker_flags(args, extra) -> list[str]:
@@ -326,7 +302,7 @@ def _worker_flags(args, extra) -> list[str]:
 async def _part_a(s: Session, prompts: Prompts, args) -> dict:
     """A flood ahead of two light tenants, all backlogged from t0; the flood's rest is
     cancelled once the light tenants are done; then their jobs again, alone."""
-    say("(a) a flood and two light tenants")
+    say("tenants: (a) a flood and two light tenants")
     out = args.tenants_output_len
     heavy = s.jobs("a-heavy", [(text, out) for text in prompts.flood], "heavy")
     light = [
@@ -405,7 +381,7 @@ def _shares(samples: list, tenants: list[str]) -> dict | None:
 async def _capacity(s: Session, prompts: Prompts) -> dict:
     """Requests finished per second while the workers were full (until the last job
     started), and weighted tokens charged per second over the same time."""
-    say("capacity")
+    say("tenants: capacity")
     jobs = s.jobs("probe", prompts.probe, "probe", ignore_eos=prompts.ignore_eos)
     before, _ = await s.counters.read()
     t0 = time.perf_counter()
@@ -437,13 +413,13 @@ async def _part_b(s: Session, prompts: Prompts, capacity: dict, args) -> dict:
     backlog queued at once (cancelled after)."""
     rate = args.tenants_interactive_load * capacity["requests_per_s"]
     arrivals = poisson(len(prompts.interactive), rate, args.seed)
-    say(f"(b) interactive at {rate:.3g}/s alone")
+    say(f"tenants: (b) interactive at {rate:.3g}/s alone")
     alone = await _interactive(s, "b-alone", prompts, arrivals)
     if capacity["weighted_tokens_per_s"] is None:  # the flag's: at the interactive jobs' mean cost
         costs = [_cost(j.final["usage"]) for j in alone["jobs"] if j.outcome() in ("stop", "length")]
         capacity["weighted_tokens_per_s"] = round(capacity["requests_per_s"] * sum(costs) / len(costs), 1)
 
-    say(f"(b) {len(prompts.batch)} batch jobs, then the same arrivals")
+    say(f"tenants: (b) {len(prompts.batch)} batch jobs, then the same arrivals")
     batch = s.jobs("b-batch", prompts.batch, "bulk", batch=True, ignore_eos=prompts.ignore_eos)
     await s.follower.send(batch, follow=False)
 
@@ -505,7 +481,7 @@ async def _part_c(s: Session, prompts: Prompts, capacity: dict, base_ttft_p99_ms
     fast (request entry's id to its dead letter's, both Redis's clock, in ms), and the
     accepted jobs left unfinished TENANTS_DRAIN_S after the last arrival."""
     rate = args.tenants_overload * capacity["requests_per_s"]
-    say(f"(c) {len(prompts.overload)} jobs at {rate:.3g}/s")
+    say(f"tenants: (c) {len(prompts.overload)} jobs at {rate:.3g}/s")
     jobs = s.jobs("c", prompts.overload, "overload", ignore_eos=prompts.ignore_eos)
     arrivals = poisson(len(jobs), rate, args.seed + 1)
     async with s.counters.sampling(time.perf_counter()) as samples:

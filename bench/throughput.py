@@ -14,14 +14,14 @@ import argparse
 import functools
 import os
 import platform
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from bench.children import REPO_ROOT, Children
 from bench.metrics import summarize
-from bench.scenario import Scenario
+from bench.report import say
+from bench.scenario import Scenario, comma_list
 
 SYSTEMS = ("engine", "hf_continuous", "hf_static", "llamacpp", "vllm")
 DEFAULT_PNG = Path("bench-results/bench.png")
@@ -47,12 +47,11 @@ def run(args: argparse.Namespace) -> dict:
     returns the report."""
     if args.scenario == "single":
         single_stream_workload(args)
-    from bench.report import build_report, chart_path, format_table, write_json, write_png
+    from bench.report import HostLoad, build_report, chart_path, format_table, write_json, write_png
     from bench.workload import WORKLOAD_FLAGS, Workload
 
     systems, sweep, vllm_settings = _checked(args)
-    # Other processes on the host skew every figure; the load average says whether there were any.
-    load_before = os.getloadavg()[0]
+    load = HostLoad()
     with tempfile.TemporaryDirectory(prefix="inflight-bench-") as tmp:
         children = Children(Path(tmp), args.model, args.dtype, args.weights)
         prepared = children.run("prepare", **{name: getattr(args, name) for name in WORKLOAD_FLAGS})
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
         "one_process_per_system": True,
-        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # at start, at end
+        **load.figures(),
     }
     report = build_report(description, environment, results)
     if args.json is not None:
@@ -106,13 +105,13 @@ def without_missing_peers(systems: list[str], vllm_python: Path = DEFAULT_VLLM_P
     """`systems` less llamacpp where llama-cpp-python is not installed and less vllm where
     its environment is missing, with a line saying so."""
     if "vllm" in systems and not Path(vllm_python).exists():
-        print(f"bench: vllm skipped: {vllm_python} is missing (`make vllm-peer` builds it)", file=sys.stderr)
+        say(f"vllm skipped: {vllm_python} is missing (`make vllm-peer` builds it)")
         systems = [s for s in systems if s != "vllm"]
     from bench.peer_llamacpp import INSTALL_HINT, available
 
     if "llamacpp" not in systems or available():
         return systems
-    print(f"bench: llamacpp skipped: llama-cpp-python is not installed; {INSTALL_HINT}", file=sys.stderr)
+    say(f"llamacpp skipped: llama-cpp-python is not installed; {INSTALL_HINT}")
     return [s for s in systems if s != "llamacpp"]
 
 
@@ -146,11 +145,9 @@ def figures(system: str, out: dict) -> dict:
 def _checked(args: argparse.Namespace) -> tuple[list[str], list[int], list[str]]:
     """The systems to run (less the peers that are not installed), the hf_continuous sweep
     and vLLM's settings, from the flags; a flag out of range exits with what it needs."""
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not systems or set(systems) - set(SYSTEMS):
-        raise SystemExit(f"--systems must be a subset of {','.join(SYSTEMS)}, got {args.systems!r}")
-    sweep = [int(v) for v in args.hf_batch_tokens.split(",") if v.strip()]
-    if "hf_continuous" in systems and (not sweep or min(sweep) < 1):
+    systems = comma_list(args.systems, "--systems", SYSTEMS)
+    sweep = comma_list(args.hf_batch_tokens, "--hf-batch-tokens", cast=int) if "hf_continuous" in systems else []
+    if min(sweep, default=1) < 1:
         raise SystemExit(f"--hf-batch-tokens needs positive integers, got {args.hf_batch_tokens!r}")
     for name in ("prompt_len", "output_len"):
         lo, hi = getattr(args, name)
@@ -158,9 +155,7 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[int], list[str]]
             raise SystemExit(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX, got {lo} {hi}")
     if args.requests < 1 or args.static_batch < 1 or args.rounds < 1:
         raise SystemExit("--requests, --static-batch and --rounds must be >= 1")
-    vllm_settings = [v.strip() for v in args.vllm_settings.split(",") if v.strip()]
-    if "vllm" in systems and (not vllm_settings or set(vllm_settings) - set(VLLM_SETTINGS)):
-        raise SystemExit(f"--vllm-settings must be a subset of {','.join(VLLM_SETTINGS)}, got {args.vllm_settings!r}")
+    vllm_settings = comma_list(args.vllm_settings, "--vllm-settings", tuple(VLLM_SETTINGS)) if "vllm" in systems else []
     return without_missing_peers(systems, args.vllm_python), sweep, vllm_settings
 
 
