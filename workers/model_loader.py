@@ -385,14 +385,17 @@ def _check_attention(model: PreTrainedModel, source: str) -> None:
     layers = model.config.get_text_config().num_hidden_layers
     if sorted(index for index, _, _ in calls if index is not None) != list(range(layers)):
         raise UnsupportedModel(
-            f"{source}: {len(calls)} attention calls for its {layers} layers; the paged KV cache needs each layer "
-            "to attend once through transformers' AttentionInterface (state-space, linear-attention and "
-            "cross-attention layers do not)"
+            f"{source}: a forward calls transformers' AttentionInterface {len(calls)} times for its {layers} "
+            "layers; the paged KV cache needs each layer to attend once through it (state-space, "
+            "linear-attention and cross-attention layers do not)"
         )
     try:
         shape = KVShape.of(model.config)
     except AttributeError as error:
-        raise UnsupportedModel(f"{source}: its config does not give the K/V shape ({error})") from error
+        raise UnsupportedModel(
+            f"{source}: its config has no {error.name} at the top level, which the paged KV cache is sized "
+            "from (a multimodal model: only text models are served)"
+        ) from error
     expected = [shape.num_kv_heads, shape.head_dim]
     for index, key, value in calls:
         if key != expected or value != expected:

@@ -23,6 +23,7 @@ from transformers import (
     BertForMaskedLM,
     DeepseekV3Config,
     Gemma2Config,
+    Gemma3Config,
     GgufConfig,
     JambaConfig,
     LlamaConfig,
@@ -357,6 +358,26 @@ REFUSED = {
     "t5": Refused(
         lambda: T5Config(vocab_size=TINY_VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8),
         "is not a causal LM (model_type 't5')",
+    ),
+    # Text and image: the text model's shape is in a sub-config the cache is not sized from.
+    "gemma3-multimodal": Refused(
+        lambda: Gemma3Config(
+            text_config=dict(SMALL, vocab_size=TINY_VOCAB + 3, head_dim=8),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                image_size=28,
+                patch_size=14,
+            ),
+            mm_tokens_per_image=1,
+            boi_token_index=TINY_VOCAB,
+            eoi_token_index=TINY_VOCAB + 1,
+            image_token_index=TINY_VOCAB + 2,
+        ),
+        "its config has no num_attention_heads at the top level",
+        weights=True,
     ),
     "bert-masked-lm": Refused(
         lambda: BertConfig(
