@@ -106,6 +106,10 @@ MODEL = FlagGroup(
         Flag("cuda_graphs", "on a GPU, launch decode-only steps kernel by kernel instead of replaying CUDA graphs"),
         Flag("max_graph_batch", "largest decode batch replayed from a CUDA graph"),
         Flag("max_context", "longest request (prompt and output) in tokens, 0 = the model's max_position_embeddings"),
+        Flag(
+            "tensor_parallel",
+            "ranks one worker runs on, each with 1/N of the heads and MLP (processes over gloo on a CPU)",
+        ),
     ),
 )
 

@@ -63,12 +63,24 @@ class ModelConfig:
     # start. Sliding-window layers serve the whole of it (they read their last
     # `sliding_window` positions, the other layers all of them).
     max_context: int = 0
+    # Tensor parallelism: one worker over this many ranks, each holding 1/N of every
+    # layer's heads and MLP and its own KV cache for its heads (`gpu/tensor_parallel.py`,
+    # `workers/tensor_parallel.py`). On a CPU the ranks are processes over gloo, with
+    # `threads` each (0: the cores shared out). Llama, Qwen2, Qwen3 and Mistral stacks,
+    # dense weights; `kv_memory_bytes` and `swap_memory_bytes` are each rank's.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.max_graph_batch < 1:
             raise ValueError("max_graph_batch must be >= 1")
         if self.max_context < 0:
             raise ValueError("max_context must be >= 0 (0 is the model's own)")
+        if self.tensor_parallel < 1:
+            raise ValueError("tensor_parallel must be >= 1")
+        if self.tensor_parallel > 1 and self.weights != "dense":
+            raise ValueError(f"--weights {self.weights} does not run with --tensor-parallel; use --weights dense")
+        if self.tensor_parallel > 1 and self.device not in ("auto", "cpu"):
+            raise ValueError("--tensor-parallel runs on CPUs (gloo) so far; use --device cpu")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:

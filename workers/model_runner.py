@@ -19,8 +19,10 @@ import torch
 from gpu.attention import AttentionBackend, PagedBatch, SequenceSlice, long_tensor
 from gpu.offload import HostKVPool
 from gpu.prepare import DeviceOptions, prepare_model
+from gpu.tensor_parallel import Shard, shard_model
 from workers.config import CacheConfig, ModelConfig
 from workers.plan import StepPlan
+from workers.tensor_parallel import Leader, StepInputs, threads_per_rank
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,23 @@ class ModelRunner:
         cache_config: CacheConfig,
         backend_class: type[AttentionBackend] | None = None,
         model_config: ModelConfig | None = None,
+        shard: Shard | None = None,
     ):
         """Prepares `model` for its device (`gpu.prepare`). `backend_class` None picks the
         attention backend (`gpu.backends`); `model_config` says how the linears' weights are
-        stored and whether decode-only steps replay CUDA graphs (default: dense, yes)."""
+        stored and whether decode-only steps replay CUDA graphs (default: dense, yes).
+        With `model_config.tensor_parallel` > 1 this runner leads the group (it starts the
+        followers, `workers.tensor_parallel`); a follower's runner is given its `shard`."""
         settings = model_config or ModelConfig()
+        self.leader: Leader | None = None
+        if shard is None and settings.tensor_parallel > 1:
+            if next(model.parameters()).device.type != "cpu":
+                raise ValueError("--tensor-parallel runs on CPUs (gloo) so far; use --device cpu")
+            torch.set_num_threads(threads_per_rank(settings))
+            self.leader = Leader.start(settings, cache_config)
+            shard = Shard(0, settings.tensor_parallel)
+        if shard is not None:
+            shard_model(model, shard)
         options = DeviceOptions(
             kv_memory_bytes=cache_config.kv_memory_bytes,
             block_size=cache_config.block_size,
@@ -67,8 +81,12 @@ class ModelRunner:
             raise RuntimeError("copies to or from the host planned without a host pool")
         return self.host_pool
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Run the step (on every rank of a tensor-parallel group: the followers first hear of it)."""
+        return self.run(plan if self.leader is None else self.leader.send(plan))
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan | StepInputs) -> StepOutput:
         started = time.perf_counter()
         # Device to host first, so a block evicted and reused this step is saved before it
         # is overwritten; then copies on write; then host to device.

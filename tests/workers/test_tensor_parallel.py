@@ -1,0 +1,73 @@
+"""Tensor parallelism on a CPU: one engine over two ranks (two processes, real
+torch.distributed over gloo), each with half the heads and half the MLP, answers token
+for token as the same model on one rank (greedy, float32, batched, chunked prefill)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.tensor_parallel import Shard, check_shardable, shard_model
+from tests.conftest import run_to_completion
+from workers.api import SamplingParams
+from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from workers.engine import Engine
+from workers.random_models import build_model, model_config
+
+pytestmark = pytest.mark.slow
+
+
+def engine(tensor_parallel: int) -> Engine:
+    return Engine.from_config(
+        EngineConfig(
+            model=ModelConfig(source="random:tiny-llama", threads=1, tensor_parallel=tensor_parallel),
+            cache=CacheConfig(kv_memory_bytes=4 << 20, swap_memory_bytes=4 << 20),
+            scheduler=SchedulerConfig(max_batch_tokens=48, max_prefill_chunk=13),
+        )
+    )
+
+
+def greedy(engine: Engine) -> dict[str, list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    prompts = {f"r{n}": torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (1, 9, 30, 75)}
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    arrivals = {2 * i: [(rid, ids, params)] for i, (rid, ids) in enumerate(prompts.items())}
+    return {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
+
+
+def test_two_ranks_answer_token_for_token_as_one():
+    one = greedy(engine(1))
+    two_ranks = engine(2)
+    try:
+        assert greedy(two_ranks) == one
+        assert all(len(tokens) == 16 for tokens in one.values())
+    finally:
+        assert two_ranks.runner.leader is not None
+        two_ranks.runner.leader.stop()
+
+
+def test_a_rank_holds_its_share_of_the_heads_and_the_mlp():
+    model = build_model("tiny-llama", torch.float32, torch.device("cpu"))
+    heads, kv_heads, mlp = (model.config.num_attention_heads, model.config.num_key_value_heads,
+                            model.config.intermediate_size)  # fmt: skip
+    shard_model(model, Shard(1, 2))
+    attention, layer_mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    head_dim = model.config.head_dim
+    assert attention.q_proj.weight.shape[0] == heads // 2 * head_dim
+    assert attention.k_proj.weight.shape[0] == kv_heads // 2 * head_dim
+    assert layer_mlp.up_proj.weight.shape[0] == layer_mlp.down_proj.linear.weight.shape[1] == mlp // 2
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (heads // 2, kv_heads // 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "world", "says"),
+    [
+        ("tiny-qwen2", 4, "does not divide the model's 2 attention heads"),
+        ("tiny-gemma3", 2, "tensor parallelism covers"),
+    ],
+)
+def test_a_model_the_ranks_cannot_share_is_refused_in_one_line(name, world, says):
+    config = model_config(name)
+    architecture = (config.architectures or [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"])[0]
+    with pytest.raises(ValueError, match=says):
+        check_shardable(config, architecture, world)

@@ -1,0 +1,129 @@
+"""One worker over N ranks (`ModelConfig.tensor_parallel`): the leader and its followers.
+
+Rank 0 is the worker itself: its engine schedules, samples and talks to Redis. It starts
+N - 1 follower processes (`Leader.start`), each of which loads the same model, keeps its
+share of the heads and MLP (`gpu.tensor_parallel`) and its own paged KV cache for its
+heads, then mirrors the leader step by step: before every forward the leader broadcasts
+the step's inputs (`StepInputs`: the chunks' tokens, positions and block ids, and the
+KV copies to make), and every rank runs the same forward, meeting the others in the
+layers' all-reduces. Only rank 0 samples. The scheduler never knows: block ids mean the
+same blocks on every rank, since every rank's cache has the same number of them.
+
+The group is torch.distributed's, over gloo on a CPU (one thread a rank). A follower
+whose leader is gone (its socket closes, or a collective passes `COLLECTIVE_TIMEOUT_S`)
+exits; a leader whose follower is gone fails its step the same way, and the worker with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from workers.config import CacheConfig, ModelConfig
+from workers.plan import ScheduledChunk, StepPlan
+from workers.request import Request
+
+# A rank waiting this long in a collective (or for the group to form) gives up.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class StepInputs:
+    """What every rank needs of a step: a `StepPlan` without its requests."""
+
+    chunks: list[ScheduledChunk]
+    copies_out: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    copies_in: list[tuple[int, int]] = field(default_factory=list)
+    num_draft_tokens: int = 0
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> StepInputs:
+        # Without the request (a follower never reads it, and it does not travel).
+        nobody = cast(Request, None)
+        chunks = [chunk._replace(request=nobody, block_ids=list(chunk.block_ids)) for chunk in plan.chunks]
+        return cls(chunks, plan.copies_out, plan.copies, plan.copies_in, plan.num_draft_tokens)
+
+
+class Leader:
+    """Rank 0's end of the group: it started the followers and sends them every step."""
+
+    def __init__(self, followers: list[Any]) -> None:
+        self.followers = followers
+
+    @classmethod
+    def start(cls, model: ModelConfig, cache: CacheConfig) -> Leader:
+        """Start the followers, form the group with them (this process is rank 0)."""
+        world = model.tensor_parallel
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited torch threads
+        followers = [
+            spawn.Process(target=follow, args=(rank, world, address, model, cache), daemon=True, name=f"tp-rank-{rank}")
+            for rank in range(1, world)
+        ]
+        for process in followers:
+            process.start()
+        _join_group(0, world, address)
+        return cls(followers)
+
+    def send(self, plan: StepPlan) -> StepInputs:
+        """Broadcast the step to the followers; the inputs rank 0 runs too."""
+        inputs = StepInputs.of(plan)
+        dist.broadcast_object_list([inputs], src=0)
+        return inputs
+
+    def stop(self) -> None:
+        """Tell the followers to exit, and wait for them."""
+        dist.broadcast_object_list([None], src=0)
+        for process in self.followers:
+            process.join(timeout=10)
+        dist.destroy_process_group()
+
+
+def follow(rank: int, world: int, address: str, model_config: ModelConfig, cache: CacheConfig) -> None:
+    """A follower's life: join the group, load and cut the model, mirror every step."""
+    from gpu.tensor_parallel import Shard
+    from workers.model_loader import load_model
+    from workers.model_runner import ModelRunner
+
+    torch.set_num_threads(threads_per_rank(model_config))
+    _join_group(rank, world, address)
+    loaded = load_model(model_config)
+    runner = ModelRunner(loaded.model, cache, model_config=model_config, shard=Shard(rank, world))
+    try:
+        while True:
+            received: list[Any] = [None]
+            dist.broadcast_object_list(received, src=0)
+            if received[0] is None:
+                break
+            runner.run(received[0])
+    except (RuntimeError, ConnectionError):
+        pass  # the leader is gone: so is this rank
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def threads_per_rank(model: ModelConfig) -> int:
+    """`model.threads`, or else this process's cores shared out between the ranks."""
+    return model.threads or max(1, len(os.sched_getaffinity(0)) // model.tensor_parallel)
+
+
+def _join_group(rank: int, world: int, address: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=address, rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
