@@ -337,7 +337,8 @@ class RecordingKernels:
     """Launches through the emulation and records each launch's kernel and grid."""
 
     def __init__(self, kernels: EmulatedKernels) -> None:
-        self.kernels, self.grids = kernels, []
+        self.kernels = kernels
+        self.grids: list[tuple[str, tuple[int, ...]]] = []
 
     def launch(self, instance, grid, block, args) -> None:
         self.grids.append((instance.kernel.name, tuple(grid)))
@@ -377,7 +378,7 @@ def test_all_three_at_head_dim_256_with_16_bit_sinks(kernels):
     """head_dim 256 (prefill tiles of 8 rows), blocks of 32, GQA 2, float16, sinks held in
     bfloat16 (the backend keeps an fp32 copy): window, softcap and sinks at once."""
     layer = layer_cases(4)["all"]
-    layer = layer._replace(sinks=layer.sinks.to(torch.bfloat16))
+    layer = layer._replace(sinks=torch.linspace(-1.0, 2.0, 4).to(torch.bfloat16))
     chunks = decode_chunks([30, 80]) + [(0, 40), (45, 9)]
     step = make_step(torch.float16, 256, 32, num_kv_heads=2, group=2, chunks=chunks, seed=256)
     check_against_reference(step, backend(step, kernels, partition_size=32), layer)
@@ -393,7 +394,8 @@ def test_a_window_reads_no_key_before_it(kernels, partition_size):
     chunks = decode_chunks([100, 130, 20]) + [(60, 20)]
     step = make_step(torch.float16, 64, 16, num_kv_heads=2, group=4, chunks=chunks, seed=9)
     expected = reference_output(step, layer)
-    block_size, window = step.kernel_cache.block_size, layer.window
+    block_size, window = step.kernel_cache.block_size, 37
+    assert layer.window == window
     hidden = [(seq.block_table[pos // block_size], pos % block_size)
               for seq in step.sequences for pos in range(max(0, seq.past_len - window + 1))]  # fmt: skip
     assert len(hidden) == 63 + 93 + 0 + 24

@@ -108,4 +108,8 @@ __device__ __forceinline__ float warp_sum(float x, int width) {
     return x;
 }
 
+// A softcapped score (Gemma 2's): cap * tanh(s / cap). Kept out of a kernel's hot loop
+// (in a uniform branch of its own), so the plain path keeps its registers.
+__device__ __forceinline__ float capped(float s, float cap) { return cap * tanhf(s / cap); }
+
 #endif  // INFLIGHT_COMMON_CUH

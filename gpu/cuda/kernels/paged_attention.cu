@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(NUM_THREADS, DECODE_BLOCKS_PER_SM) paged_decod
         float m = -INF;
         if (softcap > 0.f) {  // uniform
             for (int t = lane; t < count; t += 32) {
-                const float s = softcap * tanhf(scores_s[h][t] / softcap);
+                const float s = capped(scores_s[h][t], softcap);
                 scores_s[h][t] = s;
                 m = fmaxf(m, s);
             }
@@ -384,6 +384,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
     const int key_end = past + (first_row + rows - 1) / group + 1;  // the last row's causal bound
     // The first row's first visible key: no row of the tile sees one before it.
     const int key_begin = window > 0 ? max(0, past + first_row / group - window + 1) : 0;
+    const unsigned span = window > 0 ? (unsigned)window : 0x80000000u;  // how far back a row sees
     for (int tile = key_begin; tile < key_end; tile += KEY_TILE) {
         __syncthreads();  // the previous tile is consumed (and q_s written, the first time)
         for (int i = tid; i < KEY_TILE * HEAD_DIM; i += NUM_THREADS) {
@@ -400,18 +401,30 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_prefill_attention(
         }
         __syncthreads();
 
+        // Both pairs' scores first, then (a uniform branch outside the products, which
+        // keeps the register count of the plain path) their softcap.
+        float scores[PAIRS];
+#pragma unroll
+        for (int pair = 0; pair < PAIRS; ++pair) {
+            const int row = warp * ROWS_PER_WARP + 2 * pair + half;
+            float s = 0.f;
+#pragma unroll 8
+            for (int d = 0; d < HEAD_DIM; ++d) s += q_s[row][d] * k_s[key][d];
+            scores[pair] = s;
+        }
+        if (softcap > 0.f) {
+#pragma unroll
+            for (int pair = 0; pair < PAIRS; ++pair) scores[pair] = capped(scores[pair], softcap);
+        }
 #pragma unroll
         for (int pair = 0; pair < PAIRS; ++pair) {
             const int local = 2 * pair + half;  // this half's row among the warp's
             const int row = warp * ROWS_PER_WARP + local;
             const int position = past + (first_row + row) / group;
-            float s = 0.f;
-#pragma unroll 8
-            for (int d = 0; d < HEAD_DIM; ++d) s += q_s[row][d] * k_s[key][d];
-            if (softcap > 0.f) s = softcap * tanhf(s / softcap);  // uniform
-            // Without a window, window_end is -1: every key is past it.
-            const int window_end = window > 0 ? position - window : -1;  // the last key before the window
-            const bool visible = row < rows && tile + key <= position && tile + key > window_end;
+            float s = scores[pair];
+            // Causal and within the window at the one compare causal takes alone: the key
+            // is 0 .. span - 1 positions back (a key after the row wraps to a huge value).
+            const bool visible = row < rows && (unsigned)(position - tile - key) < span;
             s = visible ? s : -INF;
             const float m_new = fmaxf(m[pair], warp_max(s, KEY_TILE));
             const float p = visible ? expf(s - m_new) : 0.f;
