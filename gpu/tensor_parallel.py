@@ -19,6 +19,7 @@ Collectives are torch.distributed's (gloo on a CPU, NCCL on GPUs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +47,17 @@ class Shard:
 
 
 class RowParallel(nn.Module):
-    """A row-parallel linear: this rank's partial product, summed over the ranks."""
+    """A row-parallel linear: this rank's partial product, summed over the ranks by
+    `all_reduce` (the caller's: the leader's exits when a rank is gone)."""
 
-    def __init__(self, linear: nn.Module) -> None:
+    def __init__(self, linear: nn.Module, all_reduce: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
         self.linear = linear
+        self.all_reduce = all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x)
-        dist.all_reduce(out)
+        self.all_reduce(out)
         return out
 
 
@@ -72,9 +75,9 @@ def check_shardable(config, model_class: str, world: int) -> None:
 
 
 @torch.no_grad()
-def shard_model(model: HFModule, shard: Shard) -> None:
+def shard_model(model: HFModule, shard: Shard, all_reduce: Callable[[torch.Tensor], None] = dist.all_reduce) -> None:
     """Cut `model` in place down to `shard`'s heads and MLP columns, and its config with it
-    (head counts and MLP size become this rank's)."""
+    (head counts and MLP size become this rank's); the partial sums meet in `all_reduce`."""
     config = model.config
     check_shardable(config, type(model).__name__, shard.world)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
@@ -91,10 +94,10 @@ def shard_model(model: HFModule, shard: Shard) -> None:
         _keep_rows(attention.q_proj, query_rows)
         _keep_rows(attention.k_proj, kv_rows)
         _keep_rows(attention.v_proj, kv_rows)
-        attention.o_proj = RowParallel(_keep_columns(attention.o_proj, query_rows, shard))
+        attention.o_proj = RowParallel(_keep_columns(attention.o_proj, query_rows, shard), all_reduce)
         _keep_rows(mlp.gate_proj, mlp_rows)
         _keep_rows(mlp.up_proj, mlp_rows)
-        mlp.down_proj = RowParallel(_keep_columns(mlp.down_proj, mlp_rows, shard))
+        mlp.down_proj = RowParallel(_keep_columns(mlp.down_proj, mlp_rows, shard), all_reduce)
         if hasattr(attention, "num_key_value_groups"):
             attention.num_key_value_groups = (heads // shard.world) // max(1, kv_heads // shard.world)
     config.num_attention_heads = heads // shard.world

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from gpu.attention import AttentionBackend, PagedBatch, SequenceSlice, long_tensor
 from gpu.offload import HostKVPool
@@ -22,7 +23,7 @@ from gpu.prepare import DeviceOptions, prepare_model
 from gpu.tensor_parallel import Shard, shard_model
 from workers.config import CacheConfig, ModelConfig
 from workers.plan import StepPlan
-from workers.tensor_parallel import Leader, StepInputs, threads_per_rank
+from workers.tensor_parallel import Leader, StepInputs, collective, threads_per_rank
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,9 @@ class ModelRunner:
                 raise ValueError("--tensor-parallel runs on CPUs (gloo) so far; use --device cpu")
             torch.set_num_threads(threads_per_rank(settings))
             self.leader = Leader.start(settings, cache_config)
-            shard = Shard(0, settings.tensor_parallel)
-        if shard is not None:
+            # The leader's all-reduces exit the worker where a rank is gone.
+            shard_model(model, Shard(0, settings.tensor_parallel), lambda t: collective(dist.all_reduce, t))
+        elif shard is not None:
             shard_model(model, shard)
         options = DeviceOptions(
             kv_memory_bytes=cache_config.kv_memory_bytes,

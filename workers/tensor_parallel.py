@@ -9,9 +9,12 @@ KV copies to make), and every rank runs the same forward, meeting the others in 
 layers' all-reduces. Only rank 0 samples. The scheduler never knows: block ids mean the
 same blocks on every rank, since every rank's cache has the same number of them.
 
-The group is torch.distributed's, over gloo on a CPU (one thread a rank). A follower
-whose leader is gone (its socket closes, or a collective passes `COLLECTIVE_TIMEOUT_S`)
-exits; a leader whose follower is gone fails its step the same way, and the worker with it.
+The group is torch.distributed's, over gloo on a CPU (one thread a rank). A rank that
+dies takes the group down: a collective with it fails at once on every other rank (its
+sockets close), and one stuck in a collective fails the others after
+`COLLECTIVE_TIMEOUT_S`. A follower then exits; the leader (the worker) exits at once with
+`EXIT_GROUP_LOST`, leaving its jobs to be taken over by another worker, as when a worker
+is killed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import datetime
 import multiprocessing
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -31,7 +35,9 @@ from workers.plan import ScheduledChunk, StepPlan
 from workers.request import Request
 
 # A rank waiting this long in a collective (or for the group to form) gives up.
-COLLECTIVE_TIMEOUT_S = 300.0
+COLLECTIVE_TIMEOUT_S = 60.0
+# The worker's exit status when its group lost a rank.
+EXIT_GROUP_LOST = 4
 
 
 @dataclass
@@ -76,7 +82,7 @@ class Leader:
     def send(self, plan: StepPlan) -> StepInputs:
         """Broadcast the step to the followers; the inputs rank 0 runs too."""
         inputs = StepInputs.of(plan)
-        dist.broadcast_object_list([inputs], src=0)
+        collective(dist.broadcast_object_list, [inputs], src=0)
         return inputs
 
     def stop(self) -> None:
@@ -109,6 +115,17 @@ def follow(rank: int, world: int, address: str, model_config: ModelConfig, cache
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def collective(call, *args, **kwargs) -> None:
+    """A collective of the leader's: where a rank is gone, the worker exits at once (its
+    group cannot step again) with `EXIT_GROUP_LOST`, and says why in one line."""
+    try:
+        call(*args, **kwargs)
+    except (RuntimeError, ConnectionError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"inflight worker: a tensor-parallel rank is gone ({reason}); exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_GROUP_LOST)
 
 
 def threads_per_rank(model: ModelConfig) -> int:

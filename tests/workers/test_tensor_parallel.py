@@ -4,6 +4,13 @@ for token as the same model on one rank (greedy, float32, batched, chunked prefi
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -13,6 +20,9 @@ from workers.api import SamplingParams
 from workers.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from workers.engine import Engine
 from workers.random_models import build_model, model_config
+from workers.tensor_parallel import EXIT_GROUP_LOST
+
+ROOT = Path(__file__).parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -71,3 +81,52 @@ def test_a_model_the_ranks_cannot_share_is_refused_in_one_line(name, world, says
     architecture = (config.architectures or [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"])[0]
     with pytest.raises(ValueError, match=says):
         check_shardable(config, architecture, world)
+
+
+# A worker's engine over two ranks, in a process of its own: it prints its follower's pid,
+# then serves one request per line it reads.
+TWO_RANKS = """
+import sys
+from tests.workers.test_tensor_parallel import engine, greedy
+two = engine(2)
+print(two.runner.leader.followers[0].pid, flush=True)
+for _ in sys.stdin:
+    print(len(greedy(two)), flush=True)
+"""
+
+
+def two_ranks() -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", TWO_RANKS], cwd=ROOT, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+def test_a_rank_that_dies_takes_the_worker_down_at_its_next_step_with_a_line_and_its_exit_code():
+    leader = two_ranks()
+    follower = int(leader.stdout.readline())
+    os.kill(follower, signal.SIGKILL)
+    leader.stdin.write("go\n")
+    leader.stdin.flush()
+    assert leader.wait(timeout=60) == EXIT_GROUP_LOST
+    assert "a tensor-parallel rank is gone" in leader.stderr.read().strip().splitlines()[-1]
+
+
+def test_a_follower_whose_leader_dies_exits_rather_than_hang():
+    leader = two_ranks()
+    follower = int(leader.stdout.readline())
+    leader.kill()
+    leader.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(follower):
+        time.sleep(0.1)
+    assert not _alive(follower)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie (exited, not yet reaped) is gone too
+        return stat.read().split()[2] != "Z"
