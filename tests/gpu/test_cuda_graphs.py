@@ -147,7 +147,7 @@ def test_a_hybrid_models_graphed_decode_step_gives_the_eager_and_the_torch_logit
     same for every step (the address a captured graph's launches keep)."""
     loaded = load_model(ModelConfig(source="random:tiny-llama"))
     first, second = (layer.self_attn for layer in loaded.model.model.layers)
-    first.sliding_window, first.sinks = 6, torch.nn.Parameter(torch.linspace(-1.0, 2.0, 4))
+    first.sliding_window, first.sinks = 6, torch.nn.Parameter(torch.linspace(-1.0, 2.0, 4), requires_grad=False)
     second.sliding_window, second.attn_logit_softcapping = 20, 3.0
     runner = runner_on_emulated_kernels(loaded, kernels)
     shape = KVShape.of(loaded.model.config)

@@ -268,7 +268,8 @@ def test_a_hybrid_model_generates_the_same_tokens_on_kernels_graphs_and_torch():
     model_config = ModelConfig(source="random:tiny-llama", device="cuda")
     loaded = load_model(model_config)
     first, second = (layer.self_attn for layer in loaded.model.model.layers)
-    first.sliding_window, first.sinks = 24, torch.nn.Parameter(torch.linspace(-1.0, 2.0, 4, device=CUDA))
+    first.sliding_window = 24
+    first.sinks = torch.nn.Parameter(torch.linspace(-1.0, 2.0, 4, device=CUDA), requires_grad=False)
     second.sliding_window, second.attn_logit_softcapping = 64, 3.0
     c = loaded.model.config
     bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
