@@ -207,7 +207,12 @@ async def _worker(args: argparse.Namespace) -> int:
         except EmbeddedServerError as error:
             print(f"inflight worker: {error}", file=sys.stderr)
             return 1
-        status = await _serve(worker_config_from_args(args, url), embedded=not args.redis_url)
+        try:
+            worker_config = worker_config_from_args(args, url)
+        except ValueError as error:  # settings that do not go together
+            print(f"inflight worker: {error}", file=sys.stderr)
+            return 2
+        status = await _serve(worker_config, embedded=not args.redis_url)
     # Served, logged, and the embedded server stopped: exit now. The interpreter's own
     # teardown (torch's) would only lengthen a stop bounded by the grace period.
     sys.stdout.flush()

@@ -248,6 +248,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.disagg.role != "both" and not self.engine.cache.prefix_caching:
             raise ValueError("a prefill or decode worker needs prefix caching: handed-off K/V are cached blocks")
+        if self.disagg.role != "both" and self.engine.model.tensor_parallel > 1:
+            raise ValueError("a prefill or decode worker runs on one rank: its handoff moves one KV cache")
 
 
 # -- the gateway (`inflight gateway`, service/gateway/) -----------------------------------

