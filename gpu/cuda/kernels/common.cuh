@@ -1,4 +1,5 @@
-// Shared by every kernel: 64-bit offsets, the 16-bit float types, and fp32 conversion.
+// Shared by every kernel: 64-bit offsets, the 16-bit float types, fp32 conversion, warp
+// reductions and the softcap.
 //
 // The 16-bit floats are carried as their bits and converted with one PTX instruction
 // each, so NVRTC needs no CUDA headers. The CPU emulation (tests/cuda_emulator) defines the
