@@ -244,12 +244,13 @@ class CupyAttentionBackend(AttentionBackend):
         if layer.sinks is None:
             return window, softcap, 0
         sinks = layer.sinks
+        version = -1 if sinks.is_inference() else sinks._version  # inference tensors keep no version
         cached = self._sinks.get(id(sinks))
-        if cached is None or cached[0] is not sinks or cached[1] != sinks._version:
+        if cached is None or cached[0] is not sinks or cached[1] != version:
             if sinks.numel() != num_heads:
                 raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
             copy = sinks.detach().to(self.device, torch.float32, copy=True).contiguous().view(-1)
-            cached = self._sinks[id(sinks)] = (sinks, sinks._version, copy)
+            cached = self._sinks[id(sinks)] = (sinks, version, copy)
         return window, softcap, cached[2]
 
 

@@ -427,3 +427,7 @@ def test_layer_arguments_are_checked_and_sinks_copied_once(kernels):
     sinks.fill_(30.0)  # a sink that outweighs every score: the output shrinks towards 0
     second = attention.attend(0, step.query, step.key, step.value, step.scale, metadata, layer)
     assert second.abs().max() < first.abs().max() / 100
+    with torch.inference_mode():  # an inference tensor keeps no version: copied once all the same
+        inference_layer = LayerAttention(sinks=torch.ones(8))
+        third = attention.attend(0, step.query, step.key, step.value, step.scale, metadata, inference_layer)
+    assert torch.equal(third, first)
