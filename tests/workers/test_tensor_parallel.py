@@ -27,22 +27,29 @@ ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow
 
 
-def engine(tensor_parallel: int) -> Engine:
+def engine(tensor_parallel: int, kv_memory_bytes: int = 4 << 20) -> Engine:
+    """tiny-llama (4 heads over 2 KV heads) on `tensor_parallel` ranks, `kv_memory_bytes`
+    in all (each rank's share of it: as many blocks on every rank count)."""
     return Engine.from_config(
         EngineConfig(
             model=ModelConfig(source="random:tiny-llama", threads=1, tensor_parallel=tensor_parallel),
-            cache=CacheConfig(kv_memory_bytes=4 << 20, swap_memory_bytes=4 << 20),
+            cache=CacheConfig(kv_memory_bytes=kv_memory_bytes // tensor_parallel, swap_memory_bytes=4 << 20),
             scheduler=SchedulerConfig(max_batch_tokens=48, max_prefill_chunk=13),
         )
     )
 
 
-def greedy(engine: Engine) -> dict[str, list[int]]:
+def greedy(engine: Engine, **options) -> dict[str, list[int]]:
     generator = torch.Generator().manual_seed(3)
     prompts = {f"r{n}": torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (1, 9, 30, 75)}
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, **options)
     arrivals = {2 * i: [(rid, ids, params)] for i, (rid, ids) in enumerate(prompts.items())}
     return {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
+
+
+def stopped(engine: Engine) -> None:
+    assert engine.runner.leader is not None
+    engine.runner.leader.stop()
 
 
 def test_two_ranks_answer_token_for_token_as_one():
@@ -52,8 +59,23 @@ def test_two_ranks_answer_token_for_token_as_one():
         assert greedy(two_ranks) == one
         assert all(len(tokens) == 16 for tokens in one.values())
     finally:
-        assert two_ranks.runner.leader is not None
-        two_ranks.runner.leader.stop()
+        stopped(two_ranks)
+
+
+def test_short_of_blocks_every_rank_swaps_its_own_share_and_the_tokens_stay_exact():
+    """Six blocks in all: requests are swapped out and back (each rank moving its own
+    heads' blocks), with speculative decoding on (the default) and logprobs asked for."""
+    one_engine = engine(1, kv_memory_bytes=6 * 16 * 2048)
+    one = greedy(one_engine, logprobs=True)
+    two_ranks = engine(2, kv_memory_bytes=6 * 16 * 2048)
+    swapped: list[int] = []
+    two_ranks.observer = lambda stats: swapped.append(stats.step.num_swapped_out if stats.step else 0)
+    try:
+        assert two_ranks.allocator.num_blocks == one_engine.allocator.num_blocks == 6
+        assert greedy(two_ranks, logprobs=True) == one
+        assert sum(swapped) > 0
+    finally:
+        stopped(two_ranks)
 
 
 def test_a_rank_holds_its_share_of_the_heads_and_the_mlp():
