@@ -158,7 +158,7 @@ class SchedulerConfig:
     # another tenant of its priority, by two or more, queues ahead of other interactive
     # requests, and once it has waited this many seconds for a running slot or KV blocks
     # it swaps out a running request of the tenant that runs the most (needs the host
-    # tier: swap_memory_bytes). The tenant comes with the job (`--fair-queue`).
+    # tier: swap_memory_bytes). The tenant is the job's `tenant`.
     fair_preempt_after_s: float = 0.0
     # Aging: a request is never overtaken in the queue by one that arrived more than
     # this many seconds after it, whatever their priorities. Within that window each
