@@ -19,8 +19,10 @@ Collectives are torch.distributed's (gloo on a CPU, NCCL on GPUs).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ class Shard:
 
     rank: int
     world: int
+    group: Any = None  # the process group of its all-reduces (None: the default group)
 
     def slice(self, total: int) -> slice:
         """This rank's equal part of `total` rows or columns."""
@@ -75,9 +78,11 @@ def check_shardable(config, model_class: str, world: int) -> None:
 
 
 @torch.no_grad()
-def shard_model(model: HFModule, shard: Shard, all_reduce: Callable[[torch.Tensor], None] = dist.all_reduce) -> None:
+def shard_model(model: HFModule, shard: Shard, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
     """Cut `model` in place down to `shard`'s heads and MLP columns, and its config with it
-    (head counts and MLP size become this rank's); the partial sums meet in `all_reduce`."""
+    (head counts and MLP size become this rank's); the partial sums meet in `all_reduce`
+    (None: torch.distributed's, in the shard's group)."""
+    all_reduce = all_reduce or functools.partial(dist.all_reduce, group=shard.group)
     config = model.config
     check_shardable(config, type(model).__name__, shard.world)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from gpu.attention import AttentionBackend, PagedBatch, SequenceSlice, long_tensor
 from gpu.offload import HostKVPool
@@ -23,7 +22,7 @@ from gpu.prepare import DeviceOptions, prepare_model
 from gpu.tensor_parallel import Shard, check_shardable, shard_model
 from workers.config import CacheConfig, ModelConfig
 from workers.plan import StepPlan
-from workers.tensor_parallel import Leader, StepInputs, collective, threads_per_rank
+from workers.tensor_parallel import Leader, StepInputs, threads_per_rank
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class ModelRunner:
             torch.set_num_threads(threads_per_rank(settings))
             self.leader = Leader.start(settings, cache_config)
             # The leader's all-reduces exit the worker where a rank is gone.
-            shard_model(model, Shard(0, settings.tensor_parallel), lambda t: collective(dist.all_reduce, t))
+            shard_model(model, Shard(0, settings.tensor_parallel, self.leader.steps), self.leader.all_reduce)
         elif shard is not None:
             shard_model(model, shard)
         options = DeviceOptions(
@@ -73,6 +72,8 @@ class ModelRunner:
         self.model, self.device = prepared.model, prepared.device
         self.kv_cache, self.backend, self.host_pool = prepared.kv_cache, prepared.backend, prepared.host_pool
         self.graphs, self.lean = prepared.graphs, prepared.lean
+        if self.leader is not None:
+            self.leader.wait_ready()  # every follower's model loaded and cut
 
     @property
     def num_host_blocks(self) -> int:

@@ -11,8 +11,9 @@ same blocks on every rank, since every rank's cache has the same number of them.
 
 The group is torch.distributed's, over gloo on a CPU (one thread a rank). A rank that
 dies takes the group down: a collective with it fails at once on every other rank (its
-sockets close), and one stuck in a collective fails the others after
-`COLLECTIVE_TIMEOUT_S`. A follower then exits; the leader (the worker) exits at once with
+sockets close), and one stuck in a step's collective fails the others after
+`COLLECTIVE_TIMEOUT_S` (starting, while every rank loads the model, may take up to
+`START_TIMEOUT_S`). A follower then exits; the leader (the worker) exits at once with
 `EXIT_GROUP_LOST`, leaving its jobs to be taken over by another worker, as when a worker
 is killed.
 """
@@ -34,8 +35,10 @@ from workers.config import CacheConfig, ModelConfig
 from workers.plan import ScheduledChunk, StepPlan
 from workers.request import Request
 
-# A rank waiting this long in a collective (or for the group to form) gives up.
+# A rank waiting this long in a step's collective gives up (the group is lost).
 COLLECTIVE_TIMEOUT_S = 60.0
+# Forming the group and loading the model on every rank may take this long.
+START_TIMEOUT_S = 1800.0
 # The worker's exit status when its group lost a rank.
 EXIT_GROUP_LOST = 4
 
@@ -61,8 +64,9 @@ class StepInputs:
 class Leader:
     """Rank 0's end of the group: it started the followers and sends them every step."""
 
-    def __init__(self, followers: list[Any]) -> None:
+    def __init__(self, followers: list[Any], steps: Any) -> None:
         self.followers = followers
+        self.steps = steps  # the process group of the steps' collectives
 
     @classmethod
     def start(cls, model: ModelConfig, cache: CacheConfig) -> Leader:
@@ -76,18 +80,25 @@ class Leader:
         ]
         for process in followers:
             process.start()
-        _join_group(0, world, address)
-        return cls(followers)
+        return cls(followers, _join_group(0, world, address))
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """A step's all-reduce, on rank 0: the worker exits where a rank is gone."""
+        collective(dist.all_reduce, tensor, group=self.steps)
+
+    def wait_ready(self) -> None:
+        """Wait until every follower has loaded and cut its model."""
+        collective(dist.barrier)
 
     def send(self, plan: StepPlan) -> StepInputs:
         """Broadcast the step to the followers; the inputs rank 0 runs too."""
         inputs = StepInputs.of(plan)
-        collective(dist.broadcast_object_list, [inputs], src=0)
+        collective(dist.broadcast_object_list, [inputs], src=0, group=self.steps)
         return inputs
 
     def stop(self) -> None:
         """Tell the followers to exit, and wait for them."""
-        dist.broadcast_object_list([None], src=0)
+        dist.broadcast_object_list([None], src=0, group=self.steps)
         for process in self.followers:
             process.join(timeout=10)
         dist.destroy_process_group()
@@ -100,13 +111,14 @@ def follow(rank: int, world: int, address: str, model_config: ModelConfig, cache
     from workers.model_runner import ModelRunner
 
     torch.set_num_threads(threads_per_rank(model_config))
-    _join_group(rank, world, address)
+    steps = _join_group(rank, world, address)
     try:
         loaded = load_model(model_config)
-        runner = ModelRunner(loaded.model, cache, model_config=model_config, shard=Shard(rank, world))
+        runner = ModelRunner(loaded.model, cache, model_config=model_config, shard=Shard(rank, world, steps))
+        dist.barrier()  # ready: the leader's `wait_ready`
         while True:
             received: list[Any] = [None]
-            dist.broadcast_object_list(received, src=0)
+            dist.broadcast_object_list(received, src=0, group=steps)
             if received[0] is None:
                 break
             runner.run(received[0])
@@ -135,11 +147,14 @@ def threads_per_rank(model: ModelConfig) -> int:
     return model.threads or max(1, len(os.sched_getaffinity(0)) // model.tensor_parallel)
 
 
-def _join_group(rank: int, world: int, address: str) -> None:
+def _join_group(rank: int, world: int, address: str) -> Any:
+    """Form the group (every rank waits up to `START_TIMEOUT_S` for the others); returns
+    the group the steps' collectives run in, which gives up after `COLLECTIVE_TIMEOUT_S`."""
     dist.init_process_group(
         "gloo", init_method=address, rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
     )  # fmt: skip
+    return dist.new_group(timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 def _free_port() -> int:
