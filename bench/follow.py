@@ -10,7 +10,7 @@ import inspect
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgpack
@@ -38,7 +38,7 @@ class Job:
     final: dict | None = None
     ended: float | None = None  # its final event's arrival, perf_counter
     last_id: str = "0"
-    events: list[tuple[tuple[int, int], dict, float]] = field(default_factory=list)  # kept: (entry, event, arrival)
+    events: list[tuple[tuple[int, int], dict, float]] = field(default_factory=list)  # (entry, event, arrival)
     handoff_at: float | None = None  # its handoff entry's arrival
     staged_tokens: int | None = None  # prompt tokens its handoff carried K/V for
 
@@ -78,17 +78,18 @@ def entry_key(entry_id: str) -> tuple[int, int]:
 class Follower:
     """Queues jobs on `fleet`'s request stream and follows their replies (and the handoff
     stream) with one XREAD; a job sent with `follow=False` (a backlog) is looked up by `poll`.
-    With `keep_events`, each job keeps its events; with `linger_s`, a stream is read that
-    long after its final event (a second writer would show there); `retry` wraps each read."""
+    With `linger_s`, a stream is read that long after its final event (a second writer would
+    show there); `retry` wraps each read."""
 
     def __init__(self, client, fleet: Fleet, handoff_stream: str | None = None, tag: str = "",
-                 keep_events: bool = False, linger_s: float = 0.0, retry=None) -> None:  # fmt: skip
+                 linger_s: float = 0.0, retry=None) -> None:  # fmt: skip
         self.client = client
         self.fleet = fleet
         self.tag = tag  # before each job's label in its request id
-        self.keep_events, self.linger_s = keep_events, linger_s
+        self.linger_s = linger_s
         self.retry = retry or (lambda read: read())
-        self.watched: dict[str, list] = {}  # stream: [last entry id read, what reads its entries]
+        self.watched: dict[str, Callable] = {}  # stream: what reads its entries
+        self.watched_last: dict[str, str] = {}  # stream: the last entry id read
         if handoff_stream:
             self.watch(handoff_stream, self._handoffs)
         self.jobs: dict[str, Job] = {}  # by request id
@@ -108,7 +109,7 @@ class Follower:
 
     def watch(self, stream: str, read) -> None:
         """`read(entries, arrival)` gets every entry of `stream`, from its start."""
-        self.watched[stream] = ["0", read]
+        self.watched[stream], self.watched_last[stream] = read, "0"
 
     @contextlib.asynccontextmanager
     async def reading(self) -> AsyncIterator[Follower]:
@@ -159,7 +160,7 @@ class Follower:
                 if job.ended is not None and now - job.ended >= self.linger_s:
                     del self.open[key]
             streams = {key: job.last_id for key, job in self.open.items()}
-            streams |= {stream: last for stream, (last, _) in self.watched.items()}
+            streams |= self.watched_last
             if not streams:  # nothing in flight (a job sent now is followed from the next round)
                 await asyncio.sleep(0.01)
                 continue
@@ -168,8 +169,8 @@ class Follower:
             for key, entries in reply or []:
                 key = key.decode()
                 if key in self.watched:
-                    self.watched[key][0] = entries[-1][0].decode()
-                    self.watched[key][1](entries, now)
+                    self.watched_last[key] = entries[-1][0].decode()
+                    self.watched[key](entries, now)
                 else:
                     self._replies(self.open[key], entries, now)
             if reply:
@@ -181,8 +182,7 @@ class Follower:
         for entry_id, fields in entries:
             job.last_id = entry_id.decode()
             event = msgpack.unpackb(fields[b"data"])
-            if self.keep_events:
-                job.events.append((entry_key(job.last_id), event, now))
+            job.events.append((entry_key(job.last_id), event, now))
             if event["type"] == "token":
                 job.times.extend([now] * len(event["token_ids"]))
                 job.tokens.extend(event["token_ids"])

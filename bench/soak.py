@@ -133,7 +133,7 @@ class _Soak:
         self.rng = random.Random(args.seed)
         self.counter = itertools.count()
         # Every good job's reply stream, and the dead letters, read by one XREAD through Redis's restarts.
-        self.follower = Follower(client, fleet, keep_events=True, linger_s=LINGER_S, retry=_retrying)
+        self.follower = Follower(client, fleet, linger_s=LINGER_S, retry=_retrying)
         self.follower.watch(CONFIG.dead_letter_stream, self._dead_letters)
         self.by_entry: dict[str, Job] = {}
         self.cancelled: dict[str, str] = {}  # request id -> queued, running or finished: when the cancel went
