@@ -222,13 +222,13 @@ async def _configuration(name: str, run: BenchRun, args, cores: list[str], promp
                 "finished_by": dict(Counter(j.final.get("worker", "") for j in follower.jobs.values())),
                 "finish_reasons": dict(Counter(j.final.get("finish_reason", "error") for j in follower.jobs.values())),
                 "dead_letters": await run.client.xlen(fleet.dead),
-            }
+            } | load.figures()  # before the workers stop
     idle = figures.pop("idle")
     figures["workers"] = [
         {"name": n, "role": role, "cores": pinned[n], "threads": t, "idle_cpu_s_per_s": idle[n]}
         for n, role, _, t in LAYOUTS[name]
     ]
-    return figures | load.figures(), {j.label: j for j in follower.jobs.values()}
+    return figures, {j.label: j for j in follower.jobs.values()}
 
 
 async def _drive(follower: Follower, args, prompts: Prompts) -> dict:
