@@ -21,13 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    import uvloop
-
-    return uvloop.run(_run(args))
-
-
-async def _run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace) -> dict:
     from workers.model_loader import load_model
 
     loaded = load_model(ModelConfig(source=args.model, dtype=args.dtype))  # for its tokenizer

@@ -74,13 +74,13 @@ def run(args: argparse.Namespace) -> dict:
     except ImportError as missing:
         raise SystemExit(f"--scenario {args.scenario} needs {missing.name!r}, which is not installed") from None
     if chosen.own_report:
-        return chosen.run(args)
+        return chosen.figures(args)
     import torch
 
     from bench.report import HostLoad, chart_path, write_bar_panels, write_json
 
     load = HostLoad()
-    figures = chosen.run(args)
+    figures = chosen.figures(args)
     if chosen.chart_panels is not None:
         png = chart_path(args, DEFAULT_PNG.with_stem(args.scenario))
         write_bar_panels(chosen.chart_panels(figures), png, f"inflight bench --scenario {args.scenario}")

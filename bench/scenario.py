@@ -6,17 +6,26 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    run: Callable[[argparse.Namespace], dict]  # the figures
+    run: Callable[[argparse.Namespace], dict | Coroutine[None, None, dict]]  # the figures (async: run on uvloop)
     add_arguments: Callable[[argparse.ArgumentParser], None] | None = None  # its own --help group
     chart_panels: Callable[[dict], list[tuple]] | None = None  # (title, bars, format) per panel
     own_report: bool = False  # writes its report itself (throughput, single), else the harness does
+
+    def figures(self, args: argparse.Namespace) -> dict:
+        """The run's figures; an async run's on uvloop, the loop a worker runs on."""
+        figures = self.run(args)
+        if isinstance(figures, Coroutine):
+            import uvloop
+
+            return uvloop.run(figures)
+        return figures
 
 
 D = " (default: %(default)s)"  # a flag's help that shows its default ends with this

@@ -23,12 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    import uvloop
-
-    return uvloop.run(_run(args))  # the loop the worker runs on
-
-
 def _load(args: argparse.Namespace):
     """The model, its engine and the prompt vocabulary, built on the torch thread as in the worker."""
     from bench.drive import bench_engine
@@ -39,7 +33,7 @@ def _load(args: argparse.Namespace):
     return loaded, bench_engine(loaded, args), vocab_ids
 
 
-async def _run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace) -> dict:
     from workers.async_engine import AsyncEngine, on_torch_thread
 
     loaded, engine, vocab_ids = await on_torch_thread(_load, args)
