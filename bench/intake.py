@@ -32,17 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
-    import uvloop
-
+async def run(args: argparse.Namespace) -> dict:
     with (
         tempfile.TemporaryDirectory(prefix="inflight-intake-") as tmp,
         RedisServer(Path(tmp), appendonly=False) as server,
     ):
-        return uvloop.run(_run(args, server))
+        return await _take_in(args, server)
 
 
-async def _run(args: argparse.Namespace, server: RedisServer) -> dict:
+async def _take_in(args: argparse.Namespace, server: RedisServer) -> dict:
     config = run_streams(server.url, f"inflight:bench:intake:{uuid.uuid4().hex[:8]}")
     producers = [connect(server.url, socket_timeout=30) for _ in range(args.intake_producers)]
     readers = [

@@ -40,7 +40,7 @@ from bench.arrivals import BURST, rate_points
 from bench.http_client import CompletionsClient, Prompt
 from bench.metrics import RequestRecord, latency_figures
 from bench.report import HostLoad, say
-from bench.scenario import D, Scenario, add_flags
+from bench.scenario import D, Scenario, add_flags, comma_list
 from bench.servers import inflight_server, signals_as_exit, vllm_server
 from bench.workload import WORKLOAD_FLAGS, draw_workload
 
@@ -125,7 +125,9 @@ def chart_panels(report: dict) -> list[tuple]:
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
-    rates = _rates(args.serve_rates)
+    rates = comma_list(args.serve_rates, "--serve-rates", cast=float)
+    if min(rates) <= 0:
+        raise SystemExit(f"--serve-rates needs positive requests/s values, got {args.serve_rates!r}")
     systems = _systems(args)
     folder = _model_folder(args)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -224,16 +226,6 @@ async def _measure(url: str, prompts: list[Prompt], points: dict, args: argparse
             say(f"serve {label}: {name} ({len(prompts)} requests)")
             figures[name] = await client.send(prompts, arrivals)
         return figures
-
-
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        rates = []
-    if not rates or min(rates) <= 0:
-        raise SystemExit(f"--serve-rates needs positive requests/s values, comma-separated, got {text!r}")
-    return rates
 
 
 def _systems(args: argparse.Namespace) -> list[str]:

@@ -76,15 +76,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--soak-chaos-gap-s", type=float, default=60.0, help="mean seconds between faults" + D)
 
 
-def run(args: argparse.Namespace) -> dict:
-    import uvloop
-
+async def run(args: argparse.Namespace) -> dict:
     duration = args.soak_minutes * 60
     if not 0 < args.soak_warmup_s < REDIS_RESTART_AT * duration:
         raise SystemExit(f"--soak-warmup-s must end before the Redis restart, {REDIS_RESTART_AT * duration:.0f} s in")
     with tempfile.TemporaryDirectory(prefix="inflight-soak-") as tmp:
         try:
-            report = uvloop.run(_run(args, Path(tmp), duration))
+            report = await _run(args, Path(tmp), duration)
         finally:
             if args.soak_logs is not None:  # before the temporary folder goes
                 args.soak_logs.mkdir(parents=True, exist_ok=True)
