@@ -13,19 +13,15 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
 from bench.arrivals import at_t0, poisson
-from bench.fleet import Fleet, model_flags, redis_server
+from bench.fleet import BenchRun, Fleet, bench_run, model_flags
 from bench.follow import Follower
 from bench.length_training import held_out_prompt
 from bench.metrics import metric_total
 from bench.report import say
 from bench.scenario import Scenario, add_flags, comma_list
-from service.connect import connect
 
 QUIET_LIMIT_S = 120.0
 
@@ -42,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> dict:
+async def run(args: argparse.Namespace) -> dict:
     import shlex
 
     from bench.sharegpt import make_sharegpt_workload
@@ -64,15 +60,15 @@ def run(args: argparse.Namespace) -> dict:
     extra = shlex.split(args.length_worker_args)
 
     report: dict = {"workload": held_out.describe() | {"max_tokens": args.length_max_tokens}, "points": {}}
-    with redis_server(args.redis_url) as url, tempfile.TemporaryDirectory(prefix="inflight-bench-length-") as tmp:
-        oracle_file = Path(tmp) / "oracle.json"
+    async with bench_run(args.redis_url, "length") as bench:
+        oracle_file = bench.logs / "oracle.json"
 
         def policy_flags(policy: str) -> list[str]:
             oracle = ["--length-oracle", str(oracle_file)] if policy == "oracle" else []
             return ["--length-policy", policy, *extra, *oracle]
 
         say("length: capacity (every request at t0, fcfs)")
-        capacity_run = _serve(url, args, Path(tmp), "capacity", policy_flags("fcfs"), texts, [at_t0(len(texts))])
+        capacity_run = await _serve(bench, args, "capacity", policy_flags("fcfs"), texts, [at_t0(len(texts))])
         records, duration = capacity_run["points"][0]
         truth = [len(r["tokens"]) for r in records]
         # Requests finished per second while the running set was full (until the last one
@@ -103,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
         arrivals = [poisson(len(texts), load * capacity, args.seed + i) for i, load in enumerate(loads)]
         for policy in policies:
             say(f"length: {policy} at loads {loads}")
-            served = _serve(url, args, Path(tmp), policy, policy_flags(policy), texts, arrivals)
+            served = await _serve(bench, args, policy, policy_flags(policy), texts, arrivals)
             for load, (records, duration), preemptions in zip(loads, served["points"], served["preemptions"]):
                 figures = _figures(records, duration)
                 figures["preemptions"] = preemptions
@@ -121,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
             for policy in comma_list(args.length_deadline_policies, "--length-deadline-policies", empty=True):
                 say(f"length: deadlines, {policy} at load {load}")
                 name, flags = f"deadlines-{policy}", policy_flags(policy)
-                served = _serve(url, args, Path(tmp), name, flags, texts, [deadline_arrivals], slacks)
+                served = await _serve(bench, args, name, flags, texts, [deadline_arrivals], slacks)
                 outcomes[policy], _ = served["points"][0]
                 report["deadlines"]["policies"][policy] = _deadline_figures(outcomes[policy])
             if "fcfs" in outcomes:  # fcfs runs every job: which refusals it shows needless
@@ -137,45 +133,38 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _serve(
-    url: str, args, tmp: Path, name: str, flags: list[str], texts: list[str], points: list[list[float]], slacks=None
+async def _serve(
+    bench: BenchRun, args, name: str, flags: list[str], texts: list[str], points: list[list[float]], slacks=None
 ) -> dict:
     """A fresh worker with `flags`; the prompts sent at each point's arrival times in turn
     (with `slacks`, each with a deadline that many seconds after it is sent)."""
-    run_id = uuid.uuid4().hex[:8]  # request ids stay unique while their owner keys live
-    log_dir = tmp / name
-    log_dir.mkdir()
-    flags = [*model_flags(args), *flags]
-    with Fleet(log_dir, url, f"inflight:bench:length:{run_id}:{name}", flags, graceful=True) as fleet:
+    with bench.fleet(name, [*model_flags(args), *flags]) as fleet:
         worker = fleet.start("bench")
-        worker.wait_ready()
+        await asyncio.to_thread(worker.wait_ready)
         served: dict = {"points": [], "preemptions": []}
         for i, arrivals in enumerate(points):
             before = metric_total(worker.metrics(), "inflight_preemptions_total")
-            served["points"].append(asyncio.run(_send(fleet, f"{run_id}-{name}{i}", texts, arrivals, args, slacks)))
+            tag = f"len-{bench.run_id}-{name}{i}"
+            served["points"].append(await _send(bench.client, fleet, tag, texts, arrivals, args, slacks))
             served["preemptions"].append(metric_total(worker.metrics(), "inflight_preemptions_total") - before)
         return served
 
 
 async def _send(
-    fleet: Fleet, tag: str, texts: list[str], arrivals: list[float], args, slacks=None
+    client, fleet: Fleet, tag: str, texts: list[str], arrivals: list[float], args, slacks=None
 ) -> tuple[list, float]:
     """Each prompt queued at its arrival time (with `slacks`, a deadline that many seconds
     later); every reply followed to its end. Per request: its tokens, its send, first-token
     and end times after t0, its finish reason, and whether it was refused as unmeetable."""
-    client = connect(fleet.url, socket_timeout=30)
-    try:
-        async with Follower(client, fleet, tag=f"len-{tag}").reading() as follower:
-            jobs = [
-                follower.job(str(i), text, args.length_max_tokens, ignore_eos=False,
-                             slack_s=None if slacks is None else slacks[i])
-                for i, text in enumerate(texts)
-            ]  # fmt: skip
-            order = sorted(range(len(jobs)), key=lambda i: arrivals[i])
-            t0 = await follower.send_at([jobs[i] for i in order], [arrivals[i] for i in order])
-            await follower.all_final(jobs, "length's replies", limit_s=QUIET_LIMIT_S, quiet=True)
-    finally:
-        await client.aclose()
+    async with Follower(client, fleet, tag=tag).reading() as follower:
+        jobs = [
+            follower.job(str(i), text, args.length_max_tokens, ignore_eos=False,
+                         slack_s=None if slacks is None else slacks[i])
+            for i, text in enumerate(texts)
+        ]  # fmt: skip
+        order = sorted(range(len(jobs)), key=lambda i: arrivals[i])
+        t0 = await follower.send_at([jobs[i] for i in order], [arrivals[i] for i in order])
+        await follower.all_final(jobs, "length's replies", limit_s=QUIET_LIMIT_S, quiet=True)
     duration = time.perf_counter() - t0
     for job in jobs:
         if job.final["type"] == "error" and not (slacks and job.final.get("code") == "deadline_unmeetable"):
