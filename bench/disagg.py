@@ -82,16 +82,14 @@ class Prompts:
     source: str
 
 
-def run(args: argparse.Namespace) -> dict:
-    import uvloop
-
+async def run(args: argparse.Namespace) -> dict:
     configs = comma_list(args.disagg_configs, "--disagg-configs", CONFIGURATIONS)
     cores = comma_list(args.disagg_cores, "--disagg-cores", count=2)
     if args.disagg_running_prompt_len < args.disagg_min_prompt_tokens:
         say("disagg: the running decodes' prompts are shorter than --disagg-min-prompt-tokens: on P/D they stay whole")
     prompts = _prompts(args)
     with signals_as_exit():  # SIGTERM stops the workers on the way out too
-        return uvloop.run(_run(args, configs, cores, prompts))
+        return await _run(args, configs, cores, prompts)
 
 
 def _prompts(args: argparse.Namespace) -> Prompts:

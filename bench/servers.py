@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench import peer_vllm
-from bench.fleet import BACKPRESSURE_OFF, Fleet
+from bench.fleet import BACKPRESSURE_OFF, Fleet, model_flags
 from bench.processes import RedisServer, answers_http, free_port, start_reaper, stop_reaper, wait_for
 from bench.report import say
 from service.config import DEFAULT_MODEL_NAME
@@ -28,17 +28,8 @@ VLLM_STOP_WAIT_S = 30.0
 def inflight_server(args: argparse.Namespace, log_dir: Path, start_timeout_s: float = 600.0) -> Iterator[dict]:
     """A private redis-server, one worker and one gateway (backpressure off): the gateway's URL."""
     with RedisServer(log_dir / "redis", appendonly=False) as redis:
-        worker_argv = [
-            "--redis-url",
-            redis.url,
-            "--dtype",
-            args.dtype,
-            "--weights",
-            args.weights,
-            "--no-prefix-caching",
-        ]
+        worker_argv = ["--redis-url", redis.url, *model_flags(args), "--weights", args.weights, "--no-prefix-caching"]
         worker_argv += ["--no-speculative"] if args.speculation == "off" else []
-        worker_argv += ["--model", args.model] if args.model else []
         worker_argv += shlex.split(args.serve_worker_args)
         reaper = start_reaper([str(redis.process.pid)])
         # The default streams (inflight:requests, ...), as a deployment's.

@@ -153,14 +153,12 @@ class Prompts:
     ignore_eos: bool  # for (b, c)'s: a random workload's fixed lengths
 
 
-def run(args: argparse.Namespace) -> dict:
-    import uvloop
-
+async def run(args: argparse.Namespace) -> dict:
     parts = comma_list(args.tenants_parts, "--tenants-parts", PARTS)
     cores = comma_list(args.tenants_cores, "--tenants-cores", count=2)
     prompts = _prompts(args, parts)
     with signals_as_exit():  # SIGTERM stops the workers on the way out too
-        return uvloop.run(_run(args, parts, cores, prompts))
+        return await _run(args, parts, cores, prompts)
 
 
 def _prompts(args: argparse.Namespace, parts: list[str]) -> Prompts:
