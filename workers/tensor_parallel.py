@@ -21,9 +21,10 @@ is killed.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
+import pickle
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -64,7 +65,7 @@ class StepInputs:
 class Leader:
     """Rank 0's end of the group: it started the followers and sends them every step."""
 
-    def __init__(self, followers: list[Any], steps: Any) -> None:
+    def __init__(self, followers: list[subprocess.Popen], steps: Any) -> None:
         self.followers = followers
         self.steps = steps  # the process group of the steps' collectives
 
@@ -73,13 +74,15 @@ class Leader:
         """Start the followers, form the group with them (this process is rank 0)."""
         world = model.tensor_parallel
         address = f"tcp://127.0.0.1:{_free_port()}"
-        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited torch threads
-        followers = [
-            spawn.Process(target=follow, args=(rank, world, address, model, cache), daemon=True, name=f"tp-rank-{rank}")
-            for rank in range(1, world)
-        ]
-        for process in followers:
-            process.start()
+        # A fresh interpreter each (no inherited torch threads), started as a module: unlike
+        # multiprocessing's spawn, it never imports the leader's main script again.
+        followers = []
+        for rank in range(1, world):
+            process = subprocess.Popen([sys.executable, "-m", "workers.tensor_parallel"], stdin=subprocess.PIPE)
+            assert process.stdin is not None
+            process.stdin.write(pickle.dumps((rank, world, address, model, cache)))
+            process.stdin.close()
+            followers.append(process)
         return cls(followers, _join_group(0, world, address))
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
@@ -100,7 +103,7 @@ class Leader:
         """Tell the followers to exit, and wait for them."""
         dist.broadcast_object_list([None], src=0, group=self.steps)
         for process in self.followers:
-            process.join(timeout=10)
+            process.wait(timeout=10)
         dist.destroy_process_group()
 
 
@@ -161,3 +164,7 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+if __name__ == "__main__":  # a follower, started by `Leader.start` with its arguments on stdin
+    follow(*pickle.load(sys.stdin.buffer))
