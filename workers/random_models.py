@@ -84,20 +84,26 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         max_position_embeddings=8192,
     ),
     # Llama-3-8B's shape, for GPU benchmarks (8B parameters: not for a CPU).
-    "llama3-8b-shape": lambda: LlamaConfig(
+    "llama3-8b-shape": lambda: _llama3_8b_shape(32),
+    # Its first two layers: a CPU holds it (3 GB in bfloat16), e.g. to run its shapes at --tensor-parallel 2.
+    "llama3-8b-shape-2-layers": lambda: _llama3_8b_shape(2),
+}
+
+
+def _llama3_8b_shape(layers: int) -> LlamaConfig:
+    return LlamaConfig(
         **_IDS,
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
-        num_hidden_layers=32,
+        num_hidden_layers=layers,
         num_attention_heads=32,
         num_key_value_heads=8,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         max_position_embeddings=8192,
-    ),
-}
+    )
 
 
 def random_name(source: str) -> str | None:
