@@ -11,7 +11,7 @@
   end, in this worker's order, not the fleet's; taken when a slot frees, it misses at
   most one step. Interactive jobs never wait behind batch jobs. Under fair preemption
   (`fair_preempt_after_s`) a full worker also takes the jobs of tenants that hold two or
-  fewer than the tenant it serves most (up to half its slots again), for its engine to
+  more fewer than the tenant it holds most (up to its slots again), for its engine to
   swap that tenant's running jobs out for them. With a wait cap
   (`max_queue_wait_s`) the worker publishes when its slots free (`SlotOutlook`), for
   admission to judge waits by.
@@ -151,7 +151,7 @@ class FairQueueIntake(StreamIntake):
         self.capacity = config.max_held_jobs or scheduler.max_running_requests
         self.max_running_batch = scheduler.max_running_batch
         # Fair preemption: how many jobs beyond its slots a full worker may take for it.
-        self.fair_extra = self.capacity // 2 if scheduler.fair_preempt_after_s > 0 else 0
+        self.fair_extra = self.capacity if scheduler.fair_preempt_after_s > 0 else 0
         self._tenants: dict[str, str] = {}  # the tenant of each job in the engine, by entry id
         self.outlook: SlotOutlook | None = None
         if fair.max_queue_wait_s > 0:  # admission judges waits by it

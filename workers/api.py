@@ -182,10 +182,10 @@ class GenerationRequest:
     however long it waited, and while running it is preempted (swapped out, else
     recomputed later) the step an interactive request needs its running slot or its KV
     blocks. Among batch requests, priority and aging order them as usual.
-    `tenant` (with `SchedulerConfig.fair_preempt_after_s`): a request of a tenant that
-    runs fewer requests here than another tenant of its priority queues ahead of other
+    `tenant` (with `SchedulerConfig.fair_preempt_after_s`): a request of a tenant served
+    fewer tokens here lately than another tenant of its priority queues ahead of other
     interactive requests, and once it has waited that long for room, swaps out a
-    running request of the tenant that runs the most (`workers/preemption.py`).
+    running request of the tenant served most lately (`workers/fair_share.py`).
     With `params.n` > 1 the prompt is computed once and the choices share its KV
     blocks; every token event names its choice (`index`), and the one final event
     comes when the last choice ends, with each choice's end in `choices`.

@@ -154,11 +154,11 @@ class SchedulerConfig:
     # interactive request runs. Where a step's cost barely grows with its prompt tokens (a
     # GPU), a larger value serves batch prompts sooner at no cost to the streams.
     max_batch_prefill_tokens: int = 64
-    # Fair preemption (0: off). A request of a tenant that runs fewer requests here than
-    # another tenant of its priority, by two or more, queues ahead of other interactive
-    # requests, and once it has waited this many seconds for a running slot or KV blocks
-    # it swaps out a running request of the tenant that runs the most (needs the host
-    # tier: swap_memory_bytes). The tenant is the job's `tenant`.
+    # Fair preemption (0: off; `workers/fair_share.py`). A request of a tenant served fewer
+    # tokens here lately than another tenant of its priority queues ahead of other
+    # interactive requests, and once it has waited this many seconds for a running slot or
+    # KV blocks it swaps out a running request of the tenant served most lately (needs the
+    # host tier: swap_memory_bytes). The tenant is the job's `tenant`.
     fair_preempt_after_s: float = 0.0
     # Aging: a request is never overtaken in the queue by one that arrived more than
     # this many seconds after it, whatever their priorities. Within that window each

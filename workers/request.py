@@ -42,9 +42,9 @@ class Request:
     # Resumed from another worker's published tokens (its stream stalled mid-answer): it
     # queues ahead of the rest of its class and may use the takeover allowance.
     takeover: bool = False
-    # Whose it is, and whether its tenant ran fewer requests here than another tenant of
+    # Whose it is, and whether its tenant was served less lately than another tenant of
     # its priority when it arrived: it then queues ahead of other interactive requests
-    # and may swap out the other tenant's (fair preemption, `workers/preemption.py`).
+    # and may swap out the other tenant's (fair preemption, `workers/fair_share.py`).
     tenant: str = ""
     fair: bool = False
     output_token_ids: list[int] = field(default_factory=list)

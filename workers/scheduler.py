@@ -17,7 +17,7 @@ they queue behind every interactive request, are the first victims of any preemp
 and are preempted as soon as an interactive request lacks a running slot or KV blocks
 to start or to go on with its prompt (`_make_room_for`). A batch request never
 preempts an interactive one. Under fair preemption a tenant below its share takes the
-most-served tenant's running slot once it has waited long enough (`workers/preemption.py`).
+most-served tenant's running slot once it has waited long enough (`workers/fair_share.py`).
 
 **After the step** the scheduler owns what changed: `update_from_output` moves each
 chunk's request past the tokens it ran, appends the sampled tokens (after any accepted
@@ -28,18 +28,18 @@ retires the rest through `finish` (stop strings, cancels, deadlines, a failed st
 from __future__ import annotations
 
 import itertools
-import time
 from collections import Counter
 
 from workers.api import FinishReason
 from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig, SpeculativeConfig
 from workers.draft_planner import DraftPlanner
+from workers.fair_share import FairShare
 from workers.finish_forecast import steps_to_finish
 from workers.kv_cache import KVCacheManager
 from workers.length_predictor import LengthPredictor, OracleLengths, head_start_s
 from workers.plan import CacheStats, Census, ScheduledChunk, StepPlan
-from workers.preemption import below_share, fair_victim, recompute_victim, swap_victim
+from workers.preemption import recompute_victim, swap_victim
 from workers.request import Request, RequestStatus
 from workers.request_queue import QUEUED, RequestQueue
 from workers.speculative import Proposer
@@ -60,12 +60,10 @@ class Scheduler:
         proposer: Proposer | None = None,
         length_predictor: LengthPredictor | OracleLengths | None = None,
     ) -> None:
-        """The device pool `allocator`, and `host_allocator` (None: preemption recomputes),
-        are the KV-cache manager's; `cache_salt` (None: no prefix caching) names what else
-        changes K/V. `speculative` (enabled) turns speculation on, drafting with `proposer`
-        (default: prompt lookup). `length_predictor` (None: first come, first served
-        within a priority) orders the queue by predicted output length and picks the
-        swap victim with the longest predicted remainder."""
+        """The device pool `allocator` and `host_allocator` (None: preemption recomputes) are the KV-cache
+        manager's; `cache_salt` (None: no prefix caching) names what else changes K/V; `speculative`
+        (enabled) drafts with `proposer` (default: prompt lookup); `length_predictor` (None: first come,
+        first served within a priority) orders the queue by predicted length and swaps the longest remainder."""
         self.config = config
         self.length_predictor = length_predictor
         self.kv_cache = KVCacheManager(allocator, block_size, host_allocator, cache_salt)
@@ -74,6 +72,7 @@ class Scheduler:
             self.drafts = DraftPlanner(speculative, self.kv_cache, proposer)
         self.running: list[Request] = []  # in the order they (re)started
         self.queue = RequestQueue(config.priority_bound_s)
+        self.fair_share = FairShare(config.fair_preempt_after_s) if config.fair_preempt_after_s > 0 else None
         self._step = 0
         self._step_s: float | None = None  # recent mean step time
 
@@ -104,7 +103,7 @@ class Scheduler:
             for choice in (request, *request.forks):
                 choice.predicted_output_len = predicted
             head_start = head_start_s(max(1.0, predicted - len(request.output_token_ids)), self.config.length_bound_s)
-        request.fair = self.config.fair_preempt_after_s > 0 and below_share(request, self.running, self.queue)
+        request.fair = self.fair_share is not None and self.fair_share.below_share(request, self.running, self.queue)
         self.queue.place(request, head_start_s=head_start)
         self.queue.push(request, RequestStatus.WAITING)
 
@@ -231,6 +230,8 @@ class Scheduler:
             room = min(config.max_decode_tokens - plan.num_decode_tokens, config.max_batch_tokens - plan.num_tokens)
             self.drafts.plan(plan, room, len(self.running), self._step)
         self.kv_cache.plan_offloads(plan)
+        if self.fair_share is not None:  # what each tenant is served, for fair preemption
+            self.fair_share.charge(plan)
         return plan
 
     def _plan_decodes(self, plan: StepPlan) -> None:
@@ -405,13 +406,12 @@ class Scheduler:
         return True
 
     def _make_room_for(self, request: Request, plan: StepPlan) -> bool:
-        """Preempt a running request to give `request` its running slot or blocks, and say
-        whether one went: a batch request if `request` is interactive (as `_preempt_one`
-        picks it), else, under fair preemption, the most-served tenant's (swapped out)."""
+        """Preempt a running request to give `request` its slot or blocks, and say whether one went: a
+        batch one for an interactive `request`, else, under fair preemption, the most-served tenant's."""
         if not request.batch and any(r.batch for r in self.running):
             self._preempt_one(plan)  # batch requests go first
             return True
-        victim = fair_victim(self.running, request, self._step, time.perf_counter(), self.config.fair_preempt_after_s)
+        victim = None if self.fair_share is None else self.fair_share.victim(self.running, request, self._step)
         if victim is None or not self.kv_cache.swap_out(victim, plan):
             return False
         self._remove_running(victim, plan)
