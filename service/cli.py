@@ -31,6 +31,7 @@ from service.submit_command import add_submit_arguments, run_submit
 EXIT_CREDENTIALS = 2  # Redis refused the credentials
 EXIT_PENDING_LEFT = 3  # stopped with jobs left pending for another worker (grace period over, or Redis away)
 EXIT_FORCED = 130  # a second SIGINT or SIGTERM: stopped at once
+# 1: could not start (one line says why); 4: a tensor-parallel rank is gone (workers/tensor_parallel.py)
 
 SAMPLE_PROMPTS: list[tuple[str, str | list[dict]]] = [
     ("chat", [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]),
@@ -211,7 +212,7 @@ async def _worker(args: argparse.Namespace) -> int:
             worker_config = worker_config_from_args(args, url)
         except ValueError as error:  # settings that do not go together
             print(f"inflight worker: {error}", file=sys.stderr)
-            return 2
+            return 1
         status = await _serve(worker_config, embedded=not args.redis_url)
     # Served, logged, and the embedded server stopped: exit now. The interpreter's own
     # teardown (torch's) would only lengthen a stop bounded by the grace period.
