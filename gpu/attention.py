@@ -164,6 +164,32 @@ class LayerAttention(NamedTuple):
 
 
 FULL_ATTENTION = LayerAttention()
+INT32_MAX = 2**31 - 1
+
+
+def kernel_scalars(layer: LayerAttention) -> tuple[int, float]:
+    """`layer`'s window and softcap as the C++ and CUDA kernels take them (0 for none),
+    checked: a window holds at least one key (a longer one than int32 reads as all), a
+    softcap is positive."""
+    window = 0 if layer.window is None else min(int(layer.window), INT32_MAX)
+    if layer.window is not None and window < 1:
+        raise ValueError(f"a sliding window must hold at least one key, not {layer.window}")
+    softcap = 0.0 if layer.softcap is None else float(layer.softcap)
+    if layer.softcap is not None and not softcap > 0:
+        raise ValueError(f"a softcap must be positive, not {layer.softcap}")
+    return window, softcap
+
+
+def checked_sinks(sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """`sinks`, which must hold one logit per query head."""
+    if sinks.numel() != num_heads:
+        raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
+    return sinks
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter, or -1 for an inference tensor (which keeps none)."""
+    return -1 if tensor.is_inference() else tensor._version
 
 
 def layer_attention(module: Any, kwargs: dict[str, Any]) -> LayerAttention:

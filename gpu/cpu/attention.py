@@ -37,7 +37,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu.attention import CONTEXT_LEN, FULL_ATTENTION, QUERY_START, BlockTables, LayerAttention, SequenceSlice
+from gpu.attention import (
+    CONTEXT_LEN,
+    FULL_ATTENTION,
+    QUERY_START,
+    BlockTables,
+    LayerAttention,
+    SequenceSlice,
+    checked_sinks,
+    kernel_scalars,
+    tensor_version,
+)
 from gpu.cpu.native_build import CPU_CXX_FLAGS, load_cpu_library, try_load_cpu_library
 from gpu.kv_cache import PagedKVCache
 from gpu.torch_attention import PrefillSlice, TorchAttentionBackend
@@ -47,7 +57,6 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # block tables, then seqs, max_blocks, block_size, heads, kv_heads, head_dim, scale, the
 # layer's window (0: none), softcap (0: none) and sinks (fp32 [heads], or null), threads.
 _ARGTYPES = (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I)
-_INT32_MAX = 2**31 - 1
 _MAX_CACHED_SINKS = 1024
 
 
@@ -132,25 +141,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         """(window, softcap, sinks address) as the kernels take them: 0 for none."""
         if layer is FULL_ATTENTION or (layer.window is None and layer.softcap is None and layer.sinks is None):
             return 0, 0.0, 0
-        window = 0 if layer.window is None else min(int(layer.window), _INT32_MAX)
-        if layer.window is not None and window < 1:
-            raise ValueError(f"a sliding window must hold at least one key, not {layer.window}")
-        softcap = 0.0 if layer.softcap is None else float(layer.softcap)
-        if layer.softcap is not None and not softcap > 0:
-            raise ValueError(f"a softcap must be positive, not {layer.softcap}")
+        window, softcap = kernel_scalars(layer)
         if layer.sinks is None:
             return window, softcap, 0
         return window, softcap, self._sinks_for(layer.sinks, num_heads).data_ptr()
 
     def _sinks_for(self, sinks: torch.Tensor, num_heads: int) -> torch.Tensor:
         """`sinks` as a contiguous fp32 host tensor, converted once (again if it changes in place)."""
-        version = _version(sinks)
+        version = tensor_version(sinks)
         cached = self._sinks.get(id(sinks))
         if cached is not None and cached[0] is sinks and cached[1] == version:
             return cached[2]
-        if sinks.numel() != num_heads:
-            raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
-        converted = sinks.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+        converted = checked_sinks(sinks, num_heads).detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
         if version < 0:  # an inference tensor: not cached, read as it is now
             return converted
         if converted.data_ptr() == sinks.data_ptr():
@@ -226,11 +228,3 @@ class CpuAttentionBackend(TorchAttentionBackend):
             torch.get_num_threads(),
         )  # fmt: skip
         return status == 0
-
-
-def _version(tensor: torch.Tensor) -> int:
-    """The tensor's in-place version counter, or -1 for an inference tensor (which keeps none)."""
-    try:
-        return tensor._version
-    except RuntimeError:
-        return -1

@@ -33,6 +33,9 @@ from gpu.attention import (
     KernelLauncher,
     LayerAttention,
     SequenceSlice,
+    checked_sinks,
+    kernel_scalars,
+    tensor_version,
 )
 from gpu.cuda import source as cuda_source
 from gpu.kv_cache import PagedKVCache
@@ -235,26 +238,18 @@ class CupyAttentionBackend(AttentionBackend):
         device tensor of one logit per query head (or 0)."""
         if layer.window is None and layer.softcap is None and layer.sinks is None:
             return 0, 0.0, 0
-        window = 0 if layer.window is None else min(int(layer.window), _INT32_MAX)
-        if layer.window is not None and window < 1:
-            raise ValueError(f"a sliding window must hold at least one key, not {layer.window}")
-        softcap = 0.0 if layer.softcap is None else float(layer.softcap)
-        if layer.softcap is not None and not softcap > 0:
-            raise ValueError(f"a softcap must be positive, not {layer.softcap}")
+        window, softcap = kernel_scalars(layer)
         if layer.sinks is None:
             return window, softcap, 0
         sinks = layer.sinks
-        version = -1 if sinks.is_inference() else sinks._version  # inference tensors keep no version
+        version = tensor_version(sinks)
         cached = self._sinks.get(id(sinks))
         if cached is None or cached[0] is not sinks or cached[1] != version:
-            if sinks.numel() != num_heads:
-                raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
-            copy = sinks.detach().to(self.device, torch.float32, copy=True).contiguous().view(-1)
+            copy = (
+                checked_sinks(sinks, num_heads).detach().to(self.device, torch.float32, copy=True).contiguous().view(-1)
+            )
             cached = self._sinks[id(sinks)] = (sinks, version, copy)
         return window, softcap, cached[2]
-
-
-_INT32_MAX = 2**31 - 1
 
 
 def _int32(values: list[int], device: torch.device) -> torch.Tensor:
