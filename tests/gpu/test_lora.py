@@ -9,14 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from gpu.cpu.fusions import fuse_for_cpu
-from gpu.cpu.packed_linear import PackedLinear, can_pack, pack_linears
+from gpu.cpu.fusions import FusedGatedMLP, fuse_for_cpu
+from gpu.cpu.lean_forward import LeanForward
+from gpu.cpu.packed_linear import PackedLinear, amx_kernel, can_pack, pack_linears
 from gpu.lora import BadAdapter, LoRALinear, LoRASlots
+from workers.config import CacheConfig
+from workers.model_runner import ModelRunner
+from workers.plan import ScheduledChunk, StepPlan
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)  # fmt: skip
@@ -31,6 +36,16 @@ ADAPTERS = {
     "r64": (64, ["k_proj", "o_proj", "up_proj"], {}),
 }
 PROMPT_LENGTH = 5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: these models are tiny, and on a busy 2-core machine two threads
+    wait on each other at every operation (as in test_lean_forward.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tiny_llama(**overrides) -> LlamaForCausalLM:
@@ -141,6 +156,79 @@ def test_greedy_tokens_equal_the_merged_models(base, adapters, modules):
         following = reference_logits(base, adapters, expected, row_adapters)[:, -1].argmax(-1, keepdim=True)
         expected = torch.cat([expected, following], dim=1)
     assert ids.tolist() == expected.tolist()
+
+
+def test_the_cpu_workers_lean_forward_serves_each_sequence_its_adapter(base, adapters):
+    """The CPU worker's path: fused and packed modules, the lean forward over the paged
+    cache, a step of prompts then steps of decodes, each step's spans set before it."""
+    runner = ModelRunner(copy.deepcopy(base), CacheConfig(kv_memory_bytes=8 << 20, swap_memory_bytes=0))
+    slots = LoRASlots(runner.model, max_loras=4, max_rank=64)
+    for name, (folder, _) in adapters.items():
+        slots.load(name, folder)
+    runner.lean = LeanForward(runner.model)  # after the wrapping: it keeps the modules' bound forwards
+    row_adapters = ["r32", None, "r8", "r64", "r16", "r8"]
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, TINY["vocab_size"], (3 + i,), generator=generator).tolist() for i in range(6)]
+    tables = [([1 + 2 * i, 2 + 2 * i],) for i in range(len(sequences))]
+    chunks = [ScheduledChunk(None, 0, tuple(s), table, True, False) for s, table in zip(sequences, tables)]
+    for _ in range(4):
+        slots.begin_step([(name, chunk.num_tokens) for name, chunk in zip(row_adapters, chunks)])
+        logits = runner.execute(StepPlan(chunks)).logits
+        with torch.no_grad():
+            expected = torch.stack([
+                (base if name is None else adapters[name][1])(torch.tensor([s])).logits[0, -1]
+                for name, s in zip(row_adapters, sequences)
+            ])  # fmt: skip
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+        for sequence, token in zip(sequences, logits.argmax(-1).tolist()):
+            sequence.append(token)
+        chunks = [ScheduledChunk(None, len(s) - 1, (s[-1],), table, True, True) for s, table in zip(sequences, tables)]
+
+
+class GatedGateUp(nn.Linear):
+    """A gate_up projection with SiLU(gate) x up in its own pass, as packed on AMX."""
+
+    gated = True
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def test_a_gated_gate_up_projection_adds_the_delta_before_the_silu(base, adapters):
+    model = copy.deepcopy(base)
+    fuse_for_cpu(model)
+    gated = []
+    for mlp in (m for m in model.modules() if isinstance(m, FusedGatedMLP)):
+        stub = GatedGateUp(mlp.gate_up_proj.in_features, mlp.gate_up_proj.out_features, bias=False)
+        stub.weight, stub.calls = mlp.gate_up_proj.weight, 0
+        mlp.gate_up_proj = stub
+        gated.append(stub)
+    slots = LoRASlots(model, max_loras=1, max_rank=64)
+    slots.load("r32", adapters["r32"][0])
+    ids = prompts(2)
+    got = logits_of(model, slots, ids, ["r32", None])
+    torch.testing.assert_close(got, reference_logits(base, adapters, ids, ["r32", None]), rtol=1e-5, atol=1e-5)
+    assert [stub.calls for stub in gated] == [0, 0]
+    logits_of(model, slots, ids, [None, None])  # no adapter in the step: the one-pass product again
+    assert [stub.calls for stub in gated] == [1, 1]
+
+
+def test_bfloat16_on_amx_agrees_with_the_merged_models_to_its_rounding(base, adapters):
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    fuse_for_cpu(model)
+    pack_linears(model)
+    if amx_kernel() is None or not model.model.layers[0].mlp.gate_up_proj.gated:
+        pytest.skip("no AMX here: bfloat16 linears are not packed gated")
+    slots = LoRASlots(model, max_loras=4, max_rank=64)
+    for name, (folder, _) in adapters.items():
+        slots.load(name, folder)
+    row_adapters = MIXED_ROWS["scattered"]
+    ids = prompts(len(row_adapters))
+    got = logits_of(model, slots, ids, row_adapters).float()
+    # bfloat16's rounding moves these logits by about 0.01; the adapters move them by over 0.1.
+    torch.testing.assert_close(got, reference_logits(base, adapters, ids, row_adapters), rtol=0, atol=0.03)
 
 
 def test_a_step_without_adapters_is_the_base_model_exactly(base, adapters):
