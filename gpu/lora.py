@@ -26,17 +26,20 @@ columns side by side, so its delta is their deltas side by side: a slot holds th
 A one above the other and their B block-diagonally, one product each still. Its parts'
 LoRA weights are still named after the Hugging Face projections (`q_proj`, ...).
 
-How the engine wires it, on any device:
+How the engine wires it (`gpu.prepare.prepare_model`), on any device:
 
-    swap_modules_for_cpu(model, weights)          # fusions, quantization, packing first
-    slots = LoRASlots(model, max_loras, max_rank)  # wraps the linears that will run
-    forward = cpu_forward(model, backend, weights)  # after: it keeps the bound forwards
-    slots.load(name, folder)                       # at a job's first use; BadAdapter refuses it
+    swap_modules_for_cpu(model, weights)            # fusions, quantization, packing first
+    slots = LoRASlots(model, max_loras, max_rank)    # wraps the linears that will run
+    lean = cpu_forward(model, backend, weights)      # after: it keeps the bound forwards
+    slots.load(name, folder)                         # a job's adapter; BadAdapter refuses it
     slots.begin_step([(adapter or None, rows) for each sequence, in packed order])
-    forward(...)                                   # every wrapper reads the step's rows
+    ...the step's forward...                         # every wrapper reads the step's rows
 
-`LoRASlots.begin_step` raises if one step names more than `max_loras` adapters: the
-scheduler keeps a step's distinct adapters within it.
+`begin_step` raises if one step names more than `max_loras` adapters: the scheduler keeps
+a step's distinct adapters within it. What bypasses the modules bypasses the deltas too:
+int4's one-call decode step (`gpu.cpu.int4_decode`) and replayed CUDA graphs serve only
+steps without adapters; tensor parallelism would cut A (row-parallel linears) or B
+(column-parallel ones) as it cuts the base weight, which is not done here.
 """
 
 from __future__ import annotations
@@ -266,6 +269,7 @@ class LoRABatch:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.segments: list[Segment] = []
+        self.num_rows = 0
         # The adapter rows in slot order, where an adapter's rows are not one run; None where
         # the segments are slices of the packed rows as they are.
         self.rows: torch.Tensor | None = None
@@ -281,6 +285,7 @@ class LoRABatch:
             elif count:
                 runs.append((slot, start, start + count))
             start += count
+        self.num_rows = start
         runs = [run for run in runs if run[0] >= 0]
         if len({slot for slot, _, _ in runs}) == len(runs):
             self.rows = None
@@ -298,7 +303,7 @@ class LoRABatch:
 
     def clear(self) -> None:
         """Every row on the base model."""
-        self.segments, self.rows = [], None
+        self.segments, self.rows, self.num_rows = [], None, 0
 
 
 class LoRALinear(nn.Module):
@@ -338,6 +343,8 @@ class LoRALinear(nn.Module):
         return y
 
     def _add_deltas(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        if x.shape[0] != self.batch.num_rows:
+            raise ValueError(f"the step's spans cover {self.batch.num_rows} rows; {self.target.path} got {x.shape[0]}")
         rows = self.batch.rows
         gathered = x if rows is None else x.index_select(0, rows)
         for segment in self.batch.segments:
@@ -345,11 +352,10 @@ class LoRALinear(nn.Module):
                 continue
             height = len(self.target.parts) * segment.rank
             shrunk = gathered[segment.start : segment.stop] @ self.lora_a[segment.slot, :height].T
-            delta = shrunk @ self.lora_bt[segment.slot, :height]
-            if rows is None:
-                y[segment.start : segment.stop] += delta
+            if rows is None:  # added in the product's own pass
+                y[segment.start : segment.stop].addmm_(shrunk, self.lora_bt[segment.slot, :height])
             else:
-                y.index_add_(0, rows[segment.start : segment.stop], delta)
+                y.index_add_(0, rows[segment.start : segment.stop], shrunk @ self.lora_bt[segment.slot, :height])
 
     @torch.no_grad()
     def load_slot(self, slot: int, adapter: LoRAAdapter) -> None:

@@ -4,7 +4,6 @@ each computing what PEFT's merged model for its adapter computes."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -166,6 +165,7 @@ def test_the_cpu_workers_lean_forward_serves_each_sequence_its_adapter(base, ada
     for name, (folder, _) in adapters.items():
         slots.load(name, folder)
     runner.lean = LeanForward(runner.model)  # after the wrapping: it keeps the modules' bound forwards
+    assert isinstance(runner.model.model.layers[0].self_attn.qkv_proj, LoRALinear)
     row_adapters = ["r32", None, "r8", "r64", "r16", "r8"]
     generator = torch.Generator().manual_seed(2)
     sequences = [torch.randint(0, TINY["vocab_size"], (3 + i,), generator=generator).tolist() for i in range(6)]
@@ -256,14 +256,18 @@ def test_the_least_recently_used_adapter_not_in_the_step_is_evicted(base, adapte
     assert list(slots.resident) == ["r16", "r8"]
     step(["r16", "r32"])  # the step uses r16: r8 goes, though r16 was used less recently
     assert list(slots.resident) == ["r16", "r32"]
+    freed = slots.resident["r16"]
     step(["r8", None, "r8"])  # r8 comes back from host memory, into r16's slot
-    assert list(slots.resident) == ["r32", "r8"]
+    assert list(slots.resident) == ["r32", "r8"] and slots.resident["r8"] == freed
     step(["r16"])
     assert list(slots.resident) == ["r8", "r16"]
     with pytest.raises(ValueError, match="a step names 3 adapters; 2 fit"):
         slots.begin_step([("r8", 1), ("r16", 1), ("r32", 1)])
     with pytest.raises(KeyError, match="'r99' is not loaded"):
         slots.begin_step([("r99", 1)])
+    slots.begin_step([("r8", 2)])
+    with torch.no_grad(), pytest.raises(ValueError, match="spans cover 2 rows; model.layers.0.self_attn.q_proj got 3"):
+        model(ids[:1, :3])  # not the rows the step's spans described
 
 
 def test_an_adapter_saved_as_bin_loads_the_same(base, tmp_path):
@@ -339,6 +343,5 @@ def test_a_weight_without_its_pair_is_refused(base, adapters, tmp_path):
     weights = load_file(adapters["r8"][0] / "adapter_model.safetensors")
     del weights["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
     save_file(weights, tmp_path / "adapter_model.safetensors")
-    config = json.loads((adapters["r8"][0] / "adapter_config.json").read_text())
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / "adapter_config.json").write_text((adapters["r8"][0] / "adapter_config.json").read_text())
     assert refused(base, tmp_path) == "adapter 'bad': model.layers.1.self_attn.v_proj has lora_A without lora_B"
