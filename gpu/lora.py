@@ -23,8 +23,9 @@ step does not use.
 
 A fused CPU projection (`gpu.cpu.fusions`: `qkv_proj`, `gate_up_proj`) outputs its parts'
 columns side by side, so its delta is their deltas side by side: a slot holds the parts'
-A one above the other and their B block-diagonally, one product each still. Its parts'
-LoRA weights are still named after the Hugging Face projections (`q_proj`, ...).
+A one above the other (one product for all), and each part's B in its own columns (one
+product each, into its columns of the output). Its parts' LoRA weights are still named
+after the Hugging Face projections (`q_proj`, ...).
 
 How the engine wires it (`gpu.prepare.prepare_model`), on any device:
 
@@ -307,9 +308,10 @@ class LoRABatch:
 
 
 class LoRALinear(nn.Module):
-    """A linear whose output gains each row's adapter delta. Its slots hold, per part,
-    A as rows [part * rank, (part + 1) * rank) of `lora_a` and B (scaled, transposed) as
-    the same rows of `lora_bt`, nonzero only in that part's columns."""
+    """A linear whose output gains each row's adapter delta. A slot holds the A of each
+    part its adapter targets, one above the other (rows [i * rank, (i + 1) * rank) of
+    `lora_a` for the i-th), and each one's B, scaled and transposed, in that part's
+    columns of `lora_bt`."""
 
     def __init__(self, base: nn.Module, target: LoRATarget, batch: LoRABatch, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
@@ -320,11 +322,11 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = target.in_features, target.out_features
         height = len(target.parts) * max_rank
         self.register_buffer("lora_a", torch.zeros(max_loras, height, self.in_features, dtype=dtype, device=device))
-        self.register_buffer("lora_bt", torch.zeros(max_loras, height, self.out_features, dtype=dtype, device=device))
+        self.register_buffer("lora_bt", torch.zeros(max_loras, max_rank, self.out_features, dtype=dtype, device=device))
         self.lora_a: torch.Tensor
         self.lora_bt: torch.Tensor
-        # Whether each slot's adapter targets this linear at all (else its rows skip it).
-        self.holds = [False] * max_loras
+        # Each slot's targeted parts, as their columns of the output, in `lora_a`'s order.
+        self.columns: list[list[slice]] = [[] for _ in range(max_loras)]
 
     @property
     def gated(self) -> bool:
@@ -348,29 +350,33 @@ class LoRALinear(nn.Module):
         rows = self.batch.rows
         gathered = x if rows is None else x.index_select(0, rows)
         for segment in self.batch.segments:
-            if not self.holds[segment.slot]:
+            slot, rank, start, stop = segment.slot, segment.rank, segment.start, segment.stop
+            parts = self.columns[slot]
+            if not parts:
                 continue
-            height = len(self.target.parts) * segment.rank
-            shrunk = gathered[segment.start : segment.stop] @ self.lora_a[segment.slot, :height].T
-            if rows is None:  # added in the product's own pass
-                y[segment.start : segment.stop].addmm_(shrunk, self.lora_bt[segment.slot, :height])
-            else:
-                y.index_add_(0, rows[segment.start : segment.stop], shrunk @ self.lora_bt[segment.slot, :height])
+            # One product for every part's A; then each part's B into its own columns (a fused
+            # projection's B side by side would be block-diagonal: mostly zeros to read).
+            shrunk = gathered[start:stop] @ self.lora_a[slot, : len(parts) * rank].T
+            for index, columns in enumerate(parts):
+                part, b = shrunk[:, index * rank : (index + 1) * rank], self.lora_bt[slot, :rank, columns]
+                if rows is None:  # added in the product's own pass
+                    y[start:stop, columns].addmm_(part, b)
+                else:
+                    y[:, columns].index_add_(0, rows[start:stop], part @ b)
 
     @torch.no_grad()
     def load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_bt[slot].zero_()
-        self.holds[slot] = False
-        rank, column = adapter.rank, 0
-        for index, (module, width) in enumerate(self.target.parts):
+        rank, start = adapter.rank, 0
+        self.columns[slot] = []
+        for module, width in self.target.parts:
+            columns = slice(start, start + width)
+            start += width
             if module in adapter.weights:
                 a, b = adapter.weights[module]
-                rows = slice(index * rank, (index + 1) * rank)
-                self.lora_a[slot, rows] = a
-                self.lora_bt[slot, rows, column : column + width] = (b.float() * adapter.scaling).T
-                self.holds[slot] = True
-            column += width
+                index = len(self.columns[slot])
+                self.lora_a[slot, index * rank : (index + 1) * rank] = a
+                self.lora_bt[slot, :rank, columns] = (b.float() * adapter.scaling).T
+                self.columns[slot].append(columns)
 
     def extra_repr(self) -> str:
         return f"parts={[module.rpartition('.')[2] for module, _ in self.target.parts]}"
