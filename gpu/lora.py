@@ -383,13 +383,14 @@ class LoRALinear(nn.Module):
 
 
 class LoRASlots:
-    """The adapters of a model: loaded ones in host memory, at most `max_loras` of them
-    resident in the wrapped linears' slots, the least recently used evicted first."""
+    """The adapters of a model: loaded ones in host memory (at most `max_host_loras`, or
+    any number), at most `max_loras` of them resident in the wrapped linears' slots; the
+    least recently used one goes first from each."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
-        if max_loras < 1 or max_rank < 1:
-            raise ValueError("--max-loras and --max-lora-rank must be at least 1")
-        self.max_loras, self.max_rank = max_loras, max_rank
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_host_loras: int | None = None) -> None:
+        if max_loras < 1 or max_rank < 1 or (max_host_loras is not None and max_host_loras < 1):
+            raise ValueError("--max-loras, --max-lora-rank and the host adapters' bound must be at least 1")
+        self.max_loras, self.max_rank, self.max_host_loras = max_loras, max_rank, max_host_loras
         parameter = next(model.parameters())
         self.batch = LoRABatch(parameter.device)
         self.linears: list[LoRALinear] = []
@@ -403,8 +404,11 @@ class LoRASlots:
         self.shapes = {
             module: (linear.in_features, width) for linear in self.linears for module, width in linear.target.parts
         }
-        self.adapters: dict[str, LoRAAdapter] = {}
-        self.resident: OrderedDict[str, int] = OrderedDict()  # name: slot, least recently used first
+        # Both least recently used first. An adapter dropped from host memory is read again
+        # from its folder when a step needs it.
+        self.adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self.resident: OrderedDict[str, int] = OrderedDict()  # name: slot
+        self.folders: dict[str, Path] = {}
         self.ranks = [0] * max_loras
 
     def load(self, name: str, folder: str | Path) -> LoRAAdapter:
@@ -412,12 +416,14 @@ class LoRASlots:
         adapter of that name). Raises `BadAdapter`."""
         adapter = LoRAAdapter.load(folder, self.shapes, self.max_rank, name)
         self.unload(name)
-        self.adapters[name] = adapter
+        self.folders[name] = Path(folder)
+        self._hold(name, adapter)
         return adapter
 
     def unload(self, name: str) -> None:
         self.adapters.pop(name, None)
         self.resident.pop(name, None)
+        self.folders.pop(name, None)
 
     def begin_step(self, spans: Sequence[tuple[str | None, int]]) -> None:
         """Set the step's rows: (adapter name, or None for the base model; row count) of
@@ -435,12 +441,13 @@ class LoRASlots:
         self.batch.clear()
 
     def _make_resident(self, name: str, in_step: Sequence[str]) -> None:
+        if name not in self.folders:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        adapter = self.adapters.get(name) or LoRAAdapter.load(self.folders[name], self.shapes, self.max_rank, name)
+        self._hold(name, adapter)
         if name in self.resident:
             self.resident.move_to_end(name)
             return
-        adapter = self.adapters.get(name)
-        if adapter is None:
-            raise KeyError(f"adapter {name!r} is not loaded")
         free = sorted(set(range(self.max_loras)) - set(self.resident.values()))
         if free:
             slot = free[0]
@@ -451,3 +458,10 @@ class LoRASlots:
             linear.load_slot(slot, adapter)
         self.ranks[slot] = adapter.rank
         self.resident[name] = slot
+
+    def _hold(self, name: str, adapter: LoRAAdapter) -> None:
+        """Keep `adapter` in host memory as the most recently used one."""
+        self.adapters[name] = adapter
+        self.adapters.move_to_end(name)
+        if self.max_host_loras is not None and len(self.adapters) > self.max_host_loras:
+            self.adapters.popitem(last=False)

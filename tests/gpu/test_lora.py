@@ -270,6 +270,21 @@ def test_the_least_recently_used_adapter_not_in_the_step_is_evicted(base, adapte
         model(ids[:1, :3])  # not the rows the step's spans described
 
 
+def test_host_memory_keeps_the_most_recently_used_adapters_and_reads_the_others_again(base, adapters):
+    model = copy.deepcopy(base)
+    slots = LoRASlots(model, max_loras=1, max_rank=64, max_host_loras=2)
+    for name in ("r8", "r16", "r32"):
+        slots.load(name, adapters[name][0])
+    assert list(slots.adapters) == ["r16", "r32"]  # r8 left host memory
+    ids = prompts(2)
+    got = logits_of(model, slots, ids, ["r8", None])  # read again from its folder
+    torch.testing.assert_close(got, reference_logits(base, adapters, ids, ["r8", None]), rtol=1e-5, atol=1e-5)
+    assert list(slots.adapters) == ["r32", "r8"] and list(slots.resident) == ["r8"]
+    slots.unload("r8")
+    with pytest.raises(KeyError, match="'r8' is not loaded"):
+        slots.begin_step([("r8", 1)])
+
+
 def test_an_adapter_saved_as_bin_loads_the_same(base, tmp_path):
     rank, targets, config = ADAPTERS["r16"]
     merged = save_adapter(base, tmp_path, rank, targets, seed=7, **config)
