@@ -3,7 +3,7 @@
 An adapter adds `scaling * (x A^T) B^T` to the output of some of the base model's linears
 (the attention's q, k, v and o projections, the MLP's gate, up and down ones). Here every
 targeted linear is wrapped once (`LoRALinear`), and holds the adapters resident in
-`max_loras` slots: per slot its A stacked over B, padded to `max_rank`. A step's rows
+`max_loras` slots: per slot its A and B, in tensors sized for `max_rank`. A step's rows
 name their slot (or none); each wrapper adds the deltas of the rows that have one.
 
 The delta is computed per adapter, not per row: the rows of one adapter form a segment,
@@ -17,7 +17,8 @@ otherwise each layer gathers the adapter rows once, in slot order, and adds the 
 back at their rows.
 
 The scaling (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) is folded into B when an
-adapter is copied into a slot. Adapters wait in host memory (`LoRASlots.load`); a step
+adapter is copied into a slot. Adapters wait in host memory (`LoRASlots.load`; at most
+`max_host_loras` of them, the least recently used read again from its folder); a step
 copies those it needs into slots, evicting the least recently used adapter that the
 step does not use.
 
@@ -58,6 +59,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from gpu.cpu.fusions import FusedGatedMLP, ProjectionSlice
 from gpu.hf_module import HFModule
 
 # The Hugging Face projections an adapter may target.
@@ -111,9 +113,10 @@ def lora_targets(model: nn.Module) -> list[LoRATarget]:
     for path, module in model.named_modules():
         parent_path, _, name = path.rpartition(".")
         prefix = f"{parent_path}." if parent_path else ""
-        if name in FUSED:
-            parent: HFModule = model.get_submodule(parent_path)
-            widths = _fused_widths(parent, name)
+        if isinstance(module, LoRALinear):
+            raise ValueError(f"{path} already carries adapters")
+        widths = _fused_widths(model.get_submodule(parent_path), name) if name in FUSED else None
+        if widths is not None:
             parts = tuple((prefix + part, width) for part, width in zip(FUSED[name], widths))
             targets.append(LoRATarget(path, module.in_features, parts))
         elif name in TARGETS and hasattr(module, "in_features") and hasattr(module, "out_features"):
@@ -121,10 +124,15 @@ def lora_targets(model: nn.Module) -> list[LoRATarget]:
     return targets
 
 
-def _fused_widths(parent: HFModule, name: str) -> list[int]:
-    if name == "qkv_proj":  # q_proj, k_proj and v_proj are `ProjectionSlice`s of it
-        return [getattr(parent, part).stop - getattr(parent, part).start for part in FUSED[name]]
-    return [parent.intermediate_size] * 2  # `FusedGatedMLP`
+def _fused_widths(parent: HFModule, name: str) -> list[int] | None:
+    """The widths of the parts of `gpu.cpu.fusions`' fused projection `name`; None for a
+    model's own linear of that name (Phi-3's), which no Llama adapter targets."""
+    if name == "gate_up_proj":
+        return [parent.intermediate_size] * 2 if isinstance(parent, FusedGatedMLP) else None
+    parts: list[HFModule] = [getattr(parent, part, None) for part in FUSED[name]]
+    if not all(isinstance(part, ProjectionSlice) for part in parts):
+        return None
+    return [part.stop - part.start for part in parts]
 
 
 @dataclass(frozen=True)

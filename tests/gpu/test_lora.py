@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from gpu.cpu.fusions import FusedGatedMLP, fuse_for_cpu
 from gpu.cpu.lean_forward import LeanForward
@@ -295,6 +295,20 @@ def test_an_adapter_saved_as_bin_loads_the_same(base, tmp_path):
     ids = prompts(2)
     got = logits_of(model, slots, ids, ["bin", None])
     torch.testing.assert_close(got, reference_logits(base, {"bin": (tmp_path, merged)}, ids, ["bin", None]))
+
+
+def test_only_the_llama_projections_and_their_cpu_fusions_are_wrapped_once(base):
+    model = copy.deepcopy(base)
+    LoRASlots(model, max_loras=1, max_rank=8)
+    wrapped = {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    assert wrapped == set(ATTENTION + MLP)
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj already carries adapters"):
+        LoRASlots(model, max_loras=1, max_rank=8)
+    # Phi-3's own qkv_proj and gate_up_proj are no CPU fusion: their adapters are not Llama's.
+    phi3 = Phi3ForCausalLM(Phi3Config(**TINY, pad_token_id=0))
+    LoRASlots(phi3, max_loras=1, max_rank=8)
+    wrapped = {name.rpartition(".")[2] for name, m in phi3.named_modules() if isinstance(m, LoRALinear)}
+    assert wrapped == {"o_proj", "down_proj"}
 
 
 def refused(base: nn.Module, folder: Path, max_rank: int = 64) -> str:
