@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -176,6 +177,8 @@ class LoRAAdapter:
                     if leaf in TARGETS
                     else f"targets {leaf}; only {', '.join(TARGETS)} are supported"
                 )
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise _Refusal(f"{module} has weights that are not finite")
             in_features, out_features = shapes[module]
             if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
                 raise _Refusal(
@@ -232,7 +235,7 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
             return load_file(safetensors)
         if pickled.is_file():
             return torch.load(pickled, map_location="cpu", weights_only=True)
-    except (OSError, SafetensorError, RuntimeError, ValueError) as error:
+    except (OSError, SafetensorError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as error:
         raise _Refusal(f"cannot read its weights: {_one_line(error)}") from None
     raise _Refusal(f"no adapter_model.safetensors or adapter_model.bin in {folder}")
 
@@ -242,6 +245,8 @@ def _paired_weights(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[torc
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _WEIGHT_KEY.match(key)
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise _Refusal(f"holds {key}, which is no floating-point tensor")
         if match is None:
             if "lora_embedding" in key:
                 raise _Refusal("targets an embedding, which is not supported")

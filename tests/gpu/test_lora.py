@@ -368,9 +368,21 @@ def test_missing_or_broken_files_are_refused(base, adapters, tmp_path):
     assert refused(base, tmp_path).startswith(f"adapter 'bad': cannot read {tmp_path / 'adapter_config.json'}: ")
 
 
-def test_a_weight_without_its_pair_is_refused(base, adapters, tmp_path):
+V_PROJ_B = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda weights: weights.pop(V_PROJ_B), "model.layers.1.self_attn.v_proj has lora_A without lora_B"),
+        (lambda weights: weights[V_PROJ_B].fill_(float("nan")),
+         "model.layers.1.self_attn.v_proj has weights that are not finite"),
+        (lambda weights: weights.update(stray=torch.zeros(1)), "holds stray, which is not a LoRA weight"),
+    ],
+)  # fmt: skip
+def test_broken_weights_are_refused(base, adapters, tmp_path, change, reason):
     weights = load_file(adapters["r8"][0] / "adapter_model.safetensors")
-    del weights["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    change(weights)
     save_file(weights, tmp_path / "adapter_model.safetensors")
     (tmp_path / "adapter_config.json").write_text((adapters["r8"][0] / "adapter_config.json").read_text())
-    assert refused(base, tmp_path) == "adapter 'bad': model.layers.1.self_attn.v_proj has lora_A without lora_B"
+    assert refused(base, tmp_path) == f"adapter 'bad': {reason}"
