@@ -163,7 +163,7 @@ class _Soak:
         idle = {worker.name: _engine_state(worker.metrics()) for worker in self.workers}
         rss_end = self.survivor.rss_kb()
         alive = {worker.name: worker.alive() for worker in self.workers}
-        await asyncio.sleep(self.args.soak_reply_ttl_s + 10)  # let every reply stream expire
+        await self._until_request_keys_expire(self.args.soak_reply_ttl_s + 10)
         memory_after = await self._used_memory()
         keys_left = await self._keys_left()
         return self._report(traffic_s, idle, rss_end, alive, memory_before, memory_after, keys_left)
@@ -389,6 +389,16 @@ class _Soak:
         return {"keys": keys} | {
             k: info[k] for k in ("used_memory", "used_memory_dataset", "used_memory_overhead", "used_memory_scripts")
         }
+
+    async def _until_request_keys_expire(self, at_most_s: float) -> None:
+        """Until every reply stream has been read for its linger past its final event and no
+        key of any one request (its `{...}` hash tag: reply streams, cancels) is left, their
+        TTLs run out (SCAN reclaims the expired keys it meets); or for `at_most_s`."""
+        deadline = time.monotonic() + at_most_s
+        while time.monotonic() < deadline:
+            if not self.follower.open and not [k async for k in self.client.scan_iter(match="*{*", count=1000)]:
+                return
+            await asyncio.sleep(0.5)
 
     async def _keys_left(self) -> dict:
         """What Redis still holds, by key pattern (a request id's hash tag as `{*}`)."""

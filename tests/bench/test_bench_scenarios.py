@@ -163,14 +163,15 @@ def test_redis_scenario_runs_the_workload_through_a_worker_process_and_in_proces
 
 @pytest.mark.slow
 def test_soak_scenario_short_loses_nothing_through_a_redis_restart_and_a_worker_kill(tmp_path):
+    # 15 s of traffic: Redis restarts 5 s in, w1 is killed 9 s in and restarts within it.
     report = bench(
         tmp_path,
         "--scenario",
         "soak",
         "--soak-minutes",
-        "0.5",
+        "0.25",
         "--soak-warmup-s",
-        "6",
+        "4",
         "--soak-concurrency",
         "24",
         "--soak-max-tokens",
