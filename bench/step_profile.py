@@ -43,7 +43,7 @@ def decode_plan(runner: ModelRunner, batch: int, context: int) -> StepPlan:
     ids = list(range(1, runner.kv_cache.num_blocks))
     random.Random(0).shuffle(ids)  # scattered, as a running engine's blocks are
     return StepPlan([
-        ScheduledChunk(None, context - 1, (100 + i,), ids[i * blocks_each:(i + 1) * blocks_each], True, True)
+        ScheduledChunk(None, context - 1, (100 + i,), (ids[i * blocks_each:(i + 1) * blocks_each],), True, True)
         for i in range(batch)
     ])  # fmt: skip
 
@@ -75,7 +75,7 @@ def attention_call(runner: ModelRunner, plan: StepPlan, dtype: torch.dtype):
     """The backend's `attend` for every layer, with one step's metadata."""
     shape = runner.kv_cache.shape
     rows = len(plan.chunks)
-    sequences = [SequenceSlice(i, 1, c.start + 1, c.block_ids) for i, c in enumerate(plan.chunks)]
+    sequences = [SequenceSlice(i, 1, c.start + 1, c.block_tables[0]) for i, c in enumerate(plan.chunks)]
     metadata = runner.backend.prepare(sequences, rows)
     query = torch.randn(rows, runner.model.config.num_attention_heads, shape.head_dim).to(dtype)
     key, value = torch.randn(2, rows, shape.num_kv_heads, shape.head_dim).to(dtype)

@@ -22,13 +22,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 from transformers import AttentionInterface
 
-from gpu.kv_cache import PagedKVCache
+if TYPE_CHECKING:
+    from gpu.kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "inflight_paged"
 
@@ -238,10 +239,16 @@ class AttentionBackend(ABC):
 
 @dataclass(frozen=True)
 class PagedBatch:
-    """What the model's forward carries to every attention layer (as a keyword argument)."""
+    """What the model's forward carries to every attention layer (as a keyword argument):
+    the step's metadata, or with several groups of layers (`gpu.kv_layout`) each layer's,
+    prepared over its group's block tables."""
 
     backend: AttentionBackend
-    metadata: Any
+    metadata: Any  # the first group's
+    per_layer: Sequence[Any] | None = None  # None: every layer's is `metadata`
+
+    def for_layer(self, layer_idx: int) -> Any:
+        return self.metadata if self.per_layer is None else self.per_layer[layer_idx]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -253,7 +260,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
         scaling if scaling is not None else query.shape[-1] ** -0.5,
-        batch.metadata,
+        batch.for_layer(module.layer_idx),
         layer_attention(module, kwargs),
     )
     return out.unsqueeze(0), None  # transformers expects [1, T, heads, head_dim]

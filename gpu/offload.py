@@ -29,7 +29,7 @@ class HostKVPool:
         self.num_blocks = num_blocks
         device = device_cache.blocks.device
         self.on_cuda = device.type == "cuda"
-        shape = device_cache.shape.blocks_shape(num_blocks, device_cache.block_size)
+        shape = (*device_cache.blocks.shape[:2], num_blocks, *device_cache.blocks.shape[3:])
         # Never read before a swap-out writes it, so it need not be zeroed (or touched).
         self.blocks = torch.empty(shape, dtype=device_cache.blocks.dtype, pin_memory=self.on_cuda)
         self.stream = torch.cuda.Stream(device) if self.on_cuda else None

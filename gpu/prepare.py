@@ -23,6 +23,7 @@ from gpu.cpu.prepare import cpu_forward, swap_modules_for_cpu
 from gpu.cuda.graphs import DecodeGraphs, decode_graphs
 from gpu.hf_module import HFModule
 from gpu.kv_cache import KVShape, PagedKVCache
+from gpu.kv_layout import KVLayout
 from gpu.offload import HostKVPool
 
 
@@ -54,9 +55,12 @@ def prepare_model(
     model: HFModule,
     options: DeviceOptions,
     backend_class: Callable[[PagedKVCache], AttentionBackend] | None = None,
+    layout: KVLayout | None = None,
 ) -> PreparedModel:
     """Prepares `model` in place for the device its weights are on. `backend_class` None
-    picks the attention backend (`gpu.backends.select_backend`)."""
+    picks the attention backend (`gpu.backends.select_backend`); `layout` (None: one group
+    of every layer) groups the cache's layers (`gpu.kv_layout`). CUDA graphs replay a
+    cache of one group only: a model with several runs its decode steps eagerly."""
     device = next(model.parameters()).device
     if options.weights != "dense" and device.type != "cpu":
         raise ValueError(
@@ -68,11 +72,12 @@ def prepare_model(
         swap_modules_for_cpu(model, options.weights)
     # The cache after the swaps: the weights they free make room for it.
     kv_cache = PagedKVCache.from_budget(
-        KVShape.of(model.config), options.kv_memory_bytes, options.block_size, model.dtype, device
+        KVShape.of(model.config), options.kv_memory_bytes, options.block_size, model.dtype, device, layout
     )
     backend = backend_class(kv_cache) if backend_class else select_backend(kv_cache)
     # With the CUDA kernels, swaps are kernel launches too.
     host_pool = HostKVPool.from_budget(kv_cache, options.swap_memory_bytes, backend.kernels)
-    graphs = decode_graphs(model, backend, options.max_graph_batch) if options.cuda_graphs else None
+    one_group = len(kv_cache.layout.groups) == 1
+    graphs = decode_graphs(model, backend, options.max_graph_batch) if options.cuda_graphs and one_group else None
     lean = cpu_forward(model, backend, options.weights) if device.type == "cpu" else None
     return PreparedModel(model, device, kv_cache, backend, host_pool, graphs, lean)

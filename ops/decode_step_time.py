@@ -67,7 +67,9 @@ def main() -> int:
     ids = list(range(1, num_blocks))
     random.Random(0).shuffle(ids)  # scattered blocks, as a long-running server has them
     plan = StepPlan([
-        ScheduledChunk(None, args.context - 1, (100 + i,), ids[i * blocks_per_seq:(i + 1) * blocks_per_seq], True, True)
+        ScheduledChunk(
+            None, args.context - 1, (100 + i,), (ids[i * blocks_per_seq:(i + 1) * blocks_per_seq],), True, True
+        )
         for i in range(args.batch)
     ])  # fmt: skip
     graphs_s = seconds_per_step(runner, plan, args.iterations)

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import sys
 import time
+from dataclasses import replace
 
 from service.config import RedisConfig, WorkerConfig
 from service.flags import (
@@ -233,6 +234,8 @@ async def _serve(worker_config: WorkerConfig, embedded: bool) -> int:
 
     config, log_config, metrics_config = worker_config.redis, worker_config.logging, worker_config.metrics
     engine_config = worker_config.engine
+    if worker_config.disagg.role != "both":  # a handoff moves one block table (workers/kv_cache.py)
+        engine_config = replace(engine_config, cache=replace(engine_config.cache, trim_windows=False))
     configure_logging(log_config)
     log = structlog.get_logger("inflight.worker")
     metrics = Metrics(engine_config.scheduler)

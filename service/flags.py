@@ -127,6 +127,7 @@ CACHE = FlagGroup(
             unit=MIB,
         ),
         Flag("prefix_caching", "compute every prompt from scratch: no reuse of cached prefix blocks"),
+        Flag("trim_windows", "keep every KV block in sliding-window layers too (prefill and decode workers always do)"),
     ),
 )
 

@@ -16,6 +16,10 @@ blocks are evicted lazily, least recently freed first, only when `allocate` find
 free block without contents; the evicted addresses are collected in `evicted` for a
 lower tier to keep. A registered block is never written again: a request only
 writes past the tokens its blocks already hold, and only full blocks are registered.
+
+**The null block.** A pool for a cache with sliding-window layers keeps block 0 back
+(`NULL_BLOCK`): a window's block table names it where blocks left the window, so a
+table keeps one entry per block of context (the kernels never read before the window).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+
+NULL_BLOCK = 0  # where a sliding window's table has no block (a pool with `keep_null`)
 
 
 class OutOfBlocks(RuntimeError):
@@ -36,14 +42,17 @@ def block_hash(parent: bytes, token_ids: Sequence[int], salt: bytes) -> bytes:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError("num_blocks must be >= 1")
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, keep_null: bool = False) -> None:
+        """`num_blocks` blocks, less `NULL_BLOCK` with `keep_null`."""
+        first = 1 if keep_null else 0
+        self.keeps_null = keep_null
+        if num_blocks < first + 1:
+            raise ValueError(f"num_blocks must be >= {first + 1}")
+        self.num_blocks = num_blocks - first  # the blocks it hands out
         self._holders = [0] * num_blocks
         self._address: list[bytes | None] = [None] * num_blocks
         self._by_address: dict[bytes, int] = {}
-        self._empty: deque[int] = deque(range(num_blocks))  # free, nothing worth keeping
+        self._empty: deque[int] = deque(range(first, num_blocks))  # free, nothing worth keeping
         # Free, registered blocks and their addresses; least recent first.
         self._cached: OrderedDict[int, bytes] = OrderedDict()
         self.evicted: list[tuple[bytes, int]] = []  # (address, block) evicted, for the caller to take
@@ -93,7 +102,7 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one holder of each block; a block left with none is free (cached if registered)."""
         for block_id in block_ids:
-            if not (0 <= block_id < self.num_blocks) or self._holders[block_id] <= 0:
+            if not (0 <= block_id < len(self._holders)) or self._holders[block_id] <= 0:
                 raise ValueError(f"block {block_id} freed twice or never allocated")
             self._holders[block_id] -= 1
             if self._holders[block_id] == 0:

@@ -110,6 +110,11 @@ class CacheConfig:
     # Reuse the KV blocks of prompt prefixes already computed (content-addressed blocks,
     # `workers/block_pool.py`): a request starts after its longest cached prefix.
     prefix_caching: bool = True
+    # Sliding-window layers give back the blocks that fall out of their window
+    # (`gpu/kv_layout.py`, `workers/kv_cache.py`): past its window a request costs only
+    # its full-attention layers' blocks. Off, every layer holds the whole context, as on
+    # prefill and decode workers always (a handoff moves one block table).
+    trim_windows: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

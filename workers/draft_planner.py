@@ -90,7 +90,9 @@ class DraftPlanner:
                 continue
             self.kv_cache.allocate(request, request.num_computed + 1 + len(draft), plan)
             chunk = plan.chunks[place]
-            plan.chunks[place] = chunk._replace(token_ids=chunk.token_ids + draft, drafts=draft)
+            plan.chunks[place] = chunk._replace(
+                token_ids=chunk.token_ids + draft, drafts=draft, block_tables=request.block_tables
+            )
             room -= len(draft)
             if room == 0:
                 break

@@ -90,7 +90,9 @@ class Engine:
         self.vocab_size = loaded.model.config.vocab_size
         self.runner = ModelRunner(loaded.model, config.cache, model_config=config.model)
         self.block_size = config.cache.block_size
-        self.allocator = BlockPool(self.runner.kv_cache.num_blocks)
+        windows = self.runner.kv_cache.layout.windows
+        # A sliding window's table names the null block where blocks left the window.
+        self.allocator = BlockPool(self.runner.kv_cache.num_blocks, keep_null=any(w is not None for w in windows))
         self.host_allocator = BlockPool(self.runner.num_host_blocks) if self.runner.num_host_blocks else None
         # Cached blocks are only valid for the K/V of this model in this dtype with these weights.
         salt = hashlib.blake2b(
@@ -104,6 +106,7 @@ class Engine:
             salt if config.cache.prefix_caching else None,
             config.speculative,
             length_predictor=policy_predictor(config.scheduler, config.model, lambda: _embeddings(loaded)),
+            windows=windows,
         )
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
@@ -114,8 +117,7 @@ class Engine:
             self.vocab_size,
             self.max_context,
             config.scheduler.max_running_requests,
-            self.block_size,
-            self.allocator.num_blocks,
+            self.scheduler.kv_cache.most_tokens(),
         )
         self.validator = RequestValidator(self.tokenizer, limits, self.grammars, self.eos_token_ids)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.grammars, self._release_id)

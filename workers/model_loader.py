@@ -35,7 +35,6 @@ import safetensors.torch
 import torch
 import transformers
 from transformers import (
-    AttentionInterface,
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -49,6 +48,7 @@ from transformers.utils import logging as hf_logging
 
 from gpu.cpu.packed_linear import bound_onednn_caches
 from gpu.kv_cache import KVShape
+from gpu.kv_layout import probe_attention
 from workers import random_models
 from workers.api import InvalidRequest
 from workers.config import ModelConfig
@@ -64,7 +64,6 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 # (linear attention, Mamba, convolutions) keeps a state it has no place for.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PROBE_ATTENTION = "inflight_probe"  # the counting hook of `_check_attention`
 
 
 class UnsupportedModel(ValueError):
@@ -360,30 +359,14 @@ def _check_attention(model: PreTrainedModel, source: str) -> None:
     per layer with K/V of the shape the paged cache holds: the engine's paged attention
     replaces exactly those calls, so a layer that attends otherwise (or not at all: a
     state-space or linear-attention layer) would be served wrong."""
-    calls: list[tuple[int | None, list[int], list[int]]] = []  # layer_idx, K and V [heads, head_dim]
-
-    def probe(module, query, key, value, attention_mask, **kwargs):
-        calls.append(
-            (getattr(module, "layer_idx", None), [key.shape[1], key.shape[3]], [value.shape[1], value.shape[3]])
-        )
-        # What a layer expects back, [batch, tokens, heads, value head_dim]; the values do not matter.
-        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-
-    previous = model.config._attn_implementation
-    AttentionInterface.register(PROBE_ATTENTION, probe)
     try:
-        model.set_attn_implementation(PROBE_ATTENTION)
-        with torch.inference_mode():
-            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), use_cache=False)
+        calls = probe_attention(model)
     except Exception as error:
         raise UnsupportedModel(
             f"{source}: its attention does not run through transformers' AttentionInterface ({_first_line(error)})"
         ) from error
-    finally:
-        with contextlib.suppress(Exception):
-            model.set_attn_implementation(previous)
     layers = model.config.get_text_config().num_hidden_layers
-    if sorted(index for index, _, _ in calls if index is not None) != list(range(layers)):
+    if sorted(call.layer_idx for call in calls if call.layer_idx is not None) != list(range(layers)):
         raise UnsupportedModel(
             f"{source}: a forward calls transformers' AttentionInterface {len(calls)} times for its {layers} "
             "layers; the paged KV cache needs each layer to attend once through it (state-space, "
@@ -396,12 +379,12 @@ def _check_attention(model: PreTrainedModel, source: str) -> None:
             f"{source}: its config has no {error.name} at the top level, which the paged KV cache is sized "
             "from (a multimodal model: only text models are served)"
         ) from error
-    expected = [shape.num_kv_heads, shape.head_dim]
-    for index, key, value in calls:
-        if key != expected or value != expected:
+    expected = (shape.num_kv_heads, shape.head_dim)
+    for call in calls:
+        if call.key != expected or call.value != expected:
             raise UnsupportedModel(
-                f"{source}: layer {index} attends with keys {key} and values {value} (heads, head_dim) per token; "
-                f"the paged KV cache holds {expected} for both"
+                f"{source}: layer {call.layer_idx} attends with keys {list(call.key)} and values {list(call.value)} "
+                f"(heads, head_dim) per token; the paged KV cache holds {list(expected)} for both"
             )
 
 

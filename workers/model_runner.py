@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention import AttentionBackend, PagedBatch, SequenceSlice, long_tensor
+from gpu.kv_layout import kv_layout
 from gpu.offload import HostKVPool
 from gpu.prepare import DeviceOptions, prepare_model
 from gpu.tensor_parallel import Shard, check_shardable, shard_model
@@ -49,6 +50,7 @@ class ModelRunner:
         With `model_config.tensor_parallel` > 1 this runner leads the group (it starts the
         followers, `workers.tensor_parallel`); a follower's runner is given its `shard`."""
         settings = model_config or ModelConfig()
+        layout = kv_layout(model, cache_config.trim_windows)  # probed before any rank is cut
         self.leader: Leader | None = None
         if shard is None and settings.tensor_parallel > 1:
             if next(model.parameters()).device.type != "cpu":
@@ -68,10 +70,11 @@ class ModelRunner:
             cuda_graphs=settings.cuda_graphs,
             max_graph_batch=settings.max_graph_batch,
         )
-        prepared = prepare_model(model, options, backend_class)
+        prepared = prepare_model(model, options, backend_class, layout)
         self.model, self.device = prepared.model, prepared.device
         self.kv_cache, self.backend, self.host_pool = prepared.kv_cache, prepared.backend, prepared.host_pool
         self.graphs, self.lean = prepared.graphs, prepared.lean
+        self._group_of_layer = [layout.place(layer)[0] for layer in range(layout.num_layers)]
         if self.leader is not None:
             self.leader.wait_ready()  # every follower's model loaded and cut
 
@@ -111,7 +114,7 @@ class ModelRunner:
         for chunk in plan.chunks:
             start, chunk_ids, row = chunk.start, chunk.token_ids, len(token_ids)
             if len(chunk_ids) == 1:  # a decode, most of every step: kept short
-                sequences.append(SequenceSlice(row, 1, start + 1, chunk.block_ids))
+                sequences.append(SequenceSlice(row, 1, start + 1, chunk.block_tables[0]))
                 token_ids.append(chunk_ids[0])
                 positions.append(start)
                 if chunk.samples:
@@ -122,11 +125,13 @@ class ModelRunner:
                 # A token and its drafts attend as one-token decodes, each over the context
                 # up to its own position: every token's K/V is written before attention, so
                 # they take the decode kernel rather than the path of prompt chunks.
-                sequences.extend(SequenceSlice(row + i, 1, start + i + 1, chunk.block_ids) for i in range(num_tokens))
+                sequences.extend(
+                    SequenceSlice(row + i, 1, start + i + 1, chunk.block_tables[0]) for i in range(num_tokens)
+                )
                 # Logits at the decode token and at every draft, to verify them.
                 sample_rows.extend(range(row, row + num_tokens))
             else:
-                sequences.append(SequenceSlice(row, num_tokens, start + num_tokens, chunk.block_ids))
+                sequences.append(SequenceSlice(row, num_tokens, start + num_tokens, chunk.block_tables[0]))
                 if chunk.samples:
                     sample_rows.append(row + num_tokens - 1)
             token_ids.extend(chunk_ids)
@@ -143,10 +148,25 @@ class ModelRunner:
             started = time.perf_counter()
             logits = graphs.run(token_ids, positions, sequences, sample_rows)
             return StepOutput(logits, time.perf_counter() - started, swap_s)
-        metadata = self.backend.prepare(sequences, len(token_ids))
+        batch = self._paged_batch(plan, sequences, len(token_ids))
         started = time.perf_counter()
-        logits = self.forward(token_ids, positions, sample_rows, PagedBatch(self.backend, metadata))
+        logits = self.forward(token_ids, positions, sample_rows, batch)
         return StepOutput(logits, time.perf_counter() - started, swap_s)
+
+    def _paged_batch(self, plan: StepPlan | StepInputs, sequences: list[SequenceSlice], num_tokens: int) -> PagedBatch:
+        """The step's attention metadata: one over the first group's block tables, and with
+        several groups of layers, one more per group over its tables, for its layers."""
+        backend, layout = self.backend, self.kv_cache.layout
+        metadata = backend.prepare(sequences, num_tokens)
+        if len(layout.groups) == 1:
+            return PagedBatch(backend, metadata)
+        # A chunk with drafts is a slice per token (see `run`), any other one slice.
+        tables = [c.block_tables for c in plan.chunks for _ in range(len(c.token_ids) if c.drafts else 1)]
+        per_group = [metadata]
+        for group in range(1, len(layout.groups)):
+            group_sequences = [seq._replace(block_table=t[group]) for seq, t in zip(sequences, tables)]
+            per_group.append(backend.prepare(group_sequences, num_tokens))
+        return PagedBatch(backend, metadata, [per_group[group] for group in self._group_of_layer])
 
     def forward(
         self, token_ids: list[int], positions: list[int], sample_rows: list[int], batch: PagedBatch

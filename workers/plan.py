@@ -20,9 +20,10 @@ class ScheduledChunk(NamedTuple):
     request: Request
     start: int
     token_ids: tuple[int, ...]
-    # The request's device KV blocks, in token order: its own list, not a copy (planning
-    # appends to it only in a later step, so it holds still while this one runs).
-    block_ids: list[int]
+    # The request's device KV blocks, in token order, one table per group of layers: its
+    # own lists, not copies (planning appends to them only in a later step, so they hold
+    # still while this one runs).
+    block_tables: tuple[list[int], ...]
     samples: bool  # reaches the request's last known token: a new token is sampled
     is_decode: bool  # the one token a decoding request runs (and its drafts)
     # Draft tokens run after the decode token, to be verified (the last of `token_ids`);
@@ -36,7 +37,7 @@ class ScheduledChunk(NamedTuple):
     @classmethod
     def decode(cls, request: Request) -> ScheduledChunk:
         """The one token a decoding request runs: the one it sampled last."""
-        return cls(request, request.num_computed, (request.output_token_ids[-1],), request.block_ids, True, True)
+        return cls(request, request.num_computed, (request.output_token_ids[-1],), request.block_tables, True, True)
 
     @classmethod
     def prefill(cls, request: Request, num_tokens: int) -> ScheduledChunk:
@@ -44,7 +45,7 @@ class ScheduledChunk(NamedTuple):
         start = request.num_computed
         end = start + num_tokens
         tokens = tuple(request.token_slice(start, end))
-        return cls(request, start, tokens, request.block_ids, end == request.num_tokens, False)
+        return cls(request, start, tokens, request.block_tables, end == request.num_tokens, False)
 
 
 @dataclass

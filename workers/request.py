@@ -51,8 +51,9 @@ class Request:
     # The sampled tokens that end it: its stop_token_ids, and EOS unless ignore_eos.
     stop_token_ids: frozenset[int] = frozenset()
     num_computed: int = 0
-    block_ids: list[int] = field(default_factory=list)  # device KV blocks, in token order
-    host_block_ids: list[int] = field(default_factory=list)  # host KV blocks while SWAPPED
+    # Device KV blocks in token order, one table per group of layers (`workers/kv_cache.py`).
+    block_tables: tuple[list[int], ...] = field(default_factory=lambda: ([],))
+    host_block_tables: tuple[list[int], ...] = ()  # the blocks its groups held, in the host tier while SWAPPED
     # Content addresses of its first full blocks, computed as the prefix cache needs them.
     block_addresses: list[bytes] = field(default_factory=list)
     # Parallel sampling: which choice of its request this is, and (on choice 0) the other

@@ -59,14 +59,15 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         proposer: Proposer | None = None,
         length_predictor: LengthPredictor | OracleLengths | None = None,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
-        """The device pool `allocator` and `host_allocator` (None: preemption recomputes) are the KV-cache
-        manager's; `cache_salt` (None: no prefix caching) names what else changes K/V; `speculative`
-        (enabled) drafts with `proposer` (default: prompt lookup); `length_predictor` (None: first come,
-        first served within a priority) orders the queue by predicted length and swaps the longest remainder."""
+        """The device pool `allocator` and `host_allocator` (None: preemption recomputes) and the KV groups'
+        `windows` (`gpu.kv_layout`) are the KV-cache manager's; `cache_salt` (None: no prefix caching) names what
+        else changes K/V; `speculative` (enabled) drafts with `proposer` (default: prompt lookup); `length_predictor`
+        (None: FIFO within a priority) orders the queue by predicted length and swaps the longest remainder."""
         self.config = config
         self.length_predictor = length_predictor
-        self.kv_cache = KVCacheManager(allocator, block_size, host_allocator, cache_salt)
+        self.kv_cache = KVCacheManager(allocator, block_size, host_allocator, cache_salt, windows)
         self.drafts = None  # speculation off
         if speculative is not None and speculative.enabled:
             self.drafts = DraftPlanner(speculative, self.kv_cache, proposer)
@@ -89,7 +90,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request (with its `forks`, the other choices of a request with n > 1)."""
-        if request.num_prompt_tokens + request.params.max_tokens > self.kv_cache.capacity:
+        if not self.kv_cache.fits(request.num_prompt_tokens + request.params.max_tokens):
             # It could never run alone, and preempting others would not help.
             raise ValueError(f"request {request.request_id} needs more KV blocks than the pool has")
         if 1 + len(request.forks) > self.config.max_running_requests:
@@ -299,7 +300,7 @@ class Scheduler:
                 break  # a lead starts only with room for the choices that will fork from it
             if request.status is RequestStatus.SWAPPED:
                 # Back in only with room for its next token, so it runs this step.
-                if not self.kv_cache.can_hold(request.num_computed + 1):
+                if not self.kv_cache.can_resume(request):
                     if self._make_room_for(request, plan):
                         continue
                     break
@@ -377,8 +378,7 @@ class Scheduler:
         return self.config.max_running_requests + allowance
 
     def _batch_full(self) -> bool:
-        cap = self.config.max_running_batch
-        return cap > 0 and sum(r.batch for r in self.running) >= cap
+        return 0 < self.config.max_running_batch <= sum(r.batch for r in self.running)
 
     @property
     def _decode_cap(self) -> int:

@@ -58,7 +58,9 @@ class StepInputs:
     def of(cls, plan: StepPlan) -> StepInputs:
         # Without the request (a follower never reads it, and it does not travel).
         nobody = cast(Request, None)
-        chunks = [chunk._replace(request=nobody, block_ids=list(chunk.block_ids)) for chunk in plan.chunks]
+        chunks = [
+            chunk._replace(request=nobody, block_tables=tuple(map(list, chunk.block_tables))) for chunk in plan.chunks
+        ]
         return cls(chunks, plan.copies_out, plan.copies, plan.copies_in, plan.num_draft_tokens)
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from workers.api import GenerationRequest, InvalidRequest, Prompt, SamplingParams, validate_priority
-from workers.block_pool import blocks_needed
 from workers.model_loader import encode_prompt
 from workers.request import Request
 from workers.structured import Grammars
@@ -30,8 +29,7 @@ class Limits:
     vocab_size: int
     max_context: int  # prompt + max_tokens, in tokens
     max_running_requests: int  # the choices of one request run together
-    block_size: int
-    num_blocks: int  # the device pool's KV blocks
+    kv_tokens: int  # the most tokens the KV cache holds for one request (`KVCacheManager.most_tokens`)
 
 
 def arrival_time(arrived_at: float | None) -> float:
@@ -122,10 +120,9 @@ class RequestValidator:
                 f"n ({params.n}) is above max_running_requests "
                 f"({limits.max_running_requests}): its choices run together"
             )
-        if blocks_needed(len(prompt_ids) + params.max_tokens, limits.block_size) > limits.num_blocks:
+        if len(prompt_ids) + params.max_tokens > limits.kv_tokens:
             raise InvalidRequest(
-                f"prompt + max_tokens needs more KV cache than the whole pool "
-                f"({limits.num_blocks * limits.block_size} tokens)"
+                f"prompt + max_tokens needs more KV cache than the whole pool ({limits.kv_tokens} tokens)"
             )
         return prompt_ids
 

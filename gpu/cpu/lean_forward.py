@@ -118,7 +118,11 @@ class LeanForward:
         positions_t = long_tensor(positions, device)
         self._cover(max(positions) + 1)
         hidden = self.embed(long_tensor(token_ids, device))  # [T, hidden]
-        if self.decode_step is not None and self.decode_step.takes(batch.metadata, num_tokens):
+        if (
+            self.decode_step is not None
+            and batch.per_layer is None
+            and self.decode_step.takes(batch.metadata, num_tokens)
+        ):
             logits = self.decode_step(hidden, positions_t, self._cos, self._sin, batch.metadata)
             if len(sample_rows) != num_tokens:
                 logits = logits.index_select(0, long_tensor(sample_rows, device))
@@ -133,7 +137,7 @@ class LeanForward:
         num_tokens = hidden.shape[0]
         rotary = Rotary(self._cos, self._sin, positions)
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        attend, metadata = batch.backend.attend, batch.metadata
+        attend, for_layer = batch.backend.attend, batch.for_layer
         query_and_key = (heads + kv_heads) * head_dim
         mlp_out = None  # each layer's MLP output is added to `hidden` by the next layer's norm
         for layer in self.layers:
@@ -149,7 +153,15 @@ class LeanForward:
                 qk = torch.cat((q, k), dim=1)
             # Queries and keys at once (in place: `qk` is not read again).
             rotated = rotary(qk)
-            out = attend(layer.index, rotated[:, :heads], rotated[:, heads:], v, layer.scale, metadata, layer.attention)
+            out = attend(
+                layer.index,
+                rotated[:, :heads],
+                rotated[:, heads:],
+                v,
+                layer.scale,
+                for_layer(layer.index),
+                layer.attention,
+            )
             x = layer.add_post_attention_norm(hidden, layer.o_proj(out.view(num_tokens, heads * head_dim)))
             mlp_out = layer.mlp(x)
         if mlp_out is not None:

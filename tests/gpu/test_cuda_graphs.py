@@ -98,7 +98,7 @@ def runner_on_emulated_kernels(loaded, kernels, num_blocks=64) -> ModelRunner:
 
 
 def chunk(start, token_ids, block_ids, samples=True):
-    return ScheduledChunk(None, start, tuple(token_ids), block_ids, samples, len(token_ids) == 1)
+    return ScheduledChunk(None, start, tuple(token_ids), (block_ids,), samples, len(token_ids) == 1)
 
 
 def test_a_padded_decode_step_on_the_static_buffers_gives_the_eager_logits_and_kv(kernels, tiny_llama):

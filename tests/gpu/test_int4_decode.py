@@ -107,19 +107,19 @@ def decode_steps(runner: ModelRunner, tokenizer):
     tables = [list(range(1 + i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(len(prompts))]
     tokens = []
     for prompt, table in zip(prompts, tables):
-        logits = runner.execute(StepPlan([ScheduledChunk(None, 0, tuple(prompt), table, True, False)])).logits
+        logits = runner.execute(StepPlan([ScheduledChunk(None, 0, tuple(prompt), (table,), True, False)])).logits
         tokens.append(int(logits.argmax(-1)))
     lengths = [len(prompt) for prompt in prompts]
     for step in range(6):
         running = range(1 if step < 2 else 2)
-        plan = StepPlan([ScheduledChunk(None, lengths[i], (tokens[i],), tables[i], True, True) for i in running])
+        plan = StepPlan([ScheduledChunk(None, lengths[i], (tokens[i],), (tables[i],), True, True) for i in running])
         one_call, torch_path = both_paths(runner, plan)
         yield one_call, torch_path
         for i in running:
             tokens[i] = int(torch_path[i].argmax())
             lengths[i] += 1
     drafts = tuple(tokenizer(" and the capital of")["input_ids"][:4])
-    plan = StepPlan([ScheduledChunk(None, lengths[0], (tokens[0], *drafts), tables[0], True, True, drafts)])
+    plan = StepPlan([ScheduledChunk(None, lengths[0], (tokens[0], *drafts), (tables[0],), True, True, drafts)])
     one_call, torch_path = both_paths(runner, plan)
     assert one_call.shape[0] == 5
     yield one_call, torch_path

@@ -41,9 +41,9 @@ def lockstep(runner: ModelRunner, prompts: list[list[int]], decodes: int):
     first, second = prompts
     split = len(second) // 2
     plans = [
-        [ScheduledChunk(None, 0, tuple(first), tables[0], True, False),
-         ScheduledChunk(None, 0, tuple(second[:split]), tables[1], False, False)],
-        [None, ScheduledChunk(None, split, tuple(second[split:]), tables[1], True, False)],
+        [ScheduledChunk(None, 0, tuple(first), (tables[0],), True, False),
+         ScheduledChunk(None, 0, tuple(second[:split]), (tables[1],), False, False)],
+        [None, ScheduledChunk(None, split, tuple(second[split:]), (tables[1],), True, False)],
     ]  # fmt: skip
     lengths = [len(first), len(second)]
     next_tokens: list[int] = []
@@ -51,7 +51,7 @@ def lockstep(runner: ModelRunner, prompts: list[list[int]], decodes: int):
         if step == 0:
             chunks = plans[0]
         else:
-            chunks = [ScheduledChunk(None, lengths[i] + step - (2 if i else 1), (token,), tables[i], True, True)
+            chunks = [ScheduledChunk(None, lengths[i] + step - (2 if i else 1), (token,), (tables[i],), True, True)
                       for i, token in enumerate(next_tokens)]  # fmt: skip
             if step == 1:
                 chunks = [chunks[0], plans[1][1]]
@@ -113,7 +113,7 @@ def test_the_runner_picks_the_lean_forward_which_calls_no_decoder_layer():
     assert runner.lean is not None
     calls = []
     loaded.model.model.layers[0].register_forward_pre_hook(lambda module, args: calls.append(module))
-    plan = StepPlan([ScheduledChunk(None, 0, (5, 6, 7), [1, 2], True, False)])
+    plan = StepPlan([ScheduledChunk(None, 0, (5, 6, 7), ([1, 2],), True, False)])
     lean = runner.execute(plan).logits
     assert calls == []
     runner.lean = None  # the Hugging Face forward: module calls, hooks and all

@@ -200,6 +200,8 @@ def test_serves_what_transformers_generates(arch, tokenizer, tmp_path):
         ),
     )
     assert (engine.runner.lean is not None) == row.lean
+    # Windowed layers keep only their window's blocks (tests/workers/test_window_blocks.py).
+    assert (WINDOW in engine.runner.kv_cache.layout.windows) == ("sliding" in row.attention)
     # The default backend: the CPU kernels, wherever g++ builds them.
     assert isinstance(engine.runner.backend, CpuAttentionBackend) == (cpu_kernel() is not None)
 

@@ -171,7 +171,7 @@ def test_an_interactive_job_takes_a_batch_jobs_running_slot_the_next_step(host_b
     assert [(c.request.request_id, c.start) for c in plan.chunks if not c.is_decode] == [("interactive", 0)]
     if host_blocks:  # swapped out: its progress is kept
         assert victim.status is RequestStatus.SWAPPED and victim.num_computed == computed["b1"]
-        assert plan.swap_out and victim.host_block_ids
+        assert plan.swap_out and victim.host_block_tables[0]
     else:  # recomputed from its prompt when it runs again
         assert victim.status is RequestStatus.WAITING and victim.num_computed == 0 and not plan.swap_out
     runner.step(plan)

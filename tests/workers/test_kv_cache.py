@@ -32,14 +32,14 @@ def compute(kv: KVCacheManager, r: Request, num_tokens: int) -> StepPlan:
 
 def test_blocks_grow_with_the_tokens_scheduled_and_allocation_never_half_happens():
     kv = manager(num_blocks=3)
-    assert kv.capacity == 3 * BLOCK
+    assert kv.most_tokens() == 3 * BLOCK
     r = request(10)
-    assert kv.room(r) == 3 * BLOCK and kv.can_hold(10)
+    assert kv.room(r) == 3 * BLOCK and kv.fits(10)
     compute(kv, r, 5)
-    assert len(r.block_ids) == 2 and kv.room(r) == 3 + BLOCK  # the rest of its second block, one free block
+    assert len(r.block_tables[0]) == 2 and kv.room(r) == 3 + BLOCK  # the rest of its second block, one free block
     other = request(10, rid="other")
     assert not kv.allocate(other, 2 * BLOCK, StepPlan())  # one block free, two needed
-    assert other.block_ids == [] and kv.device_pool.num_free == 1
+    assert other.block_tables[0] == [] and kv.device_pool.num_free == 1
     assert kv.room(r, keep_free=1) == 3  # the free block is kept for someone else
     kv.free(r)
     assert kv.device_pool.num_free == 3
@@ -60,17 +60,17 @@ def test_a_choice_sharing_its_leads_prompt_copies_the_block_before_writing_into_
     compute(kv, lead, 6)
     kv.share_prompt(lead, fork)
     fork.num_computed = 5  # it recomputes the prompt's last token for logits of its own
-    assert fork.block_ids == lead.block_ids
+    assert fork.block_tables[0] == lead.block_tables[0]
     assert kv.shares_next_block(fork) and not kv.writes_in_place(fork)
     free = kv.device_pool.num_free
     assert kv.room(fork) == BLOCK - 1 + (free - 1) * BLOCK  # the copy takes a free block
-    shared_list = fork.block_ids
+    shared_list = fork.block_tables[0]
     plan = StepPlan()
     assert kv.allocate(fork, 6, plan)
-    assert plan.copies == [(lead.block_ids[1], fork.block_ids[1])]
-    assert fork.block_ids[0] == lead.block_ids[0] and fork.block_ids[1] != lead.block_ids[1]
-    assert shared_list is not fork.block_ids  # a new list: the old one may back a block table
-    assert kv.device_pool.holders(lead.block_ids[1]) == 1
+    assert plan.copies == [(lead.block_tables[0][1], fork.block_tables[0][1])]
+    assert fork.block_tables[0][0] == lead.block_tables[0][0] and fork.block_tables[0][1] != lead.block_tables[0][1]
+    assert shared_list is not fork.block_tables[0]  # a new list: the old one may back a block table
+    assert kv.device_pool.holders(lead.block_tables[0][1]) == 1
 
 
 def test_with_no_free_block_a_shared_next_block_leaves_no_room():
@@ -87,25 +87,25 @@ def test_a_request_takes_the_cached_full_blocks_before_its_last_token_and_the_hi
     kv = manager()
     first = request(12, rid="first")
     compute(kv, first, 12)  # three full blocks, registered
-    blocks = first.block_ids
+    blocks = first.block_tables[0]
     kv.free(first)
     assert kv.device_pool.num_cached == 3 and kv.device_pool.num_free == 8
 
     kv.start_step()
     again = request(12, rid="again")  # all cached: its last block is recomputed for its logits
     prefix = kv.find_prefix(again)
-    assert prefix.blocks == blocks[:2] and prefix.num_tokens == 2 * BLOCK
+    assert prefix.blocks[0] == blocks[:2] and prefix.num_tokens == 2 * BLOCK
     assert prefix.free_tokens == (8 - 2) * BLOCK  # the hits stop being free once taken
     plan = StepPlan()
     kv.take_prefix(again, prefix, plan)
-    assert plan.fetch == [] and len(again.block_ids) == 2
+    assert plan.fetch == [] and len(again.block_tables[0]) == 2
     stats = kv.stats()
     assert (stats.queried_tokens, stats.device_hit_tokens, stats.host_hit_tokens) == (12, 2 * BLOCK, 0)
 
     longer = request(13, rid="longer")  # shares all three full blocks, two of them held
-    assert len(kv.find_prefix(longer).blocks) == 3
+    assert len(kv.find_prefix(longer).blocks[0]) == 3
     other = request(12, first=50, rid="other")
-    assert kv.find_prefix(other).blocks == []
+    assert kv.find_prefix(other).blocks[0] == []
 
 
 def test_without_a_cache_salt_nothing_is_cached_or_counted():
@@ -115,7 +115,7 @@ def test_without_a_cache_salt_nothing_is_cached_or_counted():
     assert kv.device_pool.num_cached == 0
     kv.free(r)
     prefix = kv.find_prefix(request(12))
-    assert prefix.blocks == [] and prefix.num_tokens == 0 and prefix.free_tokens == 8 * BLOCK
+    assert prefix.blocks[0] == [] and prefix.num_tokens == 0 and prefix.free_tokens == 8 * BLOCK
     kv.take_prefix(request(12), prefix, StepPlan())
     assert kv.stats().queried_tokens == 0
 
@@ -125,9 +125,9 @@ def test_a_released_chain_loses_its_tail_first():
     first = request(12, rid="first")
     compute(kv, first, 12)
     kv.release(first)
-    assert first.block_ids == []
+    assert first.block_tables[0] == []
     compute(kv, request(1, first=90, rid="evicts"), 1)  # takes one cached block: the tail's
-    assert len(kv.find_prefix(request(13, rid="again")).blocks) == 2  # the head survives
+    assert len(kv.find_prefix(request(13, rid="again")).blocks[0]) == 2  # the head survives
 
 
 def test_evicted_cached_blocks_go_to_the_host_tier_and_come_back_as_fetches():
@@ -147,10 +147,10 @@ def test_evicted_cached_blocks_go_to_the_host_tier_and_come_back_as_fetches():
     kv.start_step()
     again = request(9, rid="again")
     prefix = kv.find_prefix(again)
-    assert [isinstance(entry, tuple) for entry in prefix.blocks] == [True, True]
+    assert [isinstance(entry, tuple) for entry in prefix.blocks[0]] == [True, True]
     fetch_plan = StepPlan()
     kv.take_prefix(again, prefix, fetch_plan)
-    assert [device for _, device in fetch_plan.fetch] == again.block_ids
+    assert [device for _, device in fetch_plan.fetch] == again.block_tables[0]
     assert kv.stats().host_hit_tokens == 2 * BLOCK
     assert kv.host_pool.num_free == 2  # held until the copies are made
     kv.copies_done(fetch_plan)
@@ -175,14 +175,14 @@ def test_a_swap_moves_the_computed_blocks_out_and_back_and_frees_the_host_blocks
     r = request(6)
     compute(kv, r, 6)
     assert kv.allocate(r, 9, StepPlan())  # a block for tokens not computed yet: not swapped
-    computed = r.block_ids[:2]
+    computed = r.block_tables[0][:2]
     out = StepPlan()
     assert kv.swap_out(r, out)
     kv.release(r, out)
-    assert out.swap_out == list(zip(computed, r.host_block_ids)) and kv.device_pool.num_free == 4
+    assert out.swap_out == list(zip(computed, r.host_block_tables[0])) and kv.device_pool.num_free == 4
     back = StepPlan()
     kv.swap_in(r, back)
-    assert back.swap_in == list(zip([h for _, h in out.swap_out], r.block_ids)) and r.host_block_ids == []
+    assert back.swap_in == list(zip([h for _, h in out.swap_out], r.block_tables[0])) and r.host_block_tables == ()
     assert kv.host_pool.num_free == 2
     kv.copies_done(back)
     assert kv.host_pool.num_free == 4
@@ -212,10 +212,10 @@ def test_truncating_frees_the_blocks_past_the_kept_tokens():
     r = request(3)
     compute(kv, r, 3)
     assert kv.allocate(r, 10, StepPlan())  # a decode and its drafts
-    kept_list = r.block_ids
+    kept_list = r.block_tables[0]
     kv.truncate(r, 5)
-    assert len(r.block_ids) == 2 and kv.device_pool.num_free == 6
-    assert kept_list is not r.block_ids and len(kept_list) == 3
+    assert len(r.block_tables[0]) == 2 and kv.device_pool.num_free == 6
+    assert kept_list is not r.block_tables[0] and len(kept_list) == 3
 
 
 def test_k_v_computed_elsewhere_take_empty_device_blocks_first_then_the_host_tier():
@@ -234,7 +234,7 @@ def test_k_v_computed_elsewhere_take_empty_device_blocks_first_then_the_host_tie
     kv.adopted_filled(adopted)
     assert kv.device_pool.num_free == 4 and kv.host_pool.num_free == 4  # cached, not held
     prefix = kv.find_prefix(r)
-    assert [isinstance(entry, int) for entry in prefix.blocks] == [True, True, False, False]
+    assert [isinstance(entry, int) for entry in prefix.blocks[0]] == [True, True, False, False]
     assert kv.adopt_blocks(r, 4 * BLOCK) == ([], [])  # already cached: nothing to place
 
 
@@ -256,7 +256,7 @@ def test_a_handed_off_prompt_moves_with_its_tail_and_the_decode_side_computes_on
     r = request(10)
     compute(prefill, r, 10)
     prefill.register_prompt_tail(r)
-    tail_block = r.block_ids[2]
+    tail_block = r.block_tables[0][2]
     prefill.free(r)
     blocks, num_tokens = prefill.cached_prompt_blocks(r)
     assert num_tokens == 10 and len(blocks) == 3 and blocks[2] == tail_block
@@ -269,14 +269,14 @@ def test_a_handed_off_prompt_moves_with_its_tail_and_the_decode_side_computes_on
     decode.adopted_filled(adopted)
     decode.start_step()
     prefix = decode.find_prefix(resumed)
-    assert prefix.num_tokens == 10 and len(prefix.blocks) == 3
+    assert prefix.num_tokens == 10 and len(prefix.blocks[0]) == 3
     plan = StepPlan()
     decode.take_prefix(resumed, prefix, plan)
     assert decode.stats().device_hit_tokens == 10
     resumed.num_computed = prefix.num_tokens
     assert decode.shares_next_block(resumed)
     assert decode.allocate(resumed, 11, plan)
-    assert plan.copies == [(prefix.blocks[2], resumed.block_ids[2])]  # the tail is never written
+    assert plan.copies == [(prefix.blocks[0][2], resumed.block_tables[0][2])]  # the tail is never written
 
 
 def test_a_tail_is_found_only_for_exactly_its_tokens():

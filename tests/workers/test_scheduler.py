@@ -106,7 +106,7 @@ class FakeRunner:
         self.scheduler.swaps_done(plan)
         pool = self.scheduler.allocator
         for chunk in plan.chunks:
-            request, blocks = chunk.request, chunk.block_ids
+            request, blocks = chunk.request, chunk.block_tables[0]
             rid = request.request_id
             for pos in range(chunk.start):  # everything before the chunk must be cached, intact
                 got = self.device.get(blocks[pos // BLOCK], {}).get(pos % BLOCK)
@@ -260,10 +260,10 @@ def test_blocks_are_allocated_as_tokens_arrive_not_for_max_tokens():
     r = request("a", 5, max_tokens=100)
     s.add(r)
     runner.step(s.schedule())
-    assert len(r.block_ids) == blocks_needed(5, BLOCK)  # not blocks for 105 tokens
+    assert len(r.block_tables[0]) == blocks_needed(5, BLOCK)  # not blocks for 105 tokens
     for _ in range(3):
         runner.step(s.schedule())
-    assert len(r.block_ids) == blocks_needed(r.num_computed, BLOCK)
+    assert len(r.block_tables[0]) == blocks_needed(r.num_computed, BLOCK)
 
 
 def test_a_request_larger_than_the_pool_is_refused():
@@ -503,17 +503,17 @@ def test_budgets_hold_no_block_leaks_every_request_ends_and_the_waiting_bound_ho
             assert c.num_tokens <= max_prefill_chunk or c.is_decode
             assert c.start == c.request.num_computed
             assert c.request.status is RequestStatus.RUNNING
-            assert len(c.request.block_ids) * BLOCK >= c.start + c.num_tokens
+            assert len(c.request.block_tables[0]) * BLOCK >= c.start + c.num_tokens
             first_start.setdefault(c.request.request_id, step)
         # Blocks: every device block is free or held by exactly one running request,
         # every host block is free or held by exactly one swapped request.
-        held = [b for r in s.running for b in r.block_ids]
+        held = [b for r in s.running for b in r.block_tables[0]]
         assert len(held) == len(set(held)) and len(held) + s.allocator.num_free == num_blocks
-        assert all(not r.block_ids for r in everyone if r.status is not RequestStatus.RUNNING)
+        assert all(not r.block_tables[0] for r in everyone if r.status is not RequestStatus.RUNNING)
         for r in runner.step(plan):
             ended[r.request_id] = "finished"
         if host_blocks:
-            parked = [b for r in everyone if r.status is RequestStatus.SWAPPED for b in r.host_block_ids]
+            parked = [b for r in everyone if r.status is RequestStatus.SWAPPED for b in r.host_block_tables[0]]
             assert len(parked) == len(set(parked)) and len(parked) + s.host_allocator.num_free == host_blocks
     else:
         raise AssertionError("requests did not finish")
@@ -547,7 +547,7 @@ def test_update_from_output_moves_requests_on_and_retires_at_max_tokens():
     assert took == [a, b]
     assert (a.num_computed, a.output_token_ids, a.status) == (6, [40], RequestStatus.RUNNING)
     assert (b.output_token_ids, b.status, b.finish_reason) == ([41], RequestStatus.FINISHED, FinishReason.LENGTH)
-    assert not b.block_ids and s.running == [a]
+    assert not b.block_tables[0] and s.running == [a]
     plan = s.schedule()
     assert [(c.token_ids, c.start, c.is_decode) for c in plan.chunks] == [((40,), 6, True)]
     s.update_from_output(plan, [42])
@@ -644,13 +644,13 @@ def test_a_request_starts_after_the_longest_cached_prefix_and_shares_its_blocks(
     first = prompt_request("first", SHARED + [1, 2], max_tokens=20)
     s.add(first)
     runner.step(s.schedule())  # its prompt is computed and its three full blocks registered
-    prefix_blocks = first.block_ids[:3]
+    prefix_blocks = first.block_tables[0][:3]
     second = prompt_request("second", SHARED[:10] + [3, 4, 5])  # two full blocks in common
     s.add(second)
     plan = s.schedule()
     chunk = next(c for c in plan.chunks if c.request is second)
     assert (chunk.start, chunk.token_ids) == (8, (108, 109, 3, 4, 5))
-    assert second.block_ids[:2] == prefix_blocks[:2]
+    assert second.block_tables[0][:2] == prefix_blocks[:2]
     assert [s.allocator.holders(b) for b in prefix_blocks] == [2, 2, 1]
     stats = s.cache_stats()
     assert (stats.queried_tokens, stats.device_hit_tokens, stats.host_hit_tokens) == (13, 8, 0)
@@ -669,13 +669,13 @@ def test_a_prompt_of_cached_blocks_recomputes_its_last_block_into_a_block_of_its
     s = make(cache_salt=SALT)
     runner = FakeRunner(s)
     plans = step_until_finished(s, runner, a := prompt_request("a", SHARED, max_tokens=1))
-    a_blocks = first_chunk(plans, a).block_ids[:3]
+    a_blocks = first_chunk(plans, a).block_tables[0][:3]
     plans = step_until_finished(s, runner, b := prompt_request("b", SHARED, max_tokens=1))
     chunk = first_chunk(plans, b)
     # Two blocks shared; the last one is computed again (there must be logits to sample),
     # into a new block, not into the cached one.
     assert (chunk.start, chunk.num_tokens, chunk.samples) == (8, 4, True)
-    assert chunk.block_ids[:2] == a_blocks[:2] and chunk.block_ids[2] != a_blocks[2]
+    assert chunk.block_tables[0][:2] == a_blocks[:2] and chunk.block_tables[0][2] != a_blocks[2]
 
 
 def test_a_preempted_request_that_recomputes_takes_its_prompt_from_the_cache():
@@ -828,10 +828,10 @@ def test_prefix_sharing_never_writes_a_shared_block_reads_only_its_own_tokens_an
                 assert id(r) in chunked, f"{r.request_id} admitted without a chunk"
         for c in plan.chunks:
             assert c.num_tokens >= 1 and c.start + c.num_tokens <= c.request.num_tokens
-            assert len(c.request.block_ids) * BLOCK >= c.start + c.num_tokens
+            assert len(c.request.block_tables[0]) * BLOCK >= c.start + c.num_tokens
         assert len(s.running) <= max_running  # forks included
         # Device blocks: the refcount of each is the number of running requests listing it.
-        held = Counter(b for r in s.running for b in r.block_ids)
+        held = Counter(b for r in s.running for b in r.block_tables[0])
         assert all(s.allocator.holders(b) == n for b, n in held.items())
         assert len(held) + s.allocator.num_free == num_blocks, "device blocks leaked"
         for r in runner.step(plan):

@@ -154,7 +154,7 @@ def drive(
         if step_seconds:
             s.observe_step(plan.num_tokens, step_seconds(plan.num_tokens))
         for r in s.running:  # no block is held for a rejected draft's slot
-            assert len(r.block_ids) == blocks_needed(r.num_computed, BLOCK), r.request_id
+            assert len(r.block_tables[0]) == blocks_needed(r.num_computed, BLOCK), r.request_id
     raise AssertionError("requests did not finish")
 
 
@@ -265,7 +265,7 @@ def test_drafts_never_take_the_last_free_blocks():
 
     def check(plan: StepPlan) -> None:
         for chunk in plan.chunks:
-            if chunk.drafts and len(chunk.block_ids) > blocks_needed(chunk.start + 1, BLOCK):
+            if chunk.drafts and len(chunk.block_tables[0]) > blocks_needed(chunk.start + 1, BLOCK):
                 grew.append(chunk.request.request_id)
                 assert s.allocator.num_free >= len(s.running)
 
@@ -345,7 +345,7 @@ def test_random_cancels_mid_speculation_leave_every_context_intact_and_no_block_
         assert plan.num_decode_tokens <= max(1, max_batch_tokens // 2)
         runner.step(plan)
         for r in s.running:
-            assert len(r.block_ids) == blocks_needed(r.num_computed, BLOCK), r.request_id
+            assert len(r.block_tables[0]) == blocks_needed(r.num_computed, BLOCK), r.request_id
     else:
         raise AssertionError("requests did not finish")
     assert all(r.status is RequestStatus.FINISHED for r in live)
