@@ -456,11 +456,13 @@ class LoRASlots:
     def _make_resident(self, name: str, in_step: Sequence[str]) -> None:
         if name not in self.folders:
             raise KeyError(f"adapter {name!r} is not loaded")
-        adapter = self.adapters.get(name) or LoRAAdapter.load(self.folders[name], self.shapes, self.max_rank, name)
-        self._hold(name, adapter)
         if name in self.resident:
             self.resident.move_to_end(name)
+            if name in self.adapters:
+                self.adapters.move_to_end(name)
             return
+        adapter = self.adapters.get(name) or LoRAAdapter.load(self.folders[name], self.shapes, self.max_rank, name)
+        self._hold(name, adapter)
         free = sorted(set(range(self.max_loras)) - set(self.resident.values()))
         if free:
             slot = free[0]

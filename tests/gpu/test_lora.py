@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausa
 from gpu.cpu.fusions import FusedGatedMLP, fuse_for_cpu
 from gpu.cpu.lean_forward import LeanForward
 from gpu.cpu.packed_linear import PackedLinear, amx_kernel, can_pack, pack_linears
-from gpu.lora import BadAdapter, LoRALinear, LoRASlots
+from gpu.lora import BadAdapter, LoRAAdapter, LoRALinear, LoRASlots
 from workers.config import CacheConfig
 from workers.model_runner import ModelRunner
 from workers.plan import ScheduledChunk, StepPlan
@@ -270,7 +270,7 @@ def test_the_least_recently_used_adapter_not_in_the_step_is_evicted(base, adapte
         model(ids[:1, :3])  # not the rows the step's spans described
 
 
-def test_host_memory_keeps_the_most_recently_used_adapters_and_reads_the_others_again(base, adapters):
+def test_host_memory_keeps_the_most_recently_used_adapters_and_reads_the_others_again(base, adapters, monkeypatch):
     model = copy.deepcopy(base)
     slots = LoRASlots(model, max_loras=1, max_rank=64, max_host_loras=2)
     for name in ("r8", "r16", "r32"):
@@ -280,6 +280,12 @@ def test_host_memory_keeps_the_most_recently_used_adapters_and_reads_the_others_
     got = logits_of(model, slots, ids, ["r8", None])  # read again from its folder
     torch.testing.assert_close(got, reference_logits(base, adapters, ids, ["r8", None]), rtol=1e-5, atol=1e-5)
     assert list(slots.adapters) == ["r32", "r8"] and list(slots.resident) == ["r8"]
+    slots.load("r16", adapters["r16"][0])
+    slots.load("r64", adapters["r64"][0])  # r8 leaves host memory, not its slot
+    assert list(slots.adapters) == ["r16", "r64"] and list(slots.resident) == ["r8"]
+    monkeypatch.setattr(LoRAAdapter, "load", None)  # a resident adapter is not read again
+    got = logits_of(model, slots, ids, ["r8", None])
+    torch.testing.assert_close(got, reference_logits(base, adapters, ids, ["r8", None]), rtol=1e-5, atol=1e-5)
     slots.unload("r8")
     with pytest.raises(KeyError, match="'r8' is not loaded"):
         slots.begin_step([("r8", 1)])
