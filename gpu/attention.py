@@ -89,33 +89,39 @@ class BlockTables:
 
     The scheduler only ever appends to a request's block list (any other change makes a
     new list), so a list's ids are copied into its row once, and after that only the
-    ids appended since; a step's table is then one gather of rows. Rows of lists absent
-    from a step are freed. Entries past a sequence's context are never read.
+    ids appended since; a step's table is then one gather of rows. A step may gather
+    once per group of layers (`gpu.kv_layout`), each over other lists, so a row goes
+    only once its list has been absent from `RETAIN_GATHERS` gathers. Entries past a
+    sequence's context are never read.
     """
+
+    RETAIN_GATHERS = 64
 
     def __init__(self, dtype=np.int32) -> None:
         self._table = np.zeros((8, 8), dtype)
         self._rows: dict[int, _Row] = {}  # by id() of the block list (the row keeps it alive)
         self._free: list[int] = []
+        self._gathers = 0
 
     def gather(self, sequences: Sequence[SequenceSlice], block_size: int) -> np.ndarray:
         """[len(sequences), most blocks of a context] as `padded_block_tables` builds it
         (past each context: later ids or 0, never read)."""
-        rows, seen = [], {}
+        self._gathers += 1
+        gathers, rows = self._gathers, []
         known = self._rows
         for seq in sequences:
             ids = seq.block_table
-            key = id(ids)
-            row = known.get(key)
+            row = known.get(id(ids))
             if row is None or row.ids is not ids:
                 row = self._add(ids)
             if len(ids) != row.copied:
                 self._copy(row)
-            seen[key] = row
+            row.last_gather = gathers
             rows.append(row.index)
-        if len(seen) != len(self._rows):
-            self._free.extend(self._rows[key].index for key in self._rows.keys() - seen.keys())
-        self._rows = seen
+        if gathers % 16 == 0:  # now and then: the rows of lists long absent go
+            stale = [key for key, row in known.items() if gathers - row.last_gather >= self.RETAIN_GATHERS]
+            for key in stale:
+                self._free.append(known.pop(key).index)
         width = -(-max(map(CONTEXT_LEN, sequences), default=0) // block_size)
         return self._table[rows, :width]
 
@@ -125,7 +131,10 @@ class BlockTables:
             self._table = np.zeros((2 * old.shape[0], old.shape[1]), old.dtype)
             self._table[: old.shape[0]] = old
             self._free.extend(range(2 * old.shape[0] - 1, old.shape[0] - 1, -1))
-        row = _Row(ids, self._free.pop(), 0)
+        previous = self._rows.get(id(ids))
+        if previous is not None:  # another list had this id: its row goes
+            self._free.append(previous.index)
+        row = _Row(ids, self._free.pop(), 0, self._gathers)
         self._table[row.index] = 0
         self._rows[id(ids)] = row
         return row
@@ -146,6 +155,7 @@ class _Row:
     ids: Sequence[int]
     index: int
     copied: int
+    last_gather: int
 
 
 class LayerAttention(NamedTuple):
