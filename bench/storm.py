@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--storm-output-len": (16, "burst output length"),
         "--storm-prefill-tokens": (
             16, "max_prefill_tokens with budgets on (default: %(default)s, a latency-first setting)"),
+        "--storm-steady-steps": (40, "steps the generations decode alone before the burst (default: %(default)s)"),
     })  # fmt: skip
 
 
@@ -59,10 +60,8 @@ def run(loaded, args: argparse.Namespace, vocab_ids: list[int]) -> dict:
     return report
 
 
-def _start(
-    loaded, args: argparse.Namespace, vocab_ids: list[int], max_prefill_tokens: int, steady_steps: int = 40
-) -> tuple[Driver, float]:
-    """An engine with the long generations decoding for `steady_steps` steps, and when those began."""
+def _start(loaded, args: argparse.Namespace, vocab_ids: list[int], max_prefill_tokens: int) -> tuple[Driver, float]:
+    """An engine with the long generations decoding for `--storm-steady-steps` steps, and when those began."""
     # Without speculation: the scenario measures what prompt budgets do to the decodes'
     # pace, and tokens accepted together would share one time.
     scheduler = SchedulerConfig(max_prefill_tokens=max_prefill_tokens)
@@ -72,7 +71,7 @@ def _start(
         drive.add(f"long-{i}", prompt, output_len=4000)
     drive.run_until(lambda: all(drive.token_times.values()))
     steady_start = drive.now()
-    for _ in range(steady_steps):
+    for _ in range(args.storm_steady_steps):
         drive.step()
     return drive, steady_start
 

@@ -59,6 +59,8 @@ def test_storm_compares_budgets_on_and_off_at_the_same_positions(tmp_path):
         "2",
         "--storm-prefill-tokens",
         "8",
+        "--storm-steady-steps",
+        "8",
     )
     storm = report["storm"]
     on, off = storm["budgets_on"], storm["budgets_off"]
@@ -103,14 +105,16 @@ def test_swap_scenario_preempts_only_with_the_small_pool(tmp_path):
         "swap",
         "--swap-requests",
         "4",
+        # Each request needs 3 or 4 blocks of 16 tokens, the four at least 12: 6 hold one
+        # whole, not all four.
         "--swap-pool-blocks",
-        "12",
+        "6",
         "--swap-prompt-len",
         "16",
         "32",
         "--swap-output-len",
-        "40",
-        "60",
+        "20",
+        "24",
     )
     swap = report["swap"]
     assert swap["large_pool"]["preemptions"] == 0
@@ -120,7 +124,7 @@ def test_swap_scenario_preempts_only_with_the_small_pool(tmp_path):
     assert swap["small_pool_recompute"]["blocks_swapped_out"] == 0
     # Every pool produced the whole workload, preempted or not; the small ones in more steps.
     pools = [swap[name] for name in ("large_pool", "small_pool_swap", "small_pool_recompute")]
-    assert len({pool["output_tokens"] for pool in pools}) == 1 and 4 * 40 <= pools[0]["output_tokens"] <= 4 * 60
+    assert len({pool["output_tokens"] for pool in pools}) == 1 and 4 * 20 <= pools[0]["output_tokens"] <= 4 * 24
     assert all(pool["steps"] > swap["large_pool"]["steps"] for pool in pools[1:])
     assert finite_positive(swap["swap_vs_large_pool"]) and finite_positive(swap["recompute_vs_large_pool"])
 
