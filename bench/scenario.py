@@ -81,7 +81,7 @@ REGISTRY = {
     "scheduler": "bench.scheduler_cost", "redis": "bench.through_redis", "edge": "bench.edge", "soak": "bench.soak",
     "intake": "bench.intake", "overhead": "bench.overhead", "gateway": "bench.gateway",
     "structured": "bench.structured", "spec": "bench.spec", "serve": "bench.serve", "length": "bench.length",
-    "disagg": "bench.disagg", "tenants": "bench.tenants",
+    "disagg": "bench.disagg", "tenants": "bench.tenants", "tp": "bench.tp",
 }  # fmt: skip
 
 

@@ -83,6 +83,21 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
     ),
+    # Qwen2.5-0.5B's shape (14 heads over 2 KV heads: two ranks share it), for
+    # `inflight bench --scenario tp` on a CPU.
+    "qwen2.5-0.5b-shape": lambda: Qwen2Config(
+        **_IDS,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
     # Llama-3-8B's shape, for GPU benchmarks (8B parameters: not for a CPU).
     "llama3-8b-shape": lambda: _llama3_8b_shape(32),
     # Its first two layers: a CPU holds it (3 GB in bfloat16), e.g. to run its shapes at --tensor-parallel 2.

@@ -26,6 +26,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -70,6 +71,10 @@ class Leader:
     def __init__(self, followers: list[subprocess.Popen], steps: Any) -> None:
         self.followers = followers
         self.steps = steps  # the process group of the steps' collectives
+        # What rank 0's all-reduces took (`inflight bench --scenario tp`): their count, the
+        # bytes each rank contributed, and the time in them, waiting for the others included.
+        self.all_reduces = self.all_reduce_bytes = 0
+        self.all_reduce_s = 0.0
 
     @classmethod
     def start(cls, model: ModelConfig, cache: CacheConfig) -> Leader:
@@ -89,7 +94,11 @@ class Leader:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """A step's all-reduce, on rank 0: the worker exits where a rank is gone."""
+        started = time.perf_counter()
         collective(dist.all_reduce, tensor, group=self.steps)
+        self.all_reduce_s += time.perf_counter() - started
+        self.all_reduces += 1
+        self.all_reduce_bytes += tensor.numel() * tensor.element_size()
 
     def wait_ready(self) -> None:
         """Wait until every follower has loaded and cut its model."""
