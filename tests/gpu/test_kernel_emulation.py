@@ -68,8 +68,8 @@ def test_decode_split_into_partitions(kernels, dtype, head_dim, group, block_siz
     check_against_reference(step, backend(step, kernels, partition_size=32))
 
 
-@pytest.mark.parametrize("batch", [1, 3, 16])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# Each batch size once, each in another dtype (the batch sets the grid, the dtype the template).
+@pytest.mark.parametrize(("dtype", "batch"), list(zip(DTYPES, [1, 3, 16])), ids=str)
 def test_decode_batch_sizes_in_one_partition(kernels, dtype, batch):
     """Each context in a single partition: the decode kernel writes the output itself,
     with no reduce step."""
@@ -331,6 +331,16 @@ def test_random_models_on_the_emulated_kernels_generate_the_torch_backends_token
 LAYER_NAMES = list(layer_cases(1))
 LAYER_DTYPES = [torch.float32, torch.bfloat16]
 WINDOW_CONTEXTS = [20, 37, 38, 50, 100, 101, 130]
+# How a layer attends is a runtime argument, the dtype a template's: each emulated launch
+# costs, so the decodes take the layer cases in alternating dtypes and the prompt chunks in
+# the other, and between them every case meets every dtype.
+DECODE_LAYERS = [
+    pytest.param(name, LAYER_DTYPES[i % 2], id=f"{name}-{LAYER_DTYPES[i % 2]}") for i, name in enumerate(LAYER_NAMES)
+]
+PROMPT_LAYERS = [
+    pytest.param(name, LAYER_DTYPES[1 - i % 2], id=f"{name}-{LAYER_DTYPES[1 - i % 2]}")
+    for i, name in enumerate(LAYER_NAMES)
+]
 
 
 class RecordingKernels:
@@ -345,8 +355,7 @@ class RecordingKernels:
         self.kernels.launch(instance, grid, block, args)
 
 
-@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
-@pytest.mark.parametrize("name", LAYER_NAMES)
+@pytest.mark.parametrize(("name", "dtype"), DECODE_LAYERS)
 def test_layer_decodes_around_the_window(kernels, name, dtype):
     """Each layer case's decodes in 32-token partitions (the reduce adds the sinks; a
     window's launch has only the 3 partitions 37 keys can span, not the longest context's
@@ -362,8 +371,7 @@ def test_layer_decodes_around_the_window(kernels, name, dtype):
         assert ("paged_decode_reduce" in launched) == (partitions > 1)
 
 
-@pytest.mark.parametrize("dtype", LAYER_DTYPES, ids=str)
-@pytest.mark.parametrize("name", LAYER_NAMES)
+@pytest.mark.parametrize(("name", "dtype"), PROMPT_LAYERS)
 def test_layer_prompt_chunks_around_the_window(kernels, name, dtype):
     """Each layer case's prompt chunks: fresh prompts shorter (21) and longer (50) than the
     window, chunks after a cached prefix whose first rows' windows start before the chunk
