@@ -207,3 +207,32 @@ def test_a_hybrid_model_serves_the_same_tokens_holding_a_fraction_of_the_blocks(
     assert trimmed == whole
     # Five of six layers hold a window's blocks, not the whole context.
     assert trimmed_used < 0.5 * whole_used
+
+
+def test_a_hybrid_models_cached_prefix_gives_the_tokens_computing_it_gives(gemma3):
+    """A prompt is served, then again with more after it: the second starts after the
+    cached prefix (the global layer's blocks from the start, the windows' last blocks) and
+    makes the tokens an engine without prefix caching makes."""
+    generator = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, 400, (120,), generator=generator).tolist()
+    longer = shared + torch.randint(3, 400, (30,), generator=generator).tolist()
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        engine = Engine(
+            gemma3,
+            EngineConfig(
+                cache=CacheConfig(kv_memory_bytes=8 << 20, swap_memory_bytes=0, prefix_caching=caching),
+                scheduler=SchedulerConfig(max_batch_tokens=64, max_prefill_chunk=24),
+            ),
+        )
+        hits: list[int] = []
+        engine.observer = lambda stats: hits.append(stats.cache.device_hit_tokens)
+        driver = Driver(engine)
+        driver.submit("first", shared, params)
+        driver.drain()
+        driver.submit("again", longer, params)
+        driver.drain()
+        results[caching] = (driver.tokens["first"], driver.tokens["again"], sum(hits))
+    assert results[True][:2] == results[False][:2]
+    assert results[True][2] >= 96 and results[False][2] == 0  # at least 6 of the 7 full blocks, and the windows'
