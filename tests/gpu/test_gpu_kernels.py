@@ -153,10 +153,11 @@ def test_swap_round_trip_through_pinned_memory(kernels, dtype):
     assert torch.equal(cache.blocks, expected)
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-mistral"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-gemma3"])
 def test_greedy_generation_equals_the_torch_backend(name):
     """A random-weight model (SmolLM2-135M's config: 9 heads over 3 KV heads, head_dim 64;
-    the tiny ones: other GQA ratios, head_dim 128, Qwen2's biases) on the GPU, with chunked
+    the tiny ones: other GQA ratios, head_dim 128, Qwen2's biases; tiny-gemma3 a cache of six
+    groups of layers, five windows of 16 giving blocks back, run eagerly) on the GPU, with chunked
     prompts and a cache small enough to force swaps: the same tokens on both backends.
     float32, so that the backends' rounding differences cannot flip a greedy choice."""
     from gpu.cuda.attention import CupyAttentionBackend
