@@ -284,8 +284,10 @@ def test_engine_on_the_emulated_kernels_continues_after_a_cached_prefix(kernels,
 def test_random_models_on_the_emulated_kernels_generate_the_torch_backends_tokens(kernels, name):
     """The GPU's end-to-end check (tests/gpu/test_gpu_kernels.py), emulated: a random-weight
     model (what the air-gapped GPU host serves; head_dim 64 and 128, GQA 2 and 4, Qwen2's
-    biases) with prompts in chunks of 8 and a cache of 4 blocks, so a request is swapped
-    out and back in by the copy kernel. Greedy tokens are the same as on the torch backend."""
+    biases) with prompts of 21 and 11 tokens in chunks of 8 and a cache of 3 blocks, too
+    few for both (29 and 19 tokens: 4 blocks), so a request is swapped out and back in by
+    the copy kernel.
+    Greedy tokens are the same as on the torch backend."""
     from bench.drive import StepRecorder
     from gpu.torch_attention import TorchAttentionBackend
     from tests.conftest import run_to_completion
@@ -300,11 +302,11 @@ def test_random_models_on_the_emulated_kernels_generate_the_torch_backends_token
     block_bytes = 16 * 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # float32
     config = EngineConfig(
         model=model_config,
-        cache=CacheConfig(kv_memory_bytes=4 * block_bytes, swap_memory_bytes=8 * block_bytes),
+        cache=CacheConfig(kv_memory_bytes=3 * block_bytes, swap_memory_bytes=8 * block_bytes),
         scheduler=SchedulerConfig(max_prefill_chunk=8),
     )
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    prompts = ["The capital of France is the city of light, and its river", "def fibonacci(n):\n    if n < 2: return n"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["The capital of France", "def fib(n):"]  # a token a character
     results, swapped = {}, {}
     for backend_name in ("emulated", "torch"):
         engine = Engine(loaded, config)
@@ -319,7 +321,7 @@ def test_random_models_on_the_emulated_kernels_generate_the_torch_backends_token
         results[backend_name] = {rid: tokens for rid, (tokens, _, _) in run_to_completion(engine, arrivals).items()}
         swapped[backend_name] = any(record.num_blocks_swapped_in for record in steps)
     assert results["emulated"] == results["torch"]
-    assert all(len(tokens) == 6 for tokens in results["emulated"].values())
+    assert all(len(tokens) == 8 for tokens in results["emulated"].values())
     assert swapped == {"emulated": True, "torch": True}
 
 
