@@ -427,11 +427,20 @@ class LoRASlots:
     def load(self, name: str, folder: str | Path) -> LoRAAdapter:
         """Read and check the adapter in `folder` into host memory, as `name` (replacing an
         adapter of that name). Raises `BadAdapter`."""
-        adapter = LoRAAdapter.load(folder, self.shapes, self.max_rank, name)
+        adapter = self.read(name, folder)
+        self.add(name, folder, adapter)
+        return adapter
+
+    def read(self, name: str, folder: str | Path) -> LoRAAdapter:
+        """The adapter in `folder`, read and checked for this model but not held: it reads
+        nothing a step changes, so it may run beside one (`add` it between steps)."""
+        return LoRAAdapter.load(folder, self.shapes, self.max_rank, name)
+
+    def add(self, name: str, folder: str | Path, adapter: LoRAAdapter) -> None:
+        """Hold `adapter`, read from `folder`, as `name` (replacing an adapter of that name)."""
         self.unload(name)
         self.folders[name] = Path(folder)
         self._hold(name, adapter)
-        return adapter
 
     def unload(self, name: str) -> None:
         self.adapters.pop(name, None)

@@ -36,6 +36,7 @@ from workers.config import (
     WEIGHTS,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -185,6 +186,22 @@ SPECULATIVE = FlagGroup(
     unflagged=("min_ngram", "max_ngram"),
 )
 
+LORA = FlagGroup(
+    "multi-LoRA",
+    LoRAConfig,
+    (
+        Flag(
+            "lora_dir",
+            "a folder of PEFT LoRA adapters, one a subfolder, loaded at start and named by it; jobs name one "
+            "(default: none, multi-LoRA off)",
+            show_default=False,
+        ),
+        Flag("max_loras", "adapters resident at once: a step serves at most this many"),
+        Flag("max_lora_rank", "the largest adapter rank served (a higher one is refused at load)"),
+        Flag("max_host_loras", "adapters kept in host memory, 0 = all (the others are read again from their folder)"),
+    ),
+)
+
 METRICS = FlagGroup(
     "metrics",
     MetricsConfig,
@@ -251,6 +268,7 @@ ENGINE: Mapping[str, FlagGroup] = {
     "scheduler": SCHEDULER,
     "structured": STRUCTURED,
     "speculative": SPECULATIVE,
+    "lora": LORA,
 }
 
 

@@ -186,6 +186,11 @@ class GenerationRequest:
     fewer tokens here lately than another tenant of its priority queues ahead of other
     interactive requests, and once it has waited that long for room, swaps out a
     running request of the tenant served most lately (`workers/fair_share.py`).
+    `adapter` names the LoRA adapter (multi-LoRA, `workers.config.LoRAConfig`) the
+    request runs under, None for the base model: one the engine loaded, else the request's
+    only event is an error with code `unknown_adapter`. Requests of different adapters,
+    and of none, share steps; a prompt prefix computed under one adapter is reused only
+    under that adapter. Every choice of a request with `params.n` > 1 runs under it.
     With `params.n` > 1 the prompt is computed once and the choices share its KV
     blocks; every token event names its choice (`index`), and the one final event
     comes when the last choice ends, with each choice's end in `choices`.
@@ -204,6 +209,7 @@ class GenerationRequest:
     prompt_kv: torch.Tensor | None = None
     batch: bool = False
     tenant: str = ""
+    adapter: str | None = None
 
     @property
     def hands_off(self) -> bool:
@@ -237,6 +243,7 @@ class ErrorCode(str, enum.Enum):
     INVALID_GRAMMAR = "invalid_grammar"  # its json_schema or regex cannot be compiled
     # Its predicted finish misses its deadline (under a length policy): refused when read.
     DEADLINE_UNMEETABLE = "deadline_unmeetable"
+    UNKNOWN_ADAPTER = "unknown_adapter"  # it names a LoRA adapter the engine has not loaded
 
 
 class TopLogprob(NamedTuple):

@@ -274,9 +274,49 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (`gpu/lora.py`, `workers/adapters.py`): requests of many PEFT LoRA adapters,
+    and of none, batched in one step. A request names its adapter (`GenerationRequest.adapter`)."""
+
+    # A folder whose subfolders are PEFT LoRA adapters (`adapter_config.json` and the weights),
+    # each loaded at start and named by its subfolder; None: multi-LoRA off (no linear is
+    # wrapped, no adapter can be registered later). An empty folder serves none at start;
+    # `Engine.load_adapter` registers more while the engine runs.
+    lora_dir: Path | None = None
+    # Adapters resident in the linears' slots at once: a step serves at most this many
+    # (a request whose adapter would pass it waits at the head of the queue).
+    max_loras: int = 4
+    # The largest adapter rank served; each slot is sized for it. A higher rank is refused at load.
+    max_lora_rank: int = 64
+    # Adapters kept in host memory (0: all of them); the least recently used one is dropped
+    # and read again from its folder when a step needs it.
+    max_host_loras: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.max_host_loras, bool) or not isinstance(self.max_host_loras, int) or self.max_host_loras < 0:
+            raise ValueError(f"max_host_loras must be an integer >= 0 (0: all), got {self.max_host_loras!r}")
+        if self.lora_dir is not None:  # "" is none given
+            object.__setattr__(self, "lora_dir", Path(self.lora_dir) if self.lora_dir != "" else None)
+
+    @property
+    def enabled(self) -> bool:
+        return self.lora_dir is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora.enabled and self.model.tensor_parallel > 1:
+            # Each rank would need its share of every adapter's A or B, which is not cut yet.
+            raise ValueError("--lora-dir does not run with --tensor-parallel yet; use one rank")

@@ -13,6 +13,11 @@ token.
 front end steps in a worker thread): they only validate (`workers/validation.py`) and
 post a command (`AddRequest`, `CancelRequest`, `FailRequest`) to an inbox that the next
 step drains.
+
+Multi-LoRA (`LoRAConfig`): the adapters of `lora_dir` are loaded at start (a bad one stops
+the start, `gpu.lora.BadAdapter`); `load_adapter` registers one more from any thread: it
+reads and checks the adapter on the caller's thread and posts it (`AddAdapter`), so the
+model's slots change only between steps, before any request that names it runs.
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from gpu.lora import LoRAAdapter, LoRASlots
 from workers import kv_handoff
+from workers.adapters import adapter_folders, cache_root
 from workers.api import ErrorCode, Event, FinalEvent, FinishReason, GenerationRequest, InvalidRequest, TopLogprob
 from workers.block_pool import BlockPool
 from workers.config import EngineConfig
@@ -44,7 +52,7 @@ from workers.scheduler import Scheduler
 from workers.speculative import verify
 from workers.step_stats import EngineStats, StepRecord, step_record
 from workers.structured import Grammars, InvalidGrammar
-from workers.validation import Limits, RequestValidator, arrival_time
+from workers.validation import Limits, RequestValidator, UnknownAdapter, arrival_time
 
 if TYPE_CHECKING:
     from gpu.kv_transfer import HandoffArena
@@ -79,7 +87,16 @@ class FailRequest:
     event: FinalEvent
 
 
-Command = AddRequest | CancelRequest | FailRequest
+@dataclass(frozen=True)
+class AddAdapter:
+    """A LoRA adapter read and checked (`Engine.load_adapter`), for the slots to hold."""
+
+    name: str
+    folder: Path
+    adapter: LoRAAdapter
+
+
+Command = AddRequest | CancelRequest | FailRequest | AddAdapter
 
 
 class Engine:
@@ -88,7 +105,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_context = effective_context(loaded.max_context, config.model.max_context)
         self.vocab_size = loaded.model.config.vocab_size
-        self.runner = ModelRunner(loaded.model, config.cache, model_config=config.model)
+        self.runner = ModelRunner(loaded.model, config.cache, model_config=config.model, lora=config.lora)
         self.block_size = config.cache.block_size
         windows = self.runner.kv_cache.layout.windows
         # A sliding window's table names the null block where blocks left the window.
@@ -107,6 +124,7 @@ class Engine:
             config.speculative,
             length_predictor=policy_predictor(config.scheduler, config.model, lambda: _embeddings(loaded)),
             windows=windows,
+            max_loras=config.lora.max_loras if self.runner.lora is not None else None,
         )
         self.sampler = Sampler()
         self.eos_token_ids = _eos_token_ids(loaded)
@@ -119,7 +137,11 @@ class Engine:
             config.scheduler.max_running_requests,
             self.scheduler.kv_cache.most_tokens(),
         )
-        self.validator = RequestValidator(self.tokenizer, limits, self.grammars, self.eos_token_ids)
+        # The loaded LoRA adapters' cache roots by name (`workers/adapters.py`); changed under the lock.
+        self._adapter_roots: dict[str, bytes] = {}
+        self.validator = RequestValidator(
+            self.tokenizer, limits, self.grammars, self.eos_token_ids, self._adapter_roots
+        )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.grammars, self._release_id)
         self._lock = threading.Lock()  # guards the inbox and the set of known ids
         self._inbox: list[Command] = []
@@ -131,6 +153,11 @@ class Engine:
         self.handoff_arena: HandoffArena | None = None
         # Prompt tokens staged per handed-off request id, until the caller `take_staged`s it.
         self._staged: dict[str, int] = {}
+        if self.runner.lora is not None and config.lora.lora_dir is not None:
+            for name, folder in adapter_folders(config.lora.lora_dir).items():
+                adapter = self.runner.lora.read(name, folder)  # BadAdapter: the engine does not start
+                self.runner.lora.add(name, folder, adapter)
+                self._adapter_roots[name] = cache_root(adapter)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -153,7 +180,11 @@ class Engine:
             choices = self.validator.requests(request, arrival)
         except InvalidRequest as error:
             empty = Request(request.request_id, [], request.params, arrival)
-            code = ErrorCode.INVALID_GRAMMAR if isinstance(error, InvalidGrammar) else ErrorCode.INVALID_REQUEST
+            code = ErrorCode.INVALID_REQUEST
+            if isinstance(error, InvalidGrammar):
+                code = ErrorCode.INVALID_GRAMMAR
+            elif isinstance(error, UnknownAdapter):
+                code = ErrorCode.UNKNOWN_ADAPTER
             self._post(FailRequest(final_event([empty], FinishReason.ERROR, error=str(error), error_code=code)))
             return
         state = self.outputs.new_request(choices)
@@ -167,6 +198,26 @@ class Engine:
         for fork in forks:
             fork.status = RequestStatus.FORKING
         self._post(AddRequest(state, request.prompt_kv))
+
+    def load_adapter(self, name: str, folder: str | Path) -> None:
+        """Register the PEFT LoRA adapter in `folder` as `name` (replacing an adapter of
+        that name), for requests that name it from now on; callable from any thread. It is
+        read and checked here; the slots take it between steps. Raises `BadAdapter` (one
+        line) for an adapter this model cannot serve, ValueError without multi-LoRA."""
+        slots = self._lora_slots()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        adapter = slots.read(name, folder)
+        root = cache_root(adapter)
+        with self._lock:  # named and posted together: a request naming it is posted after it
+            self._adapter_roots[name] = root
+            self._inbox.append(AddAdapter(name, Path(folder), adapter))
+
+    @property
+    def adapters(self) -> list[str]:
+        """The names of the LoRA adapters requests may name, sorted."""
+        with self._lock:
+            return sorted(self._adapter_roots)
 
     def take_staged(self, request_id: str) -> int:
         """How many prompt tokens of a request that ended with `handoff` were staged in
@@ -242,7 +293,14 @@ class Engine:
                     events.append(event)
                 case CancelRequest(request_id) if request_id in self.outputs.live:
                     events.extend(self.outputs.retire(self.outputs.live[request_id].lead, FinishReason.CANCELLED))
+                case AddAdapter(name, folder, adapter):
+                    self._lora_slots().add(name, folder, adapter)
         return events
+
+    def _lora_slots(self) -> LoRASlots:
+        if self.runner.lora is None:
+            raise ValueError("multi-LoRA is off: start the engine with a lora_dir (--lora-dir)")
+        return self.runner.lora
 
     def _place_prompt_kv(self, request: Request, prompt_kv: torch.Tensor) -> None:
         try:

@@ -474,7 +474,7 @@ class KVCacheManager:
         size = self.block_size
         while len(addresses) < num_blocks:
             start = len(addresses) * size
-            parent = addresses[-1] if addresses else b""
+            parent = addresses[-1] if addresses else request.cache_root  # the chain starts at its adapter
             addresses.append(block_hash(parent, request.token_slice(start, start + size), self._salt))
         return addresses
 
@@ -482,7 +482,7 @@ class KVCacheManager:
         """The address of the partial block holding `request`'s tokens up to `num_tokens`
         (not a multiple of the block size) after its full blocks."""
         full = num_tokens // self.block_size
-        parent = self._addresses(request, full)[full - 1] if full else b""
+        parent = self._addresses(request, full)[full - 1] if full else request.cache_root
         return block_hash(parent, request.token_slice(full * self.block_size, num_tokens), self._salt)
 
     # -- handoffs (disaggregated serving, `workers/kv_handoff.py`) ---------------------

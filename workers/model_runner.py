@@ -7,12 +7,17 @@ each chunk that samples, not for every prompt token. The model is prepared for i
 device once, at construction (`gpu.prepare`): on a CPU a Llama-family stack runs the
 lean forward (the Hugging Face forward runs any other model), and with the CUDA kernels
 on a GPU a decode-only step (one token per request) replays a CUDA graph.
+
+With multi-LoRA each chunk names its adapter (`ScheduledChunk.adapter`): the runner
+tells the model's slots each sequence's adapter and rows before the forward (`gpu.lora`),
+and a step with any adapter row never replays a CUDA graph (a graph holds the base
+model's kernels only).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,7 +26,7 @@ from gpu.kv_layout import kv_layout
 from gpu.offload import HostKVPool
 from gpu.prepare import DeviceOptions, prepare_model
 from gpu.tensor_parallel import Shard, check_shardable, shard_model
-from workers.config import CacheConfig, ModelConfig
+from workers.config import CacheConfig, LoRAConfig, ModelConfig
 from workers.plan import StepPlan
 from workers.tensor_parallel import Leader, StepInputs, threads_per_rank
 
@@ -43,13 +48,18 @@ class ModelRunner:
         backend_class: type[AttentionBackend] | None = None,
         model_config: ModelConfig | None = None,
         shard: Shard | None = None,
+        lora: LoRAConfig | None = None,
     ):
         """Prepares `model` for its device (`gpu.prepare`). `backend_class` None picks the
         attention backend (`gpu.backends`); `model_config` says how the linears' weights are
         stored and whether decode-only steps replay CUDA graphs (default: dense, yes).
         With `model_config.tensor_parallel` > 1 this runner leads the group (it starts the
-        followers, `workers.tensor_parallel`); a follower's runner is given its `shard`."""
+        followers, `workers.tensor_parallel`); a follower's runner is given its `shard`.
+        `lora` (enabled) wraps the model's linears for multi-LoRA (`gpu.lora`), on one rank only."""
         settings = model_config or ModelConfig()
+        lora = lora if lora is not None and lora.enabled else None
+        if lora is not None and (shard is not None or settings.tensor_parallel > 1):
+            raise ValueError("--lora-dir does not run with --tensor-parallel yet; use one rank")
         layout = kv_layout(model, cache_config.trim_windows)  # probed before any rank is cut
         self.leader: Leader | None = None
         if shard is None and settings.tensor_parallel > 1:
@@ -70,10 +80,18 @@ class ModelRunner:
             cuda_graphs=settings.cuda_graphs,
             max_graph_batch=settings.max_graph_batch,
         )
+        if lora is not None:
+            options = replace(
+                options,
+                max_loras=lora.max_loras,
+                max_lora_rank=lora.max_lora_rank,
+                max_host_loras=lora.max_host_loras or None,  # 0: all of them
+            )
         prepared = prepare_model(model, options, backend_class, layout)
         self.model, self.device = prepared.model, prepared.device
         self.kv_cache, self.backend, self.host_pool = prepared.kv_cache, prepared.backend, prepared.host_pool
         self.graphs, self.lean = prepared.graphs, prepared.lean
+        self.lora = prepared.lora  # None without multi-LoRA
         self._group_of_layer = [layout.place(layer)[0] for layer in range(layout.num_layers)]
         if self.leader is not None:
             self.leader.wait_ready()  # every follower's model loaded and cut
@@ -138,11 +156,14 @@ class ModelRunner:
             positions.extend(range(start, start + num_tokens))
 
         graphs = self.graphs
+        # The slots, for a step with any adapter row (None: the base model's step).
+        lora = self.lora if self.lora is not None and any(c.adapter is not None for c in plan.chunks) else None
         # Steps that verify drafts run eagerly: their several logit rows per request were never checked under a graph.
         if (
             graphs is not None
             and graphs.backend is self.backend
             and not plan.num_draft_tokens
+            and lora is None
             and graphs.applies(sequences)
         ):
             started = time.perf_counter()
@@ -150,7 +171,14 @@ class ModelRunner:
             return StepOutput(logits, time.perf_counter() - started, swap_s)
         batch = self._paged_batch(plan, sequences, len(token_ids))
         started = time.perf_counter()
-        logits = self.forward(token_ids, positions, sample_rows, batch)
+        if lora is None:
+            logits = self.forward(token_ids, positions, sample_rows, batch)
+            return StepOutput(logits, time.perf_counter() - started, swap_s)
+        lora.begin_step([(chunk.adapter, len(chunk.token_ids)) for chunk in plan.chunks])  # rows in packed order
+        try:
+            logits = self.forward(token_ids, positions, sample_rows, batch)
+        finally:
+            lora.end_step()  # every later forward is the base model's until a step sets adapters again
         return StepOutput(logits, time.perf_counter() - started, swap_s)
 
     def _paged_batch(self, plan: StepPlan | StepInputs, sequences: list[SequenceSlice], num_tokens: int) -> PagedBatch:

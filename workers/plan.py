@@ -29,6 +29,7 @@ class ScheduledChunk(NamedTuple):
     # Draft tokens run after the decode token, to be verified (the last of `token_ids`);
     # the step samples a token at each of them as well.
     drafts: tuple[int, ...] = ()
+    adapter: str | None = None  # the request's LoRA adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -37,7 +38,8 @@ class ScheduledChunk(NamedTuple):
     @classmethod
     def decode(cls, request: Request) -> ScheduledChunk:
         """The one token a decoding request runs: the one it sampled last."""
-        return cls(request, request.num_computed, (request.output_token_ids[-1],), request.block_tables, True, True)
+        token = (request.output_token_ids[-1],)
+        return cls(request, request.num_computed, token, request.block_tables, True, True, (), request.adapter)
 
     @classmethod
     def prefill(cls, request: Request, num_tokens: int) -> ScheduledChunk:
@@ -45,7 +47,8 @@ class ScheduledChunk(NamedTuple):
         start = request.num_computed
         end = start + num_tokens
         tokens = tuple(request.token_slice(start, end))
-        return cls(request, start, tokens, request.block_tables, end == request.num_tokens, False)
+        samples = end == request.num_tokens
+        return cls(request, start, tokens, request.block_tables, samples, False, (), request.adapter)
 
 
 @dataclass

@@ -47,6 +47,11 @@ class Request:
     # and may swap out the other tenant's (fair preemption, `workers/fair_share.py`).
     tenant: str = ""
     fair: bool = False
+    # Its LoRA adapter (None: the base model), and where its blocks' content addresses start:
+    # b"" for the base model, the adapter's identity for an adapter's (`workers/adapters.py`),
+    # so a prefix computed under one is never reused under another.
+    adapter: str | None = None
+    cache_root: bytes = b""
     output_token_ids: list[int] = field(default_factory=list)
     # The sampled tokens that end it: its stop_token_ids, and EOS unless ignore_eos.
     stop_token_ids: frozenset[int] = frozenset()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+from workers.adapter_batching import adapter_fits, group_by_adapter
 from workers.api import FinishReason
 from workers.block_pool import BlockPool
 from workers.config import SchedulerConfig, SpeculativeConfig
@@ -60,12 +61,13 @@ class Scheduler:
         proposer: Proposer | None = None,
         length_predictor: LengthPredictor | OracleLengths | None = None,
         windows: tuple[int | None, ...] = (None,),
+        max_loras: int | None = None,  # adapters running at once (None: multi-LoRA off; workers/adapter_batching.py)
     ) -> None:
         """The device pool `allocator` and `host_allocator` (None: preemption recomputes) and the KV groups'
         `windows` (`gpu.kv_layout`) are the KV-cache manager's; `cache_salt` (None: no prefix caching) names what
         else changes K/V; `speculative` (enabled) drafts with `proposer` (default: prompt lookup); `length_predictor`
         (None: FIFO within a priority) orders the queue by predicted length and swaps the longest remainder."""
-        self.config = config
+        self.config, self.max_loras = config, max_loras
         self.length_predictor = length_predictor
         self.kv_cache = KVCacheManager(allocator, block_size, host_allocator, cache_salt, windows)
         self.drafts = None  # speculation off
@@ -227,12 +229,12 @@ class Scheduler:
             # victim so the others can go on, and plan again.
             self._preempt_one(plan)
         if self.drafts is not None:
-            config = self.config
-            room = min(config.max_decode_tokens - plan.num_decode_tokens, config.max_batch_tokens - plan.num_tokens)
+            room = min(self._decode_cap - plan.num_decode_tokens, self.config.max_batch_tokens - plan.num_tokens)
             self.drafts.plan(plan, room, len(self.running), self._step)
         self.kv_cache.plan_offloads(plan)
         if self.fair_share is not None:  # what each tenant is served, for fair preemption
             self.fair_share.charge(plan)
+        group_by_adapter(plan, self.max_loras)
         return plan
 
     def _plan_decodes(self, plan: StepPlan) -> None:
@@ -288,12 +290,10 @@ class Scheduler:
         num_decodes = sum(chunk.is_decode for chunk in plan.chunks)
         while self.queue.num_queued:
             request = self.queue.head()
-            if request.batch and not batch:
-                break  # batch jobs queue behind every interactive one
-            if request.batch and self._batch_full():
-                break
-            if request in plan.preempted:
-                break  # never back in the step that preempted it
+            if request.batch and (not batch or self._batch_full()):
+                break  # batch jobs queue behind every interactive one, and within their own cap
+            if request in plan.preempted or not adapter_fits(request, self.running, self.max_loras):
+                break  # never back in the step that preempted it; an adapter waits for a slot in its place
             if self._occupied() + 1 + self._num_forking(request) > self._running_limit(request):
                 if self._make_room_for(request, plan):
                     continue

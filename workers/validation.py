@@ -3,13 +3,15 @@ limits, and made into the scheduler's `Request`s, one per choice.
 
 It runs on the caller's thread (`Engine.add_request`), never in a step: the prompt is
 tokenized here, and a constraint's grammar compiled (or found cached). Bad input raises
-`InvalidRequest` (`InvalidGrammar` for a grammar that cannot be compiled).
+`InvalidRequest` (`InvalidGrammar` for a grammar that cannot be compiled, `UnknownAdapter`
+for a LoRA adapter the engine has not loaded).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,10 @@ from workers.structured import Grammars
 
 if TYPE_CHECKING:  # typing_extensions comes with torch; only the type checker reads it here
     from typing_extensions import TypeIs
+
+
+class UnknownAdapter(InvalidRequest):
+    """The request names a LoRA adapter the engine has not loaded (`unknown_adapter`)."""
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,21 @@ def arrival_time(arrived_at: float | None) -> float:
 
 
 class RequestValidator:
-    def __init__(self, tokenizer, limits: Limits, grammars: Grammars, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        limits: Limits,
+        grammars: Grammars,
+        eos_token_ids: frozenset[int],
+        adapters: Mapping[str, bytes] | None = None,
+    ) -> None:
+        """`adapters`: the loaded LoRA adapters' cache roots by name (`workers/adapters.py`),
+        read as it changes (the engine's own mapping); None: none."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammars = grammars
         self.eos_token_ids = eos_token_ids
+        self.adapters: Mapping[str, bytes] = adapters if adapters is not None else {}
 
     def requests(self, request: GenerationRequest, arrival: float) -> list[Request]:
         """`request`, checked, as one scheduler `Request` per choice (each holding the
@@ -57,6 +73,7 @@ class RequestValidator:
         validate_priority(request.priority)
         if not isinstance(request.batch, bool):
             raise InvalidRequest(f"batch must be true or false, got {request.batch!r}")
+        cache_root = self._cache_root(request.adapter)
         if deadline is not None and (
             isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
         ):
@@ -79,6 +96,8 @@ class RequestValidator:
                 batch=request.batch,  # every choice of a batch job is one too
                 takeover=any(resumed),
                 tenant=request.tenant,
+                adapter=request.adapter,  # every choice runs under it
+                cache_root=cache_root,
                 output_token_ids=output_ids,
                 stop_token_ids=stop_ids,
                 index=index,
@@ -86,6 +105,17 @@ class RequestValidator:
             )
             for index, output_ids in enumerate(resumed)
         ]
+
+    def _cache_root(self, adapter: object) -> bytes:
+        """Where the content addresses of a request under `adapter` start (`Request.cache_root`)."""
+        if adapter is None:
+            return b""
+        if not isinstance(adapter, str):
+            raise InvalidRequest(f"adapter must be an adapter's name or null, got {adapter!r}")
+        root = self.adapters.get(adapter)
+        if root is None:
+            raise UnknownAdapter(f"no LoRA adapter {adapter!r} is loaded on this worker")
+        return root
 
     def _prompt_ids(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         limits = self.limits
