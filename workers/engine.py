@@ -143,7 +143,7 @@ class Engine:
             self.tokenizer, limits, self.grammars, self.eos_token_ids, self._adapter_roots
         )
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.grammars, self._release_id)
-        self._lock = threading.Lock()  # guards the inbox and the set of known ids
+        self._lock = threading.Lock()  # guards the inbox, the set of known ids and the adapters' names
         self._inbox: list[Command] = []
         self._known_ids: set[str] = set()
         # Called at the end of every step, in the stepping thread; must be quick.
