@@ -3,6 +3,7 @@
 inflight demo    run the engine in-process on sample prompts and stream the answers
 inflight worker  serve jobs from a Redis stream (docs/protocol.md)
 inflight submit  send one prompt through Redis and stream the answer
+inflight load-adapter  ask every worker of a stream to load a LoRA adapter
 inflight bench   the throughput/latency benchmark against peers, in one run
 inflight health  whether the worker beside it serves (a container's healthcheck)
 inflight gateway an OpenAI-compatible HTTP API onto the queue (service/gateway/)
@@ -26,7 +27,7 @@ from service.flags import (
     gateway_config_from_args,
     worker_config_from_args,
 )
-from service.submit_command import add_submit_arguments, run_submit
+from service.submit_command import add_load_adapter_arguments, add_submit_arguments, run_load_adapter, run_submit
 
 # The worker's exit status: 0 when it drained everything it held.
 EXIT_CREDENTIALS = 2  # Redis refused the credentials
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return uvloop.run(_worker(args))
     if args.command == "submit":
         return run_submit(args)
+    if args.command == "load-adapter":
+        return run_load_adapter(args)
     if args.command == "health":
         return _health(args)
     if args.command == "gateway":
@@ -90,6 +93,9 @@ def _parser(argv: list[str]) -> argparse.ArgumentParser:
     add_worker_arguments(worker)
 
     add_submit_arguments(commands.add_parser("submit", help="send a prompt through Redis and stream the answer"))
+    add_load_adapter_arguments(
+        commands.add_parser("load-adapter", help="ask every worker of a stream to load a LoRA adapter")
+    )
 
     bench = commands.add_parser("bench", help="benchmark the engine against peers in one run")
     # Only for `inflight bench`: the benchmarks import torch (seconds), which the other

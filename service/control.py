@@ -1,9 +1,15 @@
 """The control stream's cancels, for the jobs a worker holds (service/cancels.py says
 which job a cancel applies to): read back at start, caught up before jobs just read
-start, followed while serving, and applied to the held jobs already in the engine."""
+start, followed while serving, and applied to the held jobs already in the engine.
+
+Its `load_adapter` entries (service/adapters.py) go to the worker's adapter loader as
+they come while serving; those sent before the worker started are not read back (its
+`--lora-dir` is what it serves from the start)."""
 
 from __future__ import annotations
 
+from service.adapter_loader import AdapterLoader
+from service.adapters import LOAD_ADAPTER
 from service.cancels import CancelRegistry, stream_id
 from service.config import RedisConfig
 from service.held import HeldEntries
@@ -13,7 +19,13 @@ from workers.async_engine import AsyncEngine
 
 class Control:
     def __init__(
-        self, redis, config: RedisConfig, cancels: CancelRegistry, held: HeldEntries, front: AsyncEngine
+        self,
+        redis,
+        config: RedisConfig,
+        cancels: CancelRegistry,
+        held: HeldEntries,
+        front: AsyncEngine,
+        adapters: AdapterLoader | None = None,
     ) -> None:
         self.redis = redis
         self.stream = config.control_stream
@@ -21,6 +33,7 @@ class Control:
         self.cancels = cancels
         self.held = held
         self.front = front
+        self.adapters = adapters
 
     async def load(self) -> None:
         """The cancels of the last `cancel_ttl_s`, from the control stream."""
@@ -45,6 +58,10 @@ class Control:
                 self._apply(entries)
 
     def _apply(self, entries: list) -> None:
+        if self.adapters is not None:
+            for _, fields in entries:
+                if fields.get(b"type") == LOAD_ADAPTER.encode():
+                    self.adapters.request(fields)
         for request_id in self.cancels.add_entries(entries):
             for entry_id, held in self.held.items():
                 if held.request_id == request_id and held.submitted and self.cancels.cancels(request_id, entry_id):

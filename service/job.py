@@ -28,6 +28,10 @@ MAX_ID_CHARS = 200
 DEFAULT_TENANT = "default"
 # A tenant names Redis keys and metric labels: a short, plain name.
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+# A LoRA adapter's name, as `--lora-dir`'s subfolders and vLLM's model names spell them:
+# a plain name, also a key's field and a metric label.
+ADAPTER_PATTERN = re.compile(r"[A-Za-z0-9_.@:/-]{1,128}")
+ADAPTER_RULE = "adapter must be 1-128 characters of letters, digits and _ . @ : / -"
 FLAT_BOOLEANS = {"true": True, "1": True, "false": False, "0": False}
 
 
@@ -58,6 +62,7 @@ class Job:
     reply_to: str
     tenant: str = DEFAULT_TENANT
     batch: bool = False
+    adapter: str | None = None  # a LoRA adapter's name; None: the base model
 
 
 def reply_stream(request_id: str) -> str:
@@ -255,6 +260,12 @@ JOB_FIELDS = (
         breaks_rule="tenant must be 1-64 characters of letters, digits and _ . @ -",
     ),
     Field("batch", BOOLEAN, False),
+    Field(
+        "adapter",
+        ANY,
+        rule=lambda a: isinstance(a, str) and ADAPTER_PATTERN.fullmatch(a) is not None,
+        breaks_rule=ADAPTER_RULE,
+    ),
 )
 # Where the replies go: read first, so that any later error can be published there.
 ADDRESS_FIELDS = ("id", "reply_to")

@@ -194,6 +194,7 @@ class JobRunner:
             prompt_kv=await self.role.prompt_kv(entry, assignment),
             batch=job.batch,
             tenant=job.tenant,
+            adapter=job.adapter,
         )
         self.front.submit_batched(request)
         self.held[entry.entry_id].submitted = True

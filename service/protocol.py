@@ -14,6 +14,8 @@ from typing import Any
 import msgpack
 
 from service.job import (
+    ADAPTER_PATTERN,
+    ADAPTER_RULE,
     DEFAULT_TENANT,
     FIELDS,
     MAX_ENTRY_BYTES,
@@ -29,6 +31,8 @@ from service.job import (
 from workers.api import FinalEvent
 
 __all__ = [
+    "ADAPTER_PATTERN",
+    "ADAPTER_RULE",
     "CONTROL_STREAM",
     "DEFAULT_TENANT",
     "FIELDS",

@@ -20,6 +20,11 @@ Tenants and batch jobs: `client.submit("...", tenant="acme", batch=True)`. With 
 queueing a job may be refused for load: an `error` event whose code is `queue_full` or
 `quota_exceeded` carries `retry_after_s`, when to send it again.
 
+LoRA adapters: `client.submit("...", adapter="sql")` runs the job under the adapter its
+workers loaded as `sql` (else an `unknown_adapter` error event); `client.load_adapter(
+"sql", "/adapters/sql")` asks every worker of the stream to load one (docs/protocol.md,
+"LoRA adapters").
+
 Errors: every method (and, for a Redis Cluster, SyncClient's constructor, which finds
 the cluster's nodes at once) raises only the SDK's own exceptions, each with a one-line
 message fit to show a user (the redis-py error stays as its `__cause__`):
@@ -44,6 +49,7 @@ import msgpack
 import redis
 from redis.exceptions import RedisClusterException
 
+from service.adapters import check_name, load_message
 from service.connect import as_redis_error, connect, connect_sync
 from service.protocol import CONTROL_STREAM, REQUESTS_STREAM, TENANT_PATTERN, reply_stream
 
@@ -81,13 +87,15 @@ def _translated(address: str) -> Iterator[None]:
 
 def job_payload(prompt: str | None, messages: list[dict] | None, request_id: str, **options) -> dict:
     """The request entry's fields: one msgpack `payload` (options left at None are omitted).
-    A malformed `tenant` is refused here, with the one-line reason a worker would give,
-    rather than as a dead letter later."""
+    A malformed `tenant` or `adapter` is refused here, with the one-line reason a worker
+    would give, rather than as a dead letter later."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt and messages")
     tenant = options.get("tenant")
     if tenant is not None and not (isinstance(tenant, str) and TENANT_PATTERN.fullmatch(tenant)):
         raise ValueError("tenant must be 1-64 characters of letters, digits and _ . @ -")
+    if options.get("adapter") is not None:
+        check_name(options["adapter"])
     job = {"id": request_id, **({"prompt": prompt} if prompt is not None else {"messages": messages})}
     job.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in options.items() if v is not None})
     return {"payload": msgpack.packb(job)}
@@ -163,7 +171,8 @@ class Client(_Settings):
         top_k, seed, stop, ignore_eos, n, priority, deadline_ms, reply_to; structured
         output: json_schema (a dict), json_object, regex or choice (a list of strings);
         logprobs and top_logprobs; tenant (a name, default "default") and batch (True: run
-        only on capacity interactive jobs leave free) (docs/protocol.md)."""
+        only on capacity interactive jobs leave free); adapter (a LoRA adapter's name, 1-128
+        letters, digits and _ . @ : / -; default: the base model) (docs/protocol.md)."""
         request_id = request_id or uuid.uuid4().hex
         with _translated(self.address):
             await self.redis.xadd(self.requests_stream, job_payload(prompt, messages, request_id, **options))
@@ -190,6 +199,14 @@ class Client(_Settings):
     async def cancel(self, request_id: str) -> None:
         with _translated(self.address):
             await self.redis.xadd(self.control_stream, {"type": "cancel", "id": request_id})
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Ask every worker of the stream to load the PEFT LoRA adapter in `path` (a folder
+        on the workers' filesystem) as `name`. Asynchronous: each worker logs how it went
+        and lists it in the registry once loaded (docs/protocol.md, "LoRA adapters")."""
+        message = load_message(name, path)
+        with _translated(self.address):
+            await self.redis.xadd(self.control_stream, message)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -241,6 +258,11 @@ class SyncClient(_Settings):
     def cancel(self, request_id: str) -> None:
         with _translated(self.address):
             self.redis.xadd(self.control_stream, {"type": "cancel", "id": request_id})
+
+    def load_adapter(self, name: str, path: str) -> None:
+        message = load_message(name, path)
+        with _translated(self.address):
+            self.redis.xadd(self.control_stream, message)
 
     def close(self) -> None:
         self.redis.close()

@@ -1,5 +1,6 @@
 """`inflight submit`: one prompt through Redis, its answer streamed to the terminal (the
-producer SDK's `SyncClient`, `service/sdk.py`), with its flags."""
+producer SDK's `SyncClient`, `service/sdk.py`), with its flags; and `inflight
+load-adapter`, which asks a stream's workers to load a LoRA adapter."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
         "--tenant",
         type=_tenant_name,
         help="who the job is for: fair share, caps and quotas count per tenant (default: default)",
+    )
+    submit.add_argument(
+        "--adapter",
+        type=_adapter_name,
+        metavar="NAME",
+        help="the LoRA adapter to answer with, as the workers loaded it (default: the base model)",
     )
     submit.add_argument(
         "--batch", action="store_true", help="a batch job: it runs only on capacity interactive jobs leave free"
@@ -82,6 +89,42 @@ def _tenant_name(text: str) -> str:
     return text
 
 
+def _adapter_name(text: str) -> str:
+    """--adapter's value, checked as a worker checks it."""
+    from service.adapters import check_name
+
+    try:
+        return check_name(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_load_adapter_arguments(load: argparse.ArgumentParser) -> None:
+    """The flags of `inflight load-adapter`."""
+    load.add_argument("name", type=_adapter_name, help="the name jobs will give as `adapter`")
+    load.add_argument("path", help="the PEFT adapter's folder, on the workers' filesystem")
+    load.add_argument(
+        "--redis-url",
+        default=default_queue_url(),
+        help="default: $REDIS_URL, else the embedded server's address (%(default)s)",
+    )
+    load.add_argument("--control-stream", default=RedisConfig().control_stream)
+
+
+def run_load_adapter(args: argparse.Namespace) -> int:
+    """Send the control message; the load itself happens in each worker, which logs it."""
+    from service.sdk import InflightError, SyncClient
+
+    try:
+        with SyncClient(args.redis_url, control_stream=args.control_stream) as client:
+            client.load_adapter(args.name, args.path)
+    except (InflightError, ValueError) as error:
+        print(f"inflight load-adapter: {error}", file=sys.stderr)
+        return 1
+    print(f"asked the workers on {args.control_stream} to load {args.path} as {args.name}", file=sys.stderr)
+    return 0
+
+
 def run_submit(args: argparse.Namespace) -> int:
     """Send the prompt and print its answer; the exit status (1: refused, failed or no answer)."""
     from service.sdk import InflightError, SyncClient
@@ -106,6 +149,7 @@ def run_submit(args: argparse.Namespace) -> int:
                 temperature=args.temperature,
                 priority=args.priority,
                 tenant=args.tenant,
+                adapter=args.adapter,
                 batch=args.batch or None,  # left out unless asked: the job reads as before
                 **shape,
             ):

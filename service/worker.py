@@ -36,6 +36,7 @@ from typing import Any
 
 import structlog
 
+from service.adapter_loader import AdapterLoader
 from service.cancels import CancelRegistry
 from service.config import DisaggConfig, FairQueueConfig, RedisConfig
 from service.control import Control
@@ -72,6 +73,8 @@ class Worker:
         fair_queue: FairQueueConfig = FairQueueConfig(),
     ) -> None:
         scheduler = engine.config.scheduler
+        # The adapters' registry sits beside the request stream, whichever stream this role reads.
+        self.adapters = AdapterLoader(redis, config.requests_stream, engine)
         self.config = config = reads_from(config, disagg)
         self.redis = redis
         self.metrics = metrics or Metrics(scheduler)
@@ -84,7 +87,7 @@ class Worker:
         self.held: HeldEntries = {}  # by entry id
         self.jobs: dict[str, Job] = {}  # by entry id, while their events flow (for charges and metrics)
         self.cancels = CancelRegistry(config.cancel_ttl_s)
-        self.control = Control(redis, config, self.cancels, self.held, self.front)
+        self.control = Control(redis, config, self.cancels, self.held, self.front, self.adapters)
         self.intake = intake_for(redis, config, scheduler, fair_queue, disagg, self.metrics, self.publisher, self.front)
         self.reader = self.intake.reader
         self.capacity = self.intake.capacity
@@ -119,6 +122,7 @@ class Worker:
     async def _prepare(self) -> None:
         await self.reader.ensure_group()
         await self.control.load()
+        await self.adapters.publish_loaded()
 
     def _job_runner(self) -> JobRunner:
         # Made when the worker starts, with the parts it has then (a benchmark may swap

@@ -1,5 +1,10 @@
 """The gateway's HTTP app (Starlette): the OpenAI routes, health and metrics.
 
+LoRA adapters (service/adapters.py): a request's `model` names the base model or an
+adapter the workers list in the registry (looked up only for a name other than the
+base's); `/v1/models` lists both; `POST /v1/load_lora_adapter` (vLLM's route and names)
+asks the workers to load one, through the control stream.
+
 A completion is checked (auth, body, model, backlog) and queued as one job in the
 handler; its answer (`JobResponse`) then follows the job's reply stream. The answer
 waits for the job's first event before it sends a status line, so a job the worker
@@ -40,7 +45,16 @@ from service.gateway.batches import BatchesAPI
 from service.gateway.errors import APIError, from_queue
 from service.gateway.files import FilesAPI
 from service.gateway.metrics import CLIENT_LEFT, GatewayMetrics
-from service.gateway.openai_api import CHAT, TEXT, Parsed, Renderer, error_event, read_request, response_id
+from service.gateway.openai_api import (
+    CHAT,
+    TEXT,
+    Parsed,
+    Renderer,
+    error_event,
+    names_another_model,
+    read_request,
+    response_id,
+)
 from service.gateway.queue import Queue, QueueUnavailable
 from service.gateway.replies import BLOCK_MS, ReplyTimeout
 from service.gateway.resume import EVENT_IDS_HEADER, Position, StreamCards, event_id, read_event_id
@@ -77,6 +91,7 @@ class Gateway:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/streams/{request_id}", self.stream_again, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
             *self.files.routes(),
@@ -124,7 +139,9 @@ class Gateway:
         if "last-event-id" in request.headers:  # a client reconnecting: no new job
             request_id, after = read_event_id(request.headers["last-event-id"])
             return await self._resume(request_id, after, tenant, started)
-        parsed = read_request(kind, await self._json(request), self.config)
+        body = await self._json(request)
+        adapters = await self.adapters() if names_another_model(body, self.config) else {}
+        parsed = read_request(kind, body, self.config, adapters)
         request_id = uuid.uuid4().hex
         payload = parsed.payload(request_id, tenant)
         why = self.queue.overloaded()
@@ -198,9 +215,43 @@ class Gateway:
         cancelling.add_done_callback(self._cancelling.discard)
 
     async def models(self, request: Request) -> Response:
+        """The base model, then each LoRA adapter the workers serve, its `parent` the base (as vLLM lists them)."""
         self.keys.check(request.headers.get("authorization"))
-        model = {"id": self.config.model_name, "object": "model", "created": self.started, "owned_by": "inflight"}
-        return JSONResponse({"object": "list", "data": [model]})
+        base = self.config.model_name
+        model = {"id": base, "object": "model", "created": self.started, "owned_by": "inflight"}
+        adapters = [
+            {**model, "id": name, "root": path, "parent": base}
+            for name, path in sorted((await self.adapters()).items())
+            if name != base
+        ]
+        return JSONResponse({"object": "list", "data": [model, *adapters]})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """POST /v1/load_lora_adapter `{"lora_name", "lora_path"}`: ask every worker to load
+        the adapter. Asynchronous: the answer says the message is sent; the adapter is
+        served once `/v1/models` lists it (a worker that cannot load it logs why)."""
+        self.keys.check(request.headers.get("authorization"))
+        body = await self._json(request)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        name, path = body.get("lora_name"), body.get("lora_path")
+        try:
+            await self.queue.load_adapter(name, path)  # type: ignore[arg-type]  # checked there
+        except ValueError as error:
+            raise APIError(400, str(error), param="lora_path" if "path" in str(error) else "lora_name") from None
+        except QueueUnavailable:
+            raise _unavailable() from None
+        log.info("adapter_load_requested", adapter=name, path=path)
+        return JSONResponse(
+            {"object": "lora_adapter_load", "lora_name": name, "lora_path": path, "status": "requested"}
+        )
+
+    async def adapters(self) -> dict[str, str]:
+        """The registry's adapters (name -> folder); a 503 while Redis does not answer."""
+        try:
+            return await self.queue.adapters()
+        except (RedisError, OSError):
+            raise _unavailable() from None
 
     async def health(self, request: Request) -> Response:
         why = await self.queue.ping()
@@ -392,6 +443,10 @@ class JobResponse:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+def _unavailable() -> APIError:
+    return APIError(503, "the queue (Redis) is unavailable; retry later", "server_error", code="queue_unavailable")
 
 
 def _asked_for(header: str | None) -> bool:

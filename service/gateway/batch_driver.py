@@ -34,7 +34,7 @@ from service.gateway.batch_lines import CANCELLED, ENDPOINTS, EXPIRED
 from service.gateway.batches import CHUNK, TERMINAL, BatchStore, batch_object
 from service.gateway.errors import APIError, bad_request, from_queue
 from service.gateway.files import FileStore
-from service.gateway.openai_api import Parsed, Renderer, choices_of, read_request, response_id
+from service.gateway.openai_api import Parsed, Renderer, choices_of, names_another_model, read_request, response_id
 from service.gateway.queue import FINAL_TYPES, Queue, QueueUnavailable
 from service.gateway.replies import ReplyTimeout
 from service.protocol import reply_stream
@@ -234,7 +234,7 @@ class BatchRun:
         a failure of Redis or of this code is waited out and tried again."""
         request = await _retried(self.store.request, self.batch_id, line)
         try:
-            parsed = self._read(request)
+            parsed = await self._read(request)
         except APIError as error:  # refused as its HTTP request would be: nothing queued
             await self._record(
                 {line: "e" + batch_lines.refused(self.batch_id, line, request["custom_id"], None, error)}
@@ -270,8 +270,11 @@ class BatchRun:
             await self._record({line: self._result(line, request["custom_id"], parsed, job_id, final, tokens)})
             return
 
-    def _read(self, request: dict) -> Parsed:
-        parsed = read_request(self.kind, request["body"], self.config)
+    async def _read(self, request: dict) -> Parsed:
+        body = request["body"]
+        # A line naming an adapter: the registry, waited for while Redis is away.
+        adapters = await _retried(self.queue.adapters) if names_another_model(body, self.config) else {}
+        parsed = read_request(self.kind, body, self.config, adapters)
         if parsed.stream:
             raise bad_request("stream is not supported in a batch", "stream")
         return parsed
@@ -349,7 +352,7 @@ class BatchRun:
         if final is None or cancelled or (final["type"] == "error" and final["code"] in LOAD_CODES):
             record = "e" + batch_lines.ended(self.batch_id, line, request["custom_id"], code)
         else:
-            record = self._result(line, request["custom_id"], self._read(request), job_id, final, tokens)
+            record = self._result(line, request["custom_id"], await self._read(request), job_id, final, tokens)
         await self._record({line: record})
 
     async def _finalize(self, status: str) -> None:

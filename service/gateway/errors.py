@@ -17,6 +17,9 @@ QUEUE_ERRORS: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),  # the engine refused it, e.g. beyond the context
     "invalid_grammar": (400, "invalid_request_error"),  # its schema or regex does not compile
     "too_large": (413, "invalid_request_error"),
+    # The worker that took the job has no such LoRA adapter (the registry listed it, so the
+    # fleet disagrees): a 404, as for a `model` no one serves, which it is to this client.
+    "unknown_adapter": (404, "invalid_request_error"),
     # Refused for load, before anything ran: the client's to send again after Retry-After.
     "queue_full": (429, "rate_limit_error"),
     "quota_exceeded": (429, "rate_limit_error"),

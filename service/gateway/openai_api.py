@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,18 +114,30 @@ class Parsed:
         return payload
 
 
-def read_request(kind: str, body, config: GatewayConfig) -> Parsed:
-    """A request body for the served model -> `Parsed`; an APIError (400, or 404 for
-    another model) otherwise. An HTTP request and a batch's line are both read here."""
+def read_request(kind: str, body, config: GatewayConfig, adapters: Collection[str] = ()) -> Parsed:
+    """A request body for the served model, or for one of its LoRA `adapters` (the
+    registry's names: `model` names the adapter, as with vLLM) -> `Parsed`; an APIError
+    (400, or 404 for another model) otherwise. An HTTP request and a batch's line are
+    both read here."""
     parsed = parse(kind, body, config.default_max_tokens)
-    if parsed.model != config.model_name:
-        raise APIError(
-            404,
-            f"The model `{parsed.model}` does not exist; this server has `{config.model_name}`",
-            param="model",
-            code="model_not_found",
-        )
-    return parsed
+    if parsed.model == config.model_name:
+        return parsed
+    if parsed.model in adapters:
+        parsed.job["adapter"] = parsed.model
+        return parsed
+    raise APIError(
+        404,
+        f"The model `{parsed.model}` does not exist; this server has `{config.model_name}`"
+        + (f" and its adapters {', '.join(f'`{a}`' for a in sorted(adapters))}" if adapters else ""),
+        param="model",
+        code="model_not_found",
+    )
+
+
+def names_another_model(body, config: GatewayConfig) -> bool:
+    """Whether the body's `model` is a name other than the base model's: then it may name
+    an adapter, and the registry is worth a look."""
+    return isinstance(body, dict) and isinstance(body.get("model"), str) and body["model"] != config.model_name
 
 
 def response_id(kind: str, request_id: str) -> str:

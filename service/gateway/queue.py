@@ -17,6 +17,7 @@ import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from service.adapters import load_message, registry_key
 from service.cancels import stream_id
 from service.config import GatewayConfig
 from service.gateway.replies import ReplyReader, ReplyTimeout, read_alone
@@ -76,6 +77,20 @@ class Queue:
                 await asyncio.sleep(delay)
                 delay *= 2
         log.warning("cancel_not_sent", request_id=request_id)
+
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters the workers serve (service/adapters.py): name -> folder."""
+        listed = await self.redis.hgetall(registry_key(self.config.requests_stream))
+        return {text(name): text(path) for name, path in listed.items()}
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Ask every worker to load an adapter (the control stream); ValueError for a bad
+        name or path, QueueUnavailable when Redis does not take it."""
+        message = load_message(name, path)
+        try:
+            await self.redis.xadd(self.config.control_stream, message)
+        except RedisError as error:
+            raise QueueUnavailable(f"{type(error).__name__}: {error}") from error
 
     async def replies(self, request_id: str, timeout_s: float | None = None) -> AsyncGenerator[list[dict], None]:
         """The job's events in order, in batches as they land; the last batch ends with
