@@ -7,12 +7,14 @@ worker serves on."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import structlog
 from redis.exceptions import RedisError
 
 from service.adapters import check_name, registry_key
+from service.metrics import Metrics
 from service.retry import retrying
 from service.text import text
 from workers.engine import Engine
@@ -21,16 +23,18 @@ log = structlog.get_logger("inflight.worker")
 
 
 class AdapterLoader:
-    def __init__(self, redis, requests_stream: str, engine: Engine) -> None:
+    def __init__(self, redis, requests_stream: str, engine: Engine, metrics: Metrics) -> None:
         self.redis = redis
         self.key = registry_key(requests_stream)
         self.engine = engine
+        self.metrics = metrics
         self._loading: set[asyncio.Task] = set()  # kept referenced until done
 
     async def publish_loaded(self) -> None:
         """List the adapters the engine loaded at start (its `--lora-dir`'s) in the registry."""
         lora_dir = self.engine.config.lora.lora_dir
         names = self.engine.adapters
+        self.metrics.adapters_loaded.set(len(names))
         if lora_dir is not None and names:
             await retrying(lambda: self.redis.hset(self.key, mapping={n: str(Path(lora_dir) / n) for n in names}))
 
@@ -42,15 +46,19 @@ class AdapterLoader:
         task.add_done_callback(self._loading.discard)
 
     async def _load(self, name: str, path: str) -> None:
+        started = time.perf_counter()
         try:
             check_name(name)
             if not path:
                 raise ValueError("the message gives no path")
             await asyncio.to_thread(self.engine.load_adapter, name, path)
         except Exception as error:  # BadAdapter, multi-LoRA off, a folder not there: one line, serve on
+            self.metrics.observe_adapter_load(False, 0.0, len(self.engine.adapters))
             log.error("adapter_not_loaded", adapter=name, path=path, error=f"{error}" or type(error).__name__)
             return
-        log.info("adapter_loaded", adapter=name, path=path)
+        seconds = time.perf_counter() - started
+        self.metrics.observe_adapter_load(True, seconds, len(self.engine.adapters))
+        log.info("adapter_loaded", adapter=name, path=path, seconds=round(seconds, 3))
         try:
             await retrying(lambda: self.redis.hset(self.key, name, path))
         except RedisError as error:  # it serves the adapter; only the gateway does not know yet

@@ -206,6 +206,7 @@ class JobRunner:
         """The request's outcome and timings, and its summary line."""
         event = published.final
         self.metrics.observe_finished(event)
+        self.metrics.observe_adapter(job.adapter, event)
         self.metrics.observe_tenant_tokens(job.tenant, job.batch, "prompt", event.usage.prompt_tokens)
         if published.text is not None:
             log_request_finished(log, event, prompt=job.prompt, output=published.text)

@@ -52,6 +52,8 @@ STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 # A verification accepts none, some or all of its drafts; 0.5 is the gate's default threshold.
 ACCEPTANCE_BUCKETS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.8, 0.99, 1.0)
+# Reading and checking an adapter's files: a small one from a local disk to a large one from a slow mount.
+ADAPTER_LOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 LENGTH_TAU_WINDOW = 256  # the requests that ended last, over which the tau gauge is computed
 
@@ -63,6 +65,9 @@ POOLS = ("device", "host")
 JOB_CLASSES = ("interactive", "batch")
 HANDOFF_OUTCOMES = ("handed_off", "kv_read", "kv_computed", "kv_failed")
 REFUSAL_CODES = ("queue_full", "quota_exceeded")
+BASE_MODEL = ""  # the adapter label of requests that name none
+UNKNOWN_ADAPTER = "(unknown)"  # of requests naming one not loaded: no adapter's name (names have no parentheses)
+ADAPTER_LOAD_OUTCOMES = ("loaded", "failed")
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 Collector = Counter | Gauge | Histogram
@@ -368,6 +373,39 @@ WORKER_METRICS = (
         "gauge",
         "inflight_batch_queued_requests",
         "Batch jobs admitted and not yet taken by a worker, all tenants: the batch backlog (--fair-queue).",
+    ),
+    # -- LoRA adapters (service/adapter_loader.py) -------------------------------------------
+    MetricSpec(
+        "adapter_requests",
+        "counter",
+        "inflight_adapter_requests",
+        'Requests ended, by the LoRA adapter they named ("" for the base model, "(unknown)" for one not loaded).',
+        ("adapter",),
+        series=_each(BASE_MODEL),
+    ),
+    MetricSpec(
+        "adapter_tokens",
+        "counter",
+        "inflight_adapter_tokens",
+        "Tokens of ended requests, by adapter (as inflight_adapter_requests) and kind (prompt, output).",
+        ("adapter", "kind"),
+        series=tuple((BASE_MODEL, kind) for kind in ("prompt", "output")),
+    ),
+    MetricSpec("adapters_loaded", "gauge", "inflight_loaded_adapters", "LoRA adapters this worker serves."),
+    MetricSpec(
+        "adapter_loads",
+        "counter",
+        "inflight_adapter_load_requests",
+        "Adapters the control stream asked this worker to load, by outcome (loaded, failed).",
+        ("outcome",),
+        series=_each(*ADAPTER_LOAD_OUTCOMES),
+    ),
+    MetricSpec(
+        "adapter_load_time",
+        "histogram",
+        "inflight_adapter_load_seconds",
+        "One adapter loaded through the control stream: its files read and checked, until requests may name it.",
+        buckets=ADAPTER_LOAD_BUCKETS,
     ),
     # -- disaggregated prefill and decode (service/handoff.py) ------------------------------
     MetricSpec(

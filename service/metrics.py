@@ -9,8 +9,9 @@ It is fed from three places, none of which imports prometheus_client:
   requests by state and priority, KV blocks, preemptions and swaps, the prefix
   cache (tokens queried, hits and cached blocks by tier, evictions, offloads), and
   speculative decoding (draft tokens verified and accepted, acceptance per verification);
-- `observe_finished`, `observe_outcome`, `observe_dead_letter`, `observe_tenant_tokens` and
-  `observe_refused`, from the worker;
+- `observe_finished`, `observe_outcome`, `observe_dead_letter`, `observe_tenant_tokens`,
+  `observe_refused` and `observe_adapter`, from the worker, and `observe_adapter_load`,
+  from its adapter loader;
 - `observe_ingest` and `observe_fair_queue`, from service/queue_gauges.py, which the worker's
   event loop runs every `ingest_poll_s`: Redis lag, pending entries and dead letters (a few
   round trips, never in the model thread); with fair queueing also jobs and prompt tokens
@@ -32,9 +33,17 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from service.metric_specs import LENGTH_TAU_WINDOW, POOLS, STATES, WORKER_METRICS, build_all
+from service.metric_specs import (
+    BASE_MODEL,
+    LENGTH_TAU_WINDOW,
+    POOLS,
+    STATES,
+    UNKNOWN_ADAPTER,
+    WORKER_METRICS,
+    build_all,
+)
 from service.protocol import DEFAULT_TENANT
-from workers.api import FinalEvent, FinishReason
+from workers.api import ErrorCode, FinalEvent, FinishReason
 from workers.config import SchedulerConfig
 from workers.length_predictor import kendall_tau
 
@@ -86,6 +95,11 @@ class Metrics:
     tenant_queued: Gauge
     tenant_queued_tokens: Gauge
     batch_queued: Gauge
+    adapter_requests: Counter
+    adapter_tokens: Counter
+    adapters_loaded: Gauge
+    adapter_loads: Counter
+    adapter_load_time: Histogram
     handoffs: Counter
     kv_transfer_bytes: Counter
     kv_transfer_time: Histogram
@@ -222,6 +236,26 @@ class Metrics:
     def observe_tenant_tokens(self, tenant: str, batch: bool, kind: str, num_tokens: int) -> None:
         """Tokens served to a tenant's job: `prompt` (as the request ends) or `output`."""
         self.tenant_tokens.labels(self._tenant_label(tenant), _job_class(batch), kind).inc(num_tokens)
+
+    def observe_adapter(self, adapter: str | None, event: FinalEvent) -> None:
+        """An ended request, by the adapter it named: a name the engine refused counts
+        under UNKNOWN_ADAPTER, so unknown names cannot grow the series."""
+        if adapter is None:
+            label = BASE_MODEL
+        elif event.error_code is ErrorCode.UNKNOWN_ADAPTER:
+            label = UNKNOWN_ADAPTER
+        else:
+            label = adapter
+        self.adapter_requests.labels(label).inc()
+        self.adapter_tokens.labels(label, "prompt").inc(event.usage.prompt_tokens)
+        self.adapter_tokens.labels(label, "output").inc(len(event.timings.token_times))
+
+    def observe_adapter_load(self, loaded: bool, seconds: float, num_loaded: int) -> None:
+        """An adapter the control stream asked for: loaded or not, how long it took, how many the worker serves."""
+        self.adapter_loads.labels("loaded" if loaded else "failed").inc()
+        if loaded:
+            self.adapter_load_time.observe(seconds)
+        self.adapters_loaded.set(num_loaded)
 
     def observe_refused(self, tenant: str, code: str) -> None:
         """A job refused at admission: `queue_full` or `quota_exceeded`."""

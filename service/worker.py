@@ -74,7 +74,7 @@ class Worker:
     ) -> None:
         scheduler = engine.config.scheduler
         # The adapters' registry sits beside the request stream, whichever stream this role reads.
-        self.adapters = AdapterLoader(redis, config.requests_stream, engine)
+        requests_stream = config.requests_stream
         self.config = config = reads_from(config, disagg)
         self.redis = redis
         self.metrics = metrics or Metrics(scheduler)
@@ -87,6 +87,7 @@ class Worker:
         self.held: HeldEntries = {}  # by entry id
         self.jobs: dict[str, Job] = {}  # by entry id, while their events flow (for charges and metrics)
         self.cancels = CancelRegistry(config.cancel_ttl_s)
+        self.adapters = AdapterLoader(redis, requests_stream, engine, self.metrics)
         self.control = Control(redis, config, self.cancels, self.held, self.front, self.adapters)
         self.intake = intake_for(redis, config, scheduler, fair_queue, disagg, self.metrics, self.publisher, self.front)
         self.reader = self.intake.reader

@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
 from bench.fleet import Fleet
@@ -72,6 +73,13 @@ def registry(fleet: Fleet) -> set[str]:
     return {name.decode() for name in fleet.client.hkeys(registry_key(fleet.stream))}
 
 
+def worker_metric(fleet: Fleet, name: str, **labels: str) -> float:
+    """One sample of the worker's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{fleet.workers['w'].metrics_port}/metrics", timeout=10) as answer:
+        families = text_string_to_metric_families(answer.read().decode())
+    return next(s.value for f in families for s in f.samples if s.name == name and s.labels == labels)
+
+
 def http(gateway: GatewayProcess, path: str, body: dict | None = None) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(f"{gateway.url}{path}", data, {"content-type": "application/json"})
@@ -106,6 +114,13 @@ def test_the_control_stream_registers_an_adapter_and_a_bad_one_is_logged_only(st
     assert answer(fleet, adapter="bad")["code"] == "unknown_adapter"
     assert answer(fleet)["type"] == "done"
     assert not fleet.dead_workers()
+    assert worker_metric(fleet, "inflight_adapter_load_requests_total", outcome="loaded") == 1
+    assert worker_metric(fleet, "inflight_adapter_load_requests_total", outcome="failed") == 1
+    assert worker_metric(fleet, "inflight_adapter_load_seconds_count") == 1
+    assert worker_metric(fleet, "inflight_loaded_adapters") == 3
+    assert worker_metric(fleet, "inflight_adapter_requests_total", adapter="c") == 1
+    assert worker_metric(fleet, "inflight_adapter_requests_total", adapter="(unknown)") >= 1
+    assert worker_metric(fleet, "inflight_adapter_tokens_total", adapter="c", kind="output") == JOB["max_tokens"]
 
 
 def test_the_gateway_lists_adapters_and_serves_a_model_that_names_one(stack):

@@ -20,7 +20,18 @@ from service.queue_gauges import poll_fair_queue, poll_ingest
 from workers.api import FinalEvent, GenerationRequest, SamplingParams
 
 BLOCK_BYTES = 16 * 46_080  # one 16-token block of SmolLM2-135M in float32 (all layers, K and V)
-UNITS = ("_seconds", "_tokens", "_blocks", "_entries", "_ratio", "_requests", "_preemptions", "_letters", "_bytes")
+UNITS = (
+    "_seconds",
+    "_tokens",
+    "_blocks",
+    "_entries",
+    "_ratio",
+    "_requests",
+    "_preemptions",
+    "_letters",
+    "_bytes",
+    "_adapters",
+)
 
 
 def value(metrics: Metrics, name: str, **labels) -> float:
