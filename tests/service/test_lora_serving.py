@@ -52,6 +52,7 @@ def stack(tmp_path_factory):
     gateway = fleet.gateway("gw", "--served-model-name", BASE)
     try:
         fleet.wait_all()
+        answer(fleet)  # answered: the worker follows the control stream (a load sent before is not read)
         yield fleet, gateway, folder / "more" / "c"
     finally:
         gateway.stop()
