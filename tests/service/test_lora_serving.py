@@ -108,6 +108,9 @@ def test_the_control_stream_registers_an_adapter_and_a_bad_one_is_logged_only(st
     assert cli(["load-adapter", "c", str(c_folder), "--redis-url", fleet.url, "--control-stream", fleet.control]) == 0
     wait_until(lambda: "c" in registry(fleet), 60, "the worker to list adapter c")
     assert answer(fleet, adapter="c")["type"] == "done"
+    submit = ["submit", PROMPT, "--raw", "--max-tokens", "2", "--adapter", "c", "--redis-url", fleet.url]
+    assert cli([*submit, "--requests-stream", fleet.stream]) == 0
+    assert "(length: 2 tokens" in capsys.readouterr().err
     with SyncClient(fleet.url, requests_stream=fleet.stream, control_stream=fleet.control) as sdk:
         sdk.load_adapter("bad", str(c_folder.parent / "missing"))
     wait_until(lambda: "adapter_not_loaded" in fleet.log("w"), 60, "the worker to log the bad adapter")
@@ -119,9 +122,9 @@ def test_the_control_stream_registers_an_adapter_and_a_bad_one_is_logged_only(st
     assert worker_metric(fleet, "inflight_adapter_load_requests_total", outcome="failed") == 1
     assert worker_metric(fleet, "inflight_adapter_load_seconds_count") == 1
     assert worker_metric(fleet, "inflight_loaded_adapters") == 3
-    assert worker_metric(fleet, "inflight_adapter_requests_total", adapter="c") == 1
+    assert worker_metric(fleet, "inflight_adapter_requests_total", adapter="c") == 2
     assert worker_metric(fleet, "inflight_adapter_requests_total", adapter="(unknown)") >= 1
-    assert worker_metric(fleet, "inflight_adapter_tokens_total", adapter="c", kind="output") == JOB["max_tokens"]
+    assert worker_metric(fleet, "inflight_adapter_tokens_total", adapter="c", kind="output") == JOB["max_tokens"] + 2
 
 
 def test_the_gateway_lists_adapters_and_serves_a_model_that_names_one(stack):
