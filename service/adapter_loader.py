@@ -40,7 +40,8 @@ class AdapterLoader:
 
     def request(self, fields: dict) -> None:
         """A `load_adapter` control entry's fields (bytes): load it in a task of its own."""
-        name, path = text(fields.get(b"name", b"")), text(fields.get(b"path", b""))
+        # Not UTF-8: the name fails its check and the load is logged, not the control loop stopped.
+        name, path = (text(fields.get(key, b""), errors="replace") for key in (b"name", b"path"))
         task = asyncio.get_running_loop().create_task(self._load(name, path), name=f"load-adapter-{name}")
         self._loading.add(task)
         task.add_done_callback(self._loading.discard)

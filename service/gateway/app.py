@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from service.adapters import check_name
 from service.config import GatewayConfig
 from service.connect import connect
 from service.gateway.auth import TENANT_HEADER, APIKeys
@@ -215,14 +216,19 @@ class Gateway:
         cancelling.add_done_callback(self._cancelling.discard)
 
     async def models(self, request: Request) -> Response:
-        """The base model, then each LoRA adapter the workers serve, its `parent` the base (as vLLM lists them)."""
+        """The base model, then each LoRA adapter the workers serve, its `parent` the base (as
+        vLLM lists them); without Redis, the base model alone."""
         self.keys.check(request.headers.get("authorization"))
         base = self.config.model_name
         model = {"id": base, "object": "model", "created": self.started, "owned_by": "inflight"}
+        try:
+            listed = await self.queue.adapters()
+        except (RedisError, OSError):  # the base model is still served here; the adapters show again with Redis
+            listed = {}
         adapters = [
             {**model, "id": name, "root": path, "parent": base}
-            for name, path in sorted((await self.adapters()).items())
-            if name != base
+            for name, path in sorted(listed.items())
+            if name != base  # `model` naming it means the base model
         ]
         return JSONResponse({"object": "list", "data": [model, *adapters]})
 
@@ -234,11 +240,15 @@ class Gateway:
         body = await self._json(request)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
-        name, path = body.get("lora_name"), body.get("lora_path")
+        path = body.get("lora_path")
         try:
-            await self.queue.load_adapter(name, path)  # type: ignore[arg-type]  # checked there
+            name = check_name(body.get("lora_name"))
         except ValueError as error:
-            raise APIError(400, str(error), param="lora_path" if "path" in str(error) else "lora_name") from None
+            raise APIError(400, f"lora_name: {error}", param="lora_name") from None
+        if not isinstance(path, str) or not path:
+            raise APIError(400, "lora_path must be a folder on the workers' filesystem", param="lora_path")
+        try:
+            await self.queue.load_adapter(name, path)
         except QueueUnavailable:
             raise _unavailable() from None
         log.info("adapter_load_requested", adapter=name, path=path)

@@ -84,8 +84,8 @@ class Queue:
         return {text(name): text(path) for name, path in listed.items()}
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Ask every worker to load an adapter (the control stream); ValueError for a bad
-        name or path, QueueUnavailable when Redis does not take it."""
+        """Ask every worker to load an adapter (the control stream); QueueUnavailable when
+        Redis does not take it."""
         message = load_message(name, path)
         try:
             await self.redis.xadd(self.config.control_stream, message)

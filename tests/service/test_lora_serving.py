@@ -144,6 +144,8 @@ def test_the_gateway_lists_adapters_and_serves_a_model_that_names_one(stack):
     assert (status, error["error"]["code"]) == (404, "model_not_found")
     status, error = http(gateway, "/v1/load_lora_adapter", {"lora_name": "two words", "lora_path": "/x"})
     assert (status, error["error"]["param"]) == (400, "lora_name")
+    status, error = http(gateway, "/v1/load_lora_adapter", {"lora_name": "e"})
+    assert (status, error["error"]["param"]) == (400, "lora_path")
 
 
 def answer_text(fleet: Fleet, adapter: str) -> str:
