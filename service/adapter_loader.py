@@ -14,6 +14,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from service.adapters import check_name, registry_key
+from service.cancels import stream_id
 from service.metrics import Metrics
 from service.retry import retrying
 from service.text import text
@@ -29,6 +30,7 @@ class AdapterLoader:
         self.engine = engine
         self.metrics = metrics
         self._loading: set[asyncio.Task] = set()  # kept referenced until done
+        self._last_entry = (0, 0)  # the newest control entry taken up
 
     async def publish_loaded(self) -> None:
         """List the adapters the engine loaded at start (its `--lora-dir`'s) in the registry."""
@@ -38,8 +40,12 @@ class AdapterLoader:
         if lora_dir is not None and names:
             await retrying(lambda: self.redis.hset(self.key, mapping={n: str(Path(lora_dir) / n) for n in names}))
 
-    def request(self, fields: dict) -> None:
-        """A `load_adapter` control entry's fields (bytes): load it in a task of its own."""
+    def request(self, entry_id: bytes | str, fields: dict) -> None:
+        """A `load_adapter` control entry (fields as bytes): load it in a task of its own,
+        once (the control loop and a catch-up may both read an entry)."""
+        if stream_id(text(entry_id)) <= self._last_entry:
+            return
+        self._last_entry = stream_id(text(entry_id))
         # Not UTF-8: the name fails its check and the load is logged, not the control loop stopped.
         name, path = (text(fields.get(key, b""), errors="replace") for key in (b"name", b"path"))
         task = asyncio.get_running_loop().create_task(self._load(name, path), name=f"load-adapter-{name}")

@@ -59,9 +59,9 @@ class Control:
 
     def _apply(self, entries: list) -> None:
         if self.adapters is not None:
-            for _, fields in entries:
+            for entry_id, fields in entries:
                 if fields.get(b"type") == LOAD_ADAPTER.encode():
-                    self.adapters.request(fields)
+                    self.adapters.request(entry_id, fields)
         for request_id in self.cancels.add_entries(entries):
             for entry_id, held in self.held.items():
                 if held.request_id == request_id and held.submitted and self.cancels.cancels(request_id, entry_id):

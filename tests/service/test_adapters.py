@@ -1,16 +1,23 @@
 """LoRA adapters at the edge, without a model: the job's `adapter` field decoded (flat and
 typed) and refused when malformed, the SDK's and the CLI's checks, the control message,
-and the gateway reading `model` as the base model or an adapter (service/adapters.py)."""
+the gateway reading `model` as the base model or an adapter (service/adapters.py), and
+the worker's loader taking each control entry up once (on a real Redis)."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+
 import msgpack
 import pytest
+import redis.asyncio as aioredis
 
+from service.adapter_loader import AdapterLoader
 from service.adapters import load_message, registry_key
 from service.config import GatewayConfig
 from service.gateway.errors import QUEUE_ERRORS, APIError
 from service.gateway.openai_api import CHAT, names_another_model, read_request
+from service.metrics import Metrics
 from service.protocol import ProtocolError, decode_job
 from service.sdk import job_payload
 from service.submit_command import _adapter_name
@@ -78,3 +85,29 @@ def test_the_gateway_reads_model_as_the_base_model_or_a_listed_adapter_else_a_40
     assert (raised.value.status, raised.value.code) == (404, "model_not_found")
     assert "`sql`" in raised.value.message
     assert QUEUE_ERRORS["unknown_adapter"][0] == 404
+
+
+def test_a_load_read_twice_by_the_control_loop_and_a_catch_up_loads_once():
+    stream = f"inflight:test:{uuid.uuid4().hex[:8]}:requests"
+
+    class Engine:  # what the loader needs of one: loads counted, no model
+        adapters: list[str] = []
+
+        def load_adapter(self, name: str, path: str) -> None:
+            self.adapters.append(name)
+
+    async def main() -> list[str]:
+        client = aioredis.Redis(host="127.0.0.1", port=6379, socket_timeout=30)
+        engine = Engine()
+        loader = AdapterLoader(client, stream, engine, Metrics())  # type: ignore[arg-type]
+        fields = {k.encode(): v.encode() for k, v in load_message("sql", "/adapters/sql").items()}
+        for entry_id in (b"5-0", b"5-0", b"4-0", b"6-0"):  # 5-0 twice; 4-0 older than one taken up
+            loader.request(entry_id, fields)
+        await asyncio.wait(loader._loading)
+        listed = await client.hgetall(registry_key(stream))
+        await client.delete(registry_key(stream))
+        await client.aclose()
+        assert listed == {b"sql": b"/adapters/sql"}
+        return engine.adapters
+
+    assert asyncio.run(main()) == ["sql", "sql"]  # 5-0 and 6-0
