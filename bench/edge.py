@@ -178,6 +178,7 @@ class StubEngine:
             )
         )
         self.observer = None
+        self.adapters: list[str] = []  # no LoRA adapters
         self.step_s = step_s
         self.steps = 0
         self.first_step_at = 0.0
