@@ -6,7 +6,8 @@ On a CPU the ranks are processes over gloo, each with its share of the cores: TP
 cores is two processes of one thread against one process of two. The model is a random-
 weight shape whose heads the ranks can share (Qwen2.5-0.5B's by default: 14 heads over 2
 KV heads); the prompts and output lengths are ShareGPT's, tokenized by the bench's
-`--model`, so the work is real text's. Rank 0 times its all-reduces (two a layer a step),
+`--model` (ids folded into the model's vocabulary, for a smaller one), so the work is
+real text's. Rank 0 times its all-reduces (two a layer a step),
 waiting for the other ranks included: their share of the forward time is what tensor
 parallelism costs here.
 """
@@ -62,11 +63,13 @@ def _measure(args: argparse.Namespace, workload, ranks: int, threads: int) -> di
 
     model = ModelConfig(source=args.tp_model, dtype="bfloat16", threads=threads, tensor_parallel=ranks)
     cache = CacheConfig(kv_memory_bytes=(args.tp_kv_mb << 20) // ranks, swap_memory_bytes=0)
-    engine = Engine(load_model(model), EngineConfig(model=model, cache=cache))
+    loaded = load_model(model)
+    vocab = loaded.model.config.vocab_size
+    engine = Engine(loaded, EngineConfig(model=model, cache=cache))
     leader = engine.runner.leader
     try:
         warm_up = Driver(engine)  # the first steps pack weights and build kernels: not timed
-        warm_up.add("warm-up", workload.requests[0].prompt_ids, 4)
+        warm_up.add("warm-up", [t % vocab for t in workload.requests[0].prompt_ids], 4)
         warm_up.drain()
         if leader is not None:
             leader.all_reduces = leader.all_reduce_bytes = 0
@@ -74,17 +77,23 @@ def _measure(args: argparse.Namespace, workload, ranks: int, threads: int) -> di
         steps = StepRecorder(engine)
         driver = Driver(engine)
         for request in workload.requests:
-            driver.add(request.request_id, request.prompt_ids, request.output_len)
+            driver.add(request.request_id, [t % vocab for t in request.prompt_ids], request.output_len)
         driver.drain()
-        figures = driver.throughput() | {"ranks": ranks, "threads_per_rank": threads, "steps": len(list(steps))}
-        forward_s = sum(record.forward_s for record in steps)
+        records = list(steps)
+        figures = driver.throughput() | {
+            "ranks": ranks,
+            "threads_per_rank": threads,
+            "steps": len(records),
+            "tokens_run": sum(record.num_tokens for record in records),  # prompt, decode and draft tokens
+        }
+        forward_s = sum(record.forward_s for record in records)
         figures["forward_s"] = forward_s
         if leader is not None:
             figures |= {
                 "all_reduces": leader.all_reduces,
                 "all_reduce_mb": leader.all_reduce_bytes / 2**20,
                 "all_reduce_s": leader.all_reduce_s,
-                "all_reduce_ms_per_step": 1000 * leader.all_reduce_s / max(1, len(list(steps))),
+                "all_reduce_ms_per_step": 1000 * leader.all_reduce_s / max(1, len(records)),
                 "all_reduce_share_of_forward": leader.all_reduce_s / forward_s if forward_s else 0.0,
             }
         return figures
