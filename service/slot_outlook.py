@@ -17,7 +17,6 @@ Admission reads every worker's times and judges a new job by the slot it would g
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -121,8 +120,11 @@ class SlotOutlook:
             except RedisError as error:  # Redis away: the outlook expires, admission falls back
                 log.debug("outlook_failed", error=str(error))
             await asyncio.sleep(MIN_PUBLISH_GAP_S)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), PUBLISH_INTERVAL_S)
+            # Until a slot changes, the interval passes, or the worker winds down.
+            waits = [asyncio.ensure_future(self._changed.wait()), asyncio.ensure_future(stop.wait())]
+            _, pending = await asyncio.wait(waits, timeout=PUBLISH_INTERVAL_S, return_when=asyncio.FIRST_COMPLETED)
+            for wait in pending:
+                wait.cancel()
         try:
             await self.redis.delete("{" + self.stream + "}:outlook:" + self.consumer)
         except RedisError:
