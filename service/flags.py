@@ -102,7 +102,7 @@ MODEL = FlagGroup(
             choices=WEIGHTS,
         ),
         Flag("cache_dir", "where converted GGUF weights are cached"),
-        Flag("threads", "torch threads, 0 = one per core"),
+        Flag("threads", "torch threads, 0 = one per core other processes leave free"),
         Flag("device", "auto, cpu, cuda or cuda:N"),
         Flag("cuda_graphs", "on a GPU, launch decode-only steps kernel by kernel instead of replaying CUDA graphs"),
         Flag("max_graph_batch", "largest decode batch replayed from a CUDA graph"),

@@ -44,7 +44,8 @@ class ModelConfig:
     weights: str = "dense"
     # Dequantized GGUF weights are cached here as safetensors so a second start is fast.
     cache_dir: Path = field(default_factory=default_cache_dir)
-    # Torch intra-op threads; 0 means torch's default (one per core).
+    # Torch intra-op threads; 0 means one per core that other processes leave free, re-read
+    # once a second between steps (`workers/thread_budget.py`; OMP_NUM_THREADS fixes it).
     threads: int = 0
     # Where the model and its KV cache live: "auto" (the first CUDA GPU if torch sees
     # one, else the CPU), "cpu", "cuda" or "cuda:N". On a GPU the attention runs in

@@ -52,6 +52,7 @@ from workers.scheduler import Scheduler
 from workers.speculative import verify
 from workers.step_stats import EngineStats, StepRecord, step_record
 from workers.structured import Grammars, InvalidGrammar
+from workers.thread_budget import ThreadBudget, adapts
 from workers.validation import Limits, RequestValidator, UnknownAdapter, arrival_time
 
 if TYPE_CHECKING:
@@ -106,6 +107,10 @@ class Engine:
         self.max_context = effective_context(loaded.max_context, config.model.max_context)
         self.vocab_size = loaded.model.config.vocab_size
         self.runner = ModelRunner(loaded.model, config.cache, model_config=config.model, lora=config.lora)
+        model = config.model
+        # With --threads 0, one torch thread per core that other processes leave free.
+        adapting = adapts(model.threads, model.tensor_parallel, self.runner.device.type)
+        self.thread_budget = ThreadBudget() if adapting else None
         self.block_size = config.cache.block_size
         windows = self.runner.kv_cache.layout.windows
         # A sliding window's table names the null block where blocks left the window.
@@ -234,6 +239,8 @@ class Engine:
 
     def step(self) -> list[Event]:
         """One step, a call per phase; returns the events it made."""
+        if self.thread_budget is not None:
+            self.thread_budget.adjust()  # fewer threads while other processes keep cores busy
         started = time.perf_counter()
         self.outputs.new_step()
         events = self._drain_inbox() + self._expire(started)
