@@ -5,8 +5,10 @@ gate and up projections are cut by output rows (column-parallel: each rank compu
 own heads and its own slice of the hidden MLP), the o and down projections by input
 columns (row-parallel: each rank's product is a partial sum), and one all-reduce after
 each of those two adds the partial sums, so every rank holds the whole hidden state
-again. Two all-reduces a layer, nothing else: embeddings, norms and the LM head are
-whole on every rank. KV heads are split like the query heads where N divides them, and
+again. Two all-reduces a layer; embeddings and norms are whole on every rank. The LM
+head is cut by vocabulary rows (where N divides them): each rank computes its slice of
+the logits, for the sampled rows only, and one gather a step puts them side by side.
+KV heads are split like the query heads where N divides them, and
 replicated otherwise (N a multiple of them: each rank keeps the one its query heads
 read). A rank's attention then runs on its own heads over its own paged KV cache, with
 no change: the attention backends read the head counts off the tensors.
@@ -64,6 +66,30 @@ class RowParallel(nn.Module):
         return out
 
 
+class VocabParallelHead(nn.Module):
+    """The LM head cut by vocabulary rows: this rank's slice of every row's logits, the
+    slices gathered side by side by `all_gather` (a rank's slice in, all of them out)."""
+
+    def __init__(self, head: nn.Linear, shard: Shard, all_gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        rows = shard.slice(head.out_features)
+        self.head = nn.Linear(head.in_features, rows.stop - rows.start, bias=head.bias is not None)
+        self.head.weight = nn.Parameter(head.weight[rows].clone(), requires_grad=False)  # untied from the embeddings
+        if head.bias is not None:
+            self.head.bias = nn.Parameter(head.bias[rows].clone(), requires_grad=False)
+        self.all_gather = all_gather
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_gather(self.head(x))
+
+
+def gather_last_dim(tensor: torch.Tensor, world: int, group: Any = None) -> torch.Tensor:
+    """Every rank's `tensor`, side by side along the last dimension, in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
 def check_shardable(config, model_class: str, world: int) -> None:
     """Raise ValueError, in one line, where `world` ranks cannot share this model."""
     if model_class not in SHARDABLE:
@@ -78,11 +104,18 @@ def check_shardable(config, model_class: str, world: int) -> None:
 
 
 @torch.no_grad()
-def shard_model(model: HFModule, shard: Shard, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
-    """Cut `model` in place down to `shard`'s heads and MLP columns, and its config with it
-    (head counts and MLP size become this rank's); the partial sums meet in `all_reduce`
-    (None: torch.distributed's, in the shard's group)."""
+def shard_model(
+    model: HFModule,
+    shard: Shard,
+    all_reduce: Callable[[torch.Tensor], None] | None = None,
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Cut `model` in place down to `shard`'s heads, MLP columns and vocabulary rows, and
+    its config with it (head counts and MLP size become this rank's); the partial sums
+    meet in `all_reduce`, the logits' slices in `all_gather` (None: torch.distributed's,
+    in the shard's group)."""
     all_reduce = all_reduce or functools.partial(dist.all_reduce, group=shard.group)
+    all_gather = all_gather or functools.partial(gather_last_dim, world=shard.world, group=shard.group)
     config = model.config
     check_shardable(config, type(model).__name__, shard.world)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
@@ -105,6 +138,9 @@ def shard_model(model: HFModule, shard: Shard, all_reduce: Callable[[torch.Tenso
         mlp.down_proj = RowParallel(_keep_columns(mlp.down_proj, mlp_rows, shard), all_reduce)
         if hasattr(attention, "num_key_value_groups"):
             attention.num_key_value_groups = (heads // shard.world) // max(1, kv_heads // shard.world)
+    head = model.lm_head
+    if isinstance(head, nn.Linear) and head.out_features % shard.world == 0:
+        model.lm_head = VocabParallelHead(head, shard, all_gather)
     config.num_attention_heads = heads // shard.world
     config.num_key_value_heads = max(1, kv_heads // shard.world)
     config.intermediate_size //= shard.world

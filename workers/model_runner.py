@@ -69,7 +69,12 @@ class ModelRunner:
             torch.set_num_threads(threads_per_rank(settings))
             self.leader = Leader.start(settings, cache_config)
             # The leader's all-reduces exit the worker where a rank is gone.
-            shard_model(model, Shard(0, settings.tensor_parallel, self.leader.steps), self.leader.all_reduce)
+            shard_model(
+                model,
+                Shard(0, settings.tensor_parallel, self.leader.steps),
+                self.leader.all_reduce,
+                self.leader.all_gather,
+            )
         elif shard is not None:
             shard_model(model, shard)
         options = DeviceOptions(

@@ -100,6 +100,12 @@ class Leader:
         self.all_reduces += 1
         self.all_reduce_bytes += tensor.numel() * tensor.element_size()
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The step's logits gather, on rank 0 (its slices side by side): exits as `all_reduce`."""
+        parts = [torch.empty_like(tensor) for _ in range(len(self.followers) + 1)]
+        collective(dist.all_gather, parts, tensor.contiguous(), group=self.steps)
+        return torch.cat(parts, dim=-1)
+
     def wait_ready(self) -> None:
         """Wait until every follower has loaded and cut its model."""
         collective(dist.barrier)

@@ -78,11 +78,13 @@ def test_short_of_blocks_every_rank_swaps_its_own_share_and_the_tokens_stay_exac
         stopped(two_ranks)
 
 
-def test_a_rank_holds_its_share_of_the_heads_and_the_mlp():
+def test_a_rank_holds_its_share_of_the_heads_the_mlp_and_the_vocabulary():
     model = build_model("tiny-llama", torch.float32, torch.device("cpu"))
     heads, kv_heads, mlp = (model.config.num_attention_heads, model.config.num_key_value_heads,
                             model.config.intermediate_size)  # fmt: skip
+    vocab_rows = model.lm_head.weight[512:].clone()
     shard_model(model, Shard(1, 2))
+    assert torch.equal(model.lm_head.head.weight, vocab_rows)  # rank 1: the second half of the logits
     attention, layer_mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     head_dim = model.config.head_dim
     assert attention.q_proj.weight.shape[0] == heads // 2 * head_dim
