@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, "tp scenario", {
         "--tp-model": ("random:qwen2.5-0.5b-shape", "the model the ranks share (its heads must divide among them)"),
         "--tp-ranks": ("1,2", "the rank counts compared, comma-separated (1 is the baseline)"),
-        "--tp-requests": (24, "ShareGPT first turns, all arriving at t0"),
-        "--tp-max-output": (64, "cap on a request's output length (its reply's length)"),
+        "--tp-requests": (64, "ShareGPT first turns, all arriving at t0"),
+        "--tp-max-output": (256, "cap on a request's output length (its reply's length)"),
         "--tp-kv-mb": (512, "KV pool in MiB, all ranks together"),
     })  # fmt: skip
 
