@@ -20,9 +20,11 @@ prompt already cached, simply place fewer blocks: those are computed or found in
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
+from workers.block_pool import BlockPool
 from workers.kv_cache import KVCacheManager
 from workers.request import Request
 
@@ -31,7 +33,7 @@ from workers.request import Request
 def stage(kv_cache: KVCacheManager, device_blocks: torch.Tensor, request: Request, arena) -> int:
     """Copy `request`'s cached prompt blocks into an arena slot named by its request id;
     returns how many prompt tokens the slot holds (0: none staged)."""
-    blocks, num_tokens = kv_cache.cached_prompt_blocks(request)
+    blocks, num_tokens = cached_prompt_blocks(kv_cache, request)
     if not blocks:
         return 0
     shape = (*device_blocks.shape[:2], len(blocks), *device_blocks.shape[3:])
@@ -60,10 +62,10 @@ def place(
     # The blocks stop at the prompt's end; a prefill worker that staged full blocks only
     # sends fewer.
     num_tokens = min(prompt_kv.shape[2] * kv_cache.block_size, request.num_prompt_tokens, request.num_tokens - 1)
-    adopted = kv_cache.adopt_blocks(request, num_tokens)
+    adopted = adopt_blocks(kv_cache, request, num_tokens)
     _copy_into(device_blocks, adopted.device, prompt_kv)
     _copy_into(host_blocks, adopted.host, prompt_kv)
-    kv_cache.adopted_filled(adopted)
+    adopted_filled(kv_cache, adopted)
     return len(adopted.device) + len(adopted.host)
 
 
@@ -80,3 +82,85 @@ def _copy_into(pool: torch.Tensor | None, pairs: list[tuple[int, int]], prompt_k
         source = prompt_kv.index_select(2, torch.tensor(indices, dtype=torch.long))
     ids = torch.tensor([block for _, block in pairs], dtype=torch.long, device=pool.device)
     pool.index_copy_(2, ids, source.to(pool.device))
+
+
+class AdoptedBlocks(NamedTuple):
+    """Blocks taken for K/V computed elsewhere (`adopt_blocks`): (index of
+    the block in the request, block id) pairs, per tier."""
+
+    device: list[tuple[int, int]]
+    host: list[tuple[int, int]]
+
+
+def cached_prompt_blocks(kv: KVCacheManager, request: Request) -> tuple[list[int], int]:
+    """The device blocks holding `request`'s prompt, found by their addresses (it has
+    finished: they are cached, not held) up to the first missing, and the tokens they
+    hold: its full blocks, then its tail (`KVCacheManager.register_prompt_tail`)."""
+    _check(kv)
+    if kv.cache_salt is None:
+        return [], 0
+    num_prompt = request.num_prompt_tokens
+    addresses = kv.addresses(request, num_prompt // kv.block_size)[: num_prompt // kv.block_size]
+    if num_prompt % kv.block_size:
+        addresses.append(kv.tail_address(request, num_prompt))
+    blocks = []
+    for address in addresses:
+        block = kv.device_pool.lookup(address)
+        if block is None:
+            break
+        blocks.append(block)
+    return blocks, min(len(blocks) * kv.block_size, num_prompt)
+
+
+def adopt_blocks(kv: KVCacheManager, request: Request, num_tokens: int) -> AdoptedBlocks:
+    """Blocks, registered under `request`'s addresses, for the blocks of its first
+    `num_tokens` tokens (full blocks, then a tail) that neither tier caches yet, for
+    the caller to fill and then hand back with `adopted_filled` (they stay cached).
+    Empty device blocks first, so the request finds them where it runs; never a
+    cached device block, whose offload to the host tier is planned only with the next
+    step (it would be overwritten before it is saved); then the host tier's. Stops
+    when neither has room; nothing without prefix caching."""
+    _check(kv)
+    adopted = AdoptedBlocks([], [])
+    if kv.cache_salt is None:
+        return adopted
+    device, host = kv.device_pool, kv.host_pool
+    num_blocks = num_tokens // kv.block_size
+    addresses = kv.addresses(request, num_blocks)[:num_blocks]
+    if num_tokens % kv.block_size:
+        addresses.append(kv.tail_address(request, num_tokens))
+    for index, address in enumerate(addresses):
+        if device.lookup(address) is not None or (host is not None and host.lookup(address) is not None):
+            continue
+        if device.num_empty:
+            pool, pairs = device, adopted.device
+        elif host is not None and host.num_free:
+            pool, pairs = host, adopted.host
+        else:
+            break
+        block = pool.allocate()
+        pool.register(block, address)
+        pairs.append((index, block))
+    if host is not None:
+        host.take_evicted()  # the host tier is the last: what it evicts is gone
+    return adopted
+
+
+def adopted_filled(kv: KVCacheManager, adopted: AdoptedBlocks) -> None:
+    """The blocks `adopt_blocks` gave hold their K/V: free them, cached (a chain's tail
+    is evicted first)."""
+    kv.device_pool.free(block for _, block in reversed(adopted.device))
+    if adopted.host:
+        _host(kv).free(block for _, block in reversed(adopted.host))
+
+
+def _check(kv: KVCacheManager) -> None:
+    if not kv.moves_handoffs:
+        raise ValueError("prompt handoffs move the K/V of caches whose layers all hold the whole context")
+
+
+def _host(kv: KVCacheManager) -> BlockPool:
+    """The host tier, where host blocks were adopted (so there is one)."""
+    if kv.host_pool is None:
+        raise RuntimeError("no host tier")
+    return kv.host_pool

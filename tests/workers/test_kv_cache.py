@@ -3,6 +3,7 @@ copies it lists in a step's plan. Real pools, no scheduler, no tensors."""
 
 from __future__ import annotations
 
+from workers import kv_handoff
 from workers.api import SamplingParams
 from workers.block_pool import BlockPool
 from workers.kv_cache import KVCacheManager
@@ -228,22 +229,22 @@ def test_k_v_computed_elsewhere_take_empty_device_blocks_first_then_the_host_tie
     compute(kv, cached, 8)
     kv.free(cached)  # two cached device blocks, two empty ones
     r = request(17)
-    adopted = kv.adopt_blocks(r, 4 * BLOCK)
+    adopted = kv_handoff.adopt_blocks(kv, r, 4 * BLOCK)
     assert [index for index, _ in adopted.device] == [0, 1] and [index for index, _ in adopted.host] == [2, 3]
     assert kv.device_pool.num_cached == 4 and kv.device_pool.take_evicted() == []
-    kv.adopted_filled(adopted)
+    kv_handoff.adopted_filled(kv, adopted)
     assert kv.device_pool.num_free == 4 and kv.host_pool.num_free == 4  # cached, not held
     prefix = kv.find_prefix(r)
     assert [isinstance(entry, int) for entry in prefix.blocks[0]] == [True, True, False, False]
-    assert kv.adopt_blocks(r, 4 * BLOCK) == ([], [])  # already cached: nothing to place
+    assert kv_handoff.adopt_blocks(kv, r, 4 * BLOCK) == ([], [])  # already cached: nothing to place
 
 
 def test_without_room_fewer_blocks_are_adopted_and_the_rest_is_computed():
     kv = manager(num_blocks=2)
     r = request(17)
-    adopted = kv.adopt_blocks(r, 4 * BLOCK)
+    adopted = kv_handoff.adopt_blocks(kv, r, 4 * BLOCK)
     assert [index for index, _ in adopted.device] == [0, 1] and adopted.host == []
-    kv.adopted_filled(adopted)
+    kv_handoff.adopted_filled(kv, adopted)
     assert kv.find_prefix(r).num_tokens == 2 * BLOCK
 
 
@@ -258,15 +259,15 @@ def test_a_handed_off_prompt_moves_with_its_tail_and_the_decode_side_computes_on
     prefill.register_prompt_tail(r)
     tail_block = r.block_tables[0][2]
     prefill.free(r)
-    blocks, num_tokens = prefill.cached_prompt_blocks(r)
+    blocks, num_tokens = kv_handoff.cached_prompt_blocks(prefill, r)
     assert num_tokens == 10 and len(blocks) == 3 and blocks[2] == tail_block
 
     decode = manager()
     resumed = request(10)
     resumed.output_token_ids.append(7)  # the first token, published by the prefill worker
-    adopted = decode.adopt_blocks(resumed, 10)
+    adopted = kv_handoff.adopt_blocks(decode, resumed, 10)
     assert len(adopted.device) == 3
-    decode.adopted_filled(adopted)
+    kv_handoff.adopted_filled(decode, adopted)
     decode.start_step()
     prefix = decode.find_prefix(resumed)
     assert prefix.num_tokens == 10 and len(prefix.blocks[0]) == 3
@@ -282,7 +283,7 @@ def test_a_handed_off_prompt_moves_with_its_tail_and_the_decode_side_computes_on
 def test_a_tail_is_found_only_for_exactly_its_tokens():
     kv = manager()
     r = request(10)
-    kv.adopted_filled(kv.adopt_blocks(r, 10))
+    kv_handoff.adopted_filled(kv, kv_handoff.adopt_blocks(kv, r, 10))
     longer = request(11)  # its last token is the 11th: it would need a tail of 3 tokens
     longer.output_token_ids.append(7)
     assert kv.find_prefix(longer).num_tokens == 2 * BLOCK
