@@ -27,24 +27,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from gpu.lora import LoRAAdapter, LoRASlots
+from gpu.lora import LoRASlots
 from workers import kv_handoff
 from workers.adapters import adapter_folders, cache_root
-from workers.api import ErrorCode, Event, FinalEvent, FinishReason, GenerationRequest, InvalidRequest, TopLogprob
+from workers.api import ErrorCode, Event, FinishReason, GenerationRequest, InvalidRequest, TopLogprob
 from workers.block_pool import BlockPool
 from workers.config import EngineConfig
+from workers.engine_commands import AddAdapter, AddRequest, CancelRequest, Command, FailRequest
 from workers.length_predictor import policy_predictor
 from workers.logprobs import log_probs, token_logprobs
 from workers.model_loader import LoadedModel, load_model
 from workers.model_runner import ModelRunner, StepOutput
-from workers.outputs import OutputProcessor, RequestState, final_event
+from workers.outputs import OutputProcessor, final_event
 from workers.plan import ScheduledChunk, StepPlan
 from workers.request import Request, RequestStatus
 from workers.sampler import Sampler
@@ -61,43 +61,11 @@ if TYPE_CHECKING:
 _log = logging.getLogger("inflight.engine")
 
 
-# The commands `add_request` and `cancel` post for the stepping thread.
-@dataclass(frozen=True)
-class AddRequest:
-    state: RequestState
-    prompt_kv: torch.Tensor | None = None  # read from a prefill worker (disaggregated serving)
-
-
 def effective_context(model_context: int, configured: int) -> int:
     """The longest request served: the model's own context, or `configured` below it."""
     if configured > model_context:
         raise ValueError(f"max_context {configured} exceeds the model's context of {model_context} tokens")
     return configured or model_context
-
-
-@dataclass(frozen=True)
-class CancelRequest:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class FailRequest:
-    """A request that ends at `add_request` (refused, or resumed with nothing left to
-    make): its only event is this one."""
-
-    event: FinalEvent
-
-
-@dataclass(frozen=True)
-class AddAdapter:
-    """A LoRA adapter read and checked (`Engine.load_adapter`), for the slots to hold."""
-
-    name: str
-    folder: Path
-    adapter: LoRAAdapter
-
-
-Command = AddRequest | CancelRequest | FailRequest | AddAdapter
 
 
 class Engine:
