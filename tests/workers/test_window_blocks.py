@@ -53,6 +53,15 @@ def compute(kv: KVCacheManager, r: Request, num_tokens: int) -> None:
     r.num_computed += num_tokens
 
 
+def computed_in_blocks(kv: KVCacheManager, num_tokens: int) -> Request:
+    """A request admitted and computed a block a step, its windows giving blocks back as it goes."""
+    r = request(num_tokens, rid="first")
+    admit(kv, r)
+    for _ in range(num_tokens // BLOCK):
+        compute(kv, r, BLOCK)
+    return r
+
+
 def window_blocks(r: Request) -> list[int]:
     return [block for block in r.block_tables[1] if block != NULL_BLOCK]
 
@@ -111,10 +120,7 @@ def test_room_counts_the_blocks_a_window_will_give_back():
 
 def test_a_prefix_hit_takes_the_full_chain_and_only_the_windows_blocks():
     kv = manager()
-    first = request(40, rid="first")
-    admit(kv, first)
-    for _ in range(10):
-        compute(kv, first, BLOCK)
+    first = computed_in_blocks(kv, 40)
     full, sliding = list(first.block_tables[0]), list(first.block_tables[1])
     assert NULL_BLOCK in sliding  # its window gave blocks back (they stay cached, not needed again)
     kv.free(first)
@@ -130,10 +136,7 @@ def test_a_prefix_hit_takes_the_full_chain_and_only_the_windows_blocks():
 
 def test_a_prefix_hit_stops_where_the_window_misses_a_block():
     kv = manager()
-    first = request(40, rid="first")
-    admit(kv, first)
-    for _ in range(10):
-        compute(kv, first, BLOCK)
+    first = computed_in_blocks(kv, 40)
     kv.device_pool.unregister(first.block_tables[1][9])  # its sliding layers' last block is lost
     kv.free(first)
     prefix = kv.find_prefix(request(44, rid="again"))
